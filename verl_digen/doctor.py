@@ -1,0 +1,73 @@
+"""``python -m verl_digen.doctor``: is the plugin loaded, which versions, which devices.
+
+veRL loads plugins at the end of ``import verl`` and logs failures at debug level only, so
+a broken install is silent. This command imports veRL *first* and then checks whether our
+entry point ran, and says what to do when it did not.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import sys
+
+
+def report() -> tuple[bool, list[str]]:
+    lines: list[str] = []
+    ok = True
+    import verl  # noqa: F401  (runs the verl.plugins entry points)
+
+    loaded = "verl_digen.plugin" in sys.modules and getattr(sys.modules["verl_digen.plugin"], "LOADED", False)
+    eps = [ep for ep in md.entry_points(group="verl.plugins") if ep.value.startswith("verl_digen")]
+    policy = os.getenv("VERL_USE_EXTERNAL_PLUGINS", "auto")
+    if loaded:
+        lines.append("plugin: loaded by veRL (entry point verl.plugins:digen)")
+    else:
+        ok = False
+        why = "no 'verl.plugins' entry point for verl_digen is installed (pip install -e . ?)" if not eps else (
+            f"VERL_USE_EXTERNAL_PLUGINS={policy!r} excludes it" if policy.lower() not in ("auto",) and "digen" not in policy
+            else "its import failed; run: python -c 'import verl_digen.plugin' to see the error"
+        )
+        lines.append(f"plugin: NOT loaded by veRL: {why}")
+
+    import ray
+    import torch
+
+    import verl_digen
+
+    def version(name: str) -> str:
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return "not installed"
+
+    lines.append(f"verl-digen {verl_digen.__version__}")
+    pinned = verl_digen.VERL_VERSION_PINNED
+    verl_v = version("verl")
+    lines.append(f"verl {verl_v} (pinned {pinned})" + ("" if verl_v == pinned else "  <-- MISMATCH"))
+    ok &= verl_v == pinned
+    for pkg in ("torch", "ray", "diffusers", "transformers", "peft", "hydra-core"):
+        lines.append(f"{pkg} {version(pkg)}")
+
+    from verl.plugin.platform import PlatformRegistry
+    from verl.utils.device import get_device_name
+
+    lines.append(f"veRL platforms registered: {', '.join(PlatformRegistry.registered_names())}")
+    lines.append(f"veRL device: {get_device_name()}")
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            lines.append(f"  cuda:{i} {torch.cuda.get_device_name(i)}")
+    lines.append(f"CPU cores: {os.cpu_count()}  (ray {ray.__version__})")
+    return ok, lines
+
+
+def main() -> int:
+    ok, lines = report()
+    for line in lines:
+        print(line)
+    print("doctor: OK" if ok else "doctor: PROBLEMS FOUND")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Device platforms verl-digen adds to veRL's platform registry."""
