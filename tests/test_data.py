@@ -1,0 +1,170 @@
+"""Tests for verl_digen.data: prompt files, built-in prompts and the resumable sampler."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from verl_digen.data import PromptSampler, builtin_prompt_sets, builtin_prompts, load_prompts
+
+PROMPTS = ["a red apple on a table", "a cat on a sofa", "a lighthouse at dusk"]
+
+
+# --------------------------------------------------------------------------- load_prompts
+
+
+def test_load_txt_skips_blank_lines_and_strips(tmp_path: Path) -> None:
+    path = tmp_path / "prompts.txt"
+    path.write_text("  a red apple on a table \n\n a cat on a sofa\n   \na lighthouse at dusk")
+    assert load_prompts(path) == PROMPTS
+    assert load_prompts(str(path)) == PROMPTS
+
+
+def test_load_jsonl(tmp_path: Path) -> None:
+    path = tmp_path / "prompts.jsonl"
+    lines = [json.dumps({"prompt": p, "id": i}) for i, p in enumerate(PROMPTS)]
+    path.write_text("\n".join(lines[:2]) + "\n\n" + lines[2] + "\n")
+    assert load_prompts(path) == PROMPTS
+
+
+def test_load_jsonl_missing_prompt_key_names_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "ok"}\n\n{"text": "no prompt key"}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl'?, line 3: missing key 'prompt'"):
+        load_prompts(path)
+
+
+def test_load_jsonl_invalid_json_names_line(tmp_path: Path) -> None:
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"prompt": "ok"}\n{"prompt": \n')
+    with pytest.raises(ValueError, match=r"line 2: invalid JSON"):
+        load_prompts(path)
+
+
+def test_load_parquet(tmp_path: Path) -> None:
+    path = tmp_path / "prompts.parquet"
+    pd.DataFrame({"prompt": PROMPTS, "score": [1, 2, 3]}).to_parquet(path)
+    assert load_prompts(path) == PROMPTS
+
+
+def test_load_parquet_without_prompt_column(tmp_path: Path) -> None:
+    path = tmp_path / "other.parquet"
+    pd.DataFrame({"caption": PROMPTS}).to_parquet(path)
+    with pytest.raises(ValueError, match=r"no 'prompt' column.*caption"):
+        load_prompts(path)
+
+
+@pytest.mark.parametrize("name", ["empty.txt", "empty.jsonl", "blank.txt"])
+def test_empty_file_has_no_prompts(tmp_path: Path, name: str) -> None:
+    path = tmp_path / name
+    path.write_text("\n   \n" if name == "blank.txt" else "")
+    with pytest.raises(ValueError, match=rf"prompt file '.*{name}' contains no prompts"):
+        load_prompts(path)
+
+
+def test_empty_parquet_has_no_prompts(tmp_path: Path) -> None:
+    path = tmp_path / "empty.parquet"
+    pd.DataFrame({"prompt": pd.Series([], dtype=str)}).to_parquet(path)
+    with pytest.raises(ValueError, match="contains no prompts"):
+        load_prompts(path)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"nope\.txt' does not exist"):
+        load_prompts(tmp_path / "nope.txt")
+
+
+def test_unknown_extension(tmp_path: Path) -> None:
+    path = tmp_path / "prompts.csv"
+    path.write_text("prompt\nx\n")
+    with pytest.raises(ValueError, match=r"prompts\.csv'.*unsupported extension '\.csv'.*\.txt, \.jsonl, \.parquet"):
+        load_prompts(path)
+
+
+# --------------------------------------------------------------------------- built-in prompts
+
+
+def test_builtin_prompts() -> None:
+    prompts = builtin_prompts()
+    assert prompts == builtin_prompts("demo")
+    assert 16 <= len(prompts) <= 64
+    assert len(set(prompts)) == len(prompts)
+    assert all(p and p == p.strip() for p in prompts)
+    assert builtin_prompt_sets() == ["demo"]
+    with pytest.raises(ValueError, match=r"unknown built-in prompt set 'nope'; available: demo"):
+        builtin_prompts("nope")
+
+
+# --------------------------------------------------------------------------- PromptSampler
+
+
+def test_sampler_epochs_are_permutations_and_deterministic() -> None:
+    prompts = [f"prompt {i}" for i in range(10)]
+    a = PromptSampler(prompts, seed=7)
+    b = PromptSampler(prompts, seed=7)
+
+    first = a.next(10)
+    second = a.next(10)
+    assert first == b.next(10) and second == b.next(10)
+    for epoch in (first, second):
+        assert sorted(i for i, _ in epoch) == list(range(10))
+        assert all(prompts[i] == p for i, p in epoch)
+    assert first != second  # reshuffled each epoch
+    assert a.epoch == 2 and a.position == 0
+    assert PromptSampler(prompts, seed=8).next(10) != first
+
+
+def test_sampler_crosses_epoch_boundaries_cleanly() -> None:
+    prompts = [f"p{i}" for i in range(7)]
+    reference = PromptSampler(prompts, seed=3)
+    stream = reference.next(7) + reference.next(7) + reference.next(7)
+
+    sampler = PromptSampler(prompts, seed=3)
+    chunks = [sampler.next(n) for n in (3, 5, 0, 4, 9)]  # 21 in total, crossing epochs mid-batch
+    assert [pair for chunk in chunks for pair in chunk] == stream
+    assert sampler.epoch == 3 and sampler.position == 0
+
+    big = PromptSampler(prompts, seed=3).next(21)  # one call spanning three epochs
+    assert big == stream
+
+
+def test_sampler_without_shuffle_is_file_order() -> None:
+    sampler = PromptSampler(PROMPTS, seed=0, shuffle=False)
+    assert sampler.next(5) == [(0, PROMPTS[0]), (1, PROMPTS[1]), (2, PROMPTS[2]), (0, PROMPTS[0]), (1, PROMPTS[1])]
+
+
+def test_sampler_resume_continues_exactly() -> None:
+    prompts = [f"p{i}" for i in range(11)]
+    original = PromptSampler(prompts, seed=42)
+    original.next(4)
+    original.next(9)  # now in epoch 1, position 2
+    state = json.loads(json.dumps(original.state_dict()))  # survives a JSON checkpoint
+    assert (state["epoch"], state["position"]) == (1, 2)
+
+    resumed = PromptSampler(prompts, seed=42)
+    resumed.load_state_dict(state)
+
+    assert [resumed.next(n) for n in (5, 13, 3)] == [original.next(n) for n in (5, 13, 3)]
+    assert resumed.state_dict() == original.state_dict()
+
+
+def test_sampler_rejects_mismatched_state() -> None:
+    state = PromptSampler(PROMPTS, seed=1).state_dict()
+    with pytest.raises(ValueError, match="seed=1 but this sampler has seed=2"):
+        PromptSampler(PROMPTS, seed=2).load_state_dict(state)
+    with pytest.raises(ValueError, match="num_prompts=3 but this sampler has num_prompts=2"):
+        PromptSampler(PROMPTS[:2], seed=1).load_state_dict(state)
+    with pytest.raises(ValueError, match="position"):
+        PromptSampler(PROMPTS, seed=1).load_state_dict({**state, "position": 3})
+
+
+def test_sampler_argument_errors() -> None:
+    with pytest.raises(ValueError, match="at least one prompt"):
+        PromptSampler([], seed=0)
+    with pytest.raises(ValueError, match="seed"):
+        PromptSampler(PROMPTS, seed=-1)
+    with pytest.raises(ValueError, match="non-negative"):
+        PromptSampler(PROMPTS, seed=0).next(-1)

@@ -1,0 +1,11 @@
+"""Prompt data: file loading, the built-in prompt set and a resumable sampler."""
+
+from verl_digen.data.prompts import (
+    SUPPORTED_EXTENSIONS,
+    PromptSampler,
+    builtin_prompt_sets,
+    builtin_prompts,
+    load_prompts,
+)
+
+__all__ = ["SUPPORTED_EXTENSIONS", "PromptSampler", "builtin_prompt_sets", "builtin_prompts", "load_prompts"]

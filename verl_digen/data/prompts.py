@@ -1,0 +1,213 @@
+"""Prompt datasets: loading prompt files and sampling prompts deterministically.
+
+* :func:`load_prompts` reads ``.txt`` (one prompt per non-empty line), ``.jsonl`` (objects
+  with a ``"prompt"`` string) and ``.parquet`` (a ``"prompt"`` column) files.
+* :func:`builtin_prompts` returns a small prompt set shipped with the package.
+* :class:`PromptSampler` hands out ``(index, prompt)`` pairs in a deterministic,
+  epoch-shuffled order and can be checkpointed and resumed exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["load_prompts", "builtin_prompts", "builtin_prompt_sets", "PromptSampler", "SUPPORTED_EXTENSIONS"]
+
+SUPPORTED_EXTENSIONS = (".txt", ".jsonl", ".parquet")
+
+# Built-in prompt set name -> package data file in verl_digen/data/.
+_BUILTIN_SETS = {"demo": "builtin_prompts.txt"}
+
+
+def load_prompts(path: str | os.PathLike[str]) -> list[str]:
+    """Load the prompts of a ``.txt``, ``.jsonl`` or ``.parquet`` file.
+
+    ``.txt``: one prompt per line; surrounding whitespace is stripped and blank lines are
+    skipped. ``.jsonl``: one JSON object per non-blank line with a non-empty string under
+    ``"prompt"`` (other keys are ignored). ``.parquet``: a ``"prompt"`` column of
+    non-empty strings.
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        ValueError: unsupported extension, a malformed record (with its line or row
+            number), or a file with no prompts.
+    """
+    file = Path(path)
+    suffix = file.suffix.lower()
+    if suffix not in SUPPORTED_EXTENSIONS:
+        raise ValueError(
+            f"prompt file {str(path)!r} has unsupported extension {suffix or '(none)'!r}; "
+            f"supported: {', '.join(SUPPORTED_EXTENSIONS)}"
+        )
+    if not file.exists():
+        raise FileNotFoundError(f"prompt file {str(path)!r} does not exist")
+    if not file.is_file():
+        raise ValueError(f"prompt file {str(path)!r} is not a regular file")
+
+    if suffix == ".txt":
+        prompts = _read_txt(file)
+    elif suffix == ".jsonl":
+        prompts = _read_jsonl(file)
+    else:
+        prompts = _read_parquet(file)
+    if not prompts:
+        raise ValueError(f"prompt file {str(path)!r} contains no prompts")
+    return prompts
+
+
+def _read_txt(file: Path) -> list[str]:
+    lines = file.read_text(encoding="utf-8").splitlines()
+    return [line.strip() for line in lines if line.strip()]
+
+
+def _read_jsonl(file: Path) -> list[str]:
+    prompts = []
+    with file.open(encoding="utf-8") as handle:
+        for line_no, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"prompt file {str(file)!r}, line {line_no}"
+            try:
+                record: Any = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}: invalid JSON ({exc.msg})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+            if "prompt" not in record:
+                raise ValueError(f"{where}: missing key 'prompt' (keys: {sorted(record)})")
+            prompts.append(_check_prompt(record["prompt"], where))
+    return prompts
+
+
+def _read_parquet(file: Path) -> list[str]:
+    import pyarrow.parquet as pq
+
+    columns = pq.read_schema(file).names
+    if "prompt" not in columns:
+        raise ValueError(f"prompt file {str(file)!r} has no 'prompt' column (columns: {columns})")
+    values = pq.read_table(file, columns=["prompt"]).column("prompt").to_pylist()
+    return [_check_prompt(value, f"prompt file {str(file)!r}, row {row}") for row, value in enumerate(values)]
+
+
+def _check_prompt(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: 'prompt' must be a string, got {type(value).__name__}")
+    if not value.strip():
+        raise ValueError(f"{where}: 'prompt' is empty")
+    return value
+
+
+def builtin_prompt_sets() -> list[str]:
+    """Names accepted by :func:`builtin_prompts`."""
+    return sorted(_BUILTIN_SETS)
+
+
+def builtin_prompts(name: str = "demo") -> list[str]:
+    """A small prompt set shipped with the package (``"demo"``: 32 short, varied prompts)."""
+    if name not in _BUILTIN_SETS:
+        raise ValueError(f"unknown built-in prompt set {name!r}; available: {', '.join(builtin_prompt_sets())}")
+    text = resources.files("verl_digen.data").joinpath(_BUILTIN_SETS[name]).read_text(encoding="utf-8")
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+class PromptSampler:
+    """Deterministic, epoch-based prompt order that can be checkpointed and resumed.
+
+    Epoch ``e`` visits every prompt once, in a permutation drawn from ``(seed, e)`` (or in
+    file order with ``shuffle=False``). :meth:`next` continues across epoch boundaries,
+    so a batch may end one epoch and start the next. :meth:`state_dict` /
+    :meth:`load_state_dict` save and restore ``(epoch, position)``: a sampler restored
+    from a state continues exactly as the original would have.
+    """
+
+    def __init__(self, prompts: Sequence[str], *, seed: int, shuffle: bool = True) -> None:
+        if isinstance(prompts, str):
+            raise TypeError("PromptSampler expects a list of prompts, not a single string")
+        if len(prompts) == 0:
+            raise ValueError("PromptSampler needs at least one prompt")
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"PromptSampler seed must be a non-negative int, got {seed!r}")
+        self.prompts: tuple[str, ...] = tuple(prompts)
+        self.seed = int(seed)
+        self.shuffle = shuffle
+        self._epoch = 0
+        self._position = 0
+        self._order: np.ndarray = self.epoch_order(0)
+
+    @property
+    def epoch(self) -> int:
+        """Epoch of the next prompt to be handed out (0-based)."""
+        return self._epoch
+
+    @property
+    def position(self) -> int:
+        """How many prompts of the current epoch have been handed out."""
+        return self._position
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """Prompt indices in the order epoch ``epoch`` visits them."""
+        if not self.shuffle:
+            return np.arange(len(self.prompts))
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.prompts))
+
+    def next(self, n: int) -> list[tuple[int, str]]:
+        """The next ``n`` ``(prompt_index, prompt)`` pairs, crossing epochs as needed."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"PromptSampler.next: n must be a non-negative int, got {n!r}")
+        out: list[tuple[int, str]] = []
+        while len(out) < n:
+            take = min(n - len(out), len(self.prompts) - self._position)
+            for index in self._order[self._position : self._position + take]:
+                out.append((int(index), self.prompts[index]))
+            self._position += take
+            if self._position == len(self.prompts):
+                self._epoch += 1
+                self._position = 0
+                self._order = self.epoch_order(self._epoch)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume: position plus the settings it is only valid for."""
+        return {
+            "epoch": self._epoch,
+            "position": self._position,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_prompts": len(self.prompts),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; the seed, shuffle flag and prompt count must match."""
+        missing = {"epoch", "position"} - set(state)
+        if missing:
+            raise ValueError(f"PromptSampler state is missing {sorted(missing)}")
+        for key, mine in (("seed", self.seed), ("shuffle", self.shuffle), ("num_prompts", len(self.prompts))):
+            if key in state and state[key] != mine:
+                raise ValueError(
+                    f"PromptSampler state has {key}={state[key]!r} but this sampler has {key}={mine!r}; "
+                    "resuming would not reproduce the saved order"
+                )
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position < len(self.prompts):
+            raise ValueError(
+                f"PromptSampler state has epoch={epoch}, position={position}; "
+                f"need epoch >= 0 and 0 <= position < {len(self.prompts)}"
+            )
+        self._epoch, self._position = epoch, position
+        self._order = self.epoch_order(epoch)
+
+    def __repr__(self) -> str:
+        return (
+            f"PromptSampler({len(self.prompts)} prompts, seed={self.seed}, shuffle={self.shuffle}, "
+            f"epoch={self._epoch}, position={self._position})"
+        )

@@ -1,0 +1,55 @@
+"""Reward functions for diffusion RL: ``reward(images [B,3,H,W] | videos [B,3,F,H,W], prompts) -> [B]``.
+
+Importing this package registers the built-in rewards:
+
+* ``jpeg_compressibility`` / ``jpeg_incompressibility`` (DDPO),
+* ``brightness`` / ``colorfulness`` (weight-free image statistics),
+* ``clip_score`` (local ``transformers`` CLIP checkpoint; transformers is imported lazily),
+* ``http`` (remote reward server),
+* ``weighted`` (weighted sum of other rewards).
+
+Build one with :func:`build_reward` or :func:`build_reward_from_config`.
+"""
+
+from verl_digen.rewards.base import (
+    RewardFn,
+    UnknownRewardError,
+    build_reward,
+    build_reward_from_config,
+    register_reward,
+    registered_rewards,
+    reward_class,
+)
+from verl_digen.rewards.clip_score import ClipScoreReward, build_tiny_clip
+from verl_digen.rewards.http_client import (
+    HttpReward,
+    RewardServerError,
+    decode_images_png_b64,
+    encode_images_png_b64,
+)
+from verl_digen.rewards.image_stats import BrightnessReward, ColorfulnessReward, colorfulness
+from verl_digen.rewards.jpeg import JpegCompressibilityReward, JpegIncompressibilityReward, jpeg_size_kb
+from verl_digen.rewards.weighted import WeightedReward
+
+__all__ = [
+    "RewardFn",
+    "UnknownRewardError",
+    "build_reward",
+    "build_reward_from_config",
+    "register_reward",
+    "registered_rewards",
+    "reward_class",
+    "BrightnessReward",
+    "ColorfulnessReward",
+    "colorfulness",
+    "JpegCompressibilityReward",
+    "JpegIncompressibilityReward",
+    "jpeg_size_kb",
+    "ClipScoreReward",
+    "build_tiny_clip",
+    "HttpReward",
+    "RewardServerError",
+    "encode_images_png_b64",
+    "decode_images_png_b64",
+    "WeightedReward",
+]

@@ -1,0 +1,233 @@
+"""The reward interface and the reward registry.
+
+A reward maps a batch of generated images (or videos) and their prompts to one scalar per
+sample::
+
+    reward(images, prompts) -> Tensor[B] (float32)
+
+``images`` are float tensors with values in ``[0, 1]``:
+
+* images: ``[B, 3, H, W]``
+* videos: ``[B, 3, F, H, W]``
+
+Concrete rewards subclass :class:`RewardFn` and implement :meth:`RewardFn.score_images`,
+which only ever sees ``[N, 3, H, W]`` images. :meth:`RewardFn.__call__` validates the
+input and, for video, scores every frame separately and averages over frames, so every
+image reward works on video unchanged. A reward that understands video natively sets
+``supports_video = True`` and receives the 5-D tensor as is.
+
+Rewards are registered by name with :func:`register_reward` and built from code
+(:func:`build_reward`) or from a config (:func:`build_reward_from_config`)::
+
+    {"name": "jpeg_compressibility", "kwargs": {"quality": 95}}
+
+    {"name": "weighted", "components": [
+        {"name": "clip_score", "weight": 1.0, "kwargs": {"model_path": "/ckpt/clip"}},
+        {"name": "colorfulness", "weight": 0.1},
+    ]}
+
+    [  # a bare list is a weighted sum
+        {"name": "brightness", "weight": 0.5},
+        {"name": "jpeg_incompressibility", "weight": 0.01},
+    ]
+"""
+
+from __future__ import annotations
+
+import abc
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar, TypeVar
+
+import torch
+
+__all__ = [
+    "RewardFn",
+    "UnknownRewardError",
+    "register_reward",
+    "build_reward",
+    "build_reward_from_config",
+    "registered_rewards",
+    "reward_class",
+]
+
+
+class UnknownRewardError(ValueError):
+    """A reward name that is not in the registry."""
+
+
+class RewardFn(abc.ABC):
+    """Scores generated images (or videos) against their prompts; one float32 per sample."""
+
+    #: Registry name, set by :func:`register_reward` (``"<unregistered>"`` otherwise).
+    name: ClassVar[str] = "<unregistered>"
+    #: True when :meth:`score_images` accepts ``[B, 3, F, H, W]`` video directly. When
+    #: False (the default), video is scored frame by frame and averaged over frames.
+    supports_video: ClassVar[bool] = False
+
+    @abc.abstractmethod
+    def score_images(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        """Score ``[N, 3, H, W]`` images in ``[0, 1]`` (``N == len(prompts)``); returns ``[N]``."""
+
+    def __call__(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
+        """Score a batch of images ``[B, 3, H, W]`` or videos ``[B, 3, F, H, W]``.
+
+        Returns a float32 tensor ``[B]`` on the device of ``images``.
+        """
+        prompts = _check_inputs(self.name, images, prompts)
+        batch = images.shape[0]
+        if images.dim() == 5 and not self.supports_video:
+            _, channels, frames, height, width = images.shape
+            # [B, 3, F, H, W] -> [B, F, 3, H, W] -> [B*F, 3, H, W]; prompt repeated per frame.
+            flat = images.permute(0, 2, 1, 3, 4).reshape(batch * frames, channels, height, width)
+            frame_prompts = [p for p in prompts for _ in range(frames)]
+            per_frame = self._checked_scores(self.score_images(flat, frame_prompts), batch * frames)
+            scores = per_frame.view(batch, frames).mean(dim=1)
+        else:
+            scores = self._checked_scores(self.score_images(images, prompts), batch)
+        return scores.to(device=images.device, dtype=torch.float32)
+
+    def _checked_scores(self, scores: torch.Tensor, expected: int) -> torch.Tensor:
+        if not isinstance(scores, torch.Tensor) or scores.shape != (expected,):
+            got = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
+            raise RuntimeError(f"reward {self.name!r} returned {got}, expected a tensor of shape ({expected},)")
+        return scores.float()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+def _check_inputs(name: str, images: torch.Tensor, prompts: Sequence[str]) -> list[str]:
+    if not isinstance(images, torch.Tensor):
+        raise TypeError(f"reward {name!r}: images must be a torch.Tensor, got {type(images).__name__}")
+    if images.dim() not in (4, 5) or images.shape[1] != 3:
+        raise ValueError(
+            f"reward {name!r}: images must be [B, 3, H, W] or [B, 3, F, H, W], got shape {tuple(images.shape)}"
+        )
+    if not images.is_floating_point():
+        raise ValueError(f"reward {name!r}: images must be a float tensor in [0, 1], got dtype {images.dtype}")
+    if isinstance(prompts, str):
+        raise TypeError(f"reward {name!r}: prompts must be a list of strings, not a single string")
+    prompts = list(prompts)
+    if len(prompts) != images.shape[0]:
+        raise ValueError(f"reward {name!r}: got {images.shape[0]} images but {len(prompts)} prompts")
+    return prompts
+
+
+# --------------------------------------------------------------------------- registry
+
+_REGISTRY: dict[str, type[RewardFn]] = {}
+
+R = TypeVar("R", bound=type[RewardFn])
+
+
+def register_reward(name: str) -> Callable[[R], R]:
+    """Class decorator: register a :class:`RewardFn` subclass under ``name``."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"reward name must be a non-empty string, got {name!r}")
+
+    def decorator(cls: R) -> R:
+        if not (isinstance(cls, type) and issubclass(cls, RewardFn)):
+            raise TypeError(f"@register_reward({name!r}) must decorate a RewardFn subclass, got {cls!r}")
+        existing = _REGISTRY.get(name)
+        if existing is not None and existing.__qualname__ != cls.__qualname__:
+            raise ValueError(f"reward name {name!r} is already registered to {existing.__module__}.{existing.__qualname__}")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return decorator
+
+
+def registered_rewards() -> list[str]:
+    """Sorted names of every registered reward."""
+    _ensure_builtin_rewards()
+    return sorted(_REGISTRY)
+
+
+def reward_class(name: str) -> type[RewardFn]:
+    """The class registered under ``name``; :class:`UnknownRewardError` if there is none."""
+    _ensure_builtin_rewards()
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        known = ", ".join(sorted(_REGISTRY)) or "(none)"
+        raise UnknownRewardError(f"unknown reward {name!r}; registered rewards: {known}") from None
+
+
+def build_reward(name: str, **kwargs: Any) -> RewardFn:
+    """Instantiate the reward registered under ``name`` with ``kwargs``.
+
+    Raises :class:`UnknownRewardError` for an unknown name and :class:`ValueError` naming the
+    reward and the argument for an unexpected or missing keyword argument.
+    """
+    cls = reward_class(name)
+    _check_kwargs(name, cls, kwargs)
+    return cls(**kwargs)
+
+
+def _check_kwargs(name: str, cls: type[RewardFn], kwargs: Mapping[str, Any]) -> None:
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:]  # drop self
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    accepted = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = [k for k in kwargs if k not in accepted]
+    if unknown:
+        raise ValueError(
+            f"reward {name!r} got unexpected argument(s) {', '.join(map(repr, unknown))}; "
+            f"accepted arguments: {', '.join(accepted) or '(none)'}"
+        )
+    missing = [
+        p.name
+        for p in params
+        if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in kwargs
+    ]
+    if missing:
+        raise ValueError(f"reward {name!r} is missing required argument(s) {', '.join(map(repr, missing))}")
+
+
+def build_reward_from_config(cfg: Any) -> RewardFn:
+    """Build a reward from a config (plain dict/list/str or an OmegaConf node).
+
+    Accepted forms:
+
+    * ``"brightness"``: a reward name without arguments;
+    * ``{"name": ..., "kwargs": {...}}``: one reward (``kwargs`` optional);
+    * ``{"name": "weighted", "components": [...]}``: weighted sum of components, each
+      ``{"name": ..., "weight": 1.0, "kwargs": {...}, "label": optional}``;
+    * a list of components: same as ``{"name": "weighted", "components": [...]}``.
+    """
+    cfg = _to_container(cfg)
+    if isinstance(cfg, str):
+        return build_reward(cfg)
+    if isinstance(cfg, list):
+        return build_reward("weighted", components=cfg)
+    if not isinstance(cfg, Mapping):
+        raise ValueError(f"reward config must be a name, a mapping or a list of components, got {type(cfg).__name__}")
+    allowed = {"name", "kwargs", "components"}
+    extra = sorted(set(cfg) - allowed)
+    if extra:
+        raise ValueError(f"reward config has unknown key(s) {extra}; allowed keys: {sorted(allowed)}")
+    if "name" not in cfg:
+        raise ValueError(f"reward config needs a 'name' key, got keys {sorted(cfg)}")
+    name = cfg["name"]
+    kwargs = dict(cfg.get("kwargs") or {})
+    if "components" in cfg:
+        if "components" in kwargs:
+            raise ValueError(f"reward config for {name!r} gives 'components' both at top level and in 'kwargs'")
+        kwargs["components"] = cfg["components"]
+    return build_reward(name, **kwargs)
+
+
+def _to_container(cfg: Any) -> Any:
+    """OmegaConf nodes -> plain Python containers (omegaconf is imported only if needed)."""
+    if type(cfg).__module__.startswith("omegaconf"):
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_container(cfg, resolve=True)
+    return cfg
+
+
+def _ensure_builtin_rewards() -> None:
+    """Import the modules that register the built-in rewards (idempotent)."""
+    import verl_digen.rewards  # noqa: F401  (its __init__ imports every built-in reward)

@@ -1,0 +1,58 @@
+"""JPEG (in)compressibility rewards, as in DDPO (Black et al., 2023).
+
+Each image is quantised to 8 bits, encoded to JPEG in memory with PIL and measured in
+kilobytes (``bytes / 1000``). ``jpeg_compressibility`` is ``-size_kb`` (smaller files score
+higher), ``jpeg_incompressibility`` is ``+size_kb``.
+"""
+
+from __future__ import annotations
+
+import io
+
+import torch
+from PIL import Image
+
+from verl_digen.rewards.base import RewardFn, register_reward
+
+__all__ = ["JpegCompressibilityReward", "JpegIncompressibilityReward", "jpeg_size_kb", "to_uint8_hwc"]
+
+
+def to_uint8_hwc(images: torch.Tensor) -> torch.Tensor:
+    """``[N, 3, H, W]`` floats in ``[0, 1]`` -> ``[N, H, W, 3]`` uint8 on the CPU (rounded, clamped)."""
+    return (images.detach().float().clamp(0.0, 1.0) * 255.0).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
+
+
+def jpeg_size_kb(images: torch.Tensor, quality: int = 95) -> torch.Tensor:
+    """JPEG-encoded size in kB (``bytes / 1000``) of each ``[N, 3, H, W]`` image; float32 ``[N]``."""
+    sizes = []
+    for array in to_uint8_hwc(images).numpy():
+        buffer = io.BytesIO()
+        Image.fromarray(array).save(buffer, format="JPEG", quality=quality)
+        sizes.append(buffer.tell() / 1000.0)
+    return torch.tensor(sizes, dtype=torch.float32)
+
+
+class _JpegSizeReward(RewardFn):
+    sign: float = 1.0
+
+    def __init__(self, quality: int = 95) -> None:
+        if not isinstance(quality, int) or not 1 <= quality <= 100:
+            raise ValueError(f"reward {self.name!r}: quality must be an int in [1, 100], got {quality!r}")
+        self.quality = quality
+
+    def score_images(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        return self.sign * jpeg_size_kb(images, self.quality)
+
+
+@register_reward("jpeg_compressibility")
+class JpegCompressibilityReward(_JpegSizeReward):
+    """``-size_kb`` of the JPEG-encoded image (quality 95 by default)."""
+
+    sign = -1.0
+
+
+@register_reward("jpeg_incompressibility")
+class JpegIncompressibilityReward(_JpegSizeReward):
+    """``+size_kb`` of the JPEG-encoded image (quality 95 by default)."""
+
+    sign = 1.0
