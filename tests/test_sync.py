@@ -1,0 +1,475 @@
+"""Weight sync trainer -> rollout: packing, LoRA selection, the private gloo channel between
+two veRL worker pools, the ``digen_gloo`` checkpoint-engine backend, and (GPU only) NCCL."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from peft import LoraConfig, inject_adapter_in_model
+from torch import nn
+
+from verl_digen.sync import (
+    WeightChannel,
+    WeightSyncMixin,
+    find_free_port,
+    flatten_state,
+    iter_buckets,
+    load_trainable_state,
+    state_digest,
+    state_nbytes,
+    trainable_state,
+    unflatten_state,
+)
+
+RAY_TIMEOUT_S = 120
+DIM = 64
+
+
+class TinyDenoiser(nn.Module):
+    """Attention-like projections (LoRA targets) plus a bf16 layer and buffer: mixed dtypes."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.to_q = nn.Linear(dim, dim)
+        self.to_k = nn.Linear(dim, dim)
+        self.to_v = nn.Linear(dim, dim)
+        self.ff = nn.Linear(dim, 4 * dim)
+        self.to_out = nn.Linear(4 * dim, dim).to(torch.bfloat16)
+        self.register_buffer("time_scale", torch.linspace(0, 1, dim).to(torch.bfloat16))
+
+
+def make_lora_denoiser(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    model = TinyDenoiser()
+    # init_lora_weights=False: random lora_B too, so two seeds differ on every adapter tensor.
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k"], init_lora_weights=False)
+    return inject_adapter_in_model(config, model)
+
+
+def make_full_denoiser(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return TinyDenoiser()
+
+
+@torch.no_grad()
+def perturb(module: nn.Module, *, lora_only: bool, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for t in trainable_state(module, lora_only=lora_only).values():
+        t.add_(torch.randn(t.shape, generator=gen).to(device=t.device, dtype=t.dtype))
+
+
+def frozen_digest(module: nn.Module, *, lora_only: bool) -> str:
+    """Digest of what a sync must NOT touch (the base weights under LoRA)."""
+    synced = trainable_state(module, lora_only=lora_only)
+    return state_digest({k: v for k, v in module.state_dict().items() if k not in synced})
+
+
+# ----------------------------------------------------------------------------------------
+# (a) unit: state selection and packing
+# ----------------------------------------------------------------------------------------
+
+
+def test_flatten_unflatten_roundtrip_bitwise_mixed_dtypes() -> None:
+    torch.manual_seed(0)
+    state = {
+        "b.weight": torch.randn(7, 3).to(torch.bfloat16),
+        "a.weight": torch.randn(5, 4),
+        "a.bias": torch.randn(5),
+        "c.scalar": torch.tensor(2.5),
+        "d.ids": torch.arange(6, dtype=torch.int64).view(2, 3),
+        "e.empty": torch.empty(0, 4),
+        "f.strided": torch.randn(4, 6).t(),  # non-contiguous source
+    }
+    buffers, meta = flatten_state(state)
+    assert len(buffers) == 3  # one per dtype: fp32, bf16, int64
+    assert sorted(meta.buffer_dtypes) == ["bfloat16", "float32", "int64"]
+    assert {b.dtype for b in buffers} == {torch.float32, torch.bfloat16, torch.int64}
+    assert meta.nbytes == state_nbytes(state)
+
+    import pickle
+
+    meta = pickle.loads(pickle.dumps(meta))  # travels as plain data
+    out = unflatten_state(buffers, meta)
+    assert list(out) == sorted(state)
+    for name, t in state.items():
+        assert out[name].dtype == t.dtype and out[name].shape == t.shape
+        assert torch.equal(out[name], t)
+    assert state_digest(out) == state_digest(state)
+
+    with pytest.raises(ValueError, match="buffers"):
+        unflatten_state(buffers[:1], meta)
+
+
+def test_iter_buckets_bounds_payload() -> None:
+    state = {f"t{i}": torch.zeros(10) for i in range(5)}  # 40 bytes each
+    buckets = list(iter_buckets(state, bucket_bytes=100))
+    assert [list(b) for b in buckets] == [["t0", "t1"], ["t2", "t3"], ["t4"]]
+    assert [list(b) for b in iter_buckets({"big": torch.zeros(100)}, bucket_bytes=8)] == [["big"]]
+    assert list(iter_buckets({}, bucket_bytes=8)) == [{}]
+
+
+def test_lora_only_selects_adapter_tensors() -> None:
+    model = make_lora_denoiser(0)
+    lora = trainable_state(model, lora_only=True)
+    full = trainable_state(model, lora_only=False)
+    assert list(lora) == sorted(lora) and list(full) == sorted(full)
+    assert lora and all("lora_" in name for name in lora)
+    assert {n.split(".")[0] for n in lora} == {"to_q", "to_k"}
+    assert set(lora) < set(full)
+    assert "to_q.base_layer.weight" not in lora and "to_q.base_layer.weight" in full
+    assert state_nbytes(lora) * 10 < state_nbytes(full)
+    # Tensors alias the module (no copy): packing happens later, on the wire.
+    assert lora["to_q.lora_A.default.weight"].data_ptr() == model.to_q.lora_A["default"].weight.data_ptr()
+
+    with pytest.raises(ValueError, match="no tensor named"):
+        trainable_state(make_full_denoiser(0), lora_only=True)
+
+
+def test_load_trainable_state_copies_in_place_and_is_strict() -> None:
+    src, dst = make_lora_denoiser(1), make_lora_denoiser(2)
+    param_before = dst.to_q.lora_A["default"].weight
+    base_before = frozen_digest(dst, lora_only=True)
+    load_trainable_state(dst, trainable_state(src, lora_only=True), lora_only=True)
+    assert state_digest(trainable_state(dst, lora_only=True)) == state_digest(trainable_state(src, lora_only=True))
+    assert dst.to_q.lora_A["default"].weight is param_before  # same Parameter object
+    assert frozen_digest(dst, lora_only=True) == base_before  # base weights untouched
+
+    state = dict(trainable_state(src, lora_only=True))
+    missing_name = next(iter(state))
+    del state[missing_name]
+    state["to_q.lora_Z.default.weight"] = torch.zeros(1)
+    with pytest.raises(ValueError) as err:
+        load_trainable_state(dst, state, lora_only=True)
+    assert missing_name in str(err.value) and "to_q.lora_Z.default.weight" in str(err.value)
+
+    bad = dict(trainable_state(src, lora_only=True))
+    bad[missing_name] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        load_trainable_state(dst, bad, lora_only=True)
+
+    # Full mode accepts a different dtype (copy_ converts): fp32 trainer -> bf16 rollout.
+    full_src, full_dst = make_full_denoiser(3), make_full_denoiser(4).to(torch.bfloat16)
+    load_trainable_state(full_dst, trainable_state(full_src, lora_only=False), lora_only=False)
+    assert torch.equal(full_dst.to_q.weight, full_src.to_q.weight.to(torch.bfloat16))
+
+
+# ----------------------------------------------------------------------------------------
+# Channel in threads (no Ray): streaming in small buckets, versions, several syncs
+# ----------------------------------------------------------------------------------------
+
+
+def _run_ranks(world_size: int, fn: Callable[[int], Any], timeout_s: float = 60) -> list[Any]:
+    """Run ``fn(rank)`` for every rank in its own thread; each rank is an independent endpoint."""
+    results: list[Any] = [None] * world_size
+    errors: list[BaseException] = []
+
+    def body(rank: int) -> None:
+        try:
+            results[rank] = fn(rank)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    assert not any(t.is_alive() for t in threads), "rank threads hung"
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_channel_streams_buckets_and_versions_in_threads() -> None:
+    port = find_free_port()
+    src = make_lora_denoiser(7)
+    expected: list[str] = []
+
+    def endpoint(rank: int) -> list[tuple[str, int, int]]:
+        seen = []
+        # A 600-byte bucket splits the state into many messages: exercises the streaming path.
+        with WeightChannel("gloo", rank, 3, "127.0.0.1", port, timeout_s=30, bucket_bytes=600) as ch:
+            for version in (1, 2):
+                if rank == 0:
+                    state = trainable_state(src, lora_only=False)
+                    stats = ch.send(iter(state.items()), version)  # a stream works as well as a dict
+                    seen.append((state_digest(state), version, stats.nbytes))
+                else:
+                    state, got, stats = ch.recv()
+                    assert list(state) == sorted(state)
+                    seen.append((state_digest(state), got, stats.nbytes))
+        return seen
+
+    results = _run_ranks(3, endpoint)
+    expected = results[0]
+    assert [v for _, v, _ in expected] == [1, 2]
+    assert results[1] == expected and results[2] == expected
+    assert expected[0][2] == state_nbytes(trainable_state(src, lora_only=False))
+
+
+def test_channel_role_errors() -> None:
+    port = find_free_port()
+
+    def endpoint(rank: int) -> None:
+        ch = WeightChannel("gloo", rank, 2, "127.0.0.1", port, timeout_s=30)
+        try:
+            if rank == 0:
+                with pytest.raises(RuntimeError, match="sender"):
+                    ch.recv()
+                with pytest.raises(TypeError):
+                    ch.send({}, version=1.0)  # type: ignore[arg-type]
+            else:
+                with pytest.raises(RuntimeError, match="only rank 0"):
+                    ch.send({}, 1)
+        finally:
+            ch.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            ch._broadcast(torch.zeros(1))
+
+    _run_ranks(2, endpoint)
+    with pytest.raises(ValueError):
+        WeightChannel("gloo", 0, 1, "127.0.0.1", port)
+    with pytest.raises(ValueError):
+        WeightChannel("gloo", 0, 2, "127.0.0.1", port, device="cuda:0")
+
+
+# ----------------------------------------------------------------------------------------
+# (b) real Ray: trainer pool of 1 -> rollout pool of 2, each with its own default gloo group
+# ----------------------------------------------------------------------------------------
+
+try:
+    from verl.single_controller.base import Worker
+except ImportError:  # pragma: no cover - verl is a hard dependency of the package
+    Worker = object  # type: ignore[assignment,misc]
+
+
+class SyncTestWorker(WeightSyncMixin, Worker):
+    """Holds a LoRA denoiser and a plain one; ``use(mode)`` picks which one is synced."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        # Each pool's own default group, as real workers have: the channel must not disturb it.
+        dist.init_process_group(
+            "gloo",
+            init_method="env://",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(seconds=60),
+        )
+        # Different seeds per pool *and* per rank: any equality afterwards comes from the sync.
+        worker_seed = seed + 100 * self.rank
+        self.models = {"lora": make_lora_denoiser(worker_seed), "full": make_full_denoiser(worker_seed)}
+        self.use("lora")
+
+    def use(self, mode: str) -> None:
+        self.sync_module = self.models[mode]
+        self.sync_lora_only = mode == "lora"
+        self.policy_version = 0
+
+    def perturb(self, seed: int) -> None:
+        perturb(self.sync_module, lora_only=self.sync_lora_only, seed=seed)
+
+    def frozen_digest(self) -> str:
+        return frozen_digest(self.sync_module, lora_only=self.sync_lora_only)
+
+    def get_policy_version(self) -> int:
+        return self.policy_version
+
+    def default_group_allreduce(self) -> tuple[int, float]:
+        x = torch.tensor([float(self.rank + 1)])
+        dist.all_reduce(x)
+        return dist.get_world_size(), float(x.item())
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    # Workers unpickle the test classes by module name: let them import this file's folder.
+    here = os.path.dirname(os.path.abspath(__file__))
+    pythonpath = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
+    )
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def worker_groups(ray_cluster):
+    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+
+    ray = ray_cluster
+    remote_cls = ray.remote(SyncTestWorker)
+    trainer_pool = RayResourcePool([1], use_gpu=False, max_colocate_count=1, name_prefix="sync_trainer")
+    rollout_pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1, name_prefix="sync_rollout")
+    trainer_wg = RayWorkerGroup(trainer_pool, RayClassWithInitArgs(remote_cls, seed=1), device_name="cpu")
+    rollout_wg = RayWorkerGroup(rollout_pool, RayClassWithInitArgs(remote_cls, seed=2), device_name="cpu")
+    yield trainer_wg.workers[0], list(rollout_wg.workers)
+    for w in trainer_wg.workers + rollout_wg.workers:
+        ray.kill(w)
+
+
+def _get(refs):
+    import ray
+
+    return ray.get(refs, timeout=RAY_TIMEOUT_S)
+
+
+def _sync_round(trainer, rollouts, versions: tuple[int, ...], backend: str = "gloo") -> list[dict]:
+    """Open a channel, perturb + send each version while all receivers recv, close. Returns send stats."""
+    everyone = [trainer, *rollouts]
+    world_size = len(everyone)
+    addr, port = _get(trainer.sync_master_endpoint.remote())
+    _get(
+        [w.sync_open.remote(rank, world_size, addr, port, backend, 60.0) for rank, w in enumerate(everyone)]
+    )
+    sent = []
+    try:
+        for version in versions:
+            _get(trainer.perturb.remote(1000 + version))
+            send_ref = trainer.sync_send.remote(version)  # non-blocking: receivers join concurrently
+            recv_refs = [w.sync_recv.remote() for w in rollouts]
+            send_stats, *recv_stats = _get([send_ref, *recv_refs])
+            assert send_stats["version"] == version
+            assert all(s["version"] == version and s["nbytes"] == send_stats["nbytes"] for s in recv_stats)
+            digests = _get([w.sync_digest.remote() for w in everyone])
+            assert len(set(digests)) == 1, f"weights differ after sync of version {version}: {digests}"
+            assert _get([w.get_policy_version.remote() for w in everyone]) == [version] * world_size
+            sent.append(send_stats)
+    finally:
+        _get([w.sync_close.remote() for w in everyone])
+    return sent
+
+
+def test_ray_weight_sync_lora_and_full(worker_groups) -> None:
+    trainer, rollouts = worker_groups
+    everyone = [trainer, *rollouts]
+    nbytes: dict[str, int] = {}
+    for mode in ("lora", "full"):
+        _get([w.use.remote(mode) for w in everyone])
+        before = _get([w.sync_digest.remote() for w in everyone])
+        assert len(set(before)) == len(everyone), "workers must start from different weights"
+        frozen_before = _get([w.frozen_digest.remote() for w in rollouts])
+
+        versions = (1, 2) if mode == "lora" else (1,)  # LoRA also re-syncs on the open channel
+        stats = _sync_round(trainer, rollouts, versions)
+        nbytes[mode] = stats[0]["nbytes"]
+
+        # Under LoRA the rollout's base weights stay its own.
+        assert _get([w.frozen_digest.remote() for w in rollouts]) == frozen_before
+        # Each pool's default process group is intact and still scoped to its own pool.
+        assert _get(trainer.default_group_allreduce.remote()) == (1, 1.0)
+        assert _get([w.default_group_allreduce.remote() for w in rollouts]) == [(2, 3.0), (2, 3.0)]
+
+    assert nbytes["lora"] * 10 < nbytes["full"], nbytes
+
+
+# ----------------------------------------------------------------------------------------
+# veRL checkpoint-engine backend "digen_gloo" (threads, no Ray)
+# ----------------------------------------------------------------------------------------
+
+
+def test_digen_gloo_checkpoint_engine_protocol() -> None:
+    from verl.checkpoint_engine import CheckpointEngineRegistry
+
+    import verl_digen.sync.checkpoint_engine  # noqa: F401  (registers the backend)
+
+    cls = CheckpointEngineRegistry.get("digen_gloo")
+    # Two actor ranks (rank 1 must sit out but drain its generator) -> two rollout workers.
+    actors = [CheckpointEngineRegistry.new("digen_gloo", bucket_size=1 << 20, is_master=(i == 0)) for i in range(2)]
+    rollouts = [CheckpointEngineRegistry.new("digen_gloo", bucket_size=1 << 20) for _ in range(2)]
+    engines = actors + rollouts
+    src = make_lora_denoiser(11)
+    weights = trainable_state(src, lora_only=True)
+
+    for step in (5, 6):  # second step reuses the group built by the first
+        metadata = [e.prepare() for e in engines]
+        actor_kwargs, rollout_kwargs = cls.build_topology(len(actors), len(rollouts), metadata)
+        assert actor_kwargs["rank"] == [0, -1] and rollout_kwargs["rank"] == [1, 2]
+        per_engine = [{k: v[i] for k, v in actor_kwargs.items()} for i in range(len(actors))] + [
+            {k: v[i] for k, v in rollout_kwargs.items()} for i in range(len(rollouts))
+        ]
+        _run_ranks(len(engines), lambda i: engines[i].init_process_group(**per_engine[i]))
+
+        drained: list[str] = []
+
+        def stream():
+            for name, t in weights.items():
+                drained.append(name)
+                yield name, t
+
+        async def act(i: int) -> Any:
+            engine = engines[i]
+            if i < len(actors):
+                return await engine.send_weights(stream() if i == 1 else iter(weights.items()), global_steps=step)
+            return {name: t.clone() async for name, t in engine.receive_weights(global_steps=step)}
+
+        results = _run_ranks(len(engines), lambda i: asyncio.run(act(i)))
+        assert results[0]["weight_sync/version"] == step
+        assert results[0]["weight_sync/nbytes"] == state_nbytes(weights)
+        assert results[1] == {} and drained == list(weights)
+        for received in results[2:]:
+            assert state_digest(received) == state_digest(weights)
+        assert all(e.last_version == step for e in rollouts)
+        for e in engines:
+            e.finalize()
+
+    for e in engines:
+        e._close_channel()
+
+
+# ----------------------------------------------------------------------------------------
+# NCCL (GPU machines only; deselected by default through `-m 'not gpu'`)
+# ----------------------------------------------------------------------------------------
+
+
+def _nccl_endpoint(rank: int, world_size: int, port: int, queue) -> None:  # pragma: no cover - GPU only
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    model = make_lora_denoiser(seed=rank).to(device)
+    # bucket_bytes=4096 splits the LoRA state into several messages over NCCL.
+    channel = WeightChannel("nccl", rank, world_size, "127.0.0.1", port, device=device, timeout_s=60, bucket_bytes=4096)
+    with channel as ch:
+        if rank == 0:
+            perturb(model, lora_only=True, seed=123)
+            stats = ch.send(trainable_state(model, lora_only=True), version=3)
+            version = 3
+        else:
+            state, version, stats = ch.recv()
+            assert all(t.device == device for t in state.values())
+            load_trainable_state(model, state, lora_only=True)
+    queue.put((rank, version, stats.nbytes, state_digest(trainable_state(model, lora_only=True))))
+
+
+@pytest.mark.gpu
+def test_nccl_channel_between_two_gpus() -> None:  # pragma: no cover - GPU only
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("NCCL weight channel needs 2 CUDA devices (NCCL forbids two ranks on one GPU)")
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = find_free_port()
+    procs = [ctx.Process(target=_nccl_endpoint, args=(r, 2, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    results = sorted(queue.get() for _ in range(2))
+    assert results[0][1:] == results[1][1:]
+    assert results[0][1] == 3

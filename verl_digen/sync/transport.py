@@ -1,0 +1,417 @@
+"""Trainer -> rollout weight channel: a private broadcast group across two worker pools.
+
+Trainer and rollout run in separate Ray worker groups, each of which owns its *default*
+``torch.distributed`` process group. The weight channel therefore never calls
+``init_process_group``: every endpoint builds its own ``TCPStore`` + ``ProcessGroupGloo`` /
+``ProcessGroupNCCL`` object and calls collectives on it directly, so the pools' default groups
+(and their ranks, stores and ports) are left untouched.
+
+Rank 0 of the channel is the sender (one trainer worker); ranks 1..world_size-1 receive (the
+rollout workers). All endpoints must be opened concurrently, and every ``send`` must be matched
+by a concurrent ``recv`` on every receiver: these are collectives.
+
+Wire protocol, one sync = one or more messages, each:
+
+1. header length (int64[1]) and header (JSON, utf-8 bytes): protocol, version, ``is_last``,
+   and the :class:`~verl_digen.sync.state.FlatMetadata` of this message's buffers;
+2. each non-empty flat buffer of the message (one per dtype), broadcast as raw bytes.
+
+Messages are bounded by ``bucket_bytes`` so a full-model sync needs one bucket of staging
+memory on the sender rather than a packed copy of the model; a LoRA sync is a single message.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import socket
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from verl_digen.sync.state import (
+    FlatMetadata,
+    TensorSlot,
+    flatten_state,
+    iter_buckets,
+    load_trainable_state,
+    state_digest,
+    trainable_state,
+    unflatten_state,
+)
+
+Backend = Literal["gloo", "nccl"]
+
+_PROTOCOL = "digen-weight-sync/1"
+_STORE_PREFIX = "digen_weight_sync"
+DEFAULT_BUCKET_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    """What one sync moved, as seen by one endpoint."""
+
+    version: int
+    nbytes: int  # payload bytes (flat buffers), headers excluded
+    seconds: float  # wall time of the whole send/recv, packing and unpacking included
+    num_tensors: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def find_free_port(host: str = "") -> int:
+    """A TCP port that is free right now on this node (all interfaces by default).
+
+    Call it on the sender's node (the trainer worker) and pass the result to every endpoint.
+    The port is released before use, so another process could grab it in between; on the rare
+    collision the sender's ``TCPStore`` fails to bind and the controller should retry.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def node_ip_address() -> str:
+    """This node's IP as Ray sees it (what the other endpoints can reach), else a local guess."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address().strip("[]")
+    except Exception:  # Ray missing or not connected: fall through to the socket guess.
+        pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def _metadata_to_json(metadata: FlatMetadata) -> dict[str, Any]:
+    return {
+        "buffer_dtypes": list(metadata.buffer_dtypes),
+        "buffer_numels": list(metadata.buffer_numels),
+        "slots": [[s.name, list(s.shape), s.buffer, s.offset, s.numel] for s in metadata.slots],
+    }
+
+
+def _metadata_from_json(obj: dict[str, Any]) -> FlatMetadata:
+    return FlatMetadata(
+        buffer_dtypes=tuple(obj["buffer_dtypes"]),
+        buffer_numels=tuple(int(n) for n in obj["buffer_numels"]),
+        slots=tuple(
+            TensorSlot(name=n, shape=tuple(int(d) for d in shape), buffer=int(b), offset=int(o), numel=int(k))
+            for n, shape, b, o, k in obj["slots"]
+        ),
+    )
+
+
+class WeightChannel:
+    """One endpoint of the trainer -> rollout broadcast group, living in a worker process.
+
+    Args:
+        backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors).
+        rank: 0 for the sender, 1..world_size-1 for receivers.
+        world_size: 1 + number of receivers.
+        master_addr, master_port: the sender's node IP and a free port there (see
+            :func:`find_free_port`); rank 0 hosts the ``TCPStore`` on it.
+        device: where the flat buffers live: CPU for gloo, a CUDA device for NCCL. Weights
+            are copied to it while packing, whatever device they come from.
+        timeout_s: rendezvous and per-collective timeout.
+        bucket_bytes: upper bound on one message's payload (a larger single tensor goes alone).
+
+    The constructor blocks until all ``world_size`` endpoints have joined.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        device: torch.device | str | None = None,
+        timeout_s: float = 300.0,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        if world_size < 2:
+            raise ValueError(f"a weight channel needs a sender and at least one receiver, got world_size={world_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} out of range for world_size {world_size}")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        if device is None:
+            device = "cpu" if backend == "gloo" else f"cuda:{torch.cuda.current_device()}"
+        device = torch.device(device)
+        if backend == "gloo" and device.type != "cpu":
+            raise ValueError(f"gloo channel needs a CPU device, got {device}")
+        if backend == "nccl":
+            if device.type != "cuda":
+                raise ValueError(f"nccl channel needs a CUDA device, got {device}")
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+
+        self.backend: Backend = backend
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.bucket_bytes = bucket_bytes
+        self._timeout = timedelta(seconds=timeout_s)
+
+        # Rank 0 hosts the store; wait_for_workers=False because the process-group constructor
+        # below performs the real rendezvous (and would otherwise be a second blocking point).
+        self._store: dist.Store | None = dist.TCPStore(
+            master_addr,
+            master_port,
+            world_size,
+            is_master=(rank == 0),
+            timeout=self._timeout,
+            wait_for_workers=False,
+        )
+        prefixed = dist.PrefixStore(_STORE_PREFIX, self._store)
+        self._pg: Any = self._make_process_group(prefixed)
+
+    # -- construction ------------------------------------------------------------------
+
+    def _make_process_group(self, store: dist.Store) -> Any:
+        if self.backend == "gloo":
+            # Connects the full mesh now: blocks until every endpoint has constructed its own.
+            return dist.ProcessGroupGloo(store, self.rank, self.world_size, self._timeout)
+        nccl_cls = getattr(dist, "ProcessGroupNCCL", None)
+        if nccl_cls is None or not dist.is_nccl_available():
+            raise RuntimeError("this torch build has no NCCL support; use backend='gloo'")
+        options = nccl_cls.Options()
+        options._timeout = self._timeout
+        # Weight sync is bulk traffic: leave the high-priority streams to the training/rollout groups.
+        options.is_high_priority_stream = False
+        options.group_name = _STORE_PREFIX
+        options.global_ranks_in_group = list(range(self.world_size))
+        # The NCCL communicator itself is created lazily, on the first collective, for the
+        # device of that collective's tensor (always ``self.device``).
+        return nccl_cls(store, self.rank, self.world_size, options)
+
+    # -- collectives -------------------------------------------------------------------
+
+    def _require_open(self) -> Any:
+        if self._pg is None:
+            raise RuntimeError("weight channel is closed")
+        return self._pg
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        """Broadcast from rank 0 in place; raw bytes, so any dtype goes through either backend."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        opts.rootTensor = 0
+        opts.timeout = self._timeout
+        wire = tensor.view(torch.uint8) if tensor.dtype != torch.uint8 else tensor
+        # gloo: wait() blocks the host until done. NCCL: wait() makes the *current* CUDA stream
+        # wait for the NCCL stream, so later work on it (unpacking, copies) is ordered after.
+        self._require_open().broadcast([wire], opts).wait()
+
+    def _synchronize(self) -> None:
+        # NCCL collectives complete asynchronously on the device: before the host reads results
+        # or frees/reuses send buffers, drain the current stream (which waited on NCCL above).
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _send_header(self, header: dict[str, Any]) -> None:
+        payload = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
+        self._broadcast(torch.tensor([payload.numel()], dtype=torch.int64, device=self.device))
+        self._broadcast(payload.to(self.device))
+
+    def _recv_header(self) -> dict[str, Any]:
+        length = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._broadcast(length)
+        payload = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
+        self._broadcast(payload)
+        header = json.loads(bytes(payload.cpu().numpy()).decode())
+        if header.get("protocol") != _PROTOCOL:
+            raise RuntimeError(f"unexpected weight-sync header protocol {header.get('protocol')!r}")
+        return header
+
+    # -- public API ----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def send(
+        self, state: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> SyncStats:
+        """Broadcast ``state`` tagged with ``version`` to every receiver (rank 0 only).
+
+        ``state`` may be a dict or a stream of ``(name, tensor)`` pairs (e.g. a generator that
+        gathers sharded weights one at a time); it is sent bucket by bucket. The sender's
+        tensors must be ready on the current stream. If this raises halfway, receivers fail on
+        their timeout and the channel must be closed and reopened.
+        """
+        if self.rank != 0:
+            raise RuntimeError(f"only rank 0 sends; this endpoint is rank {self.rank}")
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise TypeError(f"version must be an int, got {type(version).__name__}")
+        start = time.perf_counter()
+        nbytes = num_tensors = 0
+        buckets = iter_buckets(state, self.bucket_bytes)
+        current = next(buckets)
+        # One bucket of look-ahead tells us which message is the last one.
+        for following in itertools.chain(buckets, [None]):
+            buffers, metadata = flatten_state(current, device=self.device)
+            self._send_header(
+                {
+                    "protocol": _PROTOCOL,
+                    "version": version,
+                    "is_last": following is None,
+                    "layout": _metadata_to_json(metadata),
+                }
+            )
+            for buf in buffers:
+                if buf.numel():
+                    self._broadcast(buf)
+            # Buffers are dropped on the next iteration: make sure NCCL has finished reading them.
+            self._synchronize()
+            nbytes += metadata.nbytes
+            num_tensors += len(metadata.slots)
+            current = following  # type: ignore[assignment]
+        return SyncStats(version=version, nbytes=nbytes, seconds=time.perf_counter() - start, num_tensors=num_tensors)
+
+    @torch.no_grad()
+    def recv(self) -> tuple[dict[str, torch.Tensor], int, SyncStats]:
+        """Receive one sync (ranks > 0): ``(state sorted by name, version, stats)``.
+
+        The tensors are on the channel's device and view freshly allocated buffers, so the
+        caller owns them.
+        """
+        if self.rank == 0:
+            raise RuntimeError("rank 0 is the sender; it cannot recv")
+        start = time.perf_counter()
+        state: dict[str, torch.Tensor] = {}
+        version: int | None = None
+        nbytes = 0
+        while True:
+            header = self._recv_header()
+            if version is None:
+                version = int(header["version"])
+            elif header["version"] != version:
+                raise RuntimeError(f"weight sync mixed versions {version} and {header['version']} in one transfer")
+            metadata = _metadata_from_json(header["layout"])
+            buffers = metadata.empty_buffers(self.device)
+            for buf in buffers:
+                if buf.numel():
+                    self._broadcast(buf)
+            part = unflatten_state(buffers, metadata)
+            duplicated = state.keys() & part.keys()
+            if duplicated:
+                raise RuntimeError(f"weight sync sent tensors twice: {sorted(duplicated)}")
+            state.update(part)
+            nbytes += metadata.nbytes
+            if header["is_last"]:
+                break
+        self._synchronize()
+        assert version is not None
+        stats = SyncStats(version=version, nbytes=nbytes, seconds=time.perf_counter() - start, num_tensors=len(state))
+        return dict(sorted(state.items())), version, stats
+
+    @property
+    def closed(self) -> bool:
+        return self._pg is None
+
+    def close(self) -> None:
+        """Release the group. Idempotent. Close only once no collective is in flight."""
+        pg, self._pg = self._pg, None
+        if pg is not None and self.backend == "nccl":
+            # Frees the NCCL communicator now rather than at garbage collection.
+            try:
+                pg.shutdown()
+            except Exception:  # already torn down / not initialised: nothing left to free
+                pass
+        # Dropping the store on rank 0 stops its server; gloo's pairs close with the group object.
+        self._store = None
+
+    def __enter__(self) -> WeightChannel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # Best effort only; callers should close() explicitly.
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class WeightSyncMixin:
+    """Weight-sync endpoints for a veRL ``Worker`` subclass (trainer or rollout side).
+
+    The worker class provides ``self.sync_module`` (the ``nn.Module`` whose weights are synced),
+    ``self.sync_lora_only`` and ``self.policy_version``. These are plain methods: the worker
+    author exposes them with ``@register(...)`` (or calls them on ``wg.workers[i]`` directly).
+    Controller flow::
+
+        addr, port = ray.get(trainer.sync_master_endpoint.remote())
+        ray.get([trainer.sync_open.remote(0, n + 1, addr, port, "gloo")]
+                + [w.sync_open.remote(i + 1, n + 1, addr, port, "gloo") for i, w in enumerate(rollouts)])
+        ray.get([trainer.sync_send.remote(v)] + [w.sync_recv.remote() for w in rollouts])
+    """
+
+    sync_module: torch.nn.Module
+    sync_lora_only: bool
+    policy_version: int
+    _weight_channel: WeightChannel | None = None
+
+    def sync_master_endpoint(self) -> tuple[str, int]:
+        """``(node ip, free port)`` on this worker's node; call it on the sender."""
+        return node_ip_address(), find_free_port()
+
+    def sync_open(
+        self,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        backend: Backend = "gloo",
+        timeout_s: float = 300.0,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        """Join the weight channel; blocks until every endpoint has joined (call all concurrently)."""
+        self.sync_close()
+        self._weight_channel = WeightChannel(
+            backend,
+            rank,
+            world_size,
+            master_addr,
+            master_port,
+            timeout_s=timeout_s,
+            bucket_bytes=bucket_bytes,
+        )
+
+    def _require_sync_channel(self) -> WeightChannel:
+        if self._weight_channel is None or self._weight_channel.closed:
+            raise RuntimeError("weight channel not open: call sync_open first")
+        return self._weight_channel
+
+    def sync_send(self, version: int) -> dict[str, Any]:
+        """Broadcast this worker's trainable state as ``version``; also records it as ours."""
+        state = trainable_state(self.sync_module, lora_only=self.sync_lora_only)
+        stats = self._require_sync_channel().send(state, version)
+        self.policy_version = version
+        return stats.as_dict()
+
+    def sync_recv(self) -> dict[str, Any]:
+        """Receive one sync, load it into ``sync_module`` and adopt its version."""
+        state, version, stats = self._require_sync_channel().recv()
+        load_trainable_state(self.sync_module, state, lora_only=self.sync_lora_only)
+        self.policy_version = version
+        return stats.as_dict()
+
+    def sync_digest(self) -> str:
+        """sha256 of the trainable state: equal across processes iff the weights are bitwise equal."""
+        return state_digest(trainable_state(self.sync_module, lora_only=self.sync_lora_only))
+
+    def sync_close(self) -> None:
+        if self._weight_channel is not None:
+            self._weight_channel.close()
+            self._weight_channel = None
