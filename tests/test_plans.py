@@ -1,0 +1,186 @@
+"""Plans are data: each strategy's plan satisfies its dependencies, exclusivity and version rules."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from verl_digen.schedule.plan import Plan, PlanError, Task, TaskKind, WorkerId
+from verl_digen.schedule.runner import PlanRunner
+from verl_digen.schedule.strategies import StepCosts, StepPlanner, StrategySpec
+
+
+class UnitTimeRunner(PlanRunner):
+    """Executes a plan in virtual time with a fixed duration per task kind.
+
+    A minimal clock for checking plan semantics (the cost-model simulator lives in
+    verl_digen.sim); it needs no Ray, which is the point: plans are data.
+    """
+
+    DURATION = {"generate": 3.0, "reward": 0.5, "train": 2.0, "optimizer_step": 0.3, "sync": 0.2}
+
+    def __init__(self, plan: Plan) -> None:
+        super().__init__(plan)
+        self._t = 0.0
+        self._events: list[tuple[float, str]] = []
+
+    def now(self) -> float:
+        return self._t
+
+    def _launch(self, task: Task) -> None:
+        self._events.append((self._t + self.DURATION[task.kind.value], task.id))
+        self._events.sort()
+
+    def _wait_one(self):
+        t, tid = self._events.pop(0)
+        self._t = t
+        return tid, None
+
+
+SPECS = [
+    StrategySpec("colocated", rollout_workers=2, trainer_workers=2, groups_per_step=4, group_size=2),
+    StrategySpec("colocated", rollout_workers=2, trainer_workers=2, groups_per_step=4, group_size=2, gap=True),
+    StrategySpec("disaggregated", rollout_workers=1, trainer_workers=1, groups_per_step=4, group_size=2),
+    StrategySpec("disaggregated", rollout_workers=2, trainer_workers=1, groups_per_step=4, group_size=2, gap=True),
+    StrategySpec(
+        "disaggregated", rollout_workers=2, trainer_workers=2, reward_workers=1, groups_per_step=8, group_size=2,
+        groups_per_task=2, train_micro_batch_groups=2, gap=True,
+    ),
+    StrategySpec(
+        "disaggregated", rollout_workers=2, trainer_workers=1, groups_per_step=4, group_size=2, gap=True, max_staleness=1
+    ),
+    StrategySpec(
+        "disaggregated", rollout_workers=3, trainer_workers=2, reward_workers=1, groups_per_step=6, group_size=2,
+        gap=True, max_staleness=1,
+    ),
+]
+
+
+def _planned(spec: StrategySpec, steps: int = 4, costs: StepCosts | None = None) -> StepPlanner:
+    planner = StepPlanner(spec)
+    for s in range(steps):
+        planner.plan_step(s, costs, has_next=s + 1 < steps)
+    return planner
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.name}-r{s.rollout_workers}t{s.trainer_workers}")
+def test_every_strategy_plan_passes_its_checks(spec):
+    _planned(spec).plan.check(complete_steps=range(4))
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.name}-r{s.rollout_workers}t{s.trainer_workers}")
+def test_execution_respects_dependencies_and_worker_exclusivity(spec):
+    planner = _planned(spec)
+    runner = UnitTimeRunner(planner.plan)
+    runner.run_until(None)
+    runner.timeline.check_exclusive()
+    end = {r.task: r.end for r in runner.timeline.records}
+    start = {r.task: r.start for r in runner.timeline.records}
+    for t in planner.plan.tasks:
+        for d in t.deps:
+            assert start[t.id] >= end[d], f"{t.id} started before {d} ended"
+    assert len(runner.timeline.records) == len(planner.plan.tasks)
+
+
+def test_sync_plan_trains_only_after_the_whole_batch_is_rewarded():
+    planner = _planned(SPECS[2], steps=1)
+    rewards = {t.id for t in planner.plan.of_kind(TaskKind.REWARD, 0)}
+    for t in planner.plan.of_kind(TaskKind.TRAIN, 0):
+        assert set(t.deps) == rewards
+
+
+def test_gap_plan_trains_each_micro_batch_after_only_its_own_groups():
+    planner = _planned(SPECS[3], steps=1)
+    for t in planner.plan.of_kind(TaskKind.TRAIN, 0):
+        assert len(t.deps) == 1 and t.deps[0] == f"reward:{t.groups[0]}"
+
+
+def test_gap_starts_training_before_generation_ends():
+    sync_run = UnitTimeRunner(_planned(SPECS[2], steps=1).plan)
+    sync_run.run_until(None)
+    gap_spec = StrategySpec("disaggregated", rollout_workers=1, trainer_workers=1, groups_per_step=4, group_size=2, gap=True)
+    gap_run = UnitTimeRunner(_planned(gap_spec, steps=1).plan)
+    gap_run.run_until(None)
+
+    def first_train(run):
+        return min(r.start for r in run.timeline.records if r.kind == "train")
+
+    def last_gen(run):
+        return max(r.end for r in run.timeline.records if r.kind == "generate")
+
+    assert first_train(gap_run) < last_gen(gap_run)
+    assert first_train(sync_run) >= last_gen(sync_run)
+    assert gap_run.now() < sync_run.now()
+
+
+def test_on_policy_plan_never_generates_with_old_weights():
+    for spec in SPECS[:5]:
+        for t in _planned(spec).plan.of_kind(TaskKind.GENERATE):
+            assert t.version == t.step
+
+
+def test_tcss_plan_overlaps_next_step_generation_with_the_drain():
+    spec = SPECS[5]
+    planner = _planned(spec)
+    stale = [t for t in planner.plan.of_kind(TaskKind.GENERATE) if t.version == t.step - 1]
+    assert stale, "TCSS should generate some groups on the previous weights"
+    assert all(t.step - t.version <= 1 for t in planner.plan.of_kind(TaskKind.GENERATE))
+    run = UnitTimeRunner(planner.plan)
+    run.run_until(None)
+    rec = {r.task: r for r in run.timeline.records}
+    # Some stale generation runs while the trainer is still training the previous step.
+    assert any(rec[t.id].start < rec[f"opt:{t.step - 1}"].end for t in stale)
+
+
+def test_tcss_makes_the_same_work_faster_than_on_policy():
+    on = StrategySpec("disaggregated", rollout_workers=2, trainer_workers=1, groups_per_step=4, group_size=2, gap=True)
+    tc = StrategySpec("disaggregated", rollout_workers=2, trainer_workers=1, groups_per_step=4, group_size=2, gap=True,
+                      max_staleness=1)
+    times = []
+    for spec in (on, tc):
+        run = UnitTimeRunner(_planned(spec, steps=5).plan)
+        run.run_until(None)
+        times.append(run.now())
+    assert times[1] < times[0]
+
+
+def test_plan_check_rejects_a_generate_task_that_lies_about_its_version():
+    planner = _planned(SPECS[2], steps=2)
+    plan = planner.plan
+    bad = next(t for t in plan.tasks if t.kind == TaskKind.GENERATE and t.step == 1)
+    i = plan.tasks.index(bad)
+    plan.tasks[i] = Task(bad.id, bad.kind, bad.workers, bad.step, bad.deps, bad.groups, version=0, images=bad.images)
+    with pytest.raises(PlanError, match="version"):
+        plan.check()
+
+
+def test_plan_check_rejects_a_group_trained_twice():
+    planner = _planned(SPECS[2], steps=1)
+    plan = planner.plan
+    t = plan.of_kind(TaskKind.TRAIN, 0)[0]
+    with pytest.raises(PlanError, match="more than one train"):
+        plan.add(Task("train:dup", TaskKind.TRAIN, t.workers, 0, t.deps, t.groups))
+        plan.check()
+
+
+def test_plan_check_rejects_staleness_above_the_bound():
+    w = [WorkerId("rollout", 0), WorkerId("trainer", 0)]
+    plan = Plan(workers=w, max_staleness=0)
+    plan.add(Task("gen:0", TaskKind.GENERATE, (w[0],), step=1, groups=(0,), version=0))
+    with pytest.raises(PlanError, match="staleness 1"):
+        plan.check(complete_steps=[])
+
+
+def test_plan_rejects_dependency_on_a_later_task():
+    plan = Plan(workers=[WorkerId("fused", 0)])
+    with pytest.raises(PlanError, match="not earlier"):
+        plan.add(Task("a", TaskKind.REWARD, (WorkerId("fused", 0),), 0, deps=("b",)))
+
+
+def test_every_group_is_generated_rewarded_and_trained_exactly_once():
+    for spec in SPECS:
+        plan = _planned(spec).plan
+        for kind in (TaskKind.GENERATE, TaskKind.REWARD, TaskKind.TRAIN):
+            groups = sorted(itertools.chain.from_iterable(t.groups for t in plan.of_kind(kind)))
+            assert groups == list(range(4 * spec.groups_per_step)), (spec.name, kind)

@@ -1,0 +1,210 @@
+"""Plan types: a DAG of tasks with worker assignments, and its checks.
+
+A plan is a list of tasks in one global order. Each worker runs the tasks assigned to it
+in that order (its *queue*); a task starts once its dependencies are done and it is at the
+head of the queue of every worker it occupies (a task on several workers, e.g. the
+optimizer step's all-reduce or a weight broadcast, is a gang). Because every queue follows
+the one global order and dependencies only point backwards, a plan can never deadlock.
+
+The semantics are the same for the Ray executor and the simulator; only the clock differs.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Iterable
+
+
+class PlanError(ValueError):
+    """A plan breaks one of its invariants; the message names the task and the rule."""
+
+
+class TaskKind(str, Enum):
+    GENERATE = "generate"  # sample whole groups (SDE trajectories + decoded images)
+    REWARD = "reward"  # score a generate task's images
+    TRAIN = "train"  # one trainer micro-batch: recompute log-probs, backward, accumulate
+    OPTIMIZER_STEP = "optimizer_step"  # all-reduce gradients over the trainer ranks, step
+    SYNC = "sync"  # push trained weights trainer -> rollout (one version)
+
+
+@dataclass(frozen=True, order=True)
+class WorkerId:
+    pool: str  # "fused" (colocated), "rollout", "trainer", "reward"
+    rank: int
+
+    def __str__(self) -> str:
+        return f"{self.pool}{self.rank}"
+
+
+@dataclass(frozen=True)
+class Task:
+    id: str
+    kind: TaskKind
+    workers: tuple[WorkerId, ...]
+    step: int  # the training step whose batch this task serves
+    deps: tuple[str, ...] = ()
+    groups: tuple[int, ...] = ()  # global group ids: step * groups_per_step + index
+    # GENERATE: the weights version the worker must hold (the trajectory's only version).
+    # OPTIMIZER_STEP / SYNC: the version it produces / delivers.
+    version: int = 0
+    images: int = 0
+
+    @property
+    def worker(self) -> WorkerId:
+        return self.workers[0]
+
+
+@dataclass
+class Plan:
+    """Tasks in one global order; grows step by step while an executor runs it."""
+
+    workers: list[WorkerId]
+    tasks: list[Task] = field(default_factory=list)
+    max_staleness: int = 0
+
+    def __post_init__(self) -> None:
+        self._index: dict[str, Task] = {t.id: t for t in self.tasks}
+
+    def add(self, task: Task) -> Task:
+        if task.id in self._index:
+            raise PlanError(f"duplicate task id {task.id}")
+        for d in task.deps:
+            if d not in self._index:
+                raise PlanError(f"task {task.id} depends on {d}, which is not earlier in the plan")
+        for w in task.workers:
+            if w not in self.workers:
+                raise PlanError(f"task {task.id} is assigned to unknown worker {w}")
+        self.tasks.append(task)
+        self._index[task.id] = task
+        return task
+
+    def __getitem__(self, task_id: str) -> Task:
+        return self._index[task_id]
+
+    def __contains__(self, task_id: str) -> bool:
+        return task_id in self._index
+
+    def queues(self) -> dict[WorkerId, list[Task]]:
+        q: dict[WorkerId, list[Task]] = {w: [] for w in self.workers}
+        for t in self.tasks:
+            for w in t.workers:
+                q[w].append(t)
+        return q
+
+    def of_kind(self, kind: TaskKind, step: int | None = None) -> list[Task]:
+        return [t for t in self.tasks if t.kind == kind and (step is None or t.step == step)]
+
+    def steps(self) -> list[int]:
+        return sorted({t.step for t in self.tasks})
+
+    # ------------------------------------------------------------------ checks
+
+    def check(self, *, complete_steps: Iterable[int] | None = None) -> None:
+        """Check every invariant; raise :class:`PlanError` naming the first broken one.
+
+        - dependencies point to earlier tasks (a DAG in queue-consistent order);
+        - every group of every complete step is generated, rewarded and trained exactly once,
+          and trained after it was rewarded and generated;
+        - each step ends in one optimizer step that depends on all of the step's training;
+        - weights versions: each worker's version, replayed along its queue, equals the
+          version every generate task declares; staleness (training step minus data
+          version) stays within ``max_staleness``.
+        """
+        pos = {t.id: i for i, t in enumerate(self.tasks)}
+        for t in self.tasks:
+            for d in t.deps:
+                if d not in pos or pos[d] >= pos[t.id]:
+                    raise PlanError(f"task {t.id} depends on {d}, which does not come before it")
+        steps = list(complete_steps) if complete_steps is not None else self.steps()
+        self._check_groups(steps)
+        self._check_versions()
+
+    def _ancestors(self, task_id: str) -> set[str]:
+        seen: set[str] = set()
+        stack = [task_id]
+        while stack:
+            for d in self._index[stack.pop()].deps:
+                if d not in seen:
+                    seen.add(d)
+                    stack.append(d)
+        return seen
+
+    def _check_groups(self, steps: list[int]) -> None:
+        for kind in (TaskKind.GENERATE, TaskKind.REWARD, TaskKind.TRAIN):
+            counts = Counter(g for t in self.of_kind(kind) for g in t.groups)
+            dup = [g for g, c in counts.items() if c > 1]
+            if dup:
+                raise PlanError(f"groups {sorted(dup)[:5]} appear in more than one {kind.value} task")
+        gen_of = {g: t for t in self.of_kind(TaskKind.GENERATE) for g in t.groups}
+        rew_of = {g: t for t in self.of_kind(TaskKind.REWARD) for g in t.groups}
+        for step in steps:
+            trains = self.of_kind(TaskKind.TRAIN, step)
+            opts = self.of_kind(TaskKind.OPTIMIZER_STEP, step)
+            if len(opts) != 1:
+                raise PlanError(f"step {step} has {len(opts)} optimizer steps, expected 1")
+            opt_anc = self._ancestors(opts[0].id)
+            step_groups = {g for t in self.of_kind(TaskKind.GENERATE) if t.step == step for g in t.groups}
+            trained = {g for t in trains for g in t.groups}
+            if step_groups != trained:
+                raise PlanError(
+                    f"step {step}: generated groups {sorted(step_groups - trained)} are never trained, "
+                    f"trained groups {sorted(trained - step_groups)} were never generated"
+                )
+            for t in trains:
+                if t.id not in opt_anc:
+                    raise PlanError(f"optimizer step of step {step} does not wait for {t.id}")
+                anc = self._ancestors(t.id)
+                for g in t.groups:
+                    if g not in rew_of or rew_of[g].id not in anc or gen_of[g].id not in anc:
+                        raise PlanError(f"{t.id} trains group {g} before it is generated and rewarded")
+
+    def _check_versions(self) -> None:
+        version: dict[WorkerId, int] = {w: 0 for w in self.workers}
+        for t in self.tasks:
+            if t.kind == TaskKind.OPTIMIZER_STEP:
+                if t.version != t.step + 1:
+                    raise PlanError(f"{t.id} produces version {t.version}, expected {t.step + 1}")
+                for w in t.workers:
+                    version[w] = t.version
+            elif t.kind == TaskKind.SYNC:
+                for w in t.workers:
+                    if w.pool != "trainer":
+                        version[w] = t.version
+            elif t.kind == TaskKind.GENERATE:
+                held = version[t.worker]
+                if held != t.version:
+                    raise PlanError(f"{t.id} declares weights version {t.version} but {t.worker} holds {held}")
+                staleness = t.step - t.version
+                if staleness < 0 or staleness > self.max_staleness:
+                    raise PlanError(
+                        f"{t.id} generates step {t.step} with version {t.version}: staleness {staleness} "
+                        f"outside [0, {self.max_staleness}]"
+                    )
+
+
+def replay_order(plan: Plan, finished_order: list[str]) -> None:
+    """Check that an execution finished tasks in a way the plan allows (deps first)."""
+    done: set[str] = set()
+    for tid in finished_order:
+        for d in plan[tid].deps:
+            if d not in done:
+                raise PlanError(f"{tid} finished before its dependency {d}")
+        done.add(tid)
+
+
+def group_ids(step: int, groups_per_step: int) -> list[int]:
+    return [step * groups_per_step + i for i in range(groups_per_step)]
+
+
+def chunk(items: list[int], size: int) -> list[tuple[int, ...]]:
+    return [tuple(items[i : i + size]) for i in range(0, len(items), size)]
+
+
+def by_worker(tasks: Iterable[Task]) -> dict[WorkerId, list[Task]]:
+    out: dict[WorkerId, list[Task]] = defaultdict(list)
+    for t in tasks:
+        for w in t.workers:
+            out[w].append(t)
+    return dict(out)

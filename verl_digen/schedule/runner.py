@@ -1,0 +1,117 @@
+"""The execution semantics of a plan, shared by the Ray executor and the simulator.
+
+:class:`PlanRunner` is a list scheduler over per-worker queues: a task is launched when all
+its dependencies are done and it is at the head of the queue of every worker it occupies
+(and those workers are idle). Subclasses supply the clock: :meth:`_launch` starts a task,
+:meth:`_wait_one` returns the next one to finish. Every interval is recorded in a
+:class:`~verl_digen.schedule.timeline.Timeline`.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+from verl_digen.schedule.plan import Plan, PlanError, Task, WorkerId
+from verl_digen.schedule.timeline import TaskRecord, Timeline
+
+
+class PlanRunner(abc.ABC):
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.timeline = Timeline(workers=[str(w) for w in plan.workers])
+        self.done: set[str] = set()
+        self.finished_order: list[str] = []
+        self.running: dict[str, float] = {}  # task id -> start time
+        self._queues: dict[WorkerId, list[Task]] = {w: [] for w in plan.workers}
+        self._head: dict[WorkerId, int] = {w: 0 for w in plan.workers}
+        self._busy: set[WorkerId] = set()
+        self._seen = 0  # plan.tasks already distributed to queues
+
+    # ------------------------------------------------------------------ clock
+
+    @abc.abstractmethod
+    def now(self) -> float: ...
+
+    @abc.abstractmethod
+    def _launch(self, task: Task) -> None:
+        """Start ``task`` on its workers."""
+
+    @abc.abstractmethod
+    def _wait_one(self) -> tuple[str, Any]:
+        """Block until one running task finishes; return its id and its result."""
+
+    def _on_finish(self, task: Task, result: Any, start: float, end: float) -> None:
+        """Hook for subclasses (collect results)."""
+
+    def _record_extra(self, task: Task, result: Any) -> dict[str, Any]:
+        return {}
+
+    # ------------------------------------------------------------------ scheduling
+
+    def _sync_queues(self) -> None:
+        tasks = self.plan.tasks
+        while self._seen < len(tasks):
+            t = tasks[self._seen]
+            for w in t.workers:
+                self._queues[w].append(t)
+            self._seen += 1
+
+    def _head_task(self, w: WorkerId) -> Task | None:
+        q = self._queues[w]
+        i = self._head[w]
+        return q[i] if i < len(q) else None
+
+    def launchable(self) -> list[Task]:
+        self._sync_queues()
+        out: list[Task] = []
+        seen: set[str] = set()
+        for w in self.plan.workers:
+            if w in self._busy:
+                continue
+            t = self._head_task(w)
+            if t is None or t.id in seen or t.id in self.running:
+                continue
+            if not all(d in self.done for d in t.deps):
+                continue
+            if all(x not in self._busy and self._head_task(x) is t for x in t.workers):
+                out.append(t)
+                seen.add(t.id)
+        return out
+
+    def run_until(self, task_ids: list[str] | None = None) -> None:
+        """Run until every task in ``task_ids`` is done (all planned tasks when None)."""
+        while True:
+            targets = task_ids if task_ids is not None else [t.id for t in self.plan.tasks]
+            if all(t in self.done for t in targets):
+                return
+            for t in self.launchable():
+                self.running[t.id] = self.now()
+                self._busy.update(t.workers)
+                self._launch(t)
+            if not self.running:
+                pending = [t for t in targets if t not in self.done]
+                raise PlanError(f"plan cannot make progress; waiting on {pending[:5]} (not launchable)")
+            tid, result = self._wait_one()
+            task = self.plan[tid]
+            start = self.running.pop(tid)
+            end = self.now()
+            for w in task.workers:
+                self._busy.discard(w)
+                self._head[w] += 1
+            self.done.add(tid)
+            self.finished_order.append(tid)
+            self.timeline.add(
+                TaskRecord(
+                    task=tid,
+                    kind=task.kind.value,
+                    workers=[str(w) for w in task.workers],
+                    start=start,
+                    end=end,
+                    step=task.step,
+                    version=task.version,
+                    groups=list(task.groups),
+                    extra=self._record_extra(task, result),
+                )
+            )
+            self._on_finish(task, result, start, end)

@@ -1,0 +1,256 @@
+"""Strategies: how one training step is laid out as tasks on workers.
+
+- colocated: every device is a fused worker (generate -> reward -> train); the optimizer
+  step all-reduces over all of them and weights change in place (no sync).
+- disaggregated: rollout, trainer and optional reward pools. Without GAP the trainers wait
+  for the whole batch; with GAP (``gap``) each micro-batch trains as soon as its groups are
+  rewarded. With ``max_staleness=1`` (TCSS) rollout starts the next step's first groups on
+  the previous weights while the trainers drain, then receives the new weights.
+
+:class:`StepPlanner` appends one step at a time to a growing :class:`Plan`, so the
+controller can re-plan with measured costs while the executor is running.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from verl_digen.schedule.plan import Plan, Task, TaskKind, WorkerId, chunk, group_ids
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    placement: str  # colocated | disaggregated
+    rollout_workers: int  # colocated: the number of fused workers
+    trainer_workers: int  # colocated: ignored (= rollout_workers)
+    groups_per_step: int
+    group_size: int
+    reward_workers: int = 0  # 0: reward runs on the worker that generated
+    groups_per_task: int = 1
+    train_micro_batch_groups: int = 1
+    gap: bool = False
+    max_staleness: int = 0
+
+    def __post_init__(self) -> None:
+        if self.placement not in ("colocated", "disaggregated"):
+            raise ValueError(f"placement must be colocated or disaggregated, got {self.placement!r}")
+        if self.placement == "colocated" and self.max_staleness:
+            raise ValueError("max_staleness > 0 needs disaggregated placement")
+        for name in ("groups_per_task", "train_micro_batch_groups"):
+            if self.groups_per_step % getattr(self, name):
+                raise ValueError(f"{name}={getattr(self, name)} must divide groups_per_step={self.groups_per_step}")
+
+    @property
+    def name(self) -> str:
+        if self.placement == "colocated":
+            return "colocated"
+        parts = ["disaggregated"]
+        if self.gap:
+            parts.append("gap")
+        if self.max_staleness:
+            parts.append("tcss")
+        return "+".join(parts)
+
+    @property
+    def devices(self) -> int:
+        if self.placement == "colocated":
+            return self.rollout_workers
+        return self.rollout_workers + self.trainer_workers + self.reward_workers
+
+    def workers(self) -> list[WorkerId]:
+        if self.placement == "colocated":
+            return [WorkerId("fused", r) for r in range(self.rollout_workers)]
+        ws = [WorkerId("rollout", r) for r in range(self.rollout_workers)]
+        ws += [WorkerId("trainer", r) for r in range(self.trainer_workers)]
+        ws += [WorkerId("reward", r) for r in range(self.reward_workers)]
+        return ws
+
+    @property
+    def generators(self) -> list[WorkerId]:
+        pool = "fused" if self.placement == "colocated" else "rollout"
+        return [WorkerId(pool, r) for r in range(self.rollout_workers)]
+
+    @property
+    def trainers(self) -> list[WorkerId]:
+        if self.placement == "colocated":
+            return self.generators
+        return [WorkerId("trainer", r) for r in range(self.trainer_workers)]
+
+
+@dataclass
+class StepCosts:
+    """Seconds per unit of work, measured or modelled; only used for look-ahead decisions."""
+
+    generate_per_group: float = 1.0
+    reward_per_group: float = 0.05
+    train_per_group: float = 2.0
+    optimizer_step: float = 0.05
+    sync: float = 0.05
+
+
+class StepPlanner:
+    """Appends the tasks of one training step at a time to ``self.plan``."""
+
+    def __init__(self, spec: StrategySpec) -> None:
+        self.spec = spec
+        self.plan = Plan(workers=spec.workers(), max_staleness=spec.max_staleness)
+        self._next_gen_slot = 0  # round-robin position over generators
+        # Generate tasks of step s+1 already planned ahead of SYNC(s+1) (TCSS): step -> groups.
+        self._planned_ahead: dict[int, list[int]] = {}
+        self._version: dict[WorkerId, int] = {w: 0 for w in self.plan.workers}
+        self._reward_of: dict[int, Task] = {}  # group -> its reward task
+        self._position: dict[str, int] = {}  # task id -> index in the plan
+
+    # ----------------------------------------------------------------- public
+
+    def plan_step(self, step: int, costs: StepCosts | None = None, *, has_next: bool = True) -> list[Task]:
+        """Append step ``step``; ``has_next=False`` for the last step (no look-ahead, no sync)."""
+        costs = costs or StepCosts()
+        start = len(self.plan.tasks)
+        spec = self.spec
+        groups = group_ids(step, spec.groups_per_step)
+        ahead = set(self._planned_ahead.pop(step, []))
+        remaining = [g for g in groups if g not in ahead]
+        sync_dep = f"sync:{step}" if f"sync:{step}" in self.plan else None
+        self._add_generation(step, remaining, extra_deps=(sync_dep,) if sync_dep else ())
+        self._add_training(step, groups)
+        if spec.placement == "disaggregated" and has_next:
+            if spec.max_staleness >= 1:
+                self._add_lookahead(step + 1, costs)
+            self._add_sync(step + 1)
+        return self.plan.tasks[start:]
+
+    # ----------------------------------------------------------------- pieces
+
+    def _add_generation(self, step: int, groups: list[int], *, extra_deps: tuple[str, ...] = ()) -> None:
+        spec = self.spec
+        gens = spec.generators
+        for task_groups in chunk(groups, spec.groups_per_task):
+            worker = gens[self._next_gen_slot % len(gens)]
+            self._next_gen_slot += 1
+            tag = "-".join(str(g) for g in task_groups)
+            gen = self.plan.add(
+                Task(
+                    id=f"gen:{tag}",
+                    kind=TaskKind.GENERATE,
+                    workers=(worker,),
+                    step=step,
+                    deps=tuple(d for d in extra_deps if d),
+                    groups=task_groups,
+                    version=self._version[worker],
+                    images=len(task_groups) * spec.group_size,
+                )
+            )
+            if spec.reward_workers:
+                rw = WorkerId("reward", (self._next_gen_slot - 1) % spec.reward_workers)
+            else:
+                rw = worker
+            rew = self.plan.add(
+                Task(
+                    id=f"reward:{tag}",
+                    kind=TaskKind.REWARD,
+                    workers=(rw,),
+                    step=step,
+                    deps=(gen.id,),
+                    groups=task_groups,
+                    images=gen.images,
+                )
+            )
+            self._position[rew.id] = len(self.plan.tasks)
+            for g in task_groups:
+                self._reward_of[g] = rew
+
+    def _reward_task_of(self, group: int) -> Task:
+        return self._reward_of[group]
+
+    def _add_training(self, step: int, groups: list[int]) -> None:
+        spec = self.spec
+        rewards_of_step = sorted({self._reward_task_of(g).id for g in groups})
+        # Train in the order groups become available: planned-ahead groups first.
+        order = sorted(groups, key=lambda g: self._position[self._reward_task_of(g).id])
+        trainers = spec.trainers
+        train_ids = []
+        for j, mb in enumerate(chunk(order, spec.train_micro_batch_groups)):
+            own = sorted({self._reward_task_of(g).id for g in mb})
+            if spec.placement == "colocated":
+                # Train where the data was generated: no transfer between devices.
+                worker = self.plan[own[0].replace("reward:", "gen:")].worker
+            else:
+                worker = trainers[j % len(trainers)]
+            deps = tuple(own) if spec.gap else tuple(rewards_of_step)
+            t = self.plan.add(
+                Task(
+                    id=f"train:{step}:{j}",
+                    kind=TaskKind.TRAIN,
+                    workers=(worker,),
+                    step=step,
+                    deps=deps,
+                    groups=mb,
+                    images=len(mb) * spec.group_size,
+                )
+            )
+            train_ids.append(t.id)
+        opt = self.plan.add(
+            Task(
+                id=f"opt:{step}",
+                kind=TaskKind.OPTIMIZER_STEP,
+                workers=tuple(trainers),
+                step=step,
+                deps=tuple(train_ids),
+                version=step + 1,
+            )
+        )
+        for w in opt.workers:
+            self._version[w] = opt.version
+
+    def _add_lookahead(self, next_step: int, costs: StepCosts) -> None:
+        """TCSS: the first groups of the next step, on the previous weights, during the drain."""
+        spec = self.spec
+        n_tasks = spec.groups_per_step // spec.groups_per_task
+        per_worker = math.ceil(n_tasks / spec.rollout_workers)
+        gen_task = costs.generate_per_group * spec.groups_per_task
+        gen_total = costs.generate_per_group * spec.groups_per_step / spec.rollout_workers
+        train_total = costs.train_per_group * spec.groups_per_step / spec.trainer_workers
+        last_mb = costs.train_per_group * spec.train_micro_batch_groups
+        drain = max(train_total - gen_total, 0.0) + last_mb + costs.optimizer_step + costs.sync
+        k = max(1, min(per_worker, int(drain // max(gen_task, 1e-9))))
+        groups = group_ids(next_step, spec.groups_per_step)[: k * spec.rollout_workers * spec.groups_per_task]
+        self._planned_ahead[next_step] = groups
+        self._add_generation(next_step, groups)
+
+    def _add_sync(self, version: int) -> None:
+        spec = self.spec
+        workers = (WorkerId("trainer", 0), *[WorkerId("rollout", r) for r in range(spec.rollout_workers)])
+        self.plan.add(
+            Task(
+                id=f"sync:{version}",
+                kind=TaskKind.SYNC,
+                workers=workers,
+                step=version - 1,
+                deps=(f"opt:{version - 1}",),
+                version=version,
+            )
+        )
+        for w in workers[1:]:
+            self._version[w] = version
+
+
+def measure_costs(records: list, step: int, spec: StrategySpec, fallback: StepCosts) -> StepCosts:
+    """Per-unit costs of ``step`` from a timeline's records (driver-observed durations)."""
+
+    def mean(kind: str, per_group: bool) -> float | None:
+        rs = [r for r in records if r.kind == kind and r.step == step]
+        if not rs:
+            return None
+        total = sum(r.end - r.start for r in rs)
+        units = sum(len(r.groups) for r in rs) if per_group else len(rs)
+        return total / max(units, 1)
+
+    return StepCosts(
+        generate_per_group=mean("generate", True) or fallback.generate_per_group,
+        reward_per_group=mean("reward", True) or fallback.reward_per_group,
+        train_per_group=mean("train", True) or fallback.train_per_group,
+        optimizer_step=mean("optimizer_step", False) or fallback.optimizer_step,
+        sync=mean("sync", False) or fallback.sync,
+    )

@@ -1,0 +1,121 @@
+"""Timelines: who ran what, when; bubble fraction; Gantt charts."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class TaskRecord:
+    task: str
+    kind: str
+    workers: list[str]
+    start: float
+    end: float
+    step: int
+    version: int
+    groups: list[int] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class Timeline:
+    workers: list[str]
+    records: list[TaskRecord] = field(default_factory=list)
+
+    def add(self, record: TaskRecord) -> None:
+        self.records.append(record)
+
+    def busy_seconds(self, t0: float, t1: float) -> dict[str, float]:
+        """Busy time of each worker clipped to the window ``[t0, t1]``."""
+        busy = {w: 0.0 for w in self.workers}
+        for r in self.records:
+            lo, hi = max(r.start, t0), min(r.end, t1)
+            if hi > lo:
+                for w in r.workers:
+                    busy[w] += hi - lo
+        return busy
+
+    def bubble_fraction(self, t0: float, t1: float) -> float:
+        """1 - busy device-time / (devices x wall time) over ``[t0, t1]``."""
+        wall = t1 - t0
+        if wall <= 0 or not self.workers:
+            return 0.0
+        busy = sum(self.busy_seconds(t0, t1).values())
+        return max(0.0, 1.0 - busy / (len(self.workers) * wall))
+
+    def check_exclusive(self, eps: float = 1e-9) -> None:
+        """Raise if two tasks overlap on one worker."""
+        per: dict[str, list[TaskRecord]] = {w: [] for w in self.workers}
+        for r in self.records:
+            for w in r.workers:
+                per[w].append(r)
+        for w, recs in per.items():
+            recs.sort(key=lambda r: r.start)
+            for a, b in zip(recs, recs[1:]):
+                if b.start < a.end - eps:
+                    raise AssertionError(f"{a.task} and {b.task} overlap on {w}")
+
+    def write_jsonl(self, path: str, t0: float = 0.0) -> None:
+        with open(path, "w") as f:
+            for r in self.records:
+                d = asdict(r)
+                d["start"] -= t0
+                d["end"] -= t0
+                f.write(json.dumps(d) + "\n")
+
+    @classmethod
+    def read_jsonl(cls, path: str) -> "Timeline":
+        records = []
+        with open(path) as f:
+            for line in f:
+                records.append(TaskRecord(**json.loads(line)))
+        workers = sorted({w for r in records for w in r.workers})
+        return cls(workers=workers, records=records)
+
+
+KIND_COLORS = {
+    "generate": "#4C72B0",
+    "reward": "#DD8452",
+    "train": "#55A868",
+    "optimizer_step": "#C44E52",
+    "sync": "#8172B3",
+}
+
+
+def save_gantt(timeline: Timeline, path: str, *, t0: float, t1: float, title: str = "") -> None:
+    """A Gantt chart PNG of ``[t0, t1]``: one row per worker, one colour per task kind."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    workers = timeline.workers
+    fig, ax = plt.subplots(figsize=(10, 0.5 + 0.45 * len(workers)))
+    for r in timeline.records:
+        if r.end < t0 or r.start > t1:
+            continue
+        for w in r.workers:
+            y = workers.index(w)
+            ax.barh(y, r.end - r.start, left=r.start - t0, height=0.8, color=KIND_COLORS.get(r.kind, "grey"),
+                    edgecolor="black", linewidth=0.3)
+            if r.kind == "generate" and (r.end - r.start) > (t1 - t0) * 0.03:
+                ax.text(r.start - t0 + (r.end - r.start) / 2, y, f"v{r.version}", ha="center", va="center", fontsize=6)
+    ax.set_yticks(range(len(workers)))
+    ax.set_yticklabels(workers)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds")
+    bubble = timeline.bubble_fraction(t0, t1)
+    ax.set_title(f"{title}  bubble fraction {bubble:.2f}".strip())
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in KIND_COLORS.items()], loc="upper center",
+              bbox_to_anchor=(0.5, -0.25), ncol=5, fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
