@@ -1,0 +1,323 @@
+"""Model adapters on the tiny models: save/load round trip, shapes, schedule, CFG, decoding,
+parity with the diffusers pipelines, registry errors and the tiny-model CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from verl_digen.models import ADAPTERS, SampleSpec, detect_arch, load_adapter
+from verl_digen.models.base import DiffusionAdapter
+from verl_digen.models.tiny import build_tiny, ensure_tiny
+
+ARCHS = ["flux", "sd3"]
+SPEC = SampleSpec(height=32, width=32)
+PROMPTS = ["a photo of a cat", "a red cube on a table"]
+LATENT_SHAPE = {"flux": (2, 64, 16), "sd3": (2, 4, 16, 16)}  # B=2, 32x32 pixels
+PIPELINE_CLASS = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline"}
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {arch: build_tiny(arch, str(root / arch)) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def adapters(tiny_dirs) -> dict[str, DiffusionAdapter]:
+    return {arch: load_adapter(path) for arch, path in tiny_dirs.items()}
+
+
+def euler_sample(
+    adapter: DiffusionAdapter,
+    prompts: list[str],
+    spec: SampleSpec,
+    num_steps: int,
+    seed: int,
+    negative_prompt: str | None = None,
+) -> torch.Tensor:
+    """The deterministic (ODE) sampler: x <- x + (sigma_next - sigma) * v."""
+    batch = len(prompts)
+    generator = torch.Generator().manual_seed(seed)
+    cond = adapter.encode_prompts(prompts)
+    negative = adapter.encode_prompts([negative_prompt]) if negative_prompt is not None else None
+    latents = adapter.prepare_latents(batch, spec, generator)
+    sigmas = adapter.sigmas(num_steps, spec)
+    with torch.no_grad():
+        for i in range(num_steps):
+            velocity = adapter.predict_velocity(latents, sigmas[i].expand(batch), cond, spec, negative)
+            latents = latents + (sigmas[i + 1] - sigmas[i]) * velocity
+        return adapter.decode(latents, spec)
+
+
+# ---------------------------------------------------------------------- build / load
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tiny_dir_layout_and_detection(arch, tiny_dirs):
+    with open(os.path.join(tiny_dirs[arch], "model_index.json")) as f:
+        assert json.load(f)["_class_name"] == PIPELINE_CLASS[arch]
+    assert detect_arch(tiny_dirs[arch]) == arch
+    assert isinstance(ADAPTERS[arch], type) and ADAPTERS[arch].arch == arch
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_roundtrip_weights_equal_saved(arch, tiny_dirs, adapters):
+    saved = load_file(os.path.join(tiny_dirs[arch], "transformer", "diffusion_pytorch_model.safetensors"))
+    loaded = adapters[arch].transformer.state_dict()
+    assert set(saved) <= set(loaded)
+    for name, tensor in saved.items():
+        assert torch.equal(loaded[name], tensor), name
+    n_params = sum(p.numel() for p in adapters[arch].transformer.parameters())
+    assert 1_000 <= n_params <= 300_000
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_second_load_predicts_identical_velocity(arch, tiny_dirs, adapters):
+    again = load_adapter(tiny_dirs[arch], arch)
+    latents = adapters[arch].prepare_latents(2, SPEC, torch.Generator().manual_seed(1))
+    sigma = torch.tensor([0.9, 0.4])
+    with torch.no_grad():
+        v1 = adapters[arch].predict_velocity(latents, sigma, adapters[arch].encode_prompts(PROMPTS), SPEC)
+        v2 = again.predict_velocity(latents, sigma, again.encode_prompts(PROMPTS), SPEC)
+    assert torch.equal(v1, v2)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_load_returns_fp32(arch, tiny_dirs):
+    adapter = load_adapter(tiny_dirs[arch], dtype=torch.bfloat16)
+    assert adapter.transformer.dtype == torch.bfloat16
+    latents = adapter.prepare_latents(2, SPEC, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        velocity = adapter.predict_velocity(latents, torch.tensor([0.6, 0.3]), adapter.encode_prompts(PROMPTS), SPEC)
+        image = adapter.decode(latents, SPEC)
+    assert velocity.dtype == image.dtype == torch.float32
+    assert torch.isfinite(velocity).all()
+
+
+def test_build_is_seeded(tmp_path, tiny_dirs):
+    same = build_tiny("flux", str(tmp_path / "same"), seed=0)
+    other = build_tiny("flux", str(tmp_path / "other"), seed=1)
+    weights = "transformer/diffusion_pytorch_model.safetensors"
+    ref = load_file(os.path.join(tiny_dirs["flux"], weights))
+    same_w, other_w = load_file(os.path.join(same, weights)), load_file(os.path.join(other, weights))
+    assert all(torch.equal(ref[k], same_w[k]) for k in ref)
+    assert not all(torch.equal(ref[k], other_w[k]) for k in ref)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tokenizers_reload_and_separate_prompts(arch, adapters):
+    adapter = adapters[arch]
+    # The saved tokenizers know common prompt words, so short prompts fit the 16-token window.
+    assert adapter.tokenizer.tokenize("a photo of a cat") == ["a</w>", "photo</w>", "of</w>", "a</w>", "cat</w>"]
+    t5 = adapter.tokenizer_2 if arch == "flux" else adapter.tokenizer_3
+    assert len(t5.tokenize("a red cube on a table")) == 6
+    cond = adapter.encode_prompts(["a red cube", "a blue cube", "ünïcode ✓ prompt"])
+    for tensor in cond.values():
+        assert torch.isfinite(tensor).all()
+        assert not torch.equal(tensor[0], tensor[1])
+
+
+# ---------------------------------------------------------------------- shapes and schedule
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_shapes(arch, adapters):
+    adapter = adapters[arch]
+    cond = adapter.encode_prompts(PROMPTS)
+    for tensor in cond.values():
+        assert tensor.shape[0] == 2  # batch-first
+    latents = adapter.prepare_latents(2, SPEC, torch.Generator().manual_seed(0))
+    assert latents.shape == LATENT_SHAPE[arch] and latents.dtype == torch.float32
+    with torch.no_grad():
+        velocity = adapter.predict_velocity(latents, torch.tensor([1.0, 0.5]), cond, SPEC)
+        image = adapter.decode(latents, SPEC)
+    assert velocity.shape == latents.shape and velocity.dtype == torch.float32
+    assert image.shape == (2, 3, 32, 32) and image.dtype == torch.float32
+    # A non-square size goes through as well.
+    wide = SampleSpec(height=16, width=48)
+    latents = adapter.prepare_latents(1, wide, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        velocity = adapter.predict_velocity(latents, torch.tensor([0.5]), adapter.encode_prompts(["x"]), wide)
+        assert adapter.decode(velocity, wide).shape == (1, 3, 16, 48)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bad_image_size_is_rejected(arch, adapters):
+    with pytest.raises(ValueError, match="divisible"):
+        adapters[arch].prepare_latents(1, SampleSpec(height=30, width=32), torch.Generator())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("num_steps", [1, 4, 10])
+def test_sigmas(arch, num_steps, adapters):
+    sigmas = adapters[arch].sigmas(num_steps, SPEC)
+    assert sigmas.shape == (num_steps + 1,) and sigmas.dtype == torch.float32
+    assert torch.all(sigmas[1:] < sigmas[:-1])
+    assert sigmas[0].item() == pytest.approx(1.0, abs=1e-6)
+    assert sigmas[-1].item() == 0.0
+
+
+def test_flux_sigmas_use_resolution_shift(adapters):
+    # More image tokens -> larger mu -> more time spent at high noise.
+    small = adapters["flux"].sigmas(4, SampleSpec(32, 32))
+    large = adapters["flux"].sigmas(4, SampleSpec(256, 256))
+    assert torch.all(large[1:-1] > small[1:-1])
+
+
+# ---------------------------------------------------------------------- guidance, grads, pixels
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cfg_runs_and_differs(arch, adapters):
+    adapter = adapters[arch]
+    cond, negative = adapter.encode_prompts(PROMPTS), adapter.encode_prompts([""])
+    latents = adapter.prepare_latents(2, SPEC, torch.Generator().manual_seed(0))
+    sigma = torch.tensor([0.8, 0.8])
+    with torch.no_grad():
+        plain = adapter.predict_velocity(latents, sigma, cond, SPEC)
+        cfg = adapter.predict_velocity(latents, sigma, cond, SampleSpec(32, 32, guidance_scale=4.0), negative)
+        # Scale 1 means no CFG even with a negative prompt.
+        scale_one = adapter.predict_velocity(latents, sigma, cond, SPEC, negative)
+    assert cfg.shape == plain.shape
+    assert not torch.allclose(cfg, plain, atol=1e-4)
+    assert torch.equal(scale_one, plain)
+
+
+def test_flux_distilled_guidance_changes_velocity(adapters):
+    adapter = adapters["flux"]
+    cond = adapter.encode_prompts(PROMPTS)
+    latents = adapter.prepare_latents(2, SPEC, torch.Generator().manual_seed(0))
+    sigma = torch.tensor([0.5, 0.5])
+    with torch.no_grad():
+        low = adapter.predict_velocity(latents, sigma, cond, SampleSpec(32, 32, distilled_guidance=1.0))
+        high = adapter.predict_velocity(latents, sigma, cond, SampleSpec(32, 32, distilled_guidance=5.0))
+    assert not torch.allclose(low, high, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_velocity_is_differentiable(arch, adapters):
+    adapter = adapters[arch]
+    latents = adapter.prepare_latents(1, SPEC, torch.Generator().manual_seed(0))
+    velocity = adapter.predict_velocity(latents, torch.tensor([0.7]), adapter.encode_prompts(PROMPTS[:1]), SPEC)
+    velocity.square().mean().backward()
+    grads = [p.grad for p in adapter.transformer.parameters() if p.grad is not None]
+    assert grads and any(g.abs().sum() > 0 for g in grads)
+    adapter.transformer.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_decode_in_unit_range(arch, adapters):
+    latents = 3.0 * adapters[arch].prepare_latents(2, SPEC, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        image = adapters[arch].decode(latents, SPEC)
+    assert image.min() >= 0.0 and image.max() <= 1.0
+    assert image.std() > 1e-3  # the random decoder does not collapse to a constant
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_euler_loop_is_deterministic(arch, adapters):
+    first = euler_sample(adapters[arch], PROMPTS, SPEC, num_steps=3, seed=7)
+    second = euler_sample(adapters[arch], PROMPTS, SPEC, num_steps=3, seed=7)
+    other_seed = euler_sample(adapters[arch], PROMPTS, SPEC, num_steps=3, seed=8)
+    assert torch.equal(first, second)
+    assert not torch.equal(first, other_seed)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_matches_diffusers_pipeline(arch, tiny_dirs, adapters):
+    """Our Euler loop reproduces the diffusers pipeline's images from the same generator seed."""
+    from diffusers import FluxPipeline, StableDiffusion3Pipeline
+
+    adapter = adapters[arch]
+    common = dict(height=32, width=32, num_inference_steps=4, output_type="pt", max_sequence_length=16)
+    if arch == "flux":
+        pipe = FluxPipeline.from_pretrained(tiny_dirs[arch])
+        # Distilled guidance 3.5 plus true CFG against the empty prompt.
+        kwargs = dict(guidance_scale=3.5, true_cfg_scale=2.0, negative_prompt="")
+        spec = SampleSpec(32, 32, guidance_scale=2.0, distilled_guidance=3.5)
+    else:
+        pipe = StableDiffusion3Pipeline.from_pretrained(tiny_dirs[arch])
+        kwargs = dict(guidance_scale=2.0)  # CFG against the empty prompt, the pipeline's default
+        spec = SampleSpec(32, 32, guidance_scale=2.0)
+    pipe.set_progress_bar_config(disable=True)
+    expected = pipe(PROMPTS, generator=torch.Generator().manual_seed(3), **common, **kwargs).images
+    ours = euler_sample(adapter, PROMPTS, spec, num_steps=4, seed=3, negative_prompt="")
+    assert ours.shape == expected.shape
+    torch.testing.assert_close(ours, expected.float(), atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------------- registry errors
+
+
+def test_missing_path_raises(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_adapter(str(tmp_path / "nope"))
+
+
+def test_missing_model_index_raises(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model_index.json"):
+        load_adapter(str(tmp_path), "flux")
+
+
+def test_unknown_arch_raises(tiny_dirs):
+    with pytest.raises(ValueError, match=r"unknown model arch 'unet'.*flux, sd3"):
+        load_adapter(tiny_dirs["flux"], "unet")
+
+
+def test_unsupported_pipeline_raises(tmp_path):
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline"}))
+    with pytest.raises(ValueError, match="unsupported pipeline class 'StableDiffusionPipeline'"):
+        load_adapter(str(tmp_path))
+
+
+def test_arch_mismatch_raises(tiny_dirs):
+    with pytest.raises(ValueError, match="does not match"):
+        load_adapter(tiny_dirs["sd3"], "flux")
+
+
+# ---------------------------------------------------------------------- cache and CLI
+
+
+def test_ensure_tiny_builds_once(tmp_path, monkeypatch):
+    import verl_digen.models.tiny as tiny
+
+    monkeypatch.setenv("VERL_DIGEN_CACHE", str(tmp_path))
+    path = ensure_tiny("sd3")
+    assert path == str(tmp_path / "tiny" / "sd3-v1")
+    assert os.path.isfile(os.path.join(path, "model_index.json"))
+    assert [p for p in os.listdir(tmp_path / "tiny")] == ["sd3-v1"]  # no temp dirs left behind
+
+    def no_rebuild(*args, **kwargs):
+        raise AssertionError("ensure_tiny rebuilt a cached model")
+
+    monkeypatch.setattr(tiny, "build_tiny", no_rebuild)
+    assert ensure_tiny("sd3") == path
+    with pytest.raises(ValueError, match="unknown tiny arch"):
+        ensure_tiny("unet")
+
+
+def test_cli_writes_loadable_dir(tmp_path):
+    out = tmp_path / "cli_flux"
+    result = subprocess.run(
+        [sys.executable, "-m", "verl_digen.models.tiny", "--arch", "flux", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == str(out)
+    adapter = load_adapter(str(out))
+    assert adapter.arch == "flux"
+
+
+def test_import_is_light():
+    code = "import sys, verl_digen.models; assert 'diffusers' not in sys.modules, 'diffusers imported'"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr

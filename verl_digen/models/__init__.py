@@ -1,0 +1,46 @@
+"""Diffusion model adapters (one module per diffusers architecture) and tiny test models.
+
+Importing this package is light (torch only): the adapters and the tiny builders, which pull
+in diffusers and transformers, are imported on first attribute access.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from .base import Conditioning, DiffusionAdapter, SampleSpec
+from .registry import ADAPTERS, PIPELINE_TO_ARCH, detect_arch, load_adapter, register_adapter
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .flux import FluxAdapter
+    from .sd3 import SD3Adapter
+    from .tiny import build_tiny, ensure_tiny
+
+_LAZY = {
+    "FluxAdapter": "verl_digen.models.flux",
+    "SD3Adapter": "verl_digen.models.sd3",
+    "build_tiny": "verl_digen.models.tiny",
+    "ensure_tiny": "verl_digen.models.tiny",
+}
+
+__all__ = [
+    "ADAPTERS",
+    "PIPELINE_TO_ARCH",
+    "Conditioning",
+    "DiffusionAdapter",
+    "FluxAdapter",
+    "SD3Adapter",
+    "SampleSpec",
+    "build_tiny",
+    "detect_arch",
+    "ensure_tiny",
+    "load_adapter",
+    "register_adapter",
+]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
