@@ -1,0 +1,30 @@
+"""``python -m verl_digen.main [hydra overrides]``: FlowGRPO training of a diffusion model.
+
+With no overrides it builds a tiny FLUX model, trains it colocated on 2 devices (CPU slots
+on a CPU machine) with the brightness reward, and prints the run directory.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from verl_digen.config.compose import CONFIG_DIR, CONFIG_NAME
+from verl_digen.config.schema import ConfigError
+
+
+@hydra.main(config_path=CONFIG_DIR, config_name=CONFIG_NAME, version_base=None)
+def main(config: DictConfig) -> None:
+    from verl_digen.trainer.loop import run_training
+
+    try:
+        run_training(config)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"[verl-digen] error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

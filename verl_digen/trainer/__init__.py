@@ -1,0 +1,1 @@
+"""The controller: plans steps, runs them on Ray worker groups, measures and logs."""

@@ -1,0 +1,274 @@
+"""The FlowGRPO training loop, driven as plans on Ray worker groups.
+
+Read it as the algorithm: for each step, sample groups of images with SDE log-probs,
+score them, normalise rewards within each group, train on micro-batches of whole groups
+with gradient accumulation, step the optimizer, hand the weights to rollout. *Where* and
+*when* each of those runs is the plan's business (colocated, disaggregated, +GAP, +TCSS).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from verl_digen.config.schema import ConfigError, DigenConfig, digen_config_from_dict
+from verl_digen.placement.pools import build_worker_groups, cluster_from_trainer_config, pool_layout
+from verl_digen.schedule.plan import TaskKind, WorkerId, group_ids
+from verl_digen.schedule.strategies import StepCosts, StepPlanner, measure_costs
+from verl_digen.schedule.timeline import save_gantt
+from verl_digen.trainer.ray_executor import RayPlanExecutor
+
+
+@dataclass
+class RunResult:
+    output_dir: str
+    metrics: list[dict[str, Any]]
+    strategy: str
+    devices: int
+    wall_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _total_steps(trainer_cfg: Any) -> int:
+    steps = trainer_cfg.get("total_training_steps")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ConfigError(f"invalid config: trainer.total_training_steps={steps!r}; must be a positive integer")
+    return steps
+
+
+def resolve_model_path(cfg: DigenConfig) -> str:
+    from verl_digen.models.registry import ADAPTERS, detect_arch
+    from verl_digen.models.tiny import ensure_tiny
+
+    if cfg.model.path is None:
+        return ensure_tiny(cfg.model.tiny_arch)
+    if not os.path.isdir(cfg.model.path):
+        raise FileNotFoundError(f"digen.model.path: model path '{cfg.model.path}' does not exist")
+    if cfg.model.arch is not None and cfg.model.arch not in ADAPTERS:
+        raise ConfigError(f"invalid config: digen.model.arch={cfg.model.arch!r}; known: {', '.join(sorted(ADAPTERS))}")
+    detect_arch(cfg.model.path)  # names a missing model_index.json or an unsupported pipeline
+    return os.path.abspath(cfg.model.path)
+
+
+def resolve_prompts(cfg: DigenConfig) -> list[str]:
+    from verl_digen.data import builtin_prompts, load_prompts
+
+    if cfg.data.prompts.startswith("builtin:"):
+        return builtin_prompts(cfg.data.prompts.split(":", 1)[1])
+    return load_prompts(cfg.data.prompts)
+
+
+def output_dir_for(cfg: DigenConfig, trainer_cfg: Any) -> str:
+    if cfg.output_dir:
+        path = cfg.output_dir
+    else:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        path = os.path.join("runs", str(trainer_cfg.project_name), f"{trainer_cfg.experiment_name}-{stamp}")
+    os.makedirs(path, exist_ok=True)
+    return os.path.abspath(path)
+
+
+def preflight_reward(cfg: DigenConfig) -> None:
+    """Fail before any worker starts when an HTTP reward server cannot be reached."""
+    specs = [{"name": cfg.reward.name, "kwargs": cfg.reward.kwargs}] + list(cfg.reward.components)
+    for spec in specs:
+        if spec.get("name") == "http":
+            from verl_digen.rewards.http_client import HttpReward
+
+            kwargs = dict(spec.get("kwargs", {}))
+            HttpReward(**kwargs).check_reachable()
+
+
+def _init_ray(devices: int, cfg: DigenConfig, use_gpu: bool) -> bool:
+    import ray
+
+    if ray.is_initialized():
+        return False
+    num_cpus = cfg.ray_num_cpus or max(devices + 2, os.cpu_count() or 1)
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        ignore_reinit_error=True,
+        log_to_driver=True,
+        runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}},
+    )
+    return True
+
+
+def _mean(values: list[float]) -> float:
+    return float(sum(values) / len(values)) if values else 0.0
+
+
+class DigenTrainer:
+    """Builds pools and workers, then runs ``trainer.total_training_steps`` planned steps."""
+
+    def __init__(self, config: DictConfig) -> None:
+        container = OmegaConf.to_container(config, resolve=True)
+        assert isinstance(container, dict)
+        self.full_config = container
+        self.trainer_cfg = config.trainer
+        self.cfg = digen_config_from_dict(container.get("digen"))
+        self.total_steps = _total_steps(self.trainer_cfg)
+        self.cluster = cluster_from_trainer_config(self.trainer_cfg)
+        self.layout = pool_layout(self.cfg, self.cluster)
+        self.spec = self.layout.spec
+        self.prompts = resolve_prompts(self.cfg)
+        preflight_reward(self.cfg)
+        self.model_path = resolve_model_path(self.cfg)
+        self.output_dir = output_dir_for(self.cfg, self.trainer_cfg)
+
+    # ------------------------------------------------------------------ run
+
+    def run(self) -> RunResult:
+        import ray
+
+        from verl.utils.tracking import Tracking
+        from verl_digen.data import PromptSampler
+
+        cfg = self.cfg
+        use_gpu = torch.cuda.is_available()
+        devices = self.spec.devices
+        owns_ray = _init_ray(devices, cfg, use_gpu)
+        threads = max(1, (os.cpu_count() or 1) // max(devices, 1)) if not use_gpu else 4
+        digen_dict = self.full_config["digen"]
+        groups, actors = build_worker_groups(
+            self.layout, config=digen_dict, model_path=self.model_path, use_gpu=use_gpu, num_threads=threads
+        )
+        try:
+            ray.get([a.init_model.remote() for a in actors.values()], timeout=cfg.task_timeout_s)
+            if self.spec.placement == "disaggregated":
+                self._open_weight_channel(actors, use_gpu)
+            sampler = PromptSampler(self.prompts, seed=cfg.seed, shuffle=cfg.data.shuffle)
+            tracker = Tracking(
+                project_name=self.trainer_cfg.project_name,
+                experiment_name=self.trainer_cfg.experiment_name,
+                default_backend=list(self.trainer_cfg.logger),
+                config=self.full_config,
+            )
+            metrics = self._train(actors, sampler, tracker)
+            tracker.finish() if hasattr(tracker, "finish") else None
+        finally:
+            for wg in groups.values():
+                for a in wg.workers:
+                    ray.kill(a, no_restart=True)
+            if owns_ray:
+                ray.shutdown()
+        print(f"[verl-digen] run output: {self.output_dir}")
+        return RunResult(
+            output_dir=self.output_dir,
+            metrics=metrics,
+            strategy=self.spec.name,
+            devices=devices,
+            wall_s=self._wall_s,
+        )
+
+    def _open_weight_channel(self, actors: dict[WorkerId, Any], use_gpu: bool) -> None:
+        import ray
+
+        backend = self.cfg.sync.backend
+        if backend == "auto":
+            backend = "nccl" if use_gpu else "gloo"
+        sender = actors[WorkerId("trainer", 0)]
+        receivers = [actors[WorkerId("rollout", r)] for r in range(self.spec.rollout_workers)]
+        addr, port = ray.get(sender.sync_master_endpoint.remote(), timeout=60)
+        world = len(receivers) + 1
+        ray.get(
+            [sender.sync_open.remote(0, world, addr, port, backend)]
+            + [w.sync_open.remote(i + 1, world, addr, port, backend) for i, w in enumerate(receivers)],
+            timeout=self.cfg.task_timeout_s,
+        )
+        digests = ray.get([sender.weights_digest.remote(), receivers[0].weights_digest.remote()], timeout=60)
+        if digests[0] != digests[1]:
+            raise RuntimeError("rollout and trainer start from different weights (same model dir and LoRA seed expected)")
+
+    def _train(self, actors: dict[WorkerId, Any], sampler: Any, tracker: Any) -> list[dict[str, Any]]:
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        planner = StepPlanner(self.spec)
+        executor = RayPlanExecutor(planner.plan, actors, std_mode=cfg.algo.std_mode, timeout_s=cfg.task_timeout_s)
+        metrics_path = os.path.join(self.output_dir, "metrics.jsonl")
+        lookahead = 1 if self.spec.max_staleness else 0
+        assigned_until = -1
+
+        def assign_prompts(step: int) -> None:
+            nonlocal assigned_until
+            while assigned_until < step:
+                assigned_until += 1
+                ids = group_ids(assigned_until, self.spec.groups_per_step)
+                for g, (idx, prompt) in zip(ids, sampler.next(len(ids))):
+                    executor.prompts[g] = (idx, prompt)
+
+        costs = StepCosts()
+        all_metrics: list[dict[str, Any]] = []
+        t_run0 = time.time()
+        t_prev = t_run0
+        bar = tqdm(range(self.total_steps), desc=f"digen {self.spec.name}", disable=not cfg.progress_bar)
+        with open(metrics_path, "w") as mf:
+            for s in bar:
+                assign_prompts(min(s + lookahead, self.total_steps - 1))
+                planner.plan_step(s, costs, has_next=s + 1 < self.total_steps)
+                executor.run_until([f"opt:{s}"])
+                t_end = time.time()
+                m = self._step_metrics(executor, s, t_prev, t_end)
+                all_metrics.append(m)
+                mf.write(json.dumps(m) + "\n")
+                mf.flush()
+                tracker.log(data=m, step=m["step"])
+                bar.set_postfix(reward=f"{m['reward_mean']:.4f}", img_s=f"{m['images_per_s']:.2f}")
+                costs = measure_costs(executor.timeline.records, s, self.spec, costs)
+                t_prev = t_end
+            executor.run_until(None)  # nothing may be left running (e.g. a final sync)
+        self._wall_s = time.time() - t_run0
+        executor.plan.check(complete_steps=range(self.total_steps))
+        executor.timeline.write_jsonl(os.path.join(self.output_dir, "timeline.jsonl"), t0=t_run0)
+        self._save_gantt(executor, all_metrics, t_run0)
+        return all_metrics
+
+    def _step_metrics(self, executor: RayPlanExecutor, s: int, t0: float, t1: float) -> dict[str, Any]:
+        res = executor.results[s]
+        rewards = torch.cat([res.rewards[g] for g in sorted(res.rewards)])
+        wall = t1 - t0
+        images = self.spec.groups_per_step * self.spec.group_size
+        syncs = [r for r in executor.timeline.records if r.kind == TaskKind.SYNC.value and t0 <= r.end <= t1]
+        m: dict[str, Any] = {
+            "step": s + 1,
+            "policy_version": s + 1,
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std(unbiased=False)),
+            "images_per_s": images / wall,
+            "images_per_device_s": images / wall / self.spec.devices,
+            "step_time_s": wall,
+            "bubble_fraction": executor.timeline.bubble_fraction(t0, t1),
+            "weight_sync_s": sum(r.end - r.start for r in syncs),
+            "max_staleness_seen": int(max((t["staleness_max"] for t in res.train), default=0)),
+            "strategy": self.spec.name,
+            "devices": self.spec.devices,
+        }
+        keys = {k for t in res.train for k in t if k.startswith("actor/")}
+        for k in sorted(keys):
+            m[k] = _mean([t[k] for t in res.train if k in t])
+        m.update(res.optimizer)
+        m["policy_version"] = s + 1
+        return m
+
+    def _save_gantt(self, executor: RayPlanExecutor, metrics: list[dict[str, Any]], t_run0: float) -> None:
+        last = max(1, self.cfg.gantt_last_steps)
+        opt_end = {r.step: r.end for r in executor.timeline.records if r.kind == TaskKind.OPTIMIZER_STEP.value}
+        first = max(0, self.total_steps - last)
+        t0 = opt_end.get(first - 1, t_run0)
+        t1 = max(opt_end.values())
+        save_gantt(
+            executor.timeline, os.path.join(self.output_dir, "gantt.png"), t0=t0, t1=t1,
+            title=f"{self.spec.name}, {self.spec.devices} devices, steps {first + 1}-{self.total_steps}",
+        )
+
+
+def run_training(config: DictConfig) -> RunResult:
+    return DigenTrainer(config).run()

@@ -1,0 +1,172 @@
+"""Runs plans on Ray actors with non-blocking calls.
+
+Each task kind maps to one actor method; trajectories travel generate -> reward -> train as
+Ray object refs (the driver never materialises latents), while the small reward vectors are
+fetched by the driver, which computes the group-normalised advantages.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import torch
+
+from verl_digen.algos.advantages import group_advantages
+from verl_digen.schedule.plan import Plan, Task, TaskKind, WorkerId
+from verl_digen.schedule.runner import PlanRunner
+
+
+class WorkerFailure(RuntimeError):
+    """A worker process died or a task on it raised; names the worker and its pool."""
+
+
+@dataclass
+class StepResults:
+    """What the driver gathered for one training step."""
+
+    rewards: dict[int, torch.Tensor] = field(default_factory=dict)  # group -> [G]
+    versions: dict[int, int] = field(default_factory=dict)  # group -> weights version it was sampled with
+    train: list[dict[str, float]] = field(default_factory=list)
+    optimizer: dict[str, float] = field(default_factory=dict)
+    sync: list[dict[str, Any]] = field(default_factory=list)
+
+
+class RayPlanExecutor(PlanRunner):
+    def __init__(
+        self,
+        plan: Plan,
+        actors: dict[WorkerId, Any],
+        *,
+        std_mode: str,
+        timeout_s: float,
+    ) -> None:
+        super().__init__(plan)
+        self.actors = actors
+        self.std_mode = std_mode
+        self.timeout_s = timeout_s
+        self.prompts: dict[int, tuple[int, str]] = {}  # group -> (prompt index, prompt)
+        self.outputs: dict[str, ray.ObjectRef] = {}  # generate task id -> DataProto ref
+        self.gen_of_group: dict[int, str] = {}
+        self.row_groups: dict[int, torch.Tensor] = {}
+        self.results: dict[int, StepResults] = defaultdict(StepResults)
+        self._refs: dict[str, list[ray.ObjectRef]] = {}
+        self._ref_task: dict[ray.ObjectRef, str] = {}
+        self._finished_refs: dict[str, list[Any]] = defaultdict(list)
+
+    def now(self) -> float:
+        return time.time()
+
+    # ------------------------------------------------------------------ launch
+
+    def _launch(self, task: Task) -> None:
+        a = self.actors
+        if task.kind == TaskKind.GENERATE:
+            request = {
+                "group_ids": list(task.groups),
+                "prompts": [self.prompts[g][1] for g in task.groups],
+                "prompt_indices": [self.prompts[g][0] for g in task.groups],
+                "step": task.step,
+                "version": task.version,
+            }
+            ref = a[task.worker].generate.remote(request)
+            self.outputs[task.id] = ref
+            for g in task.groups:
+                self.gen_of_group[g] = task.id
+            refs = [ref]
+        elif task.kind == TaskKind.REWARD:
+            gen_id = self.gen_of_group[task.groups[0]]
+            refs = [a[task.worker].compute_reward.remote(self.outputs[gen_id])]
+        elif task.kind == TaskKind.TRAIN:
+            gen_ids = sorted({self.gen_of_group[g] for g in task.groups})
+            request = {"groups": list(task.groups), "advantages": self._advantages(task)}
+            refs = [a[task.worker].train_micro_batch.remote(request, *[self.outputs[i] for i in gen_ids])]
+        elif task.kind == TaskKind.OPTIMIZER_STEP:
+            refs = [a[w].optimizer_step.remote() for w in task.workers]
+        elif task.kind == TaskKind.SYNC:
+            sender, *receivers = task.workers
+            refs = [a[sender].sync_send.remote(task.version)] + [a[w].sync_recv.remote() for w in receivers]
+        else:  # pragma: no cover - TaskKind is closed
+            raise ValueError(task.kind)
+        self._refs[task.id] = refs
+        for r in refs:
+            self._ref_task[r] = task.id
+
+    def _advantages(self, task: Task) -> torch.Tensor:
+        res = self.results[task.step]
+        rows = torch.cat([res.rewards[g] for g in task.groups])
+        ids = torch.cat([torch.full_like(res.rewards[g], g, dtype=torch.long) for g in task.groups])
+        if self.std_mode != "global":
+            return group_advantages(rows, ids, std_mode=self.std_mode)
+        # Global std: normalise by the whole step's std (all rewards are in: no GAP).
+        all_rows = torch.cat([res.rewards[g] for g in sorted(res.rewards)])
+        all_ids = torch.cat([torch.full_like(res.rewards[g], g, dtype=torch.long) for g in sorted(res.rewards)])
+        adv = group_advantages(all_rows, all_ids, std_mode="global")
+        by_group = {g: adv[all_ids == g] for g in sorted(res.rewards)}
+        return torch.cat([by_group[g] for g in task.groups])
+
+    # ------------------------------------------------------------------ wait
+
+    def _wait_one(self) -> tuple[str, Any]:
+        while True:
+            pending = list(self._ref_task)
+            ready, _ = ray.wait(pending, num_returns=1, timeout=self.timeout_s)
+            if not ready:
+                running = {tid: [str(w) for w in self.plan[tid].workers] for tid in self.running}
+                raise WorkerFailure(
+                    f"no task finished within digen.task_timeout_s={self.timeout_s}s; running: {running}. "
+                    "A worker may be hung; the run stops here."
+                )
+            ref = ready[0]
+            tid = self._ref_task.pop(ref)
+            task = self.plan[tid]
+            if task.kind == TaskKind.GENERATE:
+                # Keep the trajectories in the object store; a failed generate surfaces in
+                # the reward task that consumes it, with the original error attached.
+                value: Any = ref
+            else:
+                value = self._check_ok(task, ref)
+            self._finished_refs[tid].append(value)
+            if len(self._finished_refs[tid]) == len(self._refs[tid]):
+                return tid, self._finished_refs.pop(tid)
+
+    def _check_ok(self, task: Task, ref: ray.ObjectRef) -> Any:
+        try:
+            return ray.get(ref, timeout=self.timeout_s)
+        except ray.exceptions.RayActorError as e:
+            raise WorkerFailure(
+                f"worker {', '.join(str(w) for w in task.workers)} (pool '{task.worker.pool}') died while "
+                f"running {task.id}: {e.__class__.__name__}"
+            ) from e
+        except ray.exceptions.RayTaskError as e:
+            raise WorkerFailure(
+                f"task {task.id} failed on {', '.join(str(w) for w in task.workers)}: {e.cause!r}"
+            ) from e
+
+    # ------------------------------------------------------------------ collect
+
+    def _on_finish(self, task: Task, result: Any, start: float, end: float) -> None:
+        res = self.results[task.step]
+        if task.kind == TaskKind.REWARD:
+            out = result[0]
+            for g in task.groups:
+                sel = out["group_id"] == g
+                res.rewards[g] = out["rewards"][sel]
+                res.versions[g] = int(out["policy_version"][sel][0])
+        elif task.kind == TaskKind.TRAIN:
+            res.train.append(result[0])
+        elif task.kind == TaskKind.OPTIMIZER_STEP:
+            res.optimizer = result[0]
+            # The step's trajectories are trained: free them from the object store.
+            for g in [g for g, tid in self.gen_of_group.items() if self.plan[tid].step == task.step]:
+                self.outputs.pop(self.gen_of_group.pop(g), None)
+        elif task.kind == TaskKind.SYNC:
+            res.sync.append(result[0])
+
+    def _record_extra(self, task: Task, result: Any) -> dict[str, Any]:
+        if task.kind == TaskKind.SYNC:
+            return {"bytes": result[0].get("nbytes", 0)}
+        return {}

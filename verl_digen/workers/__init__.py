@@ -1,0 +1,1 @@
+"""veRL workers for diffusion RL: sampling, policy training and reward, as Ray actors."""

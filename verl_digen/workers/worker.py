@@ -1,0 +1,218 @@
+"""The diffusion worker: one veRL ``Worker`` class, four roles.
+
+- ``fused``   (colocated): generates, scores and trains with one copy of the weights;
+- ``rollout`` (disaggregated): generates (and scores when there is no reward pool),
+  receives weights from the trainer;
+- ``trainer`` (disaggregated): trains, steps the optimizer, sends weights;
+- ``reward``  (disaggregated): scores images.
+
+Like veRL's ``ActorRolloutRefWorker(role=...)``, the role decides what is built in
+``init_model``. Methods are registered with veRL's ``@register`` so a ``RayWorkerGroup``
+can broadcast them (``ONE_TO_ALL``); the plan executor also calls them on single actors
+(``wg.workers[i].generate.remote(...)``), which is how tasks land on the worker a plan names.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from verl import DataProto
+from verl.single_controller.base import Worker
+from verl.single_controller.base.decorator import Dispatch, register
+from verl_digen.config.schema import DigenConfig, digen_config_from_dict
+from verl_digen.sync.state import state_digest, trainable_state
+from verl_digen.sync.transport import WeightSyncMixin
+from verl_digen.workers.sampling import SamplingSettings, sample_groups
+from verl_digen.workers.training import PolicyTrainer, TrainSettings, add_lora
+
+ROLES = ("fused", "rollout", "trainer", "reward")
+
+
+def sampling_settings(cfg: DigenConfig) -> SamplingSettings:
+    from verl_digen.algos.window import SdeWindowConfig
+    from verl_digen.models.base import SampleSpec
+
+    s = cfg.sampling
+    return SamplingSettings(
+        spec=SampleSpec(
+            height=s.height,
+            width=s.width,
+            num_frames=s.num_frames,
+            guidance_scale=s.guidance_scale,
+            distilled_guidance=s.distilled_guidance,
+        ),
+        num_steps=s.num_steps,
+        noise_level=s.noise_level,
+        sde_type=s.sde_type,
+        window=SdeWindowConfig(
+            mode=s.sde_window.mode,
+            size=s.sde_window.size,
+            start=s.sde_window.start,
+            stride=s.sde_window.stride,
+            range_end=s.sde_window.range_end,
+        ),
+        timestep_fraction=s.timestep_fraction,
+        negative_prompt=s.negative_prompt,
+        autocast_bf16=cfg.model.dtype == "bf16",
+    )
+
+
+def compute_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class DiffusionWorker(Worker, WeightSyncMixin):
+    def __init__(self, role: str, config: dict[str, Any], model_path: str, num_threads: int = 1) -> None:
+        super().__init__()
+        if role not in ROLES:
+            raise ValueError(f"unknown worker role {role!r}; valid: {', '.join(ROLES)}")
+        self.role = role
+        self.cfg: DigenConfig = digen_config_from_dict(config)
+        self.model_path = model_path
+        self.num_threads = num_threads
+        self.policy_version = 0
+        self.adapter = None
+        self.trainer: PolicyTrainer | None = None
+        self.reward_fn = None
+        self._pg: dist.ProcessGroup | None = None
+
+    # ------------------------------------------------------------------ set-up
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> dict[str, Any]:
+        torch.set_num_threads(self.num_threads)
+        cfg = self.cfg
+        info: dict[str, Any] = {"role": self.role, "rank": self.rank, "pid": os.getpid()}
+        if self.role in ("fused", "rollout", "trainer"):
+            from verl_digen.models.registry import load_adapter
+
+            device = compute_device()
+            self.adapter = load_adapter(self.model_path, cfg.model.arch, device=device)
+            if cfg.model.lora.enable:
+                add_lora(self.adapter, cfg.model.lora)
+            self.sync_module = self.adapter.transformer
+            self.sync_lora_only = cfg.model.lora.enable
+            self.settings = sampling_settings(cfg)
+            if self.role == "rollout":
+                self.adapter.transformer.requires_grad_(False).eval()
+            info["device"] = str(device)
+            info["params"] = sum(p.numel() for p in self.adapter.transformer.parameters())
+        if self.role in ("fused", "trainer"):
+            self.trainer = PolicyTrainer(
+                self.adapter,
+                TrainSettings(
+                    algo=cfg.algo,
+                    sampling=self.settings,
+                    lora_only=cfg.model.lora.enable,
+                    images_per_step=cfg.batch.images_per_step,
+                ),
+            )
+            info["trainable_params"] = sum(p.numel() for p in self.trainer.params)
+            if self.world_size > 1:
+                backend = "nccl" if torch.cuda.is_available() else "gloo"
+                if not dist.is_initialized():
+                    dist.init_process_group(backend=backend, rank=self.rank, world_size=self.world_size)
+                self._pg = dist.group.WORLD
+        if self.role in ("fused", "rollout", "reward"):
+            from verl_digen.rewards import build_reward_from_config
+
+            self.reward_fn = build_reward_from_config(
+                {"name": cfg.reward.name, "kwargs": cfg.reward.kwargs, "components": cfg.reward.components}
+                if cfg.reward.name == "weighted"
+                else {"name": cfg.reward.name, "kwargs": cfg.reward.kwargs}
+            )
+        return info
+
+    # ------------------------------------------------------------------ tasks
+
+    def generate(self, request: dict[str, Any]) -> DataProto:
+        """Sample whole groups. ``request``: group_ids, prompts, prompt_indices, step, version."""
+        expected = request["version"]
+        if expected != self.policy_version:
+            raise RuntimeError(
+                f"{self.role}{self.rank} holds weights version {self.policy_version} but the plan "
+                f"generates groups {request['group_ids']} with version {expected}"
+            )
+        t0 = time.time()
+        data = sample_groups(
+            self.adapter,
+            request["prompts"],
+            request["group_ids"],
+            request["prompt_indices"],
+            group_size=self.cfg.batch.group_size,
+            settings=self.settings,
+            training_step=request["step"],
+            seed=self.cfg.seed,
+            policy_version=self.policy_version,
+        )
+        data.meta_info["generate_s"] = time.time() - t0
+        return data
+
+    def compute_reward(self, data: DataProto) -> dict[str, Any]:
+        prompts = [str(p) for p in data.non_tensor_batch["prompt"]]
+        rewards = self.reward_fn(data.batch["images"], prompts)
+        return {
+            "group_id": torch.tensor(data.non_tensor_batch["group_id"].astype(np.int64)),
+            "rewards": rewards.detach().float().cpu(),
+            "policy_version": torch.tensor(data.non_tensor_batch["policy_version"].astype(np.int64)),
+        }
+
+    def train_micro_batch(self, request: dict[str, Any], *trajectories: DataProto) -> dict[str, float]:
+        """``request``: groups (to select from the trajectories), advantages per row of the selection."""
+        data = select_groups(trajectories, request["groups"])
+        metrics = self.trainer.train_micro_batch(data, request["advantages"])
+        versions = data.non_tensor_batch["policy_version"]
+        metrics["staleness_max"] = float(self.policy_version - versions.min())
+        metrics["staleness_min"] = float(self.policy_version - versions.max())
+        return metrics
+
+    def optimizer_step(self) -> dict[str, float]:
+        metrics = self.trainer.optimizer_step(self._pg)
+        self.policy_version += 1
+        metrics["policy_version"] = float(self.policy_version)
+        return metrics
+
+    # ------------------------------------------------------------------ inspection
+
+    def recompute_log_probs(self, data: DataProto) -> torch.Tensor:
+        return self.trainer.recompute_log_probs(data) if self.trainer else _no_trainer(self.role)
+
+    def weights_digest(self) -> str:
+        return state_digest(trainable_state(self.adapter.transformer, lora_only=self.cfg.model.lora.enable))
+
+    def trainable_state_cpu(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu().clone() for k, v in trainable_state(self.adapter.transformer, lora_only=self.cfg.model.lora.enable).items()}
+
+    def get_policy_version(self) -> int:
+        return self.policy_version
+
+    def ping(self) -> str:
+        return f"{self.role}{self.rank}"
+
+
+def _no_trainer(role: str):
+    raise RuntimeError(f"a {role} worker has no trainer")
+
+
+def select_groups(trajectories: tuple[DataProto, ...], groups: list[int]) -> DataProto:
+    """Rows of the given groups, in the order of ``groups``, from one or more generate outputs."""
+    parts = []
+    for g in groups:
+        for data in trajectories:
+            idx = [i for i, gid in enumerate(data.non_tensor_batch["group_id"]) if int(gid) == g]
+            if idx:
+                part = data.select_idxs(idx)
+                part.meta_info = {}  # per-task timings differ; concat requires equal meta
+                parts.append(part)
+                break
+        else:
+            raise KeyError(f"group {g} is in none of the trajectories passed to the trainer")
+    return DataProto.concat(parts) if len(parts) > 1 else parts[0]
