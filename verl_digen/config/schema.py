@@ -235,6 +235,7 @@ class DigenConfig:
     ray_num_cpus: Optional[int] = None
     task_timeout_s: float = 600.0
     gantt_last_steps: int = 3
+    save_final_weights: bool = False  # write the trained (LoRA or full) state to final_weights.safetensors
 
     def validate(self) -> None:
         if self.placement not in ("colocated", "disaggregated"):

@@ -105,7 +105,7 @@ class StepPlanner:
     # ----------------------------------------------------------------- public
 
     def plan_step(self, step: int, costs: StepCosts | None = None, *, has_next: bool = True) -> list[Task]:
-        """Append step ``step``; ``has_next=False`` for the last step (no look-ahead, no sync)."""
+        """Append step ``step``; ``has_next=False`` for the last step (no look-ahead)."""
         costs = costs or StepCosts()
         start = len(self.plan.tasks)
         spec = self.spec
@@ -115,9 +115,10 @@ class StepPlanner:
         sync_dep = f"sync:{step}" if f"sync:{step}" in self.plan else None
         self._add_generation(step, remaining, extra_deps=(sync_dep,) if sync_dep else ())
         self._add_training(step, groups)
-        if spec.placement == "disaggregated" and has_next:
-            if spec.max_staleness >= 1:
+        if spec.placement == "disaggregated":
+            if spec.max_staleness >= 1 and has_next:
                 self._add_lookahead(step + 1, costs)
+            # Also after the last step: rollout ends holding the final weights.
             self._add_sync(step + 1)
         return self.plan.tasks[start:]
 

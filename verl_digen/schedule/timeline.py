@@ -66,6 +66,7 @@ class Timeline:
         with open(path, "w") as f:
             for r in self.records:
                 d = asdict(r)
+                d["worker"] = ",".join(r.workers)  # gang tasks (optimizer step, sync) list every worker
                 d["start"] -= t0
                 d["end"] -= t0
                 f.write(json.dumps(d) + "\n")
@@ -75,7 +76,9 @@ class Timeline:
         records = []
         with open(path) as f:
             for line in f:
-                records.append(TaskRecord(**json.loads(line)))
+                d = json.loads(line)
+                d.pop("worker", None)
+                records.append(TaskRecord(**d))
         workers = sorted({w for r in records for w in r.workers})
         return cls(workers=workers, records=records)
 

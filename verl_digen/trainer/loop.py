@@ -152,11 +152,16 @@ class DigenTrainer:
                 config=self.full_config,
             )
             metrics = self._train(actors, sampler, tracker)
-            tracker.finish() if hasattr(tracker, "finish") else None
+            extra = self._finish(actors)
+            tracker.finish()
         finally:
+            from ray.util.placement_group import remove_placement_group
+
             for wg in groups.values():
                 for a in wg.workers:
                     ray.kill(a, no_restart=True)
+                for pg in getattr(wg.resource_pool, "pgs", None) or []:
+                    remove_placement_group(pg)
             if owns_ray:
                 ray.shutdown()
         print(f"[verl-digen] run output: {self.output_dir}")
@@ -166,7 +171,31 @@ class DigenTrainer:
             strategy=self.spec.name,
             devices=devices,
             wall_s=self._wall_s,
+            extra=extra,
         )
+
+    def _finish(self, actors: dict[WorkerId, Any]) -> dict[str, Any]:
+        """Check rollout holds the trainer's final weights; optionally save them."""
+        import ray
+
+        extra: dict[str, Any] = {}
+        source = actors[self.spec.trainers[0]]
+        if self.spec.placement == "disaggregated":
+            digests = ray.get(
+                [source.weights_digest.remote()] + [actors[w].weights_digest.remote() for w in self.spec.generators],
+                timeout=120,
+            )
+            extra["weights_in_sync"] = all(d == digests[0] for d in digests[1:])
+            if not extra["weights_in_sync"]:
+                raise RuntimeError("after the final sync, rollout weights differ from the trainer's")
+        if self.cfg.save_final_weights:
+            from safetensors.torch import save_file
+
+            state = ray.get(source.trainable_state_cpu.remote(), timeout=300)
+            path = os.path.join(self.output_dir, "final_weights.safetensors")
+            save_file(state, path)
+            extra["final_weights"] = path
+        return extra
 
     def _open_weight_channel(self, actors: dict[WorkerId, Any], use_gpu: bool) -> None:
         import ray
