@@ -24,6 +24,16 @@ from verl_digen.schedule.strategies import StepCosts, StepPlanner, measure_costs
 from verl_digen.schedule.timeline import save_gantt
 from verl_digen.trainer.ray_executor import RayPlanExecutor
 
+# Keep the console for the progress bar and the metrics, not per-worker loading bars.
+QUIET_ENV = {
+    "TOKENIZERS_PARALLELISM": "false",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "DIFFUSERS_VERBOSITY": "error",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+}
+for _k, _v in QUIET_ENV.items():
+    os.environ.setdefault(_k, _v)
+
 
 @dataclass
 class RunResult:
@@ -96,7 +106,7 @@ def _init_ray(devices: int, cfg: DigenConfig, use_gpu: bool) -> bool:
         include_dashboard=False,
         ignore_reinit_error=True,
         log_to_driver=True,
-        runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}},
+        runtime_env={"env_vars": {**QUIET_ENV, "OMP_NUM_THREADS": "1"}},
     )
     return True
 
