@@ -14,12 +14,18 @@ from .registry import ADAPTERS, PIPELINE_TO_ARCH, detect_arch, load_adapter, reg
 
 if TYPE_CHECKING:  # pragma: no cover
     from .flux import FluxAdapter
+    from .hunyuan_video import HunyuanVideoAdapter
+    from .qwen_image import QwenImageAdapter
     from .sd3 import SD3Adapter
+    from .wan import WanAdapter
     from .tiny import build_tiny, ensure_tiny
 
 _LAZY = {
     "FluxAdapter": "verl_digen.models.flux",
     "SD3Adapter": "verl_digen.models.sd3",
+    "QwenImageAdapter": "verl_digen.models.qwen_image",
+    "WanAdapter": "verl_digen.models.wan",
+    "HunyuanVideoAdapter": "verl_digen.models.hunyuan_video",
     "build_tiny": "verl_digen.models.tiny",
     "ensure_tiny": "verl_digen.models.tiny",
 }
@@ -30,7 +36,10 @@ __all__ = [
     "Conditioning",
     "DiffusionAdapter",
     "FluxAdapter",
+    "HunyuanVideoAdapter",
+    "QwenImageAdapter",
     "SD3Adapter",
+    "WanAdapter",
     "SampleSpec",
     "build_tiny",
     "detect_arch",

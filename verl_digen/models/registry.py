@@ -55,6 +55,9 @@ ADAPTERS = _LazyAdapters(
     {
         "flux": "verl_digen.models.flux:FluxAdapter",
         "sd3": "verl_digen.models.sd3:SD3Adapter",
+        "qwen_image": "verl_digen.models.qwen_image:QwenImageAdapter",
+        "wan": "verl_digen.models.wan:WanAdapter",
+        "hunyuan_video": "verl_digen.models.hunyuan_video:HunyuanVideoAdapter",
     }
 )
 
@@ -62,6 +65,9 @@ ADAPTERS = _LazyAdapters(
 PIPELINE_TO_ARCH: dict[str, str] = {
     "FluxPipeline": "flux",
     "StableDiffusion3Pipeline": "sd3",
+    "QwenImagePipeline": "qwen_image",
+    "WanPipeline": "wan",
+    "HunyuanVideoPipeline": "hunyuan_video",
 }
 
 
@@ -98,7 +104,8 @@ def load_adapter(
     must be known, and must agree with the directory's pipeline class when that is a known one.
     """
     if arch is not None and arch not in ADAPTERS:
-        raise ValueError(f"unknown model arch '{arch}'; known: {', '.join(sorted(ADAPTERS))}")
+        # Registration order (built-ins first, then plugins), not alphabetical.
+        raise ValueError(f"unknown model arch '{arch}'; known: {', '.join(ADAPTERS)}")
     index = read_model_index(path)  # FileNotFoundError for a missing dir or model_index.json
     if arch is None:
         arch = detect_arch(path)

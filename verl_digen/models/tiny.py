@@ -9,9 +9,18 @@ Sizes: a 32x32 image goes through a VAE with one 2x downsample to 16x16 latents,
 tokens for the transformer (FLUX packs 2x2 latent patches, SD3 uses patch size 2). Prompts are
 16 tokens per text encoder. One transformer forward takes a few milliseconds on one CPU core.
 
+Video models (Wan2.1, HunyuanVideo) use the same 2x spatial VAE factor and a causal temporal
+factor (Wan 2, HunyuanVideo 4, the smallest its VAE allows): a 5-frame 32x32 clip becomes 3
+(Wan) or 2 (HunyuanVideo) latent frames of 16x16. Qwen-Image works like FLUX (packed 2x2 patches).
+Their tokenizers (Qwen2 byte-level BPE, Llama sentencepiece-style BPE) are trained in code with
+the ``tokenizers`` library on the prompt words and the pipelines' prompt templates, so that the
+template prefix has exactly the length the pipeline crops (34 tokens for Qwen-Image, 95 for
+HunyuanVideo) and prompts keep all their tokens.
+
 CLI::
 
     python -m verl_digen.models.tiny --arch flux --out /tmp/tiny-flux
+    python -m verl_digen.models.tiny --arch {sd3,qwen_image,wan,hunyuan_video} --out DIR
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ import tempfile
 import torch
 
 TINY_VERSION = "v1"  # bump when the builders change, so stale caches are not reused
-TINY_ARCHS = ("flux", "sd3")
+TINY_ARCHS = ("flux", "sd3", "qwen_image", "wan", "hunyuan_video")
 
 # Shared toy sizes. Text widths are small but distinct where the pipeline pads or concatenates,
 # so that shape bugs show up as errors instead of silently lining up.
@@ -251,7 +260,354 @@ def _sd3_pipeline():
     )
 
 
-_PIPELINE_BUILDERS = {"flux": _flux_pipeline, "sd3": _sd3_pipeline}
+# ---------------------------------------------------------------------- trained BPE tokenizers
+#
+# Qwen2 and Llama tokenizers are BPE over whole pre-tokenized words. Rather than hand-writing
+# merges (which interfere across words without an end-of-word marker), a BPE model is trained
+# with the ``tokenizers`` library on the prompt words until every word is one token. Training
+# is deterministic for a given corpus.
+
+# The system prompt of Qwen-Image's template (qwen_image.PROMPT_TEMPLATE, from
+# QwenImagePipeline.prompt_template_encode); the pipeline drops the template's first 34 tokens
+# (up to and including "user\n").
+QWEN_IMAGE_SYSTEM_PROMPT = (
+    "Describe the image by detailing the color, shape, size, texture, quantity, text, "
+    "spatial relationships of the objects and background:"
+)
+_QWEN_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                 "<|image_pad|>", "<|video_pad|>")
+# HunyuanVideo's Llama-3 chat headers (DEFAULT_PROMPT_TEMPLATE in pipeline_hunyuan_video).
+_LLAMA_SPECIAL = ("<unk>", "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                  "<|eot_id|>")
+
+
+def _template_words(*texts: str) -> list[str]:
+    import re
+
+    words = list(_WORDS)
+    for text in texts:
+        words += re.findall(r"[A-Za-z]+", re.sub(r"<\|[a-z_]+\|>", " ", text))
+    return list(dict.fromkeys(words))
+
+
+def _train_bpe(corpus: list[str], pre_tokenizer, initial_alphabet: list[str]) -> tuple[dict[str, int], list]:
+    """Train a BPE model on ``corpus`` until no pair is left to merge; return (vocab, merges)."""
+    import json
+
+    from tokenizers import Tokenizer, models, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizer
+    trainer = trainers.BpeTrainer(
+        vocab_size=100_000, min_frequency=1, show_progress=False, initial_alphabet=initial_alphabet
+    )
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    model = json.loads(tokenizer.to_str())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    return model["vocab"], merges
+
+
+def build_qwen2_tokenizer(max_length: int = 34 + 32):
+    """A Qwen2 byte-level BPE tokenizer (Qwen2.5-VL / Qwen-Image) with the chat special tokens.
+
+    Every prompt word and every word of Qwen-Image's template is one token (with and without
+    the leading-space marker), so the template prefix is exactly the 34 tokens the pipeline
+    drops. ``max_length`` is the template prefix plus the text tokens kept (32)."""
+    from tokenizers import Regex, pre_tokenizers
+    from transformers import Qwen2Tokenizer
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    words = _template_words(QWEN_IMAGE_SYSTEM_PROMPT, "system user assistant")
+    pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    corpus = [" " + " ".join(words), "\n".join(words), QWEN_IMAGE_SYSTEM_PROMPT]
+    vocab, merges = _train_bpe(corpus, pre_tokenizer, pre_tokenizers.ByteLevel.alphabet())
+    vocab = dict(sorted(vocab.items(), key=lambda kv: kv[1]))
+    for token in _QWEN_SPECIAL:
+        vocab[token] = len(vocab)
+    return Qwen2Tokenizer(
+        vocab=vocab,
+        merges=merges,
+        model_max_length=max_length,
+        extra_special_tokens=list(_QWEN_SPECIAL[1:]),
+    )
+
+
+def build_llama_tokenizer(max_length: int = 95 + 16):
+    """A Llama tokenizer (sentencepiece-style BPE with byte fallback) with Llama-3 chat headers.
+
+    Prompt words and the words of HunyuanVideo's template are single tokens, so the template
+    prefix (with the BOS token) is exactly the 95 tokens the pipeline crops. Pads on the right,
+    which HunyuanVideo's transformer assumes (it reads the mask as an effective length)."""
+    import string
+
+    from tokenizers import pre_tokenizers
+    from transformers import LlamaTokenizerFast
+
+    from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
+
+    words = _template_words(DEFAULT_PROMPT_TEMPLATE["template"])
+    pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never", split=True)
+    # Words alone (after a special token) and after a space ("\u2581word"); "\n\n" as one token.
+    corpus = [*words, " " + " ".join(words), "\n\n"]
+    vocab, merges = _train_bpe(corpus, pre_tokenizer, list(string.printable.strip()) + ["\u2581", "\n"])
+    full = {token: i for i, token in enumerate(_LLAMA_SPECIAL)}
+    for byte in range(256):  # byte fallback: any character encodes, nothing is <unk>
+        full[f"<0x{byte:02X}>"] = len(full)
+    for token in sorted(vocab, key=vocab.get):
+        full.setdefault(token, len(full))
+    return LlamaTokenizerFast(
+        vocab=full,
+        merges=merges,
+        unk_token="<unk>",
+        bos_token="<|begin_of_text|>",
+        eos_token="<|end_of_text|>",
+        pad_token="<|end_of_text|>",
+        add_bos_token=True,
+        extra_special_tokens=list(_LLAMA_SPECIAL[3:]),
+        model_max_length=max_length,
+        padding_side="right",
+    )
+
+
+# ---------------------------------------------------------------------- Qwen-Image, Wan, HunyuanVideo
+
+_TEXT_WIDTH = 32  # hidden size of the tiny LLM / UMT5 text encoders (== transformer text dim)
+
+
+def _qwen2_5_vl_encoder(tokenizer):
+    """Qwen2.5-VL with a 2-layer text model and a 1-block vision tower (unused for text-to-image)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    ids = tokenizer.convert_tokens_to_ids
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            hidden_size=_TEXT_WIDTH,
+            intermediate_size=2 * _TEXT_WIDTH,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=256,
+            # Multimodal RoPE: sections (t, h, w) sum to head_dim / 2 = 8.
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [2, 3, 3]},
+            bos_token_id=None,
+            eos_token_id=ids("<|im_end|>"),
+            pad_token_id=tokenizer.pad_token_id,
+        ),
+        vision_config=dict(
+            depth=1,
+            hidden_size=16,
+            intermediate_size=32,
+            num_heads=2,
+            out_hidden_size=_TEXT_WIDTH,
+            fullatt_block_indexes=[0],
+        ),
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+    )
+    return Qwen2_5_VLForConditionalGeneration(config)
+
+
+def _wan_style_stats(n: int) -> tuple[list[float], list[float]]:
+    """Per-channel latent mean/std, like the real Wan / Qwen-Image VAE configs (not all 0 / 1, so
+    the normalisation is exercised)."""
+    mean = [round(0.1 * (i - n / 2), 3) for i in range(n)]
+    std = [round(1.0 + 0.25 * i, 3) for i in range(n)]
+    return mean, std
+
+
+def _qwen_image_pipeline():
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+
+    tokenizer = build_qwen2_tokenizer()
+    text_encoder = _qwen2_5_vl_encoder(tokenizer)
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=4 * _LATENT_CHANNELS,  # packed 2x2 patches
+        out_channels=_LATENT_CHANNELS,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=_TEXT_WIDTH,
+        axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim
+    )
+    mean, std = _wan_style_stats(_LATENT_CHANNELS)
+    vae = AutoencoderKLQwenImage(
+        base_dim=8,
+        z_dim=_LATENT_CHANNELS,
+        dim_mult=[1, 2],  # one 2x spatial downsample: 32x32 pixels -> 16x16 latents
+        num_res_blocks=1,
+        attn_scales=[],
+        temperal_downsample=[False],
+        latents_mean=mean,
+        latents_std=std,
+    )
+    # Qwen-Image's scheduler config (dynamic exponential shift, terminal sigma 0.02).
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000,
+        shift=1.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=0.9,
+        base_image_seq_len=256,
+        max_image_seq_len=8192,
+        shift_terminal=0.02,
+        time_shift_type="exponential",
+    )
+    return QwenImagePipeline(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
+    )
+
+
+def _wan_pipeline():
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    tokenizer = build_t5_tokenizer()  # a T5/UMT5 sentencepiece-style Unigram tokenizer
+    text_encoder = UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=len(tokenizer),
+            d_model=_TEXT_WIDTH,
+            d_kv=8,
+            d_ff=2 * _TEXT_WIDTH,
+            num_layers=1,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            feed_forward_proj="gated-gelu",
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            decoder_start_token_id=tokenizer.pad_token_id,
+        )
+    )
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,  # RoPE splits it (t, h, w) = (4, 4, 4)
+        in_channels=_LATENT_CHANNELS,
+        out_channels=_LATENT_CHANNELS,
+        text_dim=_TEXT_WIDTH,
+        freq_dim=32,
+        ffn_dim=48,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=64,
+    )
+    mean, std = _wan_style_stats(_LATENT_CHANNELS)
+    vae = AutoencoderKLWan(
+        base_dim=8,
+        z_dim=_LATENT_CHANNELS,
+        dim_mult=[1, 2],  # one 2x spatial downsample
+        num_res_blocks=1,
+        attn_scales=[],
+        temperal_downsample=[True],  # one causal 2x temporal downsample: 5 frames -> 3 latent frames
+        latents_mean=mean,
+        latents_std=std,
+        scale_factor_temporal=2,
+        scale_factor_spatial=2,
+    )
+    # Wan2.1 ships a UniPC scheduler with flow_shift=3.0; the tiny model uses the flow-matching
+    # Euler scheduler with the same shift, so that the pipeline's own loop is the Euler loop
+    # the RL sampler runs (and the two can be compared step for step).
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
+    return WanPipeline(
+        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler, transformer=transformer
+    )
+
+
+def _hunyuan_video_pipeline():
+    from diffusers import (
+        AutoencoderKLHunyuanVideo,
+        FlowMatchEulerDiscreteScheduler,
+        HunyuanVideoPipeline,
+        HunyuanVideoTransformer3DModel,
+    )
+    from transformers import CLIPTextModel, LlamaConfig, LlamaModel
+
+    tokenizer = build_llama_tokenizer()
+    # The pipeline always pads CLIP prompts to 77 tokens.
+    tokenizer_2 = build_clip_tokenizer(max_length=77)
+    text_encoder = LlamaModel(
+        LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=_TEXT_WIDTH,
+            intermediate_size=2 * _TEXT_WIDTH,
+            # The pipeline reads the hidden state 2 layers before the last: 3 layers keep that a
+            # real layer output rather than the embeddings.
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=256,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    )
+    clip_hidden = 24  # pooled width; distinct from the LLM width on purpose
+    text_encoder_2 = CLIPTextModel(_clip_text_config(tokenizer_2, hidden=clip_hidden))
+    transformer = HunyuanVideoTransformer3DModel(
+        in_channels=_LATENT_CHANNELS,
+        out_channels=_LATENT_CHANNELS,
+        num_attention_heads=2,
+        attention_head_dim=16,
+        num_layers=1,  # one dual-stream block
+        num_single_layers=1,  # one single-stream block
+        num_refiner_layers=1,
+        mlp_ratio=2.0,
+        patch_size=2,
+        patch_size_t=1,
+        qk_norm="rms_norm",
+        guidance_embeds=True,  # like HunyuanVideo: distilled guidance embedding
+        text_embed_dim=_TEXT_WIDTH,
+        pooled_projection_dim=clip_hidden,
+        rope_axes_dim=(4, 6, 6),  # sums to attention_head_dim
+    )
+    vae = AutoencoderKLHunyuanVideo(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=_LATENT_CHANNELS,
+        # Three blocks: 2x spatial in the first, 2x temporal in the first two (4x: 5 frames -> 2).
+        down_block_types=("HunyuanVideoDownBlock3D",) * 3,
+        up_block_types=("HunyuanVideoUpBlock3D",) * 3,
+        block_out_channels=(8, 8, 16),
+        layers_per_block=1,
+        norm_num_groups=4,
+        scaling_factor=0.476986,  # HunyuanVideo VAE's value
+        spatial_compression_ratio=2,
+        temporal_compression_ratio=4,
+        mid_block_add_attention=True,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=7.0)  # HunyuanVideo's config
+    return HunyuanVideoPipeline(
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+        vae=vae,
+        scheduler=scheduler,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer_2,
+    )
+
+
+_PIPELINE_BUILDERS = {
+    "flux": _flux_pipeline,
+    "sd3": _sd3_pipeline,
+    "qwen_image": _qwen_image_pipeline,
+    "wan": _wan_pipeline,
+    "hunyuan_video": _hunyuan_video_pipeline,
+}
 
 
 # ---------------------------------------------------------------------- public API

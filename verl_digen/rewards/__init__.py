@@ -4,6 +4,7 @@ Importing this package registers the built-in rewards:
 
 * ``jpeg_compressibility`` / ``jpeg_incompressibility`` (DDPO),
 * ``brightness`` / ``colorfulness`` (weight-free image statistics),
+* ``temporal_smoothness`` (weight-free, video only),
 * ``clip_score`` (local ``transformers`` CLIP checkpoint; transformers is imported lazily),
 * ``http`` (remote reward server),
 * ``weighted`` (weighted sum of other rewards).
@@ -29,6 +30,7 @@ from verl_digen.rewards.http_client import (
 )
 from verl_digen.rewards.image_stats import BrightnessReward, ColorfulnessReward, colorfulness
 from verl_digen.rewards.jpeg import JpegCompressibilityReward, JpegIncompressibilityReward, jpeg_size_kb
+from verl_digen.rewards.video import TemporalSmoothnessReward, temporal_smoothness
 from verl_digen.rewards.weighted import WeightedReward
 
 __all__ = [
@@ -45,6 +47,8 @@ __all__ = [
     "JpegCompressibilityReward",
     "JpegIncompressibilityReward",
     "jpeg_size_kb",
+    "TemporalSmoothnessReward",
+    "temporal_smoothness",
     "ClipScoreReward",
     "build_tiny_clip",
     "HttpReward",

@@ -1,0 +1,269 @@
+"""Wan2.1 text-to-video adapter: the components of diffusers' ``WanPipeline`` behind :class:`DiffusionAdapter`.
+
+Model space is the video VAE latent itself, ``[B, C, F, h, w]`` with ``F = (frames - 1) / 4 + 1``
+latent frames for the real VAE (causal: the first frame is encoded on its own); the transformer
+patchifies inside. Prompts go through UMT5; the embeddings of padding tokens are zeroed (not
+masked: Wan attends to the zero rows, as the pipeline feeds them), so conditioning is a single
+``prompt_embeds`` ``[B, T, D]`` tensor of fixed length.
+
+Guidance is ordinary CFG against a negative prompt: ``v_neg + s * (v_pos - v_neg)``.
+
+The schedule is the one the pipeline's scheduler computes: Wan2.1 checkpoints ship a UniPC
+scheduler with flow sigmas (``flow_shift``); the RL loop steps those sigmas with its own
+Euler / SDE steps. With a ``FlowMatchEulerDiscreteScheduler`` config (as the tiny model has) the
+pipeline's loop *is* an Euler loop and a rollout with this adapter reproduces its videos.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers import AutoencoderKLWan, WanTransformer3DModel
+from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+from diffusers.utils.torch_utils import randn_tensor
+from transformers import AutoTokenizer, UMT5EncoderModel
+
+from .base import (
+    Conditioning,
+    DiffusionAdapter,
+    SampleSpec,
+    batch_sigma,
+    expand_batch,
+    has_component,
+    read_model_index,
+)
+
+DEFAULT_MAX_SEQUENCE_LENGTH = 512  # UMT5 tokens (WanPipeline.__call__ max_sequence_length)
+
+
+def load_scheduler_config(path: str) -> dict:
+    """The ``scheduler/scheduler_config.json`` of a pipeline directory, as a dict."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return dict(FlowMatchEulerDiscreteScheduler.load_config(path, subfolder="scheduler"))
+
+
+def flow_sigmas(scheduler_config: dict, num_steps: int) -> torch.Tensor:
+    """The sigmas a video pipeline's scheduler uses for ``set_timesteps(num_steps)``, as
+    ``[num_steps + 1]`` fp32 on CPU ending in 0.
+
+    The scheduler class named in the config is built and asked (so shift, flow_shift,
+    shift_terminal, karras/exponential/beta options behave as in the pipeline). Supported:
+    ``FlowMatchEulerDiscreteScheduler`` and the flow-sigma multistep schedulers Wan ships
+    (``UniPCMultistepScheduler`` / ``DPMSolverMultistepScheduler`` with ``use_flow_sigmas``).
+    """
+    import diffusers
+
+    name = scheduler_config.get("_class_name", "FlowMatchEulerDiscreteScheduler")
+    if name != "FlowMatchEulerDiscreteScheduler" and not scheduler_config.get("use_flow_sigmas", False):
+        raise ValueError(
+            f"scheduler {name} without use_flow_sigmas is not a flow-matching schedule; "
+            "expected FlowMatchEulerDiscreteScheduler or a multistep scheduler with use_flow_sigmas=True"
+        )
+    scheduler_cls = getattr(diffusers, name, None)
+    if scheduler_cls is None:
+        raise ValueError(f"unknown scheduler class '{name}' in the scheduler config")
+    scheduler = scheduler_cls.from_config(scheduler_config)
+    scheduler.set_timesteps(num_steps, device="cpu")
+    sigmas = torch.as_tensor(scheduler.sigmas, dtype=torch.float32).cpu()
+    if sigmas.shape != (num_steps + 1,):
+        raise ValueError(f"scheduler {name} returned {tuple(sigmas.shape)} sigmas for {num_steps} steps")
+    if sigmas[-1] != 0:
+        # final_sigmas_type="sigma_min": the RL loop always ends on clean latents.
+        sigmas[-1] = 0.0
+    return sigmas
+
+
+class WanAdapter(DiffusionAdapter):
+    """Wan2.1 text-to-video in diffusers format: UMT5 text encoder, WanTransformer3DModel, Wan VAE."""
+
+    arch = "wan"
+
+    def __init__(
+        self,
+        *,
+        transformer: WanTransformer3DModel,
+        vae: AutoencoderKLWan,
+        text_encoder: UMT5EncoderModel,
+        tokenizer,
+        scheduler_config: dict,
+        max_sequence_length: int | None = None,
+        expand_timesteps: bool = False,
+    ) -> None:
+        self.transformer = transformer
+        self.vae = vae
+        self.text_encoder = text_encoder
+        self.tokenizer = tokenizer
+        self.scheduler_config = dict(scheduler_config)
+        # Wan2.2 TI2V-5B takes one timestep per latent token (all equal for text-to-video).
+        self.expand_timesteps = bool(expand_timesteps)
+
+        self.vae_scale_factor_temporal = int(vae.config.scale_factor_temporal)
+        self.vae_scale_factor_spatial = int(vae.config.scale_factor_spatial)
+        self.latent_channels = transformer.config.in_channels
+        self.patch_size = tuple(transformer.config.patch_size)  # (t, h, w)
+        if vae.config.z_dim != self.latent_channels:
+            raise ValueError(
+                f"VAE z_dim={vae.config.z_dim} does not match the transformer's "
+                f"in_channels={transformer.config.in_channels}"
+            )
+        if max_sequence_length is None:
+            max_sequence_length = min(DEFAULT_MAX_SEQUENCE_LENGTH, int(tokenizer.model_max_length))
+        self.max_sequence_length = int(max_sequence_length)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_sequence_length: int | None = None,
+    ) -> "WanAdapter":
+        """Load a WanPipeline directory. Wan2.2's two-expert layout (``transformer_2``) is refused."""
+        index = read_model_index(path)
+        if has_component(index, "transformer_2"):
+            raise ValueError(
+                f"model path '{path}' holds a two-expert Wan2.2 pipeline (transformer_2); only "
+                "single-transformer Wan pipelines (Wan2.1, Wan2.2 TI2V) are supported"
+            )
+        transformer = WanTransformer3DModel.from_pretrained(path, subfolder="transformer", torch_dtype=dtype)
+        # The Wan VAE is usually kept in fp32 (the pipeline examples load it so): decode quality
+        # suffers in bf16, and it only runs once per video.
+        vae = AutoencoderKLWan.from_pretrained(path, subfolder="vae", torch_dtype=torch.float32)
+        text_encoder = UMT5EncoderModel.from_pretrained(path, subfolder="text_encoder", dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path, subfolder="tokenizer")
+        scheduler_config = load_scheduler_config(path)
+
+        for module in (vae, text_encoder):
+            module.requires_grad_(False)
+        for module in (transformer, vae, text_encoder):
+            module.to(device).eval()
+        return cls(
+            transformer=transformer,
+            vae=vae,
+            text_encoder=text_encoder,
+            tokenizer=tokenizer,
+            scheduler_config=scheduler_config,
+            max_sequence_length=max_sequence_length,
+            expand_timesteps=bool(index.get("expand_timesteps", False)),
+        )
+
+    # ------------------------------------------------------------------ prompts
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> Conditioning:
+        """``prompt_embeds`` [B, T, D]: UMT5 last hidden state, rows past each prompt's length zeroed."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        prompts = [prompt_clean(p) for p in prompts]  # html-unescape, whitespace (and ftfy if installed)
+        tokens = self.tokenizer(
+            prompts,
+            padding="max_length",
+            max_length=self.max_sequence_length,
+            truncation=True,
+            add_special_tokens=True,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
+        ids, mask = tokens.input_ids, tokens.attention_mask
+        device = self.text_encoder.device
+        hidden = self.text_encoder(ids.to(device), mask.to(device)).last_hidden_state  # [B, T, D]
+        # Zero the padding rows (the pipeline cuts them and pads back with zeros).
+        hidden = hidden.masked_fill(~mask.to(device).gt(0).unsqueeze(-1), 0.0)
+        return {"prompt_embeds": hidden.to(self.device)}  # [B, T, D]
+
+    # ------------------------------------------------------------------ latents
+
+    def latent_shape(self, spec: SampleSpec) -> tuple[int, int, int]:
+        """Latent ``(frames, h, w)`` for a video size; raises for sizes the model cannot take."""
+        multiple = self.vae_scale_factor_spatial * self.patch_size[1]
+        if spec.height % multiple or spec.width % multiple:
+            raise ValueError(
+                f"Wan needs height and width divisible by {multiple} (VAE factor {self.vae_scale_factor_spatial} "
+                f"x patch size {self.patch_size[1]}), got {spec.height}x{spec.width}"
+            )
+        t = self.vae_scale_factor_temporal
+        if spec.num_frames < 1 or (spec.num_frames - 1) % t:
+            raise ValueError(
+                f"Wan needs num_frames = {t} * k + 1 (causal VAE, temporal factor {t}), got {spec.num_frames}"
+            )
+        frames = (spec.num_frames - 1) // t + 1
+        if frames % self.patch_size[0]:
+            raise ValueError(f"{frames} latent frames are not divisible by the temporal patch {self.patch_size[0]}")
+        return frames, spec.height // self.vae_scale_factor_spatial, spec.width // self.vae_scale_factor_spatial
+
+    def prepare_latents(self, batch_size: int, spec: SampleSpec, generator: torch.Generator) -> torch.Tensor:
+        """Noise ``[B, C, F, h, w]`` fp32, drawn exactly as the pipeline draws it."""
+        frames, h, w = self.latent_shape(spec)
+        shape = (batch_size, self.latent_channels, frames, h, w)
+        return randn_tensor(shape, generator=generator, device=self.device, dtype=torch.float32)
+
+    # ------------------------------------------------------------------ schedule
+
+    def sigmas(self, num_steps: int, spec: SampleSpec) -> torch.Tensor:
+        """The pipeline's ``scheduler.set_timesteps(num_steps)`` sigmas (fixed shift), then 0 (on CPU)."""
+        if num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        self.latent_shape(spec)  # validate the size here too
+        return flow_sigmas(self.scheduler_config, num_steps)
+
+    # ------------------------------------------------------------------ denoiser
+
+    def _timestep(self, sigma: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        t = sigma * self.scheduler_config.get("num_train_timesteps", 1000)  # [B], fp32 as in the pipeline
+        if not self.expand_timesteps:
+            return t
+        # Wan2.2 TI2V: one timestep per latent token, [B, F * h/p * w/p].
+        _, _, frames, h, w = latents.shape
+        tokens = (frames // self.patch_size[0]) * (h // self.patch_size[1]) * (w // self.patch_size[2])
+        return t[:, None].expand(-1, tokens)
+
+    def _transformer_forward(
+        self,
+        latents: torch.Tensor,  # [B, C, F, h, w]
+        sigma: torch.Tensor,  # [B]
+        prompt_embeds: torch.Tensor,  # [B, T, D]
+    ) -> torch.Tensor:
+        dtype = self.transformer.dtype
+        out = self.transformer(
+            hidden_states=latents.to(dtype),
+            timestep=self._timestep(sigma, latents),
+            encoder_hidden_states=prompt_embeds.to(device=latents.device, dtype=dtype),
+            return_dict=False,
+        )[0]
+        return out.float()
+
+    def predict_velocity(
+        self,
+        latents: torch.Tensor,
+        sigma: torch.Tensor,
+        cond: Conditioning,
+        spec: SampleSpec,
+        negative_cond: Conditioning | None = None,
+    ) -> torch.Tensor:
+        """Velocity ``[B, C, F, h, w]`` fp32 at noise level ``sigma`` ``[B]``; CFG when
+        ``spec.guidance_scale > 1`` and ``negative_cond`` is given (one forward over [cond; uncond])."""
+        batch = latents.shape[0]
+        sigma = batch_sigma(sigma, batch, latents.device)
+        embeds = cond["prompt_embeds"]
+        if not (spec.guidance_scale > 1.0 and negative_cond is not None):
+            return self._transformer_forward(latents, sigma, embeds)
+        neg_embeds = expand_batch(negative_cond["prompt_embeds"], batch).to(embeds)
+        both = self._transformer_forward(
+            torch.cat([latents, latents]), torch.cat([sigma, sigma]), torch.cat([embeds, neg_embeds])
+        )
+        v_pos, v_neg = both.chunk(2)
+        return v_neg + spec.guidance_scale * (v_pos - v_neg)
+
+    # ------------------------------------------------------------------ pixels
+
+    def decode(self, latents: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
+        """Latents ``[B, C, F, h, w]`` -> videos ``[B, 3, frames, H, W]`` in [0, 1] (fp32). Not
+        wrapped in no_grad: callers decide."""
+        config = self.vae.config
+        x = latents.to(self.vae.dtype)
+        # Undo the per-channel normalisation z_model = (z - mean) / std (as the pipeline computes it).
+        mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(x.device, x.dtype)
+        inv_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(x.device, x.dtype)
+        x = x / inv_std + mean
+        video = self.vae.decode(x, return_dict=False)[0]  # [B, 3, frames, H, W] in ~[-1, 1]
+        return (video.float() / 2 + 0.5).clamp(0, 1)
