@@ -231,3 +231,4 @@ def _to_container(cfg: Any) -> Any:
 def _ensure_builtin_rewards() -> None:
     """Import the modules that register the built-in rewards (idempotent)."""
     import verl_digen.rewards  # noqa: F401  (its __init__ imports every built-in reward)
+    import verl_digen.rewards.vlm_judge  # noqa: F401  (registers "vlm_judge")

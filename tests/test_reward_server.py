@@ -1,0 +1,408 @@
+"""Tests for verl_digen.rewards.serve: the reward server against the real HttpReward client.
+
+Every server binds 127.0.0.1 on a free port and is stopped by its fixture; every request
+has a timeout.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import io
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from PIL import Image
+
+from verl_digen.rewards import HttpReward, RewardFn, RewardServerError, build_reward, encode_images_png_b64
+from verl_digen.rewards.serve import RewardServer, is_loopback
+
+TIMEOUT = 10.0
+TOKEN = "s3cret-token"
+
+
+def quantised_rand(*shape: int, seed: int = 0) -> torch.Tensor:
+    """Random images whose values are exact multiples of 1/255 (survive PNG round trips)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, shape, generator=generator).float() / 255.0
+
+
+@pytest.fixture(autouse=True)
+def _no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("NO_PROXY", "no_proxy"):
+        monkeypatch.setenv(var, "127.0.0.1,localhost")
+
+
+@pytest.fixture
+def server() -> Iterator[RewardServer]:
+    """A brightness server, no token, small limits (4 KiB bodies, 4 images)."""
+    srv = RewardServer("brightness", port=0, max_body_mb=4 / 1024, max_batch=4, read_timeout_s=5.0)
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def token_server() -> Iterator[RewardServer]:
+    srv = RewardServer("brightness", port=0, token=TOKEN, read_timeout_s=5.0)
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def raw_request(
+    srv_or_url: RewardServer | str,
+    method: str,
+    path: str,
+    body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """One request with http.client (full control over headers); returns (status, json, headers)."""
+    url = srv_or_url.url if isinstance(srv_or_url, RewardServer) else srv_or_url
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=TIMEOUT)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        response = conn.getresponse()
+        payload = response.read()
+        return response.status, json.loads(payload), dict(response.getheaders())
+    finally:
+        conn.close()
+
+
+def score_body(n: int = 2, size: int = 4, seed: int = 0) -> tuple[bytes, torch.Tensor]:
+    images = quantised_rand(n, 3, size, size, seed=seed)
+    body = json.dumps({"prompts": [f"p{i}" for i in range(n)], "images": encode_images_png_b64(images)}).encode()
+    return body, images
+
+
+def post_json(srv: RewardServer, payload: Any, path: str = "/score", **headers: str) -> tuple[int, dict[str, Any]]:
+    body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    status, data, _ = raw_request(srv, "POST", path, body, {"Content-Type": "application/json", **headers})
+    return status, data
+
+
+def assert_still_serving(srv: RewardServer, **headers: str) -> None:
+    body, images = score_body(2, seed=123)
+    status, data = post_json(srv, body, **headers)
+    assert status == 200, data
+    torch.testing.assert_close(torch.tensor(data["rewards"]), images.mean(dim=(1, 2, 3)))
+
+
+# --------------------------------------------------------------------------- happy path
+
+
+def test_round_trip_with_http_reward_equals_local_brightness(server: RewardServer) -> None:
+    images = quantised_rand(7, 3, 8, 8, seed=1)
+    prompts = [f"prompt {i}" for i in range(7)]
+    remote = HttpReward(server.url + "/score", batch_size=3, timeout_s=TIMEOUT)(images, prompts)
+    local = build_reward("brightness")(images, prompts)
+    assert remote.dtype == torch.float32 and remote.shape == (7,)
+    torch.testing.assert_close(remote, local)
+    # "/" is accepted as well as "/score", and video goes frame by frame
+    videos = quantised_rand(2, 3, 3, 6, 6, seed=2)
+    remote_video = HttpReward(server.url, batch_size=4, timeout_s=TIMEOUT)(videos, ["a", "b"])
+    torch.testing.assert_close(remote_video, build_reward("brightness")(videos, ["a", "b"]))
+
+
+def test_health(server: RewardServer) -> None:
+    status, data, _ = raw_request(server, "GET", "/health")
+    assert (status, data) == (200, {"status": "ok", "reward": "brightness"})
+
+
+def test_health_needs_no_token(token_server: RewardServer) -> None:
+    status, data, _ = raw_request(token_server, "GET", "/health")
+    assert (status, data) == (200, {"status": "ok", "reward": "brightness"})
+
+
+def test_empty_batch(server: RewardServer) -> None:
+    assert post_json(server, {"prompts": [], "images": []}) == (200, {"rewards": []})
+
+
+def test_embeds_a_reward_instance_and_context_manager() -> None:
+    class Constant(RewardFn):
+        name = "constant"
+
+        def score_images(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+            return torch.full((images.shape[0],), 0.25)
+
+    with RewardServer(Constant(), port=0) as srv:
+        scores = HttpReward(srv.url, timeout_s=TIMEOUT)(quantised_rand(3, 3, 4, 4), ["a", "b", "c"])
+        assert scores.tolist() == [0.25, 0.25, 0.25]
+        assert raw_request(srv, "GET", "/health")[1]["reward"] == "constant"
+
+
+# --------------------------------------------------------------------------- auth
+
+
+def test_auth_rejects_missing_and_wrong_token(token_server: RewardServer) -> None:
+    body, _ = score_body()
+    status, data = post_json(token_server, body)
+    assert status == 401 and "missing" in data["error"]
+    status, data = post_json(token_server, body, Authorization="Bearer wrong")
+    assert (status, data) == (401, {"error": "invalid token"})
+    status, data = post_json(token_server, body, Authorization=TOKEN)  # no "Bearer" scheme
+    assert status == 401
+    _, _, headers = raw_request(token_server, "POST", "/score", body, {"Content-Type": "application/json"})
+    assert headers.get("WWW-Authenticate", "").startswith("Bearer")
+    assert_still_serving(token_server, Authorization=f"Bearer {TOKEN}")
+
+
+def test_http_reward_with_right_token(token_server: RewardServer) -> None:
+    images = quantised_rand(3, 3, 8, 8, seed=3)
+    scores = HttpReward(token_server.url + "/score", token=TOKEN, timeout_s=TIMEOUT)(images, ["a", "b", "c"])
+    torch.testing.assert_close(scores, images.mean(dim=(1, 2, 3)))
+
+
+@pytest.mark.parametrize("token", [None, "wrong"])
+def test_http_reward_with_wrong_token_fails_fast_without_retries(token_server: RewardServer, token: str | None) -> None:
+    reward = HttpReward(token_server.url + "/score", token=token, timeout_s=TIMEOUT, max_retries=5, backoff_s=1.0)
+    start = time.monotonic()
+    with pytest.raises(RewardServerError, match=r"rejected the request: HTTP 401") as info:
+        reward(quantised_rand(2, 3, 8, 8), ["a", "b"])
+    assert time.monotonic() - start < 1.0  # one attempt: a retry would sleep backoff_s = 1 s
+    assert token_server.url in str(info.value)
+
+
+def test_is_loopback() -> None:
+    assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1") and is_loopback("127.1.2.3")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.1") and not is_loopback("reward-host")
+
+
+def test_warns_loudly_without_token_on_non_loopback(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import verl_digen.rewards.serve as serve
+
+    caplog.set_level(logging.WARNING, logger="verl_digen.rewards.serve")
+    RewardServer("brightness", port=0).stop()  # loopback: quiet
+    RewardServer("brightness", port=0, token=TOKEN).stop()
+    assert not caplog.records
+    # Pretend 127.0.0.1 is a public interface (tests only ever bind loopback).
+    monkeypatch.setattr(serve, "is_loopback", lambda host: False)
+    RewardServer("brightness", port=0, token=TOKEN).stop()  # with a token: quiet
+    assert not caplog.records
+    RewardServer("brightness", port=0).stop()
+    assert any("WITHOUT a token" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+
+
+# --------------------------------------------------------------------------- limits
+
+
+def test_content_length_over_limit_is_413_without_reading_the_body(server: RewardServer) -> None:
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT) as sock:
+        # Announce 10 MB but send no body at all: the answer must not wait for it.
+        sock.sendall(
+            b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 10000000\r\n\r\n"
+        )
+        start = time.monotonic()
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        payload = json.loads(response.read())
+        assert time.monotonic() - start < 1.5
+    assert response.status == 413
+    assert "10000000 bytes exceeds the server limit of 4096 bytes" in payload["error"]
+    assert_still_serving(server)
+
+
+def test_http_reward_over_body_limit_gets_413(server: RewardServer) -> None:
+    images = quantised_rand(4, 3, 32, 32, seed=4)  # 4 noisy 32x32 PNGs: > 4 KiB of JSON
+    with pytest.raises(RewardServerError, match=r"rejected the request: HTTP 413.*exceeds the server limit"):
+        HttpReward(server.url, batch_size=4, timeout_s=TIMEOUT, backoff_s=0.01)(images, list("abcd"))
+    assert_still_serving(server)
+
+
+def test_batch_over_max_is_413(server: RewardServer) -> None:
+    body, _ = score_body(5, size=1)
+    status, data = post_json(server, body)
+    assert status == 413 and "batch of 5 images exceeds the server limit of 4" in data["error"]
+    assert_still_serving(server)
+
+
+def test_missing_content_length_is_411(server: RewardServer) -> None:
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT) as sock:
+        sock.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\r\n")
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        payload = json.loads(response.read())
+    assert response.status == 411 and "Content-Length" in payload["error"]
+    assert_still_serving(server)
+
+
+# --------------------------------------------------------------------------- malformed requests
+
+
+def png_b64(array_hwc: Any, fmt: str = "PNG") -> str:
+    buffer = io.BytesIO()
+    Image.fromarray(array_hwc).save(buffer, format=fmt)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def _bad_requests() -> list[tuple[str, Any, str]]:
+    import numpy as np
+
+    good = png_b64(np.zeros((4, 4, 3), dtype=np.uint8))
+    other_size = png_b64(np.zeros((5, 4, 3), dtype=np.uint8))
+    jpeg = png_b64(np.zeros((4, 4, 3), dtype=np.uint8), fmt="JPEG")
+    truncated = base64.b64encode(base64.b64decode(good)[:30]).decode()
+    return [
+        ("bad_json", b'{"prompts": ["a"], "images": [', "not valid JSON"),
+        ("not_utf8", b"\xff\xfe\x00", "not UTF-8"),
+        ("not_object", [1, 2], "must be a JSON object"),
+        ("missing_images", {"prompts": ["a"]}, "missing field(s) ['images']"),
+        ("prompts_not_list", {"prompts": "a", "images": [good]}, "'prompts' must be a list"),
+        ("mismatched_lengths", {"prompts": ["a", "b"], "images": [good]}, "got 2 prompts but 1 images"),
+        ("prompt_not_str", {"prompts": [3], "images": [good]}, "prompt 0 must be a string"),
+        ("image_not_str", {"prompts": ["a"], "images": [3]}, "image 0 must be a base64 string"),
+        ("bad_base64", {"prompts": ["a", "b"], "images": [good, "not base64!!"]}, "image 1 is not valid base64"),
+        ("not_png", {"prompts": ["a"], "images": [jpeg]}, "image 0 is not a PNG"),
+        ("truncated_png", {"prompts": ["a"], "images": [truncated]}, "image 0 could not be decoded as PNG"),
+        ("size_mismatch", {"prompts": ["a", "b"], "images": [good, other_size]}, "image 1 has size"),
+    ]
+
+
+@pytest.mark.parametrize(("case", "payload", "message"), _bad_requests(), ids=[c[0] for c in _bad_requests()])
+def test_malformed_request_is_400_and_server_keeps_serving(
+    server: RewardServer, case: str, payload: Any, message: str
+) -> None:
+    status, data = post_json(server, payload)
+    assert status == 400, data
+    assert message in data["error"]
+    assert_still_serving(server)
+
+
+def test_image_over_pixel_limit_is_400() -> None:
+    import numpy as np
+
+    with RewardServer("brightness", port=0, max_image_pixels=100) as srv:
+        status, data = post_json(srv, {"prompts": ["a"], "images": [png_b64(np.zeros((11, 10, 3), dtype=np.uint8))]})
+        assert status == 400 and "above the limit of 100 pixels" in data["error"]
+
+
+def test_unknown_path_and_wrong_method(server: RewardServer) -> None:
+    body, _ = score_body()
+    assert post_json(server, body, path="/nope")[0] == 404
+    status, data, headers = raw_request(server, "GET", "/score")
+    assert status == 405 and headers.get("Allow") == "POST"
+    assert raw_request(server, "PUT", "/score", body)[0] == 405
+    assert post_json(server, body, path="/score?x=1")[0] == 200  # query strings are ignored
+    assert_still_serving(server)
+
+
+# --------------------------------------------------------------------------- reward failures
+
+
+class _Flaky(RewardFn):
+    name = "flaky"
+
+    def __init__(self) -> None:
+        self.mode = "raise"
+
+    def score_images(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        if self.mode == "raise":
+            raise RuntimeError("model exploded")
+        if self.mode == "nan":
+            return torch.full((images.shape[0],), float("nan"))
+        return torch.ones(images.shape[0])
+
+
+def test_reward_exception_is_500_with_message_and_server_recovers() -> None:
+    flaky = _Flaky()
+    with RewardServer(flaky, port=0) as srv:
+        body, _ = score_body()
+        status, data = post_json(srv, body)
+        assert status == 500 and data["error"] == "reward 'flaky' failed: RuntimeError: model exploded"
+        flaky.mode = "nan"
+        status, data = post_json(srv, body)
+        assert status == 500 and "non-finite" in data["error"]
+        # the client sees a 5xx (retried, then a clear error)
+        with pytest.raises(RewardServerError, match=r"failed after 2 attempts: HTTP 500.*non-finite"):
+            HttpReward(srv.url, max_retries=2, backoff_s=0.01, timeout_s=TIMEOUT)(quantised_rand(1, 3, 4, 4), ["a"])
+        flaky.mode = "ok"
+        assert post_json(srv, body) == (200, {"rewards": [1.0, 1.0]})
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def cli_server() -> Iterator[tuple[subprocess.Popen, str]]:
+    port = _free_port()
+    env = {
+        **os.environ,
+        "VERL_DIGEN_REWARD_TOKEN": TOKEN,
+        "NO_PROXY": "127.0.0.1,localhost",
+        "no_proxy": "127.0.0.1,localhost",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "verl_digen.rewards.serve", "--reward", "brightness", "--port", str(port)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        yield proc, f"http://127.0.0.1:{port}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def test_cli_serves_and_terminates_cleanly(cli_server: tuple[subprocess.Popen, str]) -> None:
+    proc, url = cli_server
+    deadline = time.monotonic() + 25.0
+    while True:  # wait for the server to come up (importing torch takes a few seconds)
+        assert proc.poll() is None, f"server exited early: {proc.communicate(timeout=5)}"
+        try:
+            status, data, _ = raw_request(url, "GET", "/health")
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    assert (status, data) == (200, {"status": "ok", "reward": "brightness"})
+
+    images = quantised_rand(3, 3, 8, 8, seed=5)
+    scores = HttpReward(url + "/score", token=TOKEN, timeout_s=TIMEOUT)(images, ["a", "b", "c"])
+    torch.testing.assert_close(scores, images.mean(dim=(1, 2, 3)))
+    with pytest.raises(RewardServerError, match="HTTP 401"):  # the token came from the env var
+        HttpReward(url + "/score", timeout_s=TIMEOUT)(images, ["a", "b", "c"])
+
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=15)
+    assert proc.returncode == 0, stderr
+    assert "received SIGTERM, shutting down" in stderr and "reward server stopped" in stderr
+
+
+def test_cli_rejects_bad_reward_kwargs() -> None:
+    from verl_digen.rewards.serve import main
+
+    with pytest.raises(SystemExit):
+        main(["--reward", "brightness", "--reward-kwargs", "[1]"])
+    assert main(["--reward", "jpeg_compressibility", "--reward-kwargs", '{"qualty": 3}', "--port", "0"]) == 2
