@@ -184,3 +184,76 @@ def test_every_group_is_generated_rewarded_and_trained_exactly_once():
         for kind in (TaskKind.GENERATE, TaskKind.REWARD, TaskKind.TRAIN):
             groups = sorted(itertools.chain.from_iterable(t.groups for t in plan.of_kind(kind)))
             assert groups == list(range(4 * spec.groups_per_step)), (spec.name, kind)
+
+
+TSP_SPECS = [
+    StrategySpec("disaggregated", rollout_workers=2, trainer_workers=1, groups_per_step=4, group_size=2, gap=True,
+                 tsp_stages=2, num_steps=6),
+    StrategySpec("disaggregated", rollout_workers=6, trainer_workers=2, groups_per_step=6, group_size=2, gap=True,
+                 tsp_stages=3, num_steps=9, stage_bounds=(0, 2, 6, 9), max_staleness=1),
+]
+
+
+@pytest.mark.parametrize("spec", TSP_SPECS, ids=lambda s: s.name)
+def test_tsp_plans_chain_stages_over_the_denoising_steps(spec):
+    planner = _planned(spec)
+    planner.plan.check(complete_steps=range(4))
+    gens = [t for t in planner.plan.of_kind(TaskKind.GENERATE) if 0 in t.groups]
+    assert [t.denoise for t in gens] == list(zip(spec.bounds, spec.bounds[1:]))
+    assert [t.worker.rank for t in gens] == list(range(spec.tsp_stages))
+    run = UnitTimeRunner(planner.plan)
+    run.run_until(None)
+    run.timeline.check_exclusive()
+
+
+def test_tsp_plan_check_rejects_a_trajectory_that_changes_version_between_stages():
+    planner = _planned(TSP_SPECS[0], steps=1)
+    plan = planner.plan
+    t = next(t for t in plan.tasks if t.kind == TaskKind.GENERATE and t.denoise and t.denoise[0] > 0)
+    i = plan.tasks.index(t)
+    from dataclasses import replace
+
+    plan.tasks[i] = replace(t, version=1)
+    with pytest.raises(PlanError, match="versions|version"):
+        plan.check()
+
+
+def test_tsp_finished_groups_leave_at_a_steady_cadence_instead_of_in_bursts():
+    """K data-parallel workers finish K groups at once; a K-stage pipeline releases them one by one."""
+    dp = StrategySpec("disaggregated", rollout_workers=2, trainer_workers=1, groups_per_step=4, group_size=2, gap=True)
+    tsp = StrategySpec("disaggregated", rollout_workers=2, trainer_workers=1, groups_per_step=4, group_size=2, gap=True,
+                       tsp_stages=2, num_steps=8)
+
+    def finish_times(spec):
+        run = UnitTimeRunner(_planned(spec, steps=1).plan)
+        run.run_until(None)
+        return sorted(r.end for r in run.timeline.records if r.kind == "generate" and (r.task.endswith("s1") or ":s" not in r.task))
+
+    dp_t, tsp_t = finish_times(dp), finish_times(tsp)
+    assert len(set(dp_t)) < len(dp_t)  # bursts: two groups finish at the same instant
+    assert len(set(tsp_t)) == len(tsp_t)  # pipeline: one at a time
+
+
+def test_timestep_split_puts_every_micro_batch_on_every_trainer_rank():
+    spec = StrategySpec("disaggregated", rollout_workers=1, trainer_workers=2, groups_per_step=3, group_size=2, gap=True,
+                        train_split="timestep")
+    planner = _planned(spec, steps=2)
+    planner.plan.check(complete_steps=range(2))
+    trains = planner.plan.of_kind(TaskKind.TRAIN, 0)
+    assert len(trains) == 6 and {t.train_part for t in trains} == {(0, 2), (1, 2)}
+
+
+def test_tag_groups_run_on_trainers_with_the_newest_weights():
+    spec = StrategySpec("disaggregated", rollout_workers=1, trainer_workers=2, groups_per_step=4, group_size=2, gap=True,
+                        tag=True)
+    planner = StepPlanner(spec)
+    for s in range(3):
+        planner.plan_step(s, tag_groups=2 if s else 0, has_next=s < 2)
+    planner.plan.check(complete_steps=range(3))
+    tag_tasks = [t for t in planner.plan.of_kind(TaskKind.GENERATE) if t.worker.pool == "trainer"]
+    assert len(tag_tasks) == 4 and all(t.version == t.step for t in tag_tasks)
+    run = UnitTimeRunner(planner.plan)
+    run.run_until(None)
+    run.timeline.check_exclusive()
+    groups = sorted(g for t in planner.plan.of_kind(TaskKind.TRAIN) for g in t.groups)
+    assert groups == list(range(12))  # every group, TAG or not, trained exactly once

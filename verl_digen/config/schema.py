@@ -27,7 +27,7 @@ class LoraConfigSpec:
     enable: bool = True
     rank: int = 8
     alpha: float = 16.0
-    # Attention projections of both FLUX and SD3 blocks (diffusers names). Modules absent
+    # Attention projections of the FLUX, SD3, Qwen-Image, Wan and HunyuanVideo blocks (diffusers names). Modules absent
     # from an architecture are simply not matched.
     target_modules: list[str] = field(
         default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
@@ -52,8 +52,9 @@ class ModelConfig:
     def validate(self, key: str) -> None:
         if self.dtype not in ("fp32", "bf16"):
             _fail(f"{key}.dtype", self.dtype, "valid: fp32, bf16")
-        if self.tiny_arch not in ("flux", "sd3"):
-            _fail(f"{key}.tiny_arch", self.tiny_arch, "valid: flux, sd3")
+        tiny_archs = ("flux", "sd3", "qwen_image", "wan", "hunyuan_video")  # verl_digen.models.tiny.TINY_ARCHS
+        if self.tiny_arch not in tiny_archs:
+            _fail(f"{key}.tiny_arch", self.tiny_arch, f"valid: {', '.join(tiny_archs)}")
         self.lora.validate(f"{key}.lora")
 
 
@@ -208,6 +209,29 @@ class AsyncConfig:
 
 
 @dataclass
+class TspConfig:
+    stages: int = 1  # rollout workers per time-step pipeline (1 = plain data parallel)
+    train_split: str = "sample"  # sample | timestep
+    balance: bool = True  # balance stage ranges by measured per-step cost (else an even split)
+
+    def validate(self, key: str, num_steps: int) -> None:
+        if self.stages < 1 or self.stages > num_steps:
+            _fail(f"{key}.stages", self.stages, f"must be in [1, digen.sampling.num_steps={num_steps}]")
+        if self.train_split not in ("sample", "timestep"):
+            _fail(f"{key}.train_split", self.train_split, "valid: sample, timestep")
+
+
+@dataclass
+class TagConfig:
+    enable: bool = False
+    switch_cost_s: float = 0.0  # a trainer's generate->train switch (e.g. freeing activations)
+
+    def validate(self, key: str) -> None:
+        if self.switch_cost_s < 0:
+            _fail(f"{key}.switch_cost_s", self.switch_cost_s, "must be >= 0")
+
+
+@dataclass
 class SyncConfig:
     backend: str = "auto"  # auto | gloo | nccl
 
@@ -230,6 +254,8 @@ class DigenConfig:
     pools: PoolsConfig = field(default_factory=PoolsConfig)
     gap: GapConfig = field(default_factory=GapConfig)
     async_: AsyncConfig = field(default_factory=AsyncConfig)
+    tsp: TspConfig = field(default_factory=TspConfig)
+    tag: TagConfig = field(default_factory=TagConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     progress_bar: bool = True
     ray_num_cpus: Optional[int] = None
@@ -247,6 +273,18 @@ class DigenConfig:
         self.reward.validate("digen.reward")
         self.async_.validate("digen.async")
         self.sync.validate("digen.sync")
+        self.tsp.validate("digen.tsp", self.sampling.num_steps)
+        self.tag.validate("digen.tag")
+        if self.placement == "colocated":
+            if self.tsp.stages > 1 or self.tsp.train_split != "sample":
+                _fail("digen.tsp.stages", self.tsp.stages, "TSP needs digen.placement=disaggregated")
+            if self.tag.enable:
+                _fail("digen.tag.enable", True, "TAG needs digen.placement=disaggregated")
+        elif self.pools.rollout.world_size % self.tsp.stages:
+            _fail(
+                "digen.tsp.stages", self.tsp.stages,
+                f"must divide the rollout pool size {self.pools.rollout.world_size} (pipelines of whole stages)",
+            )
         if self.placement == "disaggregated":
             for role in ("rollout", "trainer"):
                 spec: PoolSpec = getattr(self.pools, role)

@@ -58,7 +58,10 @@ def pool_layout(cfg: DigenConfig, cluster: ClusterSpec) -> PoolLayout:
         max_staleness=cfg.async_.max_staleness,
     )
     if cfg.placement == "colocated":
-        spec = StrategySpec(placement="colocated", rollout_workers=cluster.devices, trainer_workers=cluster.devices, **common)
+        spec = StrategySpec(
+            placement="colocated", rollout_workers=cluster.devices, trainer_workers=cluster.devices,
+            num_steps=cfg.sampling.num_steps, **common,
+        )
         return PoolLayout({"fused": ([cluster.n_devices_per_node] * cluster.nnodes, None)}, {"fused": "fused"}, spec)
 
     pools_cfg = cfg.pools
@@ -91,6 +94,10 @@ def pool_layout(cfg: DigenConfig, cluster: ClusterSpec) -> PoolLayout:
         rollout_workers=pools_cfg.rollout.world_size,
         trainer_workers=pools_cfg.trainer.world_size,
         reward_workers=pools_cfg.reward.world_size if pools_cfg.reward.devices else 0,
+        tsp_stages=cfg.tsp.stages,
+        num_steps=cfg.sampling.num_steps,
+        train_split=cfg.tsp.train_split,
+        tag=cfg.tag.enable,
         **common,
     )
     return PoolLayout(pools, {name: name for name in pools}, spec)

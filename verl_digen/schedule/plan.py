@@ -50,6 +50,12 @@ class Task:
     # OPTIMIZER_STEP / SYNC: the version it produces / delivers.
     version: int = 0
     images: int = 0
+    # GENERATE under TSP: the denoising steps [start, end) this stage takes (None: all), and
+    # whether it is the last stage (decodes and completes the groups).
+    denoise: tuple[int, int] | None = None
+    final: bool = True
+    # TRAIN under time-step split: (part, parts) -> this task trains trained_steps[part::parts].
+    train_part: tuple[int, int] | None = None
 
     @property
     def worker(self) -> WorkerId:
@@ -132,12 +138,17 @@ class Plan:
         return seen
 
     def _check_groups(self, steps: list[int]) -> None:
+        def unit(t: Task) -> tuple:
+            # A group is generated once per denoising range and trained once per step part.
+            return (t.denoise[0] if t.denoise else 0, t.train_part)
+
         for kind in (TaskKind.GENERATE, TaskKind.REWARD, TaskKind.TRAIN):
-            counts = Counter(g for t in self.of_kind(kind) for g in t.groups)
-            dup = [g for g, c in counts.items() if c > 1]
+            counts = Counter((g, unit(t)) for t in self.of_kind(kind) for g in t.groups)
+            dup = sorted({g for (g, _), c in counts.items() if c > 1})
             if dup:
-                raise PlanError(f"groups {sorted(dup)[:5]} appear in more than one {kind.value} task")
-        gen_of = {g: t for t in self.of_kind(TaskKind.GENERATE) for g in t.groups}
+                raise PlanError(f"groups {dup[:5]} appear in more than one {kind.value} task")
+        self._check_stages()
+        gen_of = {g: t for t in self.of_kind(TaskKind.GENERATE) if t.final for g in t.groups}
         rew_of = {g: t for t in self.of_kind(TaskKind.REWARD) for g in t.groups}
         for step in steps:
             trains = self.of_kind(TaskKind.TRAIN, step)
@@ -159,6 +170,25 @@ class Plan:
                 for g in t.groups:
                     if g not in rew_of or rew_of[g].id not in anc or gen_of[g].id not in anc:
                         raise PlanError(f"{t.id} trains group {g} before it is generated and rewarded")
+
+    def _check_stages(self) -> None:
+        """TSP: each group's stages tile the denoising steps, in order, with one weights version."""
+        stages: dict[int, list[Task]] = {}
+        for t in self.of_kind(TaskKind.GENERATE):
+            if t.denoise is not None:
+                for g in t.groups:
+                    stages.setdefault(g, []).append(t)
+        for g, ts in stages.items():
+            ts.sort(key=lambda t: t.denoise[0])
+            if ts[0].denoise[0] != 0 or not ts[-1].final or any(t.final for t in ts[:-1]):
+                raise PlanError(f"group {g}: TSP stages do not start at step 0 and end with the final stage")
+            for a, b in zip(ts, ts[1:]):
+                if a.denoise[1] != b.denoise[0]:
+                    raise PlanError(f"group {g}: stage {a.id} ends at {a.denoise[1]} but {b.id} starts at {b.denoise[0]}")
+                if a.id not in b.deps:
+                    raise PlanError(f"group {g}: stage {b.id} does not wait for {a.id}")
+            if len({t.version for t in ts}) != 1:
+                raise PlanError(f"group {g}: TSP stages use weights versions {sorted({t.version for t in ts})}")
 
     def _check_versions(self) -> None:
         version: dict[WorkerId, int] = {w: 0 for w in self.workers}

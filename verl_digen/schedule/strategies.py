@@ -31,15 +31,45 @@ class StrategySpec:
     train_micro_batch_groups: int = 1
     gap: bool = False
     max_staleness: int = 0
+    # TSP rollout: pipelines of tsp_stages rollout workers over the denoising steps;
+    # stage_bounds are the K+1 step boundaries (None: an even split of num_steps).
+    tsp_stages: int = 1
+    num_steps: int = 8
+    stage_bounds: tuple[int, ...] | None = None
+    # TSP training: "sample" (a micro-batch per rank) or "timestep" (every rank takes a
+    # share of each micro-batch's trained steps).
+    train_split: str = "sample"
+    # TAG: trainer workers generate part of each step's groups (the share is per step).
+    tag: bool = False
 
     def __post_init__(self) -> None:
         if self.placement not in ("colocated", "disaggregated"):
             raise ValueError(f"placement must be colocated or disaggregated, got {self.placement!r}")
-        if self.placement == "colocated" and self.max_staleness:
-            raise ValueError("max_staleness > 0 needs disaggregated placement")
+        if self.placement == "colocated" and (self.max_staleness or self.tsp_stages > 1 or self.tag):
+            raise ValueError("TCSS, TSP and TAG need disaggregated placement")
+        if self.tsp_stages < 1 or self.rollout_workers % self.tsp_stages:
+            raise ValueError(f"tsp_stages={self.tsp_stages} must divide rollout_workers={self.rollout_workers}")
+        if self.tsp_stages > self.num_steps:
+            raise ValueError(f"tsp_stages={self.tsp_stages} exceeds num_steps={self.num_steps}")
+        if self.train_split not in ("sample", "timestep"):
+            raise ValueError(f"train_split must be sample or timestep, got {self.train_split!r}")
+        b = self.bounds
+        if len(b) != self.tsp_stages + 1 or b[0] != 0 or b[-1] != self.num_steps or any(x >= y for x, y in zip(b, b[1:])):
+            raise ValueError(f"stage_bounds={b} must rise strictly from 0 to num_steps={self.num_steps}")
         for name in ("groups_per_task", "train_micro_batch_groups"):
             if self.groups_per_step % getattr(self, name):
                 raise ValueError(f"{name}={getattr(self, name)} must divide groups_per_step={self.groups_per_step}")
+
+    @property
+    def bounds(self) -> tuple[int, ...]:
+        if self.stage_bounds is not None:
+            return tuple(self.stage_bounds)
+        k, n = self.tsp_stages, self.num_steps
+        return tuple(round(i * n / k) for i in range(k + 1))
+
+    @property
+    def pipelines(self) -> int:
+        return self.rollout_workers // self.tsp_stages
 
     @property
     def name(self) -> str:
@@ -48,6 +78,12 @@ class StrategySpec:
         parts = ["disaggregated"]
         if self.gap:
             parts.append("gap")
+        if self.tsp_stages > 1:
+            parts.append(f"tsp{self.tsp_stages}")
+        if self.train_split == "timestep":
+            parts.append("tsp_train")
+        if self.tag:
+            parts.append("tag")
         if self.max_staleness:
             parts.append("tcss")
         return "+".join(parts)
@@ -100,18 +136,33 @@ class StepPlanner:
         self._planned_ahead: dict[int, list[int]] = {}
         self._version: dict[WorkerId, int] = {w: 0 for w in self.plan.workers}
         self._reward_of: dict[int, Task] = {}  # group -> its reward task
+        self._gen_of: dict[int, Task] = {}  # first group of a generate task -> its final generate task
+        self._next_tag_slot = 0
+        self._next_reward_slot = 0
         self._position: dict[str, int] = {}  # task id -> index in the plan
 
     # ----------------------------------------------------------------- public
 
-    def plan_step(self, step: int, costs: StepCosts | None = None, *, has_next: bool = True) -> list[Task]:
-        """Append step ``step``; ``has_next=False`` for the last step (no look-ahead)."""
+    def plan_step(
+        self, step: int, costs: StepCosts | None = None, *, has_next: bool = True, tag_groups: int = 0
+    ) -> list[Task]:
+        """Append step ``step``; ``has_next=False`` for the last step (no look-ahead).
+
+        ``tag_groups``: how many of the step's groups the trainers generate (TAG), decided by
+        the caller's elastic policy; they are taken from the groups not generated ahead.
+        """
         costs = costs or StepCosts()
         start = len(self.plan.tasks)
         spec = self.spec
         groups = group_ids(step, spec.groups_per_step)
         ahead = set(self._planned_ahead.pop(step, []))
         remaining = [g for g in groups if g not in ahead]
+        if tag_groups:
+            if not spec.tag:
+                raise ValueError("tag_groups > 0 needs a StrategySpec with tag=True")
+            n = min(tag_groups, len(remaining)) // spec.groups_per_task * spec.groups_per_task
+            self._add_generation(step, remaining[:n], on_trainers=True)
+            remaining = remaining[n:]
         sync_dep = f"sync:{step}" if f"sync:{step}" in self.plan else None
         self._add_generation(step, remaining, extra_deps=(sync_dep,) if sync_dep else ())
         self._add_training(step, groups)
@@ -124,29 +175,68 @@ class StepPlanner:
 
     # ----------------------------------------------------------------- pieces
 
-    def _add_generation(self, step: int, groups: list[int], *, extra_deps: tuple[str, ...] = ()) -> None:
+    def _add_generation(
+        self,
+        step: int,
+        groups: list[int],
+        *,
+        extra_deps: tuple[str, ...] = (),
+        on_trainers: bool = False,
+    ) -> None:
+        """Generate + reward tasks for ``groups``: round-robin over the rollout workers, over
+        the TSP pipelines (one chained task per stage), or over the trainers (TAG)."""
         spec = self.spec
-        gens = spec.generators
+        tsp = not on_trainers and spec.tsp_stages > 1
+        generators = spec.trainers if on_trainers else spec.generators
+        lanes = spec.pipelines if tsp else len(generators)
         for task_groups in chunk(groups, spec.groups_per_task):
-            worker = gens[self._next_gen_slot % len(gens)]
-            self._next_gen_slot += 1
-            tag = "-".join(str(g) for g in task_groups)
-            gen = self.plan.add(
-                Task(
-                    id=f"gen:{tag}",
-                    kind=TaskKind.GENERATE,
-                    workers=(worker,),
-                    step=step,
-                    deps=tuple(d for d in extra_deps if d),
-                    groups=task_groups,
-                    version=self._version[worker],
-                    images=len(task_groups) * spec.group_size,
-                )
-            )
-            if spec.reward_workers:
-                rw = WorkerId("reward", (self._next_gen_slot - 1) % spec.reward_workers)
+            if on_trainers:
+                lane = self._next_tag_slot % lanes
+                self._next_tag_slot += 1
             else:
-                rw = worker
+                lane = self._next_gen_slot % lanes
+                self._next_gen_slot += 1
+            tag = "-".join(str(g) for g in task_groups)
+            if tsp:
+                workers = [WorkerId("rollout", lane * spec.tsp_stages + k) for k in range(spec.tsp_stages)]
+                version = self._version[workers[0]]
+                bounds = spec.bounds
+                prev: Task | None = None
+                for k, worker in enumerate(workers):
+                    prev = self.plan.add(
+                        Task(
+                            id=f"gen:{tag}:s{k}",
+                            kind=TaskKind.GENERATE,
+                            workers=(worker,),
+                            step=step,
+                            deps=tuple(d for d in extra_deps if d) + ((prev.id,) if prev else ()),
+                            groups=task_groups,
+                            version=version,
+                            images=len(task_groups) * spec.group_size,
+                            denoise=(bounds[k], bounds[k + 1]),
+                            final=k == spec.tsp_stages - 1,
+                        )
+                    )
+                gen = prev
+            else:
+                worker = generators[lane]
+                gen = self.plan.add(
+                    Task(
+                        id=f"gen:{tag}",
+                        kind=TaskKind.GENERATE,
+                        workers=(worker,),
+                        step=step,
+                        deps=tuple(d for d in extra_deps if d),
+                        groups=task_groups,
+                        version=self._version[worker],
+                        images=len(task_groups) * spec.group_size,
+                    )
+                )
+            if spec.reward_workers:
+                self._next_reward_slot += 1
+                rw = WorkerId("reward", (self._next_reward_slot - 1) % spec.reward_workers)
+            else:
+                rw = gen.worker
             rew = self.plan.add(
                 Task(
                     id=f"reward:{tag}",
@@ -158,6 +248,7 @@ class StepPlanner:
                     images=gen.images,
                 )
             )
+            self._gen_of[task_groups[0]] = gen
             self._position[rew.id] = len(self.plan.tasks)
             for g in task_groups:
                 self._reward_of[g] = rew
@@ -174,24 +265,31 @@ class StepPlanner:
         train_ids = []
         for j, mb in enumerate(chunk(order, spec.train_micro_batch_groups)):
             own = sorted({self._reward_task_of(g).id for g in mb})
+            deps = tuple(own) if spec.gap else tuple(rewards_of_step)
             if spec.placement == "colocated":
                 # Train where the data was generated: no transfer between devices.
-                worker = self.plan[own[0].replace("reward:", "gen:")].worker
+                placements = [(self._gen_of[self._reward_task_of(mb[0]).groups[0]].worker, None)]
+            elif spec.train_split == "timestep":
+                # Every rank takes a share of this micro-batch's steps: a lone (drain) micro-batch
+                # still keeps all trainer ranks busy.
+                placements = [(w, (r, len(trainers))) for r, w in enumerate(trainers)]
             else:
-                worker = trainers[j % len(trainers)]
-            deps = tuple(own) if spec.gap else tuple(rewards_of_step)
-            t = self.plan.add(
-                Task(
-                    id=f"train:{step}:{j}",
-                    kind=TaskKind.TRAIN,
-                    workers=(worker,),
-                    step=step,
-                    deps=deps,
-                    groups=mb,
-                    images=len(mb) * spec.group_size,
+                placements = [(trainers[j % len(trainers)], None)]
+            for worker, part in placements:
+                suffix = f":p{part[0]}" if part else ""
+                t = self.plan.add(
+                    Task(
+                        id=f"train:{step}:{j}{suffix}",
+                        kind=TaskKind.TRAIN,
+                        workers=(worker,),
+                        step=step,
+                        deps=deps,
+                        groups=mb,
+                        images=len(mb) * spec.group_size,
+                        train_part=part,
+                    )
                 )
-            )
-            train_ids.append(t.id)
+                train_ids.append(t.id)
         opt = self.plan.add(
             Task(
                 id=f"opt:{step}",

@@ -50,6 +50,26 @@ class Timeline:
         busy = sum(self.busy_seconds(t0, t1).values())
         return max(0.0, 1.0 - busy / (len(self.workers) * wall))
 
+    def edge_idle(self, workers: list[str], t0: float, t1: float) -> tuple[float, float]:
+        """Mean idle fraction of ``workers`` at the start (head) and at the end (drain) of ``[t0, t1]``.
+
+        Head: from ``t0`` to a worker's first task in the window; drain: from its last task's
+        end to ``t1``. A worker with no task in the window counts as idle throughout (head).
+        """
+        wall = t1 - t0
+        if wall <= 0 or not workers:
+            return 0.0, 0.0
+        head = drain = 0.0
+        for w in workers:
+            spans = [(max(r.start, t0), min(r.end, t1)) for r in self.records if w in r.workers and r.end > t0 and r.start < t1]
+            if not spans:
+                head += wall
+                continue
+            head += min(a for a, _ in spans) - t0
+            drain += t1 - max(b for _, b in spans)
+        n = len(workers) * wall
+        return head / n, drain / n
+
     def check_exclusive(self, eps: float = 1e-9) -> None:
         """Raise if two tasks overlap on one worker."""
         per: dict[str, list[TaskRecord]] = {w: [] for w in self.workers}

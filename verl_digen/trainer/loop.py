@@ -85,14 +85,13 @@ def output_dir_for(cfg: DigenConfig, trainer_cfg: Any) -> str:
 
 
 def preflight_reward(cfg: DigenConfig) -> None:
-    """Fail before any worker starts when an HTTP reward server cannot be reached."""
+    """Fail before any worker starts when a remote reward (HTTP server, VLM judge) is unreachable."""
+    from verl_digen.rewards import build_reward
+
     specs = [{"name": cfg.reward.name, "kwargs": cfg.reward.kwargs}] + list(cfg.reward.components)
     for spec in specs:
-        if spec.get("name") == "http":
-            from verl_digen.rewards.http_client import HttpReward
-
-            kwargs = dict(spec.get("kwargs", {}))
-            HttpReward(**kwargs).check_reachable()
+        if spec.get("name") in ("http", "vlm_judge"):
+            build_reward(spec["name"], **dict(spec.get("kwargs") or {})).check_reachable()
 
 
 def _init_ray(devices: int, cfg: DigenConfig, use_gpu: bool) -> bool:
@@ -230,6 +229,8 @@ class DigenTrainer:
         from tqdm import tqdm
 
         cfg = self.cfg
+        if self.spec.tsp_stages > 1 and cfg.tsp.balance:
+            self.spec = self._balanced_stages(actors)
         planner = StepPlanner(self.spec)
         executor = RayPlanExecutor(planner.plan, actors, std_mode=cfg.algo.std_mode, timeout_s=cfg.task_timeout_s)
         metrics_path = os.path.join(self.output_dir, "metrics.jsonl")
@@ -252,10 +253,12 @@ class DigenTrainer:
         with open(metrics_path, "w") as mf:
             for s in bar:
                 assign_prompts(min(s + lookahead, self.total_steps - 1))
-                planner.plan_step(s, costs, has_next=s + 1 < self.total_steps)
+                tag_metrics, tag_groups = self._tag_decision(executor, s)
+                planner.plan_step(s, costs, has_next=s + 1 < self.total_steps, tag_groups=tag_groups)
                 executor.run_until([f"opt:{s}"])
                 t_end = time.time()
                 m = self._step_metrics(executor, s, t_prev, t_end)
+                m.update(tag_metrics)
                 all_metrics.append(m)
                 mf.write(json.dumps(m) + "\n")
                 mf.flush()
@@ -269,6 +272,56 @@ class DigenTrainer:
         executor.timeline.write_jsonl(os.path.join(self.output_dir, "timeline.jsonl"), t0=t_run0)
         self._save_gantt(executor, all_metrics, t_run0)
         return all_metrics
+
+    def _balanced_stages(self, actors: dict[WorkerId, Any]):
+        """TSP: stage ranges balanced by the per-step cost measured on a rollout worker."""
+        import dataclasses
+
+        import ray
+
+        from verl_digen.schedule.elastic import balance_stages
+
+        prof = ray.get(actors[WorkerId("rollout", 0)].profile_step_costs.remote(), timeout=self.cfg.task_timeout_s)
+        bounds = balance_stages(prof["step_s"], self.spec.tsp_stages, head_s=prof["head_s"], tail_s=prof["tail_s"])
+        self.stage_profile = {**prof, "bounds": list(bounds)}
+        return dataclasses.replace(self.spec, stage_bounds=bounds)
+
+    def _tag_decision(self, executor: RayPlanExecutor, s: int) -> tuple[dict[str, float], int]:
+        """TAG's share for step ``s`` from the rates measured in step ``s - 1``."""
+        from verl_digen.schedule.elastic import TagDecision, TagInputs, decide_tag_share
+
+        if not self.spec.tag:
+            return {}, 0
+        recs = executor.timeline.records
+
+        def per_group(kind: str, step: int, pool: str | None) -> float | None:
+            rs = [r for r in recs if r.kind == kind and r.step == step and (pool is None or r.workers[0].startswith(pool))]
+            groups = {g for r in rs for g in r.groups}
+            return sum(r.end - r.start for r in rs) / len(groups) if groups else None
+
+        prev = s - 1
+        roll = per_group("generate", prev, "rollout")
+        train = per_group("train", prev, None)
+        if prev < 0 or roll is None or train is None:
+            d = TagDecision(0, 0.0, 0.0, "no measurements yet")
+            return d.as_metrics(None), 0
+        # Trainer generation rate: measured once trainers have generated; until then assume the
+        # rollout devices' rate (same device type; heterogeneous pools correct it after one step).
+        trainer_gen = next(
+            (v for v in (per_group("generate", q, "trainer") for q in range(prev, -1, -1)) if v is not None), roll
+        )
+        inputs = TagInputs(
+            groups_per_step=self.spec.groups_per_step,
+            groups_per_task=self.spec.groups_per_task,
+            rollout_workers=self.spec.rollout_workers,
+            trainer_workers=self.spec.trainer_workers,
+            rollout_generate_per_group=roll,
+            trainer_generate_per_group=trainer_gen,
+            train_per_group=train,
+            switch_s=self.cfg.tag.switch_cost_s,
+        )
+        d = decide_tag_share(inputs)
+        return d.as_metrics(inputs), d.groups
 
     def _step_metrics(self, executor: RayPlanExecutor, s: int, t0: float, t1: float) -> dict[str, Any]:
         res = executor.results[s]
@@ -290,6 +343,12 @@ class DigenTrainer:
             "strategy": self.spec.name,
             "devices": self.spec.devices,
         }
+        # Where the idle time sits: trainers waiting for the first groups (head), rollout
+        # waiting for the trainers to finish, step and sync (drain).
+        trainers = [str(w) for w in self.spec.trainers]
+        rollout = [str(w) for w in self.spec.generators]
+        m["bubble/head_trainer"] = executor.timeline.edge_idle(trainers, t0, t1)[0]
+        m["bubble/drain_rollout"] = executor.timeline.edge_idle(rollout, t0, t1)[1]
         keys = {k for t in res.train for k in t if k.startswith("actor/")}
         for k in sorted(keys):
             m[k] = _mean([t[k] for t in res.train if k in t])

@@ -72,17 +72,27 @@ class RayPlanExecutor(PlanRunner):
                 "step": task.step,
                 "version": task.version,
             }
-            ref = a[task.worker].generate.remote(request)
+            if task.denoise is not None:
+                request["denoise"] = task.denoise
+            # A TSP stage after the first takes the previous stage's in-flight state.
+            prev = [d for d in task.deps if self.plan[d].kind == TaskKind.GENERATE]
+            args = [self.outputs.pop(prev[0])] if prev else []
+            ref = a[task.worker].generate.remote(request, *args)
             self.outputs[task.id] = ref
-            for g in task.groups:
-                self.gen_of_group[g] = task.id
+            if task.final:
+                for g in task.groups:
+                    self.gen_of_group[g] = task.id
             refs = [ref]
         elif task.kind == TaskKind.REWARD:
             gen_id = self.gen_of_group[task.groups[0]]
             refs = [a[task.worker].compute_reward.remote(self.outputs[gen_id])]
         elif task.kind == TaskKind.TRAIN:
             gen_ids = sorted({self.gen_of_group[g] for g in task.groups})
-            request = {"groups": list(task.groups), "advantages": self._advantages(task)}
+            request = {
+                "groups": list(task.groups),
+                "advantages": self._advantages(task),
+                "train_part": task.train_part,
+            }
             refs = [a[task.worker].train_micro_batch.remote(request, *[self.outputs[i] for i in gen_ids])]
         elif task.kind == TaskKind.OPTIMIZER_STEP:
             refs = [a[w].optimizer_step.remote() for w in task.workers]

@@ -71,7 +71,151 @@ def _repeat_cond(cond: Conditioning, n: int) -> Conditioning:
     return {k: v.repeat_interleave(n, dim=0) for k, v in cond.items()}
 
 
+@dataclass
+class GroupsInFlight:
+    """Groups part-way through sampling: what a TSP stage hands to the next one.
+
+    Everything is on CPU so it can travel between processes (Ray object store); the
+    generators travel as their states, so stage k+1 draws exactly the noise a single
+    worker would have drawn.
+    """
+
+    prompts: list[str]
+    group_ids: list[int]
+    prompt_indices: list[int]
+    group_size: int
+    training_step: int
+    policy_version: int
+    window: list[int]
+    trained: list[int]
+    cond: Conditioning
+    neg: Conditioning | None
+    sigmas: torch.Tensor  # [S+1]
+    latents: list[torch.Tensor]  # x_0 .. x_t, each [B, ...]
+    log_probs: torch.Tensor  # [B, S]
+    generator_states: list[torch.Tensor]
+    next_step: int = 0  # the first denoising step not yet taken
+
+    @property
+    def batch(self) -> int:
+        return self.latents[0].shape[0]
+
+
 @torch.no_grad()
+def begin_groups(
+    adapter: DiffusionAdapter,
+    prompts: list[str],
+    group_ids: list[int],
+    prompt_indices: list[int],
+    *,
+    group_size: int,
+    settings: SamplingSettings,
+    training_step: int,
+    seed: int,
+    policy_version: int,
+) -> GroupsInFlight:
+    """Encode the prompts and draw each group's initial noise (the head of sampling)."""
+    spec = settings.spec
+    window, trained = step_plan(settings, training_step=training_step, seed=seed)
+    cond = _repeat_cond(adapter.encode_prompts(prompts), group_size)  # [B, ...]
+    neg = None
+    if settings.uses_cfg:
+        neg = _repeat_cond(adapter.encode_prompts([settings.negative_prompt] * len(prompts)), group_size)
+    generators = [torch.Generator().manual_seed(group_seed(seed, g)) for g in group_ids]
+    x = torch.cat([adapter.prepare_latents(group_size, spec, gen) for gen in generators], dim=0)
+    sigmas = adapter.sigmas(settings.num_steps, spec).to(dtype=torch.float32).cpu()  # [S+1]
+    return GroupsInFlight(
+        prompts=list(prompts),
+        group_ids=list(group_ids),
+        prompt_indices=list(prompt_indices),
+        group_size=group_size,
+        training_step=training_step,
+        policy_version=policy_version,
+        window=window,
+        trained=trained,
+        cond={k: v.cpu() for k, v in cond.items()},
+        neg={k: v.cpu() for k, v in neg.items()} if neg is not None else None,
+        sigmas=sigmas,
+        latents=[x.float().cpu()],
+        log_probs=torch.zeros(x.shape[0], settings.num_steps, dtype=torch.float32),
+        generator_states=[g.get_state() for g in generators],
+    )
+
+
+@torch.no_grad()
+def denoise(adapter: DiffusionAdapter, state: GroupsInFlight, settings: SamplingSettings, end: int) -> GroupsInFlight:
+    """Take denoising steps ``[state.next_step, end)`` (a TSP stage's share), in place."""
+    if not state.next_step <= end <= settings.num_steps:
+        raise ValueError(f"cannot denoise steps [{state.next_step}, {end}) of {settings.num_steps}")
+    device = adapter.device
+    spec = settings.spec
+    window_set = set(state.window)
+    cond = {k: v.to(device) for k, v in state.cond.items()}
+    neg = {k: v.to(device) for k, v in state.neg.items()} if state.neg is not None else None
+    generators = []
+    for st in state.generator_states:
+        gen = torch.Generator()
+        gen.set_state(st)
+        generators.append(gen)
+    x = state.latents[-1].to(device)
+    batch, g = state.batch, state.group_size
+    sigmas = state.sigmas.to(device)
+    for i in range(state.next_step, end):
+        sigma = sigmas[i].expand(batch)
+        sigma_next = sigmas[i + 1].expand(batch)
+        with autocast_context(device, settings.autocast_bf16):
+            v = adapter.predict_velocity(x, sigma, cond, spec, negative_cond=neg)
+        v = v.float()
+        if i in window_set:
+            # Each group draws its step noise from its own generator: identical wherever it runs.
+            noise = torch.cat([torch.randn((g, *x.shape[1:]), generator=gen, dtype=torch.float32) for gen in generators])
+            out = _sde_with_noise(v, x, sigma, sigma_next, noise.to(device), settings)
+            x = out.prev_sample
+            state.log_probs[:, i] = out.log_prob.cpu()
+        else:
+            x = ode_step(v, x, sigma, sigma_next)
+        state.latents.append(x.cpu())
+    state.generator_states = [gen.get_state() for gen in generators]
+    state.next_step = end
+    return state
+
+
+@torch.no_grad()
+def finish_groups(adapter: DiffusionAdapter, state: GroupsInFlight, settings: SamplingSettings) -> DataProto:
+    """Decode the final latents and pack the trajectory record (the tail of sampling)."""
+    if state.next_step != settings.num_steps:
+        raise ValueError(f"groups {state.group_ids} finished at step {state.next_step} of {settings.num_steps}")
+    spec = settings.spec
+    batch, g = state.batch, state.group_size
+    images = adapter.decode(state.latents[-1].to(adapter.device), spec).float().clamp(0, 1)
+    train_mask = torch.zeros(batch, settings.num_steps, dtype=torch.bool)
+    train_mask[:, state.trained] = True
+    sde_mask = torch.zeros_like(train_mask)
+    sde_mask[:, state.window] = True
+    tensors = {
+        "latents": torch.stack(state.latents, dim=1),
+        "log_probs": state.log_probs,
+        "sigmas": state.sigmas.unsqueeze(0).expand(batch, -1).contiguous(),
+        "train_mask": train_mask,
+        "sde_mask": sde_mask,
+        "images": images.cpu(),
+    }
+    tensors.update({COND_PREFIX + k: v for k, v in state.cond.items()})
+    if state.neg is not None:
+        tensors.update({NEG_PREFIX + k: v for k, v in state.neg.items()})
+    non_tensors = {
+        "prompt": np.array([p for p in state.prompts for _ in range(g)], dtype=object),
+        "group_id": np.array([x for x in state.group_ids for _ in range(g)], dtype=np.int64),
+        "prompt_index": np.array([p for p in state.prompt_indices for _ in range(g)], dtype=np.int64),
+        "policy_version": np.full(batch, state.policy_version, dtype=np.int64),
+    }
+    return DataProto.from_dict(
+        tensors=tensors,
+        non_tensors=non_tensors,
+        meta_info={"training_step": state.training_step, "policy_version": state.policy_version, "window": state.window},
+    )
+
+
 def sample_groups(
     adapter: DiffusionAdapter,
     prompts: list[str],
@@ -84,69 +228,13 @@ def sample_groups(
     seed: int,
     policy_version: int,
 ) -> DataProto:
-    """Sample ``group_size`` trajectories for each prompt; returns a DataProto of ``len(prompts) * G`` rows."""
-    device = adapter.device
-    spec = settings.spec
-    window, trained = step_plan(settings, training_step=training_step, seed=seed)
-    window_set = set(window)
-
-    cond = _repeat_cond(adapter.encode_prompts(prompts), group_size)  # [B, ...]
-    neg = None
-    if settings.uses_cfg:
-        neg = _repeat_cond(adapter.encode_prompts([settings.negative_prompt] * len(prompts)), group_size)
-
-    generators = [torch.Generator().manual_seed(group_seed(seed, g)) for g in group_ids]
-    x = torch.cat([adapter.prepare_latents(group_size, spec, gen) for gen in generators], dim=0).to(device)
-    batch = x.shape[0]
-    sigmas = adapter.sigmas(settings.num_steps, spec).to(device=device, dtype=torch.float32)  # [S+1]
-
-    latents = [x]
-    log_probs = torch.zeros(batch, settings.num_steps, dtype=torch.float32, device=device)
-    for i in range(settings.num_steps):
-        sigma = sigmas[i].expand(batch)
-        sigma_next = sigmas[i + 1].expand(batch)
-        with autocast_context(device, settings.autocast_bf16):
-            v = adapter.predict_velocity(x, sigma, cond, spec, negative_cond=neg)
-        v = v.float()
-        if i in window_set:
-            # Each group draws its step noise from its own generator: identical wherever it runs.
-            noise = torch.cat(
-                [torch.randn((group_size, *x.shape[1:]), generator=gen, dtype=torch.float32) for gen in generators]
-            ).to(device)
-            out = _sde_with_noise(v, x, sigma, sigma_next, noise, settings)
-            x = out.prev_sample
-            log_probs[:, i] = out.log_prob
-        else:
-            x = ode_step(v, x, sigma, sigma_next)
-        latents.append(x)
-
-    images = adapter.decode(x, spec).float().clamp(0, 1)
-    train_mask = torch.zeros(batch, settings.num_steps, dtype=torch.bool, device=device)
-    train_mask[:, trained] = True
-    sde_mask = torch.zeros_like(train_mask)
-    sde_mask[:, window] = True
-    tensors = {
-        "latents": torch.stack(latents, dim=1).cpu(),
-        "log_probs": log_probs.cpu(),
-        "sigmas": sigmas.unsqueeze(0).expand(batch, -1).contiguous().cpu(),
-        "train_mask": train_mask.cpu(),
-        "sde_mask": sde_mask.cpu(),
-        "images": images.cpu(),
-    }
-    tensors.update({COND_PREFIX + k: v.cpu() for k, v in cond.items()})
-    if neg is not None:
-        tensors.update({NEG_PREFIX + k: v.cpu() for k, v in neg.items()})
-    non_tensors = {
-        "prompt": np.array([p for p in prompts for _ in range(group_size)], dtype=object),
-        "group_id": np.array([g for g in group_ids for _ in range(group_size)], dtype=np.int64),
-        "prompt_index": np.array([p for p in prompt_indices for _ in range(group_size)], dtype=np.int64),
-        "policy_version": np.full(batch, policy_version, dtype=np.int64),
-    }
-    return DataProto.from_dict(
-        tensors=tensors,
-        non_tensors=non_tensors,
-        meta_info={"training_step": training_step, "policy_version": policy_version, "window": window},
+    """Sample ``group_size`` trajectories for each prompt; a DataProto of ``len(prompts) * G`` rows."""
+    state = begin_groups(
+        adapter, prompts, group_ids, prompt_indices, group_size=group_size, settings=settings,
+        training_step=training_step, seed=seed, policy_version=policy_version,
     )
+    denoise(adapter, state, settings, settings.num_steps)
+    return finish_groups(adapter, state, settings)
 
 
 def _sde_with_noise(v, x, sigma, sigma_next, noise, settings: SamplingSettings):

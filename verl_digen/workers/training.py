@@ -143,14 +143,21 @@ class PolicyTrainer:
             v.float(), x, sig, sig_next, noise_level=s.noise_level, sde_type=s.sde_type, prev_sample=x_next
         )
 
-    def train_micro_batch(self, data: DataProto, advantages: torch.Tensor) -> dict[str, float]:
-        """Accumulate the gradient of this micro-batch's share of the step loss."""
+    def train_micro_batch(
+        self, data: DataProto, advantages: torch.Tensor, *, part: tuple[int, int] | None = None
+    ) -> dict[str, float]:
+        """Accumulate the gradient of this micro-batch's share of the step loss.
+
+        ``part=(r, P)`` trains only the trained steps ``[r::P]`` (TSP time-step split): the P
+        parts, summed by the optimizer step's all-reduce, give the same gradient as the whole.
+        """
         algo = self.settings.algo
         device = self.adapter.device
-        steps = self._trained_steps(data)
+        all_steps = self._trained_steps(data)
+        steps = all_steps[part[0] :: part[1]] if part else all_steps
         n = len(data)
-        # Share of the step's mean loss: (n / images_per_step) of the batch, 1/len(steps) per step.
-        scale = n / self.settings.images_per_step / max(len(steps), 1)
+        # Share of the step's mean loss: (n / images_per_step) of the batch, 1/len(all) per step.
+        scale = n / self.settings.images_per_step / max(len(all_steps), 1)
         adv = advantages.to(device=device, dtype=torch.float32)
         sums: dict[str, float] = {}
         self.adapter.transformer.train()

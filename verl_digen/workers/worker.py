@@ -28,7 +28,7 @@ from verl.single_controller.base.decorator import Dispatch, register
 from verl_digen.config.schema import DigenConfig, digen_config_from_dict
 from verl_digen.sync.state import state_digest, trainable_state
 from verl_digen.sync.transport import WeightSyncMixin
-from verl_digen.workers.sampling import SamplingSettings, sample_groups
+from verl_digen.workers.sampling import GroupsInFlight, SamplingSettings, begin_groups, denoise, finish_groups
 from verl_digen.workers.training import PolicyTrainer, TrainSettings, add_lora
 
 ROLES = ("fused", "rollout", "trainer", "reward")
@@ -121,7 +121,11 @@ class DiffusionWorker(Worker, WeightSyncMixin):
                 if not dist.is_initialized():
                     dist.init_process_group(backend=backend, rank=self.rank, world_size=self.world_size)
                 self._pg = dist.group.WORLD
-        if self.role in ("fused", "rollout", "reward"):
+        # Trainers score too when they generate (TAG) and no reward pool exists.
+        scores = self.role in ("fused", "rollout", "reward") or (
+            self.role == "trainer" and cfg.tag.enable and cfg.pools.reward.devices == 0
+        )
+        if scores:
             from verl_digen.rewards import build_reward_from_config
 
             self.reward_fn = build_reward_from_config(
@@ -133,28 +137,75 @@ class DiffusionWorker(Worker, WeightSyncMixin):
 
     # ------------------------------------------------------------------ tasks
 
-    def generate(self, request: dict[str, Any]) -> DataProto:
-        """Sample whole groups. ``request``: group_ids, prompts, prompt_indices, step, version."""
+    def generate(self, request: dict[str, Any], state: GroupsInFlight | None = None) -> DataProto | GroupsInFlight:
+        """Sample whole groups, or one TSP stage of them.
+
+        ``request``: group_ids, prompts, prompt_indices, step, version, and for a TSP stage
+        ``denoise`` = (start, end); a stage after the first receives the previous stage's
+        ``state``. The last stage (or a plain call) returns the trajectory record.
+        """
         expected = request["version"]
         if expected != self.policy_version:
             raise RuntimeError(
                 f"{self.role}{self.rank} holds weights version {self.policy_version} but the plan "
                 f"generates groups {request['group_ids']} with version {expected}"
             )
-        t0 = time.time()
-        data = sample_groups(
-            self.adapter,
-            request["prompts"],
-            request["group_ids"],
-            request["prompt_indices"],
-            group_size=self.cfg.batch.group_size,
-            settings=self.settings,
-            training_step=request["step"],
-            seed=self.cfg.seed,
-            policy_version=self.policy_version,
-        )
-        data.meta_info["generate_s"] = time.time() - t0
-        return data
+        start, end = request.get("denoise") or (0, self.settings.num_steps)
+        if state is None:
+            if start != 0:
+                raise RuntimeError(f"TSP stage [{start}, {end}) of groups {request['group_ids']} got no input state")
+            state = begin_groups(
+                self.adapter,
+                request["prompts"],
+                request["group_ids"],
+                request["prompt_indices"],
+                group_size=self.cfg.batch.group_size,
+                settings=self.settings,
+                training_step=request["step"],
+                seed=self.cfg.seed,
+                policy_version=self.policy_version,
+            )
+        elif state.policy_version != self.policy_version:
+            raise RuntimeError(
+                f"groups {state.group_ids} began with weights version {state.policy_version} but "
+                f"{self.role}{self.rank} holds {self.policy_version}: a trajectory must use one version"
+            )
+        denoise(self.adapter, state, self.settings, end)
+        if end < self.settings.num_steps:
+            return state
+        return finish_groups(self.adapter, state, self.settings)
+
+    def profile_step_costs(self, repeats: int = 2) -> dict[str, Any]:
+        """Measured seconds of encode+noise (head), each denoising step, and decode (tail).
+
+        One group of the configured size; used to balance TSP stage ranges.
+        """
+        import time as _time
+
+        def timed(fn):
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = _time.perf_counter()
+                out = fn()
+                best = min(best, _time.perf_counter() - t0)
+            return best, out
+
+        req = dict(group_size=self.cfg.batch.group_size, settings=self.settings, training_step=0,
+                   seed=self.cfg.seed, policy_version=self.policy_version)
+        head, state = timed(lambda: begin_groups(self.adapter, ["a photo"], [0], [0], **req))
+        steps = []
+        for i in range(self.settings.num_steps):
+            snapshot = (list(state.latents), state.log_probs.clone(), state.generator_states, state.next_step)
+
+            def one_step():
+                state.latents, state.log_probs, state.generator_states, state.next_step = (
+                    list(snapshot[0]), snapshot[1].clone(), snapshot[2], snapshot[3])
+                return denoise(self.adapter, state, self.settings, i + 1)
+
+            t, _ = timed(one_step)
+            steps.append(t)
+        tail, _ = timed(lambda: finish_groups(self.adapter, state, self.settings))
+        return {"head_s": head, "step_s": steps, "tail_s": tail}
 
     def compute_reward(self, data: DataProto) -> dict[str, Any]:
         prompts = [str(p) for p in data.non_tensor_batch["prompt"]]
@@ -168,7 +219,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
     def train_micro_batch(self, request: dict[str, Any], *trajectories: DataProto) -> dict[str, float]:
         """``request``: groups (to select from the trajectories), advantages per row of the selection."""
         data = select_groups(trajectories, request["groups"])
-        metrics = self.trainer.train_micro_batch(data, request["advantages"])
+        metrics = self.trainer.train_micro_batch(data, request["advantages"], part=request.get("train_part"))
         versions = data.non_tensor_batch["policy_version"]
         metrics["staleness_max"] = float(self.policy_version - versions.min())
         metrics["staleness_min"] = float(self.policy_version - versions.max())
