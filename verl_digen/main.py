@@ -17,13 +17,19 @@ from verl_digen.config.schema import ConfigError
 
 @hydra.main(config_path=CONFIG_DIR, config_name=CONFIG_NAME, version_base=None)
 def main(config: DictConfig) -> None:
-    from verl_digen.trainer.loop import run_training
+    from verl_digen.rewards.http_client import RewardServerError
+    from verl_digen.trainer.checkpoint import CheckpointError
+    from verl_digen.trainer.loop import RunStopped, run_training
 
     try:
         run_training(config)
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError, CheckpointError, RewardServerError) as e:
         print(f"[verl-digen] error: {e}", file=sys.stderr)
         sys.exit(2)
+    except RunStopped:
+        sys.exit(1)  # the message (what failed, the checkpoint, how to resume) is already printed
+    except KeyboardInterrupt:
+        sys.exit(130)
 
 
 if __name__ == "__main__":

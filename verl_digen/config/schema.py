@@ -232,6 +232,27 @@ class TagConfig:
 
 
 @dataclass
+class ValidationConfig:
+    prompts: str = "builtin:val"  # held-out prompts (builtin:<name> or a file); trainer.test_freq sets how often
+    num_prompts: int = 8
+    seed: int = 2024
+
+    def validate(self, key: str) -> None:
+        if self.num_prompts < 1:
+            _fail(f"{key}.num_prompts", self.num_prompts, "must be >= 1")
+
+
+@dataclass
+class EmaConfig:
+    enable: bool = False
+    decay: float = 0.999
+
+    def validate(self, key: str) -> None:
+        if not 0.0 < self.decay < 1.0:
+            _fail(f"{key}.decay", self.decay, "must be in (0, 1)")
+
+
+@dataclass
 class SyncConfig:
     backend: str = "auto"  # auto | gloo | nccl
 
@@ -257,10 +278,16 @@ class DigenConfig:
     tsp: TspConfig = field(default_factory=TspConfig)
     tag: TagConfig = field(default_factory=TagConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    ema: EmaConfig = field(default_factory=EmaConfig)
     progress_bar: bool = True
     ray_num_cpus: Optional[int] = None
     task_timeout_s: float = 600.0
     gantt_last_steps: int = 3
+    max_nonfinite_steps: int = 3
+    # Testing knob: training steps (1-based) whose gradients are replaced by NaN before the
+    # optimizer step, to exercise the non-finite path end to end. Never set in real runs.
+    fault_nonfinite_grad_steps: list[int] = field(default_factory=list)  # optimizer steps skipped for NaN/inf gradients before the run stops
     save_final_weights: bool = False  # write the trained (LoRA or full) state to final_weights.safetensors
 
     def validate(self) -> None:
@@ -275,6 +302,8 @@ class DigenConfig:
         self.sync.validate("digen.sync")
         self.tsp.validate("digen.tsp", self.sampling.num_steps)
         self.tag.validate("digen.tag")
+        self.validation.validate("digen.validation")
+        self.ema.validate("digen.ema")
         if self.placement == "colocated":
             if self.tsp.stages > 1 or self.tsp.train_split != "sample":
                 _fail("digen.tsp.stages", self.tsp.stages, "TSP needs digen.placement=disaggregated")

@@ -23,7 +23,7 @@ __all__ = ["load_prompts", "builtin_prompts", "builtin_prompt_sets", "PromptSamp
 SUPPORTED_EXTENSIONS = (".txt", ".jsonl", ".parquet")
 
 # Built-in prompt set name -> package data file in verl_digen/data/.
-_BUILTIN_SETS = {"demo": "builtin_prompts.txt"}
+_BUILTIN_SETS = {"demo": "builtin_prompts.txt", "val": "builtin_val_prompts.txt"}  # val: held out from demo
 
 
 def load_prompts(path: str | os.PathLike[str]) -> list[str]:

@@ -69,6 +69,7 @@ class Plan:
     workers: list[WorkerId]
     tasks: list[Task] = field(default_factory=list)
     max_staleness: int = 0
+    start_version: int = 0  # weights version every worker holds when the plan starts (resume)
 
     def __post_init__(self) -> None:
         self._index: dict[str, Task] = {t.id: t for t in self.tasks}
@@ -191,7 +192,7 @@ class Plan:
                 raise PlanError(f"group {g}: TSP stages use weights versions {sorted({t.version for t in ts})}")
 
     def _check_versions(self) -> None:
-        version: dict[WorkerId, int] = {w: 0 for w in self.workers}
+        version: dict[WorkerId, int] = {w: self.start_version for w in self.workers}
         for t in self.tasks:
             if t.kind == TaskKind.OPTIMIZER_STEP:
                 if t.version != t.step + 1:

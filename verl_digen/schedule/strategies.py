@@ -128,13 +128,14 @@ class StepCosts:
 class StepPlanner:
     """Appends the tasks of one training step at a time to ``self.plan``."""
 
-    def __init__(self, spec: StrategySpec) -> None:
+    def __init__(self, spec: StrategySpec, *, start_step: int = 0) -> None:
+        """``start_step > 0`` continues a resumed run: every worker holds version ``start_step``."""
         self.spec = spec
-        self.plan = Plan(workers=spec.workers(), max_staleness=spec.max_staleness)
+        self.plan = Plan(workers=spec.workers(), max_staleness=spec.max_staleness, start_version=start_step)
         self._next_gen_slot = 0  # round-robin position over generators
         # Generate tasks of step s+1 already planned ahead of SYNC(s+1) (TCSS): step -> groups.
         self._planned_ahead: dict[int, list[int]] = {}
-        self._version: dict[WorkerId, int] = {w: 0 for w in self.plan.workers}
+        self._version: dict[WorkerId, int] = {w: start_step for w in self.plan.workers}
         self._reward_of: dict[int, Task] = {}  # group -> its reward task
         self._gen_of: dict[int, Task] = {}  # first group of a generate task -> its final generate task
         self._next_tag_slot = 0

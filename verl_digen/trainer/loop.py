@@ -8,6 +8,7 @@ with gradient accumulation, step the optimizer, hand the weights to rollout. *Wh
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -33,6 +34,14 @@ QUIET_ENV = {
 }
 for _k, _v in QUIET_ENV.items():
     os.environ.setdefault(_k, _v)
+
+
+class RunStopped(RuntimeError):
+    """The run stopped cleanly on a failure; the message names it and how to resume."""
+
+
+class NonFiniteTraining(RuntimeError):
+    """Too many optimizer steps had non-finite gradients."""
 
 
 @dataclass
@@ -66,12 +75,13 @@ def resolve_model_path(cfg: DigenConfig) -> str:
     return os.path.abspath(cfg.model.path)
 
 
-def resolve_prompts(cfg: DigenConfig) -> list[str]:
+def resolve_prompts(cfg: DigenConfig, source: str | None = None) -> list[str]:
     from verl_digen.data import builtin_prompts, load_prompts
 
-    if cfg.data.prompts.startswith("builtin:"):
-        return builtin_prompts(cfg.data.prompts.split(":", 1)[1])
-    return load_prompts(cfg.data.prompts)
+    source = source or cfg.data.prompts
+    if source.startswith("builtin:"):
+        return builtin_prompts(source.split(":", 1)[1])
+    return load_prompts(source)
 
 
 def output_dir_for(cfg: DigenConfig, trainer_cfg: Any) -> str:
@@ -128,9 +138,37 @@ class DigenTrainer:
         self.layout = pool_layout(self.cfg, self.cluster)
         self.spec = self.layout.spec
         self.prompts = resolve_prompts(self.cfg)
+        self.test_freq = int(self.trainer_cfg.get("test_freq", -1) or -1)
+        self.val_prompts = resolve_prompts(self.cfg, self.cfg.validation.prompts)[: self.cfg.validation.num_prompts]
         preflight_reward(self.cfg)
         self.model_path = resolve_model_path(self.cfg)
         self.output_dir = output_dir_for(self.cfg, self.trainer_cfg)
+        self.ckpt_root = str(self.trainer_cfg.default_local_dir)
+        self.save_freq = int(self.trainer_cfg.get("save_freq", -1) or -1)
+        self.resume_from = self._resume_checkpoint()
+        self.start_step = self.resume_from.step if self.resume_from else 0
+        if self.start_step >= self.total_steps:
+            raise ConfigError(
+                f"checkpoint {self.resume_from.path} is at step {self.start_step}, which already reaches "
+                f"trainer.total_training_steps={self.total_steps}; raise total_training_steps to continue, "
+                "or start fresh with trainer.resume_mode=disable"
+            )
+        self._last_saved = self.start_step
+
+    def _resume_checkpoint(self):
+        from verl_digen.trainer.checkpoint import checkpoint_at, find_latest
+
+        mode = self.trainer_cfg.get("resume_mode", "auto")
+        if mode == "disable":
+            return None
+        if mode == "auto":
+            return find_latest(self.ckpt_root)
+        if mode == "resume_path":
+            path = self.trainer_cfg.get("resume_from_path")
+            if not path:
+                raise ConfigError("invalid config: trainer.resume_mode=resume_path needs trainer.resume_from_path")
+            return checkpoint_at(str(path))
+        raise ConfigError(f"invalid config: trainer.resume_mode={mode!r}; valid: auto, disable, resume_path")
 
     # ------------------------------------------------------------------ run
 
@@ -150,17 +188,25 @@ class DigenTrainer:
             self.layout, config=digen_dict, model_path=self.model_path, use_gpu=use_gpu, num_threads=threads
         )
         try:
-            ray.get([a.init_model.remote() for a in actors.values()], timeout=cfg.task_timeout_s)
+            infos = ray.get([a.init_model.remote() for a in actors.values()], timeout=cfg.task_timeout_s)
+            with open(os.path.join(self.output_dir, "workers.json"), "w") as f:
+                json.dump([{**i, "worker": str(w)} for w, i in zip(actors, infos)], f, indent=2)
+            sampler = PromptSampler(self.prompts, seed=cfg.seed, shuffle=cfg.data.shuffle)
+            self.history: list[dict[str, Any]] = []
+            if self.resume_from is not None:
+                self._load_checkpoint(actors, sampler)
             if self.spec.placement == "disaggregated":
                 self._open_weight_channel(actors, use_gpu)
-            sampler = PromptSampler(self.prompts, seed=cfg.seed, shuffle=cfg.data.shuffle)
             tracker = Tracking(
                 project_name=self.trainer_cfg.project_name,
                 experiment_name=self.trainer_cfg.experiment_name,
                 default_backend=list(self.trainer_cfg.logger),
                 config=self.full_config,
             )
-            metrics = self._train(actors, sampler, tracker)
+            try:
+                metrics = self._train(actors, sampler, tracker)
+            except BaseException as e:
+                raise self._stopped(e, actors) from e
             extra = self._finish(actors)
             tracker.finish()
         finally:
@@ -231,27 +277,39 @@ class DigenTrainer:
         cfg = self.cfg
         if self.spec.tsp_stages > 1 and cfg.tsp.balance:
             self.spec = self._balanced_stages(actors)
-        planner = StepPlanner(self.spec)
+        first = self.start_step
+        planner = StepPlanner(self.spec, start_step=first)
         executor = RayPlanExecutor(planner.plan, actors, std_mode=cfg.algo.std_mode, timeout_s=cfg.task_timeout_s)
+        self._executor = executor
         metrics_path = os.path.join(self.output_dir, "metrics.jsonl")
         lookahead = 1 if self.spec.max_staleness else 0
-        assigned_until = -1
+        assigned_until = first - 1
+        # The sampler's position before each step's prompts were drawn: what a checkpoint
+        # after step s stores (prompts of s+1 may already be drawn by TCSS look-ahead).
+        self._sampler_before: dict[int, dict[str, Any]] = {first: sampler.state_dict()}
 
         def assign_prompts(step: int) -> None:
             nonlocal assigned_until
             while assigned_until < step:
                 assigned_until += 1
+                self._sampler_before[assigned_until] = sampler.state_dict()
                 ids = group_ids(assigned_until, self.spec.groups_per_step)
                 for g, (idx, prompt) in zip(ids, sampler.next(len(ids))):
                     executor.prompts[g] = (idx, prompt)
+            self._sampler_before.setdefault(assigned_until + 1, sampler.state_dict())
 
         costs = StepCosts()
-        all_metrics: list[dict[str, Any]] = []
+        all_metrics: list[dict[str, Any]] = list(self.history)
+        nonfinite = sum(int(m.get("actor/skipped_nonfinite", 0)) for m in all_metrics)
         t_run0 = time.time()
         t_prev = t_run0
-        bar = tqdm(range(self.total_steps), desc=f"digen {self.spec.name}", disable=not cfg.progress_bar)
+        self._completed = first
+        bar = tqdm(range(first, self.total_steps), desc=f"digen {self.spec.name}", disable=not cfg.progress_bar,
+                   initial=first, total=self.total_steps)
         with open(metrics_path, "w") as mf:
-            for s in bar:
+            for m in all_metrics:
+                mf.write(json.dumps(m) + "\n")
+            for s in range(first, self.total_steps):
                 assign_prompts(min(s + lookahead, self.total_steps - 1))
                 tag_metrics, tag_groups = self._tag_decision(executor, s)
                 planner.plan_step(s, costs, has_next=s + 1 < self.total_steps, tag_groups=tag_groups)
@@ -259,19 +317,139 @@ class DigenTrainer:
                 t_end = time.time()
                 m = self._step_metrics(executor, s, t_prev, t_end)
                 m.update(tag_metrics)
+                if self.test_freq > 0 and ((s + 1) % self.test_freq == 0 or s + 1 == self.total_steps):
+                    m.update(self._validate(actors, s + 1, tracker))
                 all_metrics.append(m)
+                self._completed = s + 1
                 mf.write(json.dumps(m) + "\n")
                 mf.flush()
-                tracker.log(data=m, step=m["step"])
+                tracker.log(data={k: v for k, v in m.items() if isinstance(v, (int, float))}, step=m["step"])
+                bar.update(1)
                 bar.set_postfix(reward=f"{m['reward_mean']:.4f}", img_s=f"{m['images_per_s']:.2f}")
+                nonfinite += int(m.get("actor/skipped_nonfinite", 0))
+                if nonfinite > cfg.max_nonfinite_steps:
+                    raise NonFiniteTraining(
+                        f"{nonfinite} optimizer steps skipped for non-finite gradients "
+                        f"(digen.max_nonfinite_steps={cfg.max_nonfinite_steps})"
+                    )
+                if self.save_freq > 0 and ((s + 1) % self.save_freq == 0 or s + 1 == self.total_steps):
+                    self._save_checkpoint(actors, s + 1, all_metrics)
                 costs = measure_costs(executor.timeline.records, s, self.spec, costs)
-                t_prev = t_end
+                t_prev = time.time()
+            bar.close()
             executor.run_until(None)  # nothing may be left running (e.g. a final sync)
         self._wall_s = time.time() - t_run0
-        executor.plan.check(complete_steps=range(self.total_steps))
+        executor.plan.check(complete_steps=range(first, self.total_steps))
         executor.timeline.write_jsonl(os.path.join(self.output_dir, "timeline.jsonl"), t0=t_run0)
         self._save_gantt(executor, all_metrics, t_run0)
         return all_metrics
+
+    def _validate(self, actors: dict[WorkerId, Any], step: int, tracker: Any) -> dict[str, float]:
+        """Validation on the first trainer (it holds the newest weights, and the EMA)."""
+        import numpy as np
+        import ray
+        from PIL import Image
+
+        from verl_digen.trainer.validation import log_images_tensorboard, log_images_wandb
+
+        val_dir = os.path.join(self.output_dir, "val")
+        out = ray.get(
+            actors[self.spec.trainers[0]].validate.remote(self.val_prompts, step, val_dir), timeout=self.cfg.task_timeout_s
+        )
+        grid = np.asarray(Image.open(out["grid_path"]).convert("RGB"))
+        loggers = list(self.trainer_cfg.logger)
+        if "tensorboard" in loggers:
+            tb_dir = os.environ.get(
+                "TENSORBOARD_DIR", os.path.join("tensorboard_log", str(self.trainer_cfg.project_name),
+                                                str(self.trainer_cfg.experiment_name))
+            )
+            log_images_tensorboard(tb_dir, "val/images", grid, step)
+        if "wandb" in loggers:
+            log_images_wandb("val/images", grid, step)
+        return out["metrics"]
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _save_checkpoint(self, actors: dict[WorkerId, Any], step: int, metrics: list[dict[str, Any]]) -> str:
+        import ray
+
+        from verl_digen.trainer.checkpoint import save_checkpoint
+
+        state = ray.get(actors[self.spec.trainers[0]].checkpoint_state.remote(), timeout=self.cfg.task_timeout_s)
+        if state["version"] != step:
+            raise RuntimeError(f"trainer holds version {state['version']} at the end of step {step}")
+        ckpt = save_checkpoint(
+            self.ckpt_root,
+            step,
+            weights=state.pop("weights"),
+            trainer_state=state,
+            controller_state={
+                "step": step,
+                "sampler": self._sampler_before[step],
+                "metrics": metrics[:step],
+            },
+            meta={
+                "strategy": self.spec.name,
+                "model_path": self.model_path,
+                "lora_only": self.cfg.model.lora.enable,
+                "lora": dataclasses.asdict(self.cfg.model.lora),
+                "arch": self.cfg.model.arch,
+                "output_dir": self.output_dir,
+                "max_staleness": self.spec.max_staleness,
+            },
+            max_to_keep=self.trainer_cfg.get("max_actor_ckpt_to_keep"),
+        )
+        self._last_saved = step
+        return ckpt.path
+
+    def _load_checkpoint(self, actors: dict[WorkerId, Any], sampler: Any) -> None:
+        import ray
+
+        ckpt = self.resume_from
+        weights, trainer_state, ctrl = ckpt.weights(), ckpt.trainer_state(), ckpt.controller_state()
+        refs = []
+        for w, a in actors.items():
+            if w.pool == "reward":
+                continue
+            is_trainer = w in self.spec.trainers
+            refs.append(a.load_checkpoint_state.remote(weights, trainer_state if is_trainer else None, ckpt.step))
+        digests = ray.get(refs, timeout=self.cfg.task_timeout_s)
+        if len(set(digests)) != 1:
+            raise RuntimeError(f"workers disagree on the weights loaded from {ckpt.path}")
+        sampler.load_state_dict(ctrl["sampler"])
+        self.history = list(ctrl["metrics"])
+        print(f"[verl-digen] resumed from {ckpt.path} (step {ckpt.step}, policy version {ckpt.step})")
+
+    def _stopped(self, error: BaseException, actors: dict[WorkerId, Any]) -> BaseException:
+        """Turn a failure into a clean stop: checkpoint what completed, say how to resume."""
+        done = getattr(self, "_completed", self.start_step)
+        saved = None
+        if done > self._last_saved and done > 0:
+            try:
+                saved = self._save_checkpoint(actors, done, self._metrics_so_far())
+            except Exception as e:  # the trainer itself may be the one that died
+                saved = f"not written ({e.__class__.__name__}: {e})"
+        elif self._last_saved > 0:
+            saved = os.path.join(self.ckpt_root, f"global_step_{self._last_saved}")
+        how = (
+            f"resume with trainer.resume_mode=auto trainer.default_local_dir={self.ckpt_root}"
+            if self._last_saved > 0 or (saved and not str(saved).startswith("not"))
+            else "no checkpoint exists yet (set trainer.save_freq to write them)"
+        )
+        kind = "interrupted" if isinstance(error, KeyboardInterrupt) else "stopped"
+        message = f"[verl-digen] run {kind} after {done} completed steps: {error}\n" \
+                  f"[verl-digen] checkpoint: {saved or 'none'}; {how}"
+        print(message, flush=True)
+        if isinstance(error, KeyboardInterrupt):
+            return error
+        return RunStopped(message)
+
+    def _metrics_so_far(self) -> list[dict[str, Any]]:
+        path = os.path.join(self.output_dir, "metrics.jsonl")
+        if not os.path.exists(path):
+            return []
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip()]
 
     def _balanced_stages(self, actors: dict[WorkerId, Any]):
         """TSP: stage ranges balanced by the per-step cost measured on a rollout worker."""

@@ -57,6 +57,7 @@ class TrainSettings:
     sampling: SamplingSettings
     lora_only: bool
     images_per_step: int
+    ema_decay: float | None = None  # keep an EMA of the trained weights (validation uses it)
 
 
 class PolicyTrainer:
@@ -82,6 +83,11 @@ class PolicyTrainer:
         self.reference: torch.nn.Module | None = None
         if algo.kl_beta > 0 and not settings.lora_only:
             self.reference = copy.deepcopy(module).requires_grad_(False).eval()
+        self.ema = None
+        if settings.ema_decay is not None:
+            from verl_digen.workers.ema import EMA, named_trainable_parameters
+
+            self.ema = EMA(named_trainable_parameters(module), decay=settings.ema_decay)
         self._acc_metrics: list[dict[str, float]] = []
         self.samples_accumulated = 0
 
@@ -199,6 +205,8 @@ class PolicyTrainer:
         finite = bool(torch.isfinite(grad_norm))
         if finite:
             self.optimizer.step()
+            if self.ema is not None:
+                self.ema.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.samples_accumulated = 0
         return {

@@ -113,6 +113,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
                     sampling=self.settings,
                     lora_only=cfg.model.lora.enable,
                     images_per_step=cfg.batch.images_per_step,
+                    ema_decay=cfg.ema.decay if cfg.ema.enable else None,
                 ),
             )
             info["trainable_params"] = sum(p.numel() for p in self.trainer.params)
@@ -226,6 +227,10 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         return metrics
 
     def optimizer_step(self) -> dict[str, float]:
+        if self.policy_version + 1 in self.cfg.fault_nonfinite_grad_steps:
+            for p in self.trainer.params:  # fault injection for tests (digen.fault_nonfinite_grad_steps)
+                if p.grad is not None:
+                    p.grad.fill_(float("nan"))
         metrics = self.trainer.optimizer_step(self._pg)
         self.policy_version += 1
         metrics["policy_version"] = float(self.policy_version)
@@ -241,6 +246,56 @@ class DiffusionWorker(Worker, WeightSyncMixin):
 
     def trainable_state_cpu(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in trainable_state(self.adapter.transformer, lora_only=self.cfg.model.lora.enable).items()}
+
+    def validate(self, prompts: list[str], step: int, out_dir: str) -> dict[str, Any]:
+        """Deterministic samples of held-out prompts with the newest weights (EMA when on)."""
+        from contextlib import nullcontext
+
+        from verl_digen.trainer.validation import run_validation
+
+        if self.reward_fn is None:
+            from verl_digen.rewards import build_reward_from_config
+
+            r = self.cfg.reward
+            self.reward_fn = build_reward_from_config(
+                {"name": r.name, "kwargs": r.kwargs, **({"components": r.components} if r.name == "weighted" else {})}
+            )
+        ema = getattr(self.trainer, "ema", None) if self.trainer is not None else None
+        with ema.swapped_in() if ema is not None else nullcontext():
+            result = run_validation(
+                self.adapter, prompts, self.settings, self.reward_fn, seed=self.cfg.validation.seed, step=step,
+                out_dir=out_dir,
+            )
+        out = {"metrics": result.metrics(prefix="val"), "grid_path": result.grid_path}
+        out["metrics"]["val/ema"] = float(ema is not None)
+        return out
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Everything this worker needs to continue as if never stopped (CPU tensors)."""
+        state: dict[str, Any] = {
+            "weights": self.trainable_state_cpu(),
+            "version": self.policy_version,
+            "rng": torch.get_rng_state(),
+        }
+        if self.trainer is not None:
+            state["optimizer"] = self.trainer.optimizer.state_dict()
+            if getattr(self.trainer, "ema", None) is not None:
+                state["ema"] = self.trainer.ema.state_dict()
+        return state
+
+    def load_checkpoint_state(
+        self, weights: dict[str, torch.Tensor], trainer_state: dict[str, Any] | None, version: int
+    ) -> str:
+        from verl_digen.sync.state import load_trainable_state
+
+        load_trainable_state(self.adapter.transformer, weights, lora_only=self.cfg.model.lora.enable)
+        self.policy_version = version
+        if self.trainer is not None and trainer_state is not None:
+            self.trainer.optimizer.load_state_dict(trainer_state["optimizer"])
+            if trainer_state.get("ema") is not None and getattr(self.trainer, "ema", None) is not None:
+                self.trainer.ema.load_state_dict(trainer_state["ema"])
+            torch.set_rng_state(trainer_state["rng"])
+        return self.weights_digest()
 
     def get_policy_version(self) -> int:
         return self.policy_version

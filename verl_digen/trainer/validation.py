@@ -1,0 +1,360 @@
+"""Validation: deterministic sampling of fixed prompts, scoring, image grids and logging.
+
+Validation must measure the *policy*, not the sampler's luck, so it samples with the plain
+probability-flow ODE (Euler :func:`~verl_digen.algos.sde.ode_step` at every step, no SDE
+noise) from initial noise that depends only on ``(seed, prompt index)``: the same weights,
+prompts, settings and seed give bitwise the same images, every validation step, whichever
+worker runs it. Prompt ``i`` draws its noise from
+``torch.Generator().manual_seed(group_seed(seed, 10_000_000 + i))``, an id range training
+groups never use, so validation noise never repeats a training group's noise.
+
+Everything here is plain torch / numpy / PIL (no Ray): a worker calls :func:`run_validation`
+on its own adapter and ships back the :class:`ValidationResult`.
+
+Video (``[N, 3, F, H, W]``): :func:`image_grid` shows the *middle frame* ``F // 2`` of each
+video (one cell per video); :func:`save_video_gif` writes a whole clip as an animated GIF and
+:func:`save_video_strip` tiles all frames of a clip side by side in a PNG.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from verl_digen.algos.sde import ode_step
+from verl_digen.models.base import DiffusionAdapter
+from verl_digen.workers.sampling import SamplingSettings, autocast_context, group_seed
+
+__all__ = [
+    "VALIDATION_GROUP_OFFSET",
+    "MAX_VIDEO_GIFS",
+    "validation_seed",
+    "sample_deterministic",
+    "image_grid",
+    "to_uint8",
+    "save_grid_png",
+    "save_video_gif",
+    "save_video_strip",
+    "log_images_tensorboard",
+    "close_tensorboard_writers",
+    "log_images_wandb",
+    "ValidationResult",
+    "run_validation",
+]
+
+#: Validation prompt ``i`` uses group id ``VALIDATION_GROUP_OFFSET + i`` for its noise seed.
+VALIDATION_GROUP_OFFSET = 10_000_000
+#: :func:`run_validation` writes a GIF for at most this many videos.
+MAX_VIDEO_GIFS = 4
+
+
+def validation_seed(seed: int, index: int) -> int:
+    """Seed of validation prompt ``index``'s initial noise (disjoint from training group ids)."""
+    return group_seed(seed, VALIDATION_GROUP_OFFSET + index)
+
+
+@contextmanager
+def _eval_mode(module: torch.nn.Module):
+    """Put ``module`` in eval mode for the duration (dropout off), restoring its mode after."""
+    was_training = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was_training)
+
+
+@torch.no_grad()
+def sample_deterministic(
+    adapter: DiffusionAdapter,
+    prompts: list[str],
+    settings: SamplingSettings,
+    *,
+    seed: int,
+    batch_size: int | None = None,
+) -> torch.Tensor:
+    """One image per prompt with the deterministic ODE sampler (validation / evaluation).
+
+    Every step is an Euler ODE step (``settings.noise_level``, ``sde_type`` and ``window`` are
+    ignored); CFG (``settings.spec.guidance_scale`` with ``settings.negative_prompt``) and bf16
+    autocast are applied as in training rollouts. Prompt ``i``'s initial noise comes from
+    ``adapter.prepare_latents(1, settings.spec, Generator().manual_seed(validation_seed(seed, i)))``.
+    The denoiser runs in eval mode (its previous mode is restored).
+
+    Args:
+        adapter: the model.
+        prompts: ``N`` prompts.
+        settings: sampling settings (spec, number of steps, CFG, autocast).
+        seed: validation seed.
+        batch_size: prompts per forward (``None``: all at once). Results are deterministic for
+            a fixed ``batch_size``; different batch sizes may differ in the last float bits.
+
+    Returns:
+        ``[N, 3, H, W]`` (video: ``[N, 3, F, H, W]``) float32 CPU images in ``[0, 1]``.
+    """
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("sample_deterministic needs at least one prompt")
+    if not all(isinstance(p, str) for p in prompts):
+        raise TypeError("prompts must be a list of strings")
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}")
+    spec = settings.spec
+    device = adapter.device
+    n = len(prompts)
+    chunk = n if batch_size is None else batch_size
+    sigmas = adapter.sigmas(settings.num_steps, spec).to(device=device, dtype=torch.float32)
+    neg_one = adapter.encode_prompts([settings.negative_prompt]) if settings.uses_cfg else None
+    out: list[torch.Tensor] = []
+    with _eval_mode(adapter.transformer):
+        for start in range(0, n, chunk):
+            end = min(start + chunk, n)
+            b = end - start
+            cond = {k: v.to(device) for k, v in adapter.encode_prompts(prompts[start:end]).items()}
+            neg = None
+            if neg_one is not None:
+                neg = {k: v.to(device).expand(b, *v.shape[1:]).contiguous() for k, v in neg_one.items()}
+            x = torch.cat(
+                [
+                    adapter.prepare_latents(1, spec, torch.Generator().manual_seed(validation_seed(seed, i)))
+                    for i in range(start, end)
+                ],
+                dim=0,
+            ).to(device=device, dtype=torch.float32)
+            for s in range(settings.num_steps):
+                sigma = sigmas[s].expand(b)
+                sigma_next = sigmas[s + 1].expand(b)
+                with autocast_context(device, settings.autocast_bf16):
+                    v = adapter.predict_velocity(x, sigma, cond, spec, negative_cond=neg)
+                x = ode_step(v.float(), x, sigma, sigma_next)
+            images = adapter.decode(x, spec).float().clamp(0, 1)
+            out.append(images.cpu())
+    return torch.cat(out, dim=0)
+
+
+# ----------------------------------------------------------------------------- images
+
+
+def to_uint8(images: torch.Tensor | np.ndarray) -> np.ndarray:
+    """``[..., 3, H, W]`` floats in ``[0, 1]`` -> ``[..., H, W, 3]`` uint8 (rounded, clipped)."""
+    if isinstance(images, torch.Tensor):
+        images = images.detach().float().cpu().numpy()
+    arr = np.asarray(images, dtype=np.float32)
+    arr = np.clip(np.rint(arr * 255.0), 0, 255).astype(np.uint8)
+    return np.moveaxis(arr, -3, -1)
+
+
+def _check_images(images: torch.Tensor) -> None:
+    if not isinstance(images, torch.Tensor):
+        raise TypeError(f"images must be a torch.Tensor, got {type(images).__name__}")
+    if images.dim() not in (4, 5) or images.shape[1] != 3 or images.shape[0] < 1:
+        raise ValueError(f"images must be [N, 3, H, W] or [N, 3, F, H, W] with N >= 1, got {tuple(images.shape)}")
+
+
+def image_grid(images: torch.Tensor, nrow: int | None = None, *, padding: int = 2, pad_value: int = 0) -> np.ndarray:
+    """Tile images into one ``uint8`` ``[H_grid, W_grid, 3]`` array.
+
+    Args:
+        images: ``[N, 3, H, W]`` in ``[0, 1]``; for video ``[N, 3, F, H, W]`` the middle frame
+            (index ``F // 2``) of each clip is shown.
+        nrow: images per row (torchvision's convention); ``None``: ``ceil(sqrt(N))``.
+        padding: pixels of ``pad_value`` around and between cells (torchvision layout).
+
+    The grid has ``rows = ceil(N / nrow)`` rows and ``cols = min(nrow, N)`` columns, so it is
+    ``rows * (H + padding) + padding`` by ``cols * (W + padding) + padding`` pixels; unused
+    cells of the last row stay ``pad_value``.
+    """
+    _check_images(images)
+    if images.dim() == 5:
+        images = images[:, :, images.shape[2] // 2]
+    n, _, h, w = images.shape
+    if nrow is None:
+        nrow = math.ceil(math.sqrt(n))
+    if nrow < 1:
+        raise ValueError(f"nrow must be >= 1, got {nrow}")
+    if padding < 0:
+        raise ValueError(f"padding must be >= 0, got {padding}")
+    cols = min(nrow, n)
+    rows = math.ceil(n / nrow)
+    cells = to_uint8(images)  # [N, H, W, 3]
+    grid = np.full((rows * (h + padding) + padding, cols * (w + padding) + padding, 3), pad_value, dtype=np.uint8)
+    for k in range(n):
+        r, c = divmod(k, nrow)
+        y = padding + r * (h + padding)
+        x = padding + c * (w + padding)
+        grid[y : y + h, x : x + w] = cells[k]
+    return grid
+
+
+def save_grid_png(
+    images: torch.Tensor | np.ndarray, path: str, prompts: list[str] | None = None, *, nrow: int | None = None
+) -> str:
+    """Save a grid PNG of ``images`` (a tensor, see :func:`image_grid`, or a ready uint8 grid).
+
+    ``prompts``, when given, are stored in the PNG's text metadata under ``"prompts"`` (a JSON
+    list, in grid order) instead of being drawn, so no font is needed and pixels stay exact.
+    Returns ``path``.
+    """
+    from PIL import Image, PngImagePlugin
+
+    grid = images if isinstance(images, np.ndarray) else image_grid(images, nrow)
+    if grid.dtype != np.uint8 or grid.ndim != 3 or grid.shape[2] != 3:
+        raise ValueError(f"grid must be a uint8 [H, W, 3] array, got {grid.dtype} {grid.shape}")
+    info = None
+    if prompts is not None:
+        info = PngImagePlugin.PngInfo()
+        info.add_itxt("prompts", json.dumps(list(prompts), ensure_ascii=False))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    Image.fromarray(grid, mode="RGB").save(path, format="PNG", pnginfo=info)
+    return path
+
+
+def _check_video(video: torch.Tensor) -> None:
+    if not isinstance(video, torch.Tensor) or video.dim() != 4 or video.shape[0] != 3:
+        got = tuple(video.shape) if isinstance(video, torch.Tensor) else type(video).__name__
+        raise ValueError(f"video must be a [3, F, H, W] tensor, got {got}")
+
+
+def save_video_gif(video: torch.Tensor, path: str, fps: int = 8) -> str:
+    """Save one clip ``[3, F, H, W]`` in ``[0, 1]`` as a looping animated GIF (PIL). Returns ``path``.
+
+    GIF has a 256-colour palette per frame, so colours are quantised (preview quality).
+    """
+    from PIL import Image
+
+    _check_video(video)
+    if fps <= 0:
+        raise ValueError(f"fps must be > 0, got {fps}")
+    frames = to_uint8(video.permute(1, 0, 2, 3))  # [F, H, W, 3]
+    pil = [Image.fromarray(f, mode="RGB") for f in frames]
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    duration = max(int(round(1000.0 / fps)), 1)
+    pil[0].save(path, format="GIF", save_all=True, append_images=pil[1:], duration=duration, loop=0)
+    return path
+
+
+def save_video_strip(video: torch.Tensor, path: str, *, padding: int = 2) -> str:
+    """Save all frames of one clip ``[3, F, H, W]`` side by side (one row) as a PNG. Returns ``path``."""
+    _check_video(video)
+    frames = video.permute(1, 0, 2, 3)  # [F, 3, H, W]
+    return save_grid_png(image_grid(frames, nrow=frames.shape[0], padding=padding), path)
+
+
+# ----------------------------------------------------------------------------- logging
+
+_TB_WRITERS: dict[str, object] = {}
+
+
+def log_images_tensorboard(log_dir: str, tag: str, grid: np.ndarray, step: int) -> None:
+    """Write ``grid`` (uint8 ``[H, W, 3]``) as image ``tag`` at ``step`` to a TensorBoard log in ``log_dir``.
+
+    One ``SummaryWriter`` per ``log_dir`` is kept open (and flushed after each image) so
+    repeated calls append to one event file; :func:`close_tensorboard_writers` closes them.
+    """
+    from torch.utils.tensorboard import SummaryWriter
+
+    grid = np.asarray(grid)
+    if grid.ndim != 3 or grid.shape[2] != 3:
+        raise ValueError(f"grid must be [H, W, 3], got {grid.shape}")
+    key = os.path.abspath(log_dir)
+    writer = _TB_WRITERS.get(key)
+    if writer is None:
+        writer = SummaryWriter(log_dir=key)
+        _TB_WRITERS[key] = writer
+    writer.add_image(tag, grid, global_step=int(step), dataformats="HWC")
+    writer.flush()
+
+
+def close_tensorboard_writers() -> None:
+    """Close the writers opened by :func:`log_images_tensorboard`."""
+    while _TB_WRITERS:
+        _, writer = _TB_WRITERS.popitem()
+        writer.close()
+
+
+def log_images_wandb(tag: str, grid: np.ndarray, step: int) -> bool:
+    """``wandb.log({tag: wandb.Image(grid)}, step=step)`` if a wandb run is active.
+
+    Never initialises wandb. Returns whether anything was logged (False when wandb is not
+    installed or no run is active).
+    """
+    try:
+        import wandb
+    except ImportError:
+        return False
+    if getattr(wandb, "run", None) is None:
+        return False
+    wandb.log({tag: wandb.Image(grid)}, step=int(step))
+    return True
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+@dataclass
+class ValidationResult:
+    """What one validation pass produced (plain data: safe to ship between processes)."""
+
+    step: int
+    reward_mean: float
+    rewards: list[float]
+    grid_path: str
+    gif_paths: list[str] = field(default_factory=list)
+
+    def metrics(self, prefix: str = "val") -> dict[str, float]:
+        """Scalar metrics for a tracker: ``{prefix}/reward_mean``, ``_std``, ``_min``, ``_max``."""
+        r = np.asarray(self.rewards, dtype=np.float64)
+        return {
+            f"{prefix}/reward_mean": float(self.reward_mean),
+            f"{prefix}/reward_std": float(r.std()) if r.size else 0.0,
+            f"{prefix}/reward_min": float(r.min()) if r.size else 0.0,
+            f"{prefix}/reward_max": float(r.max()) if r.size else 0.0,
+        }
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def run_validation(
+    adapter: DiffusionAdapter,
+    prompts: list[str],
+    settings: SamplingSettings,
+    reward_fn,
+    *,
+    seed: int,
+    step: int,
+    out_dir: str,
+    batch_size: int | None = None,
+    nrow: int | None = None,
+) -> ValidationResult:
+    """Sample ``prompts`` deterministically, score them, save the grid (and GIFs for video).
+
+    Writes ``out_dir/val_step{step:06d}.png`` (prompts in its metadata) and, for video models,
+    ``out_dir/val_step{step:06d}_{i}.gif`` for the first :data:`MAX_VIDEO_GIFS` prompts.
+    ``reward_fn(images, prompts) -> [N]`` is any :class:`~verl_digen.rewards.RewardFn`.
+    """
+    prompts = list(prompts)
+    images = sample_deterministic(adapter, prompts, settings, seed=seed, batch_size=batch_size)
+    with torch.no_grad():
+        rewards = reward_fn(images, prompts).detach().float().cpu().reshape(-1)
+    if rewards.shape[0] != len(prompts):
+        raise RuntimeError(f"reward_fn returned {tuple(rewards.shape)} scores for {len(prompts)} prompts")
+    os.makedirs(out_dir, exist_ok=True)
+    grid_path = save_grid_png(images, os.path.join(out_dir, f"val_step{step:06d}.png"), prompts, nrow=nrow)
+    gif_paths = []
+    if images.dim() == 5:
+        for i in range(min(MAX_VIDEO_GIFS, images.shape[0])):
+            gif_paths.append(save_video_gif(images[i], os.path.join(out_dir, f"val_step{step:06d}_{i}.gif")))
+    return ValidationResult(
+        step=int(step),
+        reward_mean=float(rewards.mean()),
+        rewards=[float(r) for r in rewards],
+        grid_path=grid_path,
+        gif_paths=gif_paths,
+    )
