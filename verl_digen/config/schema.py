@@ -232,6 +232,13 @@ class TagConfig:
 
 
 @dataclass
+class FsdpConfig:
+    enable: bool = False  # FSDP2 (fully_shard) over the trainer pool; micro-batches run in lockstep
+    gradient_checkpointing: bool = False
+    reshard_after_forward: bool = True
+
+
+@dataclass
 class ValidationConfig:
     prompts: str = "builtin:val"  # held-out prompts (builtin:<name> or a file); trainer.test_freq sets how often
     num_prompts: int = 8
@@ -278,6 +285,7 @@ class DigenConfig:
     tsp: TspConfig = field(default_factory=TspConfig)
     tag: TagConfig = field(default_factory=TagConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    fsdp: FsdpConfig = field(default_factory=FsdpConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     ema: EmaConfig = field(default_factory=EmaConfig)
     progress_bar: bool = True
@@ -303,6 +311,15 @@ class DigenConfig:
         self.tsp.validate("digen.tsp", self.sampling.num_steps)
         self.tag.validate("digen.tag")
         self.validation.validate("digen.validation")
+        if self.fsdp.enable:
+            if self.placement != "disaggregated":
+                _fail("digen.fsdp.enable", True, "FSDP shards the trainer pool: needs digen.placement=disaggregated")
+            if self.tag.enable:
+                _fail("digen.tag.enable", True, "TAG with FSDP would make generation a trainer collective; not supported")
+            if self.tsp.train_split != "sample":
+                _fail("digen.tsp.train_split", self.tsp.train_split, "FSDP splits each micro-batch by sample")
+            if self.algo.kl_beta > 0 and not self.model.lora.enable:
+                _fail("digen.algo.kl_beta", self.algo.kl_beta, "a full-copy KL reference is not supported with FSDP (use LoRA)")
         self.ema.validate("digen.ema")
         if self.placement == "colocated":
             if self.tsp.stages > 1 or self.tsp.train_split != "sample":

@@ -98,6 +98,7 @@ def pool_layout(cfg: DigenConfig, cluster: ClusterSpec) -> PoolLayout:
         num_steps=cfg.sampling.num_steps,
         train_split=cfg.tsp.train_split,
         tag=cfg.tag.enable,
+        fsdp=cfg.fsdp.enable,
         **common,
     )
     return PoolLayout(pools, {name: name for name in pools}, spec)

@@ -41,11 +41,14 @@ class StrategySpec:
     train_split: str = "sample"
     # TAG: trainer workers generate part of each step's groups (the share is per step).
     tag: bool = False
+    # FSDP over the trainers: each micro-batch is a gang task on every trainer rank (lockstep),
+    # each rank taking a share of its samples.
+    fsdp: bool = False
 
     def __post_init__(self) -> None:
         if self.placement not in ("colocated", "disaggregated"):
             raise ValueError(f"placement must be colocated or disaggregated, got {self.placement!r}")
-        if self.placement == "colocated" and (self.max_staleness or self.tsp_stages > 1 or self.tag):
+        if self.placement == "colocated" and (self.max_staleness or self.tsp_stages > 1 or self.tag or self.fsdp):
             raise ValueError("TCSS, TSP and TAG need disaggregated placement")
         if self.tsp_stages < 1 or self.rollout_workers % self.tsp_stages:
             raise ValueError(f"tsp_stages={self.tsp_stages} must divide rollout_workers={self.rollout_workers}")
@@ -84,6 +87,8 @@ class StrategySpec:
             parts.append("tsp_train")
         if self.tag:
             parts.append("tag")
+        if self.fsdp:
+            parts.append("fsdp")
         if self.max_staleness:
             parts.append("tcss")
         return "+".join(parts)
@@ -270,6 +275,8 @@ class StepPlanner:
             if spec.placement == "colocated":
                 # Train where the data was generated: no transfer between devices.
                 placements = [(self._gen_of[self._reward_task_of(mb[0]).groups[0]].worker, None)]
+            elif spec.fsdp:
+                placements = [(tuple(trainers), None)]
             elif spec.train_split == "timestep":
                 # Every rank takes a share of this micro-batch's steps: a lone (drain) micro-batch
                 # still keeps all trainer ranks busy.
@@ -282,7 +289,7 @@ class StepPlanner:
                     Task(
                         id=f"train:{step}:{j}{suffix}",
                         kind=TaskKind.TRAIN,
-                        workers=(worker,),
+                        workers=worker if isinstance(worker, tuple) else (worker,),
                         step=step,
                         deps=deps,
                         groups=mb,

@@ -353,9 +353,10 @@ class DigenTrainer:
         from verl_digen.trainer.validation import log_images_tensorboard, log_images_wandb
 
         val_dir = os.path.join(self.output_dir, "val")
+        ranks = self.spec.trainers if self.spec.fsdp else self.spec.trainers[:1]  # FSDP: lockstep forwards
         out = ray.get(
-            actors[self.spec.trainers[0]].validate.remote(self.val_prompts, step, val_dir), timeout=self.cfg.task_timeout_s
-        )
+            [actors[w].validate.remote(self.val_prompts, step, val_dir) for w in ranks], timeout=self.cfg.task_timeout_s
+        )[0]
         grid = np.asarray(Image.open(out["grid_path"]).convert("RGB"))
         loggers = list(self.trainer_cfg.logger)
         if "tensorboard" in loggers:
@@ -375,7 +376,13 @@ class DigenTrainer:
 
         from verl_digen.trainer.checkpoint import save_checkpoint
 
-        state = ray.get(actors[self.spec.trainers[0]].checkpoint_state.remote(), timeout=self.cfg.task_timeout_s)
+        trainer_actors = [actors[w] for w in self.spec.trainers]
+        if self.spec.fsdp:  # sharded optimizer state: every rank saves its own shard
+            states = ray.get([a.checkpoint_state.remote() for a in trainer_actors], timeout=self.cfg.task_timeout_s)
+            state = states[0]
+            state["optimizer_per_rank"] = [st.pop("optimizer") for st in states]
+        else:
+            state = ray.get(trainer_actors[0].checkpoint_state.remote(), timeout=self.cfg.task_timeout_s)
         if state["version"] != step:
             raise RuntimeError(f"trainer holds version {state['version']} at the end of step {step}")
         ckpt = save_checkpoint(

@@ -93,7 +93,13 @@ class RayPlanExecutor(PlanRunner):
                 "advantages": self._advantages(task),
                 "train_part": task.train_part,
             }
-            refs = [a[task.worker].train_micro_batch.remote(request, *[self.outputs[i] for i in gen_ids])]
+            inputs = [self.outputs[i] for i in gen_ids]
+            if len(task.workers) == 1:
+                refs = [a[task.worker].train_micro_batch.remote(request, *inputs)]
+            else:  # FSDP gang: every rank, in lockstep, on its share of the samples
+                n = len(task.workers)
+                refs = [a[w].train_micro_batch.remote({**request, "row_part": (r, n)}, *inputs)
+                        for r, w in enumerate(task.workers)]
         elif task.kind == TaskKind.OPTIMIZER_STEP:
             refs = [a[w].optimizer_step.remote() for w in task.workers]
         elif task.kind == TaskKind.SYNC:
@@ -167,7 +173,7 @@ class RayPlanExecutor(PlanRunner):
                 res.rewards[g] = out["rewards"][sel]
                 res.versions[g] = int(out["policy_version"][sel][0])
         elif task.kind == TaskKind.TRAIN:
-            res.train.append(result[0])
+            res.train.extend(result)
         elif task.kind == TaskKind.OPTIMIZER_STEP:
             res.optimizer = result[0]
             # The step's trajectories are trained: free them from the object store.

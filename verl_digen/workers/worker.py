@@ -105,6 +105,25 @@ class DiffusionWorker(Worker, WeightSyncMixin):
                 self.adapter.transformer.requires_grad_(False).eval()
             info["device"] = str(device)
             info["params"] = sum(p.numel() for p in self.adapter.transformer.parameters())
+        self.fsdp = self.role == "trainer" and cfg.fsdp.enable
+        self._sync_cache: dict[str, torch.Tensor] | None = None
+        if self.role in ("fused", "trainer") and self.world_size > 1:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if not dist.is_initialized():
+                dist.init_process_group(backend=backend, rank=self.rank, world_size=self.world_size)
+            self._pg = dist.group.WORLD
+        if self.fsdp:
+            # Parallelism applied in one place; the optimizer must be built after sharding.
+            from verl_digen.workers.fsdp import apply_fsdp2, enable_gradient_checkpointing
+
+            if cfg.fsdp.gradient_checkpointing:
+                info["gradient_checkpointing"] = enable_gradient_checkpointing(self.adapter.transformer)
+            apply_fsdp2(
+                self.adapter.transformer,
+                param_dtype=torch.bfloat16 if cfg.model.dtype == "bf16" else None,
+                reshard_after_forward=cfg.fsdp.reshard_after_forward,
+                grad_reduce="sum",  # each rank scales its loss by its share of the step's batch
+            )
         if self.role in ("fused", "trainer"):
             self.trainer = PolicyTrainer(
                 self.adapter,
@@ -117,11 +136,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
                 ),
             )
             info["trainable_params"] = sum(p.numel() for p in self.trainer.params)
-            if self.world_size > 1:
-                backend = "nccl" if torch.cuda.is_available() else "gloo"
-                if not dist.is_initialized():
-                    dist.init_process_group(backend=backend, rank=self.rank, world_size=self.world_size)
-                self._pg = dist.group.WORLD
+            self._refresh_sync_cache()
         # Trainers score too when they generate (TAG) and no reward pool exists.
         scores = self.role in ("fused", "rollout", "reward") or (
             self.role == "trainer" and cfg.tag.enable and cfg.pools.reward.devices == 0
@@ -220,7 +235,12 @@ class DiffusionWorker(Worker, WeightSyncMixin):
     def train_micro_batch(self, request: dict[str, Any], *trajectories: DataProto) -> dict[str, float]:
         """``request``: groups (to select from the trajectories), advantages per row of the selection."""
         data = select_groups(trajectories, request["groups"])
-        metrics = self.trainer.train_micro_batch(data, request["advantages"], part=request.get("train_part"))
+        advantages = request["advantages"]
+        if request.get("row_part"):  # FSDP gang: this rank's share of the micro-batch's samples
+            r, n = request["row_part"]
+            rows = list(range(r, len(data), n))
+            data, advantages = data.select_idxs(rows), advantages[rows]
+        metrics = self.trainer.train_micro_batch(data, advantages, part=request.get("train_part"))
         versions = data.non_tensor_batch["policy_version"]
         metrics["staleness_max"] = float(self.policy_version - versions.min())
         metrics["staleness_min"] = float(self.policy_version - versions.max())
@@ -231,8 +251,10 @@ class DiffusionWorker(Worker, WeightSyncMixin):
             for p in self.trainer.params:  # fault injection for tests (digen.fault_nonfinite_grad_steps)
                 if p.grad is not None:
                     p.grad.fill_(float("nan"))
-        metrics = self.trainer.optimizer_step(self._pg)
+        # FSDP already reduce-scattered the gradients in backward: no second all-reduce.
+        metrics = self.trainer.optimizer_step(None if self.fsdp else self._pg)
         self.policy_version += 1
+        self._refresh_sync_cache()
         metrics["policy_version"] = float(self.policy_version)
         return metrics
 
@@ -241,11 +263,31 @@ class DiffusionWorker(Worker, WeightSyncMixin):
     def recompute_log_probs(self, data: DataProto) -> torch.Tensor:
         return self.trainer.recompute_log_probs(data) if self.trainer else _no_trainer(self.role)
 
+    def _refresh_sync_cache(self) -> None:
+        """FSDP: gather the full trained state on every rank (a collective), once per version."""
+        if self.fsdp:
+            from verl_digen.workers.fsdp import full_state_for_sync
+
+            self._sync_cache = full_state_for_sync(
+                self.adapter.transformer, lora_only=self.cfg.model.lora.enable, device="cpu"
+            )
+
+    def _full_state(self) -> dict[str, torch.Tensor]:
+        if self.fsdp:
+            assert self._sync_cache is not None
+            return self._sync_cache
+        return trainable_state(self.adapter.transformer, lora_only=self.cfg.model.lora.enable)
+
+    def sync_send(self, version: int) -> dict[str, Any]:
+        stats = self._require_sync_channel().send(self._full_state(), version)
+        self.policy_version = version
+        return stats.as_dict()
+
     def weights_digest(self) -> str:
-        return state_digest(trainable_state(self.adapter.transformer, lora_only=self.cfg.model.lora.enable))
+        return state_digest(self._full_state())
 
     def trainable_state_cpu(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu().clone() for k, v in trainable_state(self.adapter.transformer, lora_only=self.cfg.model.lora.enable).items()}
+        return {k: v.detach().cpu().clone() for k, v in self._full_state().items()}
 
     def validate(self, prompts: list[str], step: int, out_dir: str) -> dict[str, Any]:
         """Deterministic samples of held-out prompts with the newest weights (EMA when on)."""
@@ -260,11 +302,15 @@ class DiffusionWorker(Worker, WeightSyncMixin):
             self.reward_fn = build_reward_from_config(
                 {"name": r.name, "kwargs": r.kwargs, **({"components": r.components} if r.name == "weighted" else {})}
             )
+        import tempfile
+
         ema = getattr(self.trainer, "ema", None) if self.trainer is not None else None
+        # Under FSDP every trainer rank samples (forwards are collectives); rank 0 writes.
+        target = out_dir if self.rank == 0 else tempfile.mkdtemp(prefix="digen_val_")
         with ema.swapped_in() if ema is not None else nullcontext():
             result = run_validation(
                 self.adapter, prompts, self.settings, self.reward_fn, seed=self.cfg.validation.seed, step=step,
-                out_dir=out_dir,
+                out_dir=target,
             )
         out = {"metrics": result.metrics(prefix="val"), "grid_path": result.grid_path}
         out["metrics"]["val/ema"] = float(ema is not None)
@@ -278,7 +324,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
             "rng": torch.get_rng_state(),
         }
         if self.trainer is not None:
-            state["optimizer"] = self.trainer.optimizer.state_dict()
+            state["optimizer"] = _optimizer_state_to_local(self.trainer.optimizer.state_dict())
             if getattr(self.trainer, "ema", None) is not None:
                 state["ema"] = self.trainer.ema.state_dict()
         return state
@@ -288,13 +334,21 @@ class DiffusionWorker(Worker, WeightSyncMixin):
     ) -> str:
         from verl_digen.sync.state import load_trainable_state
 
-        load_trainable_state(self.adapter.transformer, weights, lora_only=self.cfg.model.lora.enable)
+        if self.fsdp:
+            _load_full_state_into_sharded(self.adapter.transformer, weights)
+        else:
+            load_trainable_state(self.adapter.transformer, weights, lora_only=self.cfg.model.lora.enable)
         self.policy_version = version
         if self.trainer is not None and trainer_state is not None:
-            self.trainer.optimizer.load_state_dict(trainer_state["optimizer"])
+            if "optimizer_per_rank" in trainer_state:  # FSDP: each rank holds its own shard
+                opt_state = _optimizer_state_from_local(self.trainer.optimizer, trainer_state["optimizer_per_rank"][self.rank])
+            else:
+                opt_state = trainer_state["optimizer"]
+            self.trainer.optimizer.load_state_dict(opt_state)
             if trainer_state.get("ema") is not None and getattr(self.trainer, "ema", None) is not None:
                 self.trainer.ema.load_state_dict(trainer_state["ema"])
             torch.set_rng_state(trainer_state["rng"])
+        self._refresh_sync_cache()
         return self.weights_digest()
 
     def get_policy_version(self) -> int:
@@ -302,6 +356,51 @@ class DiffusionWorker(Worker, WeightSyncMixin):
 
     def ping(self) -> str:
         return f"{self.role}{self.rank}"
+
+
+def _optimizer_state_to_local(state: dict[str, Any]) -> dict[str, Any]:
+    """Optimizer state with FSDP's DTensors replaced by this rank's local shards (picklable)."""
+    from torch.distributed.tensor import DTensor
+
+    out = {"param_groups": state["param_groups"], "state": {}}
+    for idx, st in state["state"].items():
+        out["state"][idx] = {k: (v.to_local().cpu() if isinstance(v, DTensor) else v) for k, v in st.items()}
+    return out
+
+
+def _optimizer_state_from_local(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """Re-wrap local shards as DTensors laid out like their parameters."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    out = {"param_groups": state["param_groups"], "state": {}}
+    for idx, st in state["state"].items():
+        param = params[int(idx)]
+        out["state"][idx] = {
+            k: (DTensor.from_local(v.to(param.device), param.device_mesh, param.placements)
+                if isinstance(param, DTensor) and isinstance(v, torch.Tensor) and v.dim() > 0 else v)
+            for k, v in st.items()
+        }
+    return out
+
+
+def _load_full_state_into_sharded(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy full tensors into FSDP2-sharded parameters (every rank passes the same state)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    params = dict(module.named_parameters())
+    buffers = dict(module.named_buffers())
+    missing = [k for k in state if k not in params and k not in buffers]
+    if missing:
+        raise ValueError(f"checkpoint tensors not in the model: {missing[:5]}")
+    with torch.no_grad():
+        for name, full in state.items():
+            target = params.get(name, buffers.get(name))
+            if isinstance(target, DTensor):
+                local = distribute_tensor(full.to(target.device, target.dtype), target.device_mesh, target.placements)
+                target.to_local().copy_(local.to_local())
+            else:
+                target.copy_(full.to(target.device, target.dtype))
 
 
 def _no_trainer(role: str):

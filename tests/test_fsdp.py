@@ -1,0 +1,595 @@
+"""FSDP2 (fully_shard) of the denoiser: exactness against single-process training, sync state.
+
+The distributed tests spawn 2 CPU processes on gloo (127.0.0.1, a free port); each rank
+trains on its own data, and the resulting full weights must equal those of one process
+training on the concatenated data with the mean loss.
+"""
+
+from __future__ import annotations
+
+import queue as queue_mod
+import socket
+import time
+import traceback
+
+import pytest
+import torch
+from torch import nn
+
+from verl_digen.workers.fsdp import (
+    apply_fsdp2,
+    block_modules,
+    clip_grad_norm_fsdp,
+    enable_gradient_checkpointing,
+    full_state_for_sync,
+    is_fsdp,
+    lockstep_count,
+)
+
+TOL = 1e-6
+DIM = 5  # odd on purpose: 5 rows over 2 ranks is an uneven shard (3 + 2)
+IN = 4
+
+
+# ---------------------------------------------------------------------- models and data
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.act = nn.GELU()
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.out(self.act(self.proj(x)))
+
+
+class TinyDenoiser(nn.Module):
+    def __init__(self, d: int = DIM, n_blocks: int = 3) -> None:
+        super().__init__()
+        self.inp = nn.Linear(IN, d)
+        self.transformer_blocks = nn.ModuleList(Block(d) for _ in range(n_blocks))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, IN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.transformer_blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def make_lora_model(seed: int = 0, *, train_head: bool = False) -> nn.Module:
+    from peft import LoraConfig, inject_adapter_in_model
+
+    torch.manual_seed(seed)
+    model = TinyDenoiser()
+    # init_lora_weights=False: A and B both random, so both get a gradient at the first step.
+    # r=3 over 2 ranks: uneven shards of lora_A too.
+    model = inject_adapter_in_model(
+        LoraConfig(r=3, lora_alpha=3, target_modules=["proj", "out"], init_lora_weights=False), model
+    )
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name or (train_head and name.startswith("head.")))
+    return model
+
+
+def make_data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, IN, generator=g), torch.randn(n, IN, generator=g)
+
+
+def per_sample_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (model(x) - y).pow(2).mean(dim=1)
+
+
+def trainable_names(model: nn.Module) -> list[str]:
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()
+    }
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert sorted(a) == sorted(b)
+    return max(float((a[k].float() - b[k].float()).abs().max()) if a[k].numel() else 0.0 for k in a)
+
+
+# ---------------------------------------------------------------------- process harness
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _entry(rank: int, world: int, port: int, backend: str, scenario: str, out) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    try:
+        torch.set_num_threads(1)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        try:
+            result = SCENARIOS[scenario](rank, world)
+        finally:
+            dist.destroy_process_group()
+        out.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - report anything to the parent
+        out.put((rank, "error", traceback.format_exc()))
+
+
+def run_distributed(scenario: str, world: int = 2, backend: str = "gloo", timeout_s: float = 240.0) -> dict:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, backend, scenario, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    errors: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < world and not errors:
+            try:
+                rank, status, payload = out.get(timeout=1.0)
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:
+                    errors.append(f"ranks {dead} of {scenario!r} died without a report")
+                elif time.monotonic() > deadline:
+                    errors.append(f"timed out after {timeout_s}s waiting for the ranks of {scenario!r}")
+                continue
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append(f"rank {rank}:\n{payload}")
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.terminate()
+                p.join(10)
+    assert not errors, "\n".join(errors)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return results
+
+
+# ---------------------------------------------------------------------- scenarios (in the ranks)
+
+
+def _scenario_lora_mean(rank: int, world: int) -> dict:
+    """LoRA, fp32, default mean reduction, one micro-batch per rank, SGD."""
+    from verl_digen.sync.state import trainable_state
+
+    n_per_rank, lr = 3, 0.5
+    data = [make_data(n_per_rank, seed=100 + r) for r in range(world)]
+
+    # Reference: one process, concatenated data, mean loss.
+    ref = make_lora_model()
+    ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=lr)
+    x_all = torch.cat([d[0] for d in data])
+    y_all = torch.cat([d[1] for d in data])
+    per_sample_loss(ref, x_all, y_all).mean().backward()
+    ref_opt.step()
+
+    model = make_lora_model()
+    names_before = [n for n, _ in model.named_parameters()]
+    trainable_before = trainable_names(model)
+    apply_fsdp2(model, param_dtype=None)
+    assert is_fsdp(model) and all(is_fsdp(b) for b in model.transformer_blocks)
+    assert [n for n, _ in model.named_parameters()] == names_before, "FSDP2 must not rename parameters"
+    assert trainable_names(model) == trainable_before
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)  # after sharding
+    x, y = data[rank]
+    per_sample_loss(model, x, y).mean().backward()
+    frozen_grads = [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
+    opt.step()
+
+    sync = full_state_for_sync(model, lora_only=True)
+    sync_full = full_state_for_sync(model, lora_only=False)
+    ref_sync = trainable_state(ref, lora_only=True)
+    ref_full = trainable_state(ref, lora_only=False)
+    # The bucketed gather must agree with DTensor.full_tensor() of every sharded entry.
+    sd = model.state_dict()
+    bucket_vs_full_tensor = max(float((sync_full[k] - sd[k].full_tensor()).abs().max()) for k in sync_full)
+    return {
+        "weights_diff": max_diff(full_params(model), full_params(ref)),
+        "frozen_grads": frozen_grads,
+        "sync_names": list(sync),
+        "ref_sync_names": list(ref_sync),
+        "sync_shapes_equal": all(sync[k].shape == ref_sync[k].shape for k in ref_sync),
+        "sync_plain": all(type(t) is torch.Tensor for t in sync.values()),
+        "sync_diff": max_diff(sync, {k: v.clone() for k, v in ref_sync.items()}),
+        "full_names_equal": list(sync_full) == list(ref_full),
+        "full_diff": max_diff(sync_full, {k: v.clone() for k, v in ref_full.items()}),
+        "bucket_vs_full_tensor": bucket_vs_full_tensor,
+    }
+
+
+def _scenario_sum_accum_clip(rank: int, world: int) -> dict:
+    """Trainer-style: loss scaled by share of the global batch, grad_reduce='sum', uneven
+    micro-batches padded to the same count per rank, a fully trainable root module next to
+    LoRA, clipping."""
+    from torch.distributed.tensor import DTensor
+
+    lr, max_norm = 0.5, 0.05
+    # Micro-batch sizes per rank: uneven data AND an uneven number of micro-batches; rank 1
+    # pads with a zero-weighted round so that both run the same forward/backward sequence.
+    sizes = [[2, 3], [3]]
+    total = sum(sum(s) for s in sizes)
+    data = [[make_data(n, seed=1000 + 10 * r + k) for k, n in enumerate(sizes[r])] for r in range(world)]
+
+    ref = make_lora_model(train_head=True)
+    ref_params = [p for p in ref.parameters() if p.requires_grad]
+    ref_opt = torch.optim.SGD(ref_params, lr=lr)
+    x_all = torch.cat([x for rd in data for x, _ in rd])
+    y_all = torch.cat([y for rd in data for _, y in rd])
+    per_sample_loss(ref, x_all, y_all).mean().backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref_params, max_norm)
+    ref_opt.step()
+
+    model = make_lora_model(train_head=True)
+    apply_fsdp2(model, param_dtype=None, grad_reduce="sum")
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=lr)
+    rounds = lockstep_count(len(data[rank]))
+    assert rounds == 2
+    for i in range(rounds):
+        x, y = data[rank][min(i, len(data[rank]) - 1)]
+        weight = 1.0 / total if i < len(data[rank]) else 0.0  # padding round: no contribution
+        (per_sample_loss(model, x, y).sum() * weight).backward()
+    assert all(isinstance(p.grad, DTensor) for p in params)
+    plain = nn.Parameter(torch.ones(3))  # e.g. a trainable module left unsharded (numel 1 would be auto-replicated)
+    plain.grad = torch.ones(3)
+    try:
+        torch.nn.utils.clip_grad_norm_(params + [plain], 1e9)  # max_norm 1e9: scales by 1 if it runs
+        mixed_torch_clip = "ok"
+    except Exception as exc:  # noqa: BLE001
+        mixed_torch_clip = f"{type(exc).__name__}: {exc}"[:200]
+    mixed_norm = clip_grad_norm_fsdp(params + [plain], 1e9)  # plain + DTensor grads: no clipping
+    norm = clip_grad_norm_fsdp(params, max_norm)
+    opt.step()
+    return {
+        "mixed_norm": float(mixed_norm),
+        "weights_diff": max_diff(full_params(model), full_params(ref)),
+        "norm": float(norm),
+        "ref_norm": float(ref_norm),
+        "norm_is_plain": type(norm) is torch.Tensor,
+        "mixed_torch_clip": mixed_torch_clip,
+    }
+
+
+def _scenario_policy_trainer(rank: int, world: int) -> dict:
+    """The existing PolicyTrainer on a sharded module, built AFTER apply_fsdp2 (it sets
+    requires_grad and builds AdamW on the sharded parameters); its optimizer_step with
+    process_group=None (no manual all-reduce: grad_reduce='sum' already summed). Two steps."""
+    from types import SimpleNamespace
+
+    from verl_digen.config.schema import AlgoConfig
+    from verl_digen.workers.training import PolicyTrainer, TrainSettings
+
+    sizes = [[2, 3], [1, 2]]
+    total = sum(sum(s) for s in sizes)
+    settings = TrainSettings(
+        algo=AlgoConfig(lr=1e-2, max_grad_norm=0.05, optimizer="adamw"),
+        sampling=None,  # type: ignore[arg-type]  # unused by optimizer_step
+        lora_only=True,
+        images_per_step=total,
+    )
+
+    def everything_trainable() -> nn.Module:
+        model = make_lora_model()
+        model.requires_grad_(True)  # PolicyTrainer must narrow this down, after sharding too
+        return model
+
+    ref = everything_trainable()
+    ref_trainer = PolicyTrainer(SimpleNamespace(transformer=ref), settings)
+    model = apply_fsdp2(everything_trainable(), param_dtype=None, grad_reduce="sum")
+    trainer = PolicyTrainer(SimpleNamespace(transformer=model), settings)
+    norms, ref_norms = [], []
+    for step in range(2):
+        data = [[make_data(n, seed=5000 + 100 * step + 10 * r + k) for k, n in enumerate(sizes[r])] for r in range(world)]
+        x_all = torch.cat([x for rd in data for x, _ in rd])
+        y_all = torch.cat([y for rd in data for _, y in rd])
+        per_sample_loss(ref, x_all, y_all).mean().backward()
+        ref_norms.append(ref_trainer.optimizer_step(None)["actor/grad_norm"])
+        for x, y in data[rank]:
+            (per_sample_loss(model, x, y).sum() / total).backward()
+        frozen_grads = [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
+        assert frozen_grads == [], frozen_grads
+        norms.append(trainer.optimizer_step(None)["actor/grad_norm"])
+    return {
+        "weights_diff": max_diff(full_params(model), full_params(ref)),
+        "norms": norms,
+        "ref_norms": ref_norms,
+        "n_trainable": len(trainer.params),
+        "ref_n_trainable": len(ref_trainer.params),
+    }
+
+
+def _tiny_flux(seed: int = 0):
+    from diffusers import FluxTransformer2DModel
+    from peft import LoraConfig
+
+    torch.manual_seed(seed)
+    model = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=2,
+        num_single_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=24,
+        guidance_embeds=False,
+        axes_dims_rope=(4, 6, 6),
+    )
+    torch.manual_seed(seed + 1)
+    model.add_adapter(
+        LoraConfig(r=4, lora_alpha=4, init_lora_weights=False, target_modules=["to_q", "to_k", "to_v", "to_out.0"])
+    )
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+    return model
+
+
+def _flux_inputs(batch: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    tokens, text = 16, 8
+    return dict(
+        hidden_states=torch.randn(batch, tokens, 16, generator=g),
+        encoder_hidden_states=torch.randn(batch, text, 32, generator=g),
+        pooled_projections=torch.randn(batch, 24, generator=g),
+        timestep=torch.rand(batch, generator=g),
+        img_ids=torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(4.0), torch.arange(4.0), indexing="ij"), -1)
+        .reshape(-1, 3),
+        txt_ids=torch.zeros(text, 3),
+        return_dict=False,
+    )
+
+
+def _flux_loss(model: nn.Module, inputs: dict) -> torch.Tensor:
+    out = model(**inputs)[0]
+    return (out.float() - inputs["hidden_states"]).pow(2).mean()
+
+
+def _scenario_flux_lora_checkpointing(rank: int, world: int) -> dict:
+    """A real diffusers FLUX transformer (tiny), diffusers LoRA, activation checkpointing."""
+    lr = 0.5
+    per_rank = [_flux_inputs(2, seed=7 + r) for r in range(world)]
+
+    ref = _tiny_flux()  # no checkpointing in the reference: checkpointing must not change values
+    ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=lr)
+    both = dict(per_rank[0])
+    for key in ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep"):
+        both[key] = torch.cat([inp[key] for inp in per_rank])
+    _flux_loss(ref, both).backward()
+    ref_opt.step()
+
+    model = _tiny_flux()
+    blocks = block_modules(model)
+    checkpointing = enable_gradient_checkpointing(model)
+    apply_fsdp2(model, param_dtype=None)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
+    _flux_loss(model, per_rank[rank]).backward()
+    opt.step()
+    sync = full_state_for_sync(model, lora_only=True)
+    ref_sync = {k: v for k, v in ref.state_dict().items() if "lora_" in k}
+    return {
+        "n_blocks": len(blocks),
+        "checkpointing": checkpointing,
+        "weights_diff": max_diff(full_params(model), full_params(ref)),
+        "sync_names_equal": sorted(sync) == sorted(ref_sync),
+        "sync_diff": max_diff(sync, ref_sync),
+    }
+
+
+def _scenario_bf16(rank: int, world: int) -> dict:
+    """bf16 all-gathers + autocast forward (as the trainer runs with model.dtype=bf16), fp32
+    SDE maths, AdamW on fp32 sharded master weights. CUDA for an NCCL group, else CPU."""
+    import torch.distributed as dist
+
+    from verl_digen.algos.sde import sde_step_with_logprob
+
+    on_gpu = "nccl" in str(dist.get_backend()).lower()
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    model = _tiny_flux()
+    enable_gradient_checkpointing(model)
+    apply_fsdp2(model, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    sharded_dtypes = {p.dtype for p in model.parameters()}
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    inputs = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in _flux_inputs(2, seed=3 + rank).items()}
+    with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
+        velocity = model(**inputs)[0]
+    x = inputs["hidden_states"]
+    sigma = torch.full((x.shape[0],), 0.8, device=device)
+    sigma_next = torch.full((x.shape[0],), 0.7, device=device)
+    out = sde_step_with_logprob(velocity, x, sigma, sigma_next, noise_level=0.7, prev_sample=x * 0.9)
+    loss = -out.log_prob.mean()
+    loss.backward()
+    grads_finite = all(bool(torch.isfinite(p.grad.full_tensor()).all()) for p in params)
+    grad_dtypes = {p.grad.dtype for p in params}
+    norm = clip_grad_norm_fsdp(params, 1.0)
+    before = full_state_for_sync(model, lora_only=True, device="cpu")
+    opt.step()
+    sync = full_state_for_sync(model, lora_only=True, device="cpu")
+    return {
+        "device": str(device),
+        "velocity_dtype": str(velocity.dtype),
+        "sde_dtypes": sorted({str(t.dtype) for t in (out.log_prob, out.mean, out.std, out.prev_sample)}),
+        "grads_finite": grads_finite,
+        "grad_dtypes": sorted(str(d) for d in grad_dtypes),
+        "sharded_dtypes": sorted(str(d) for d in sharded_dtypes),
+        "norm": float(norm),
+        "sync_ok": bool(sync)
+        and all(t.device.type == "cpu" and t.dtype == torch.float32 and torch.isfinite(t).all() for t in sync.values()),
+        "moved": max_diff(sync, before) > 0,
+        "sync_digest": sum(float(t.double().sum()) for t in sync.values()),
+    }
+
+
+SCENARIOS = {
+    "lora_mean": _scenario_lora_mean,
+    "sum_accum_clip": _scenario_sum_accum_clip,
+    "flux_lora_checkpointing": _scenario_flux_lora_checkpointing,
+    "bf16": _scenario_bf16,
+    "policy_trainer": _scenario_policy_trainer,
+}
+
+
+# ---------------------------------------------------------------------- tests: no process group
+
+
+def test_block_modules_finds_every_block_list() -> None:
+    model = TinyDenoiser(n_blocks=3)
+    assert block_modules(model) == list(model.transformer_blocks)
+    flux = _tiny_flux()
+    blocks = block_modules(flux)
+    assert blocks == list(flux.transformer_blocks) + list(flux.single_transformer_blocks)
+    assert block_modules(nn.Linear(2, 2)) == []
+
+    class Generic(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
+            self.other = nn.Sequential(nn.ModuleList([nn.Linear(2, 2)]))  # nested: not a block list
+
+    g = Generic()
+    assert block_modules(g) == list(g.blocks)
+
+
+def test_enable_gradient_checkpointing() -> None:
+    assert enable_gradient_checkpointing(TinyDenoiser()) is False
+    flux = _tiny_flux()
+    assert enable_gradient_checkpointing(flux) is True
+    assert flux.is_gradient_checkpointing
+
+
+def test_full_state_for_sync_unsharded_equals_trainable_state() -> None:
+    from verl_digen.sync.state import trainable_state
+
+    model = make_lora_model()
+    for lora_only in (True, False):
+        got = full_state_for_sync(model, lora_only=lora_only)
+        want = trainable_state(model, lora_only=lora_only)
+        assert list(got) == list(want)
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        assert all(got[k].data_ptr() != want[k].data_ptr() for k in want), "copies, not views"
+    with pytest.raises(ValueError, match="lora_only"):
+        full_state_for_sync(TinyDenoiser(), lora_only=True)
+
+
+def test_clip_grad_norm_fsdp_plain_tensors_match_torch() -> None:
+    a, b = make_lora_model(train_head=True), make_lora_model(train_head=True)
+    x, y = make_data(4, seed=1)
+    for m in (a, b):
+        per_sample_loss(m, x, y).mean().backward()
+    pa = [p for p in a.parameters() if p.requires_grad]
+    pb = [p for p in b.parameters() if p.requires_grad]
+    got = clip_grad_norm_fsdp(pa, 0.01)
+    want = torch.nn.utils.clip_grad_norm_(pb, 0.01)
+    assert torch.allclose(got, want, atol=1e-7)
+    assert all(torch.allclose(p.grad, q.grad, atol=1e-9) for p, q in zip(pa, pb))
+
+
+def test_lockstep_count_without_process_group() -> None:
+    assert lockstep_count(3) == 3
+
+
+def test_apply_fsdp2_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="grad_reduce"):
+        apply_fsdp2(TinyDenoiser(), grad_reduce="avg")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------- tests: 2 CPU ranks, gloo
+
+
+def test_fsdp2_lora_two_ranks_matches_single_process() -> None:
+    results = run_distributed("lora_mean")
+    for rank, r in results.items():
+        assert r["weights_diff"] <= TOL, (rank, r["weights_diff"])
+        assert r["frozen_grads"] == [], "frozen base weights must get no gradient"
+        assert r["sync_names"] == r["ref_sync_names"]
+        assert r["sync_names"] and all("lora_" in n for n in r["sync_names"])
+        assert r["sync_shapes_equal"] and r["sync_plain"]
+        assert r["sync_diff"] <= TOL
+        assert r["full_names_equal"] and r["full_diff"] <= TOL
+        assert r["bucket_vs_full_tensor"] == 0.0
+
+
+def test_fsdp2_sum_reduction_accumulation_and_clipping() -> None:
+    results = run_distributed("sum_accum_clip")
+    for rank, r in results.items():
+        assert r["weights_diff"] <= TOL, (rank, r["weights_diff"])
+        assert abs(r["norm"] - r["ref_norm"]) <= TOL * max(1.0, r["ref_norm"])
+        assert r["ref_norm"] > 0.05, "the test must actually clip"
+        assert r["norm_is_plain"]
+        # Documented limitation of torch's own clip_grad_norm_ that clip_grad_norm_fsdp covers.
+        assert "mixed torch.Tensor and DTensor" in r["mixed_torch_clip"]
+        assert abs(r["mixed_norm"] - (r["ref_norm"] ** 2 + 3.0) ** 0.5) <= TOL * 10
+    assert results[0]["norm"] == results[1]["norm"]
+
+
+def test_fsdp2_with_policy_trainer_optimizer_step() -> None:
+    results = run_distributed("policy_trainer")
+    for rank, r in results.items():
+        assert r["n_trainable"] == r["ref_n_trainable"] > 0
+        assert r["weights_diff"] <= TOL, (rank, r["weights_diff"])
+        assert all(abs(a - b) <= TOL * max(1.0, b) for a, b in zip(r["norms"], r["ref_norms"])), r
+        assert min(r["ref_norms"]) > 0.05, "the test must actually clip"
+
+
+def test_fsdp2_flux_lora_with_gradient_checkpointing() -> None:
+    results = run_distributed("flux_lora_checkpointing")
+    for rank, r in results.items():
+        assert r["n_blocks"] == 4 and r["checkpointing"]
+        assert r["weights_diff"] <= TOL, (rank, r["weights_diff"])
+        assert r["sync_names_equal"] and r["sync_diff"] <= TOL
+
+
+# ---------------------------------------------------------------------- GPU
+
+
+def _check_bf16(r: dict) -> None:
+    assert r["velocity_dtype"] == "torch.bfloat16"  # bf16 all-gathered weights: bf16 output
+    assert r["sde_dtypes"] == ["torch.float32"]  # SDE maths in fp32 whatever the velocity dtype
+    assert r["grads_finite"] and r["grad_dtypes"] == ["torch.float32"]  # fp32 reduce, fp32 master grads
+    assert r["sharded_dtypes"] == ["torch.float32"]  # fp32 master weights stay sharded
+    assert r["norm"] > 0 and r["sync_ok"] and r["moved"]
+
+
+def test_fsdp2_bf16_two_cpu_ranks() -> None:
+    results = run_distributed("bf16")
+    for r in results.values():
+        assert r["device"] == "cpu"
+        _check_bf16(r)
+    assert results[0]["sync_digest"] == results[1]["sync_digest"], "every rank must hold the same weights"
+
+
+@pytest.mark.gpu
+def test_fsdp2_bf16_one_gpu_nccl() -> None:  # pragma: no cover - GPU only
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    r = run_distributed("bf16", world=1, backend="nccl")[0]
+    assert r["device"].startswith("cuda")
+    _check_bf16(r)

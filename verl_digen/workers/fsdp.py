@@ -1,0 +1,374 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) for the trainable denoiser.
+
+All parallelism is applied in one place (:func:`apply_fsdp2`, torchtitan style): each
+repeated transformer block becomes one FSDP unit (one all-gather in forward, one in backward,
+one reduce-scatter of its gradients), then the root module takes what is left (embedders,
+final norm and projection). Parameters become ``DTensor`` s sharded on dim 0 over the mesh;
+the optimizer must therefore be built *after* :func:`apply_fsdp2`, on the module's new
+parameters (``fully_shard`` replaces every ``nn.Parameter`` object).
+
+LoRA (peft-injected, e.g. diffusers' ``add_adapter``): frozen base weights and trainable
+``lora_A``/``lora_B`` live in the same block, hence the same FSDP unit. FSDP2 supports mixed
+``requires_grad`` inside one unit (FSDP1 needed ``use_orig_params=True``): every parameter is
+sharded and all-gathered, only those with ``requires_grad`` get gradients, which are
+reduce-scattered. Caveats:
+
+- frozen base weights are all-gathered on every forward (and again in backward with
+  ``reshard_after_forward=True``): that is the price of sharding them; for LoRA on a model
+  that fits one device, plain data parallelism moves less data;
+- ``requires_grad`` may change after sharding (FSDP2 copies the sharded parameter's flag onto
+  the unsharded one at every all-gather), but set it before the first forward of an
+  iteration, never between forward and backward;
+- every rank must call the unit's forward/backward the same number of times (they are
+  collectives): see the module notes in :func:`apply_fsdp2`;
+- peft's ``disable_adapters()`` / ``enable_adapters()`` (the KL reference of LoRA training)
+  only flip flags and keep working; ``copy.deepcopy`` of a sharded module does not give a
+  usable independent reference: build a full-fine-tune reference before sharding and shard it
+  separately (or keep it unsharded);
+- FSDP2 warns that some diffusers blocks (FLUX single-stream blocks, the FLUX root) return
+  views: an in-place op on such an output would skip the backward all-gather. diffusers and
+  the adapters use out-of-place ops there (gradients tested exact); keep it so.
+
+Verified with torch 2.13: ``fully_shard`` runs on CPU over gloo, with ``param_dtype=None``
+(fp32) and with ``param_dtype=torch.bfloat16``. Parameter and state-dict names are unchanged
+by FSDP2 (no ``_fsdp_wrapped_module.`` prefix as in FSDP1), only the class of each sharded
+module becomes a dynamic subclass (``FSDP<Name>``), so ``isinstance`` checks still hold.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+__all__ = [
+    "apply_fsdp2",
+    "block_modules",
+    "clip_grad_norm_fsdp",
+    "enable_gradient_checkpointing",
+    "full_state_for_sync",
+    "is_fsdp",
+    "lockstep_count",
+]
+
+LORA_MARKER = "lora_"  # same marker as verl_digen.sync.state
+
+
+def _fsdp_api():
+    """``fully_shard``, ``FSDPModule``, ``MixedPrecisionPolicy`` (public path since torch 2.6)."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    return fully_shard, FSDPModule, MixedPrecisionPolicy
+
+
+def _dtensor_cls():
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+# ---------------------------------------------------------------------- structure
+
+
+def block_modules(transformer: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks of a diffusers denoiser, in registration order.
+
+    Every direct ``nn.ModuleList`` child of ``transformer`` contributes its elements (in
+    order), whatever the list is called, so all diffusers DiTs are covered without a table:
+
+    - FLUX (``FluxTransformer2DModel``): ``transformer_blocks`` (double-stream MMDiT blocks)
+      then ``single_transformer_blocks``;
+    - SD3 (``SD3Transformer2DModel``), Qwen-Image: ``transformer_blocks``;
+    - Wan2.1 (``WanTransformer3DModel``): ``blocks``;
+    - HunyuanVideo: ``transformer_blocks`` then ``single_transformer_blocks`` (its token
+      refiner's blocks are nested deeper and stay in the root unit).
+
+    Only the top level is searched (nested lists belong to their block). For FLUX and SD3 the
+    registration order is also the execution order. Returns ``[]`` for a module without
+    ``ModuleList`` children.
+    """
+    blocks: list[nn.Module] = []
+    for child in transformer.children():
+        if isinstance(child, nn.ModuleList):
+            blocks.extend(m for m in child if isinstance(m, nn.Module))
+    return blocks
+
+
+def is_fsdp(module: nn.Module) -> bool:
+    """Whether ``module`` was sharded with ``fully_shard`` (FSDP2)."""
+    _, FSDPModule, _ = _fsdp_api()
+    return isinstance(module, FSDPModule)
+
+
+def enable_gradient_checkpointing(transformer: nn.Module) -> bool:
+    """Turn on diffusers' activation checkpointing of the blocks; return whether it is on.
+
+    Uses ``ModelMixin.enable_gradient_checkpointing()`` (non-reentrant
+    ``torch.utils.checkpoint`` around each block call) when the model class supports it
+    (``_supports_gradient_checkpointing``); any other module is left untouched and ``False``
+    is returned. Call it before :func:`apply_fsdp2` (the tested order; diffusers only sets
+    flags, so after works the same way). The checkpointed call wraps the block's FSDP hooks:
+    FSDP2 supports this, the recomputation in backward all-gathers the block again (tested
+    exact against an unsharded, uncheckpointed reference on a tiny FLUX).
+    """
+    enable = getattr(transformer, "enable_gradient_checkpointing", None)
+    if enable is None or not getattr(transformer, "_supports_gradient_checkpointing", False):
+        return False
+    enable()
+    return bool(getattr(transformer, "is_gradient_checkpointing", True))
+
+
+# ---------------------------------------------------------------------- sharding
+
+
+def _default_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        raise RuntimeError("apply_fsdp2 needs an initialised default process group (or an explicit mesh)")
+    backend = str(dist.get_backend()).lower()
+    device_type = "cuda" if "nccl" in backend else "cpu"
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def apply_fsdp2(
+    transformer: nn.Module,
+    *,
+    mesh=None,
+    param_dtype: torch.dtype | None = torch.bfloat16,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    reshard_after_forward: bool = True,
+    grad_reduce: Literal["mean", "sum"] = "mean",
+) -> nn.Module:
+    """Shard ``transformer`` with FSDP2: each block of :func:`block_modules`, then the root.
+
+    Args:
+        transformer: the denoiser (LoRA already injected, ``requires_grad`` already set is
+            best). Its parameters are moved to the mesh's device (``cuda`` current device for
+            an NCCL mesh) and replaced, in place, by sharded ``DTensor`` parameters.
+        mesh: 1-D ``DeviceMesh`` of the data-parallel ranks; default: the whole default
+            process group, ``cuda`` for NCCL, ``cpu`` otherwise (gloo).
+        param_dtype: dtype parameters are all-gathered and computed in (``None``: their own,
+            i.e. fp32 master weights). The sharded master copy, the gradients handed to the
+            optimizer and the optimizer state stay in the parameters' original dtype. The
+            root casts floating-point forward inputs to it (``cast_forward_inputs``), position
+            ids included (exact in bf16 up to 256, enough for FLUX up to 2048 px).
+        reduce_dtype: dtype of the gradient reduce-scatter (fp32 recommended with bf16).
+        reshard_after_forward: free gathered parameters after each unit's forward (and
+            re-gather in backward). ``False`` keeps them until backward: less communication,
+            more memory.
+        grad_reduce: ``"mean"`` (FSDP default: gradients averaged over ranks; right when every
+            rank's loss is the mean over its own equally-sized data) or ``"sum"`` (gradients
+            summed: right when each rank scales its loss by its share of the global batch,
+            as ``PolicyTrainer.train_micro_batch`` does for the all-reduce it replaces).
+            ``"sum"`` forces SUM collectives with no divide, which works on gloo and NCCL
+            (a divide factor alone would use NCCL's PREMUL_SUM, which gloo rejects).
+
+    Returns:
+        ``transformer`` itself, now an ``FSDPModule`` (same class and attribute names).
+
+    Lockstep: forward and backward of an FSDP unit are collectives. Every rank of the mesh
+    must run the same sequence of forwards (with grad or not) and backwards: same number of
+    micro-batches, of trained steps per micro-batch, of CFG branches, of KL reference
+    forwards; no rank may skip a step with nothing to train (run a zero-weighted one instead).
+    """
+    fully_shard, FSDPModule, MixedPrecisionPolicy = _fsdp_api()
+    if grad_reduce not in ("mean", "sum"):
+        raise ValueError(f"grad_reduce={grad_reduce!r}; valid: 'mean', 'sum'")
+    if is_fsdp(transformer):
+        raise ValueError(f"{type(transformer).__name__} is already sharded with fully_shard")
+    if mesh is None:
+        mesh = _default_mesh()
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for block in block_modules(transformer):
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(transformer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    if grad_reduce == "sum":
+        for module in transformer.modules():
+            if isinstance(module, FSDPModule):
+                # Per-module settings (not recursive): apply to every unit.
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+    return transformer
+
+
+def lockstep_count(n: int, group: dist.ProcessGroup | None = None) -> int:
+    """The largest ``n`` over the ranks of ``group`` (a MAX all-reduce of one integer).
+
+    Use it to agree on how many forward/backward rounds every rank runs before a step:
+    ranks with fewer real rounds run zero-weighted ones (loss ``* 0``) so that the FSDP
+    collectives line up. Returns ``n`` when not distributed.
+    """
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return int(n)
+    backend = str(dist.get_backend(group)).lower()
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+    t = torch.tensor([int(n)], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())
+
+
+# ---------------------------------------------------------------------- weight sync
+
+
+def _is_row_sharded(t: Tensor) -> bool:
+    from torch.distributed.tensor import Shard
+
+    return (
+        t.device_mesh.ndim == 1
+        and len(t.placements) == 1
+        and isinstance(t.placements[0], Shard)
+        and t.placements[0].dim == 0
+        and t.ndim >= 1
+    )
+
+
+def _gather_row_sharded(tensors: list[Tensor]) -> list[Tensor]:
+    """Full tensors of 1-D-mesh ``Shard(0)`` DTensors of one mesh and dtype: one all-gather.
+
+    DTensor (and FSDP2) shard dim 0 like ``torch.chunk``: rank ``r`` holds rows
+    ``[r*c, min((r+1)*c, n))`` with ``c = ceil(n / world)`` (possibly none). Each local shard
+    is padded to ``c`` rows and all are packed into one buffer per rank.
+    """
+    mesh = tensors[0].device_mesh
+    world = mesh.size()
+    group = mesh.get_group()
+    locals_ = [t.to_local() for t in tensors]
+    device, dtype = locals_[0].device, locals_[0].dtype
+    layout = []  # (rows n, chunk c, row numel, offset in the per-rank buffer)
+    offset = 0
+    for t in tensors:
+        n = t.shape[0]
+        c = math.ceil(n / world) if n else 0
+        row = math.prod(t.shape[1:])
+        layout.append((n, c, row, offset))
+        offset += c * row
+    send = torch.zeros(offset, device=device, dtype=dtype)
+    for loc, (n, c, row, off) in zip(locals_, layout):
+        k = loc.numel()
+        if k:
+            send[off : off + k].copy_(loc.reshape(-1))
+    recv = torch.empty(world * offset, device=device, dtype=dtype)
+    # all_gather_single: torch >= 2.13's name for all_gather_into_tensor (deprecated there).
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(recv, send, group=group)
+    recv = recv.view(world, offset)
+    out = []
+    for t, (n, c, row, off) in zip(tensors, layout):
+        full = recv[:, off : off + c * row].reshape(world * c, *t.shape[1:])[:n]
+        out.append(full.clone())
+    return out
+
+
+@torch.no_grad()
+def full_state_for_sync(
+    module: nn.Module, *, lora_only: bool, device: torch.device | str | None = None
+) -> dict[str, Tensor]:
+    """The weight-sync state of a (possibly FSDP2-sharded) module, as plain full tensors.
+
+    A collective when ``module`` is sharded: EVERY rank of its mesh must call it, in the same
+    order relative to other collectives, even if only one rank then sends the result. Each rank
+    gets the full tensors.
+
+    Same contract as :func:`verl_digen.sync.state.trainable_state` (which it equals on an
+    unsharded module, apart from returning copies): state-dict names (FSDP2 adds no prefix;
+    any FSDP1/compile/peft-wrapper prefix ``_fsdp_wrapped_module.``, ``_orig_mod.``,
+    ``_checkpoint_wrapped_module.`` is stripped anyway), sorted, only names containing
+    ``"lora_"`` when ``lora_only``; buffers are included in a full state. Sharded tensors of
+    one mesh and dtype are gathered in a single all-gather (LoRA states are hundreds of tiny
+    matrices); other DTensors fall back to ``full_tensor()``.
+
+    Args:
+        device: where to put the result (e.g. ``"cpu"``); default: the module's device.
+
+    Raises:
+        ValueError: ``lora_only`` but the module has no ``lora_`` tensor.
+    """
+    DTensor = _dtensor_cls()
+    sd = module.state_dict()  # FSDP2's pre-hook registers the sharded parameters first
+    names = sorted(n for n in sd if not lora_only or LORA_MARKER in n)
+    if lora_only and not names:
+        raise ValueError(f"lora_only=True but {type(module).__name__} has no tensor named '*{LORA_MARKER}*'")
+    result: dict[str, Tensor] = {}
+    buckets: dict[tuple, list[str]] = {}
+    for name in names:
+        t = sd[name].detach()
+        if isinstance(t, DTensor):
+            if _is_row_sharded(t):
+                buckets.setdefault((id(t.device_mesh), t.dtype), []).append(name)
+            else:
+                result[name] = t.full_tensor()
+        else:
+            result[name] = t.clone()
+    # Same names, same order on every rank -> same sequence of collectives.
+    for key in sorted(buckets, key=lambda k: buckets[k][0]):
+        group_names = buckets[key]
+        for name, full in zip(group_names, _gather_row_sharded([sd[n].detach() for n in group_names])):
+            result[name] = full
+    out = {}
+    for name in names:
+        t = result[name]
+        if device is not None:
+            t = t.to(device)
+        out[_strip_wrapper_prefixes(name)] = t
+    return dict(sorted(out.items()))
+
+
+_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_orig_mod.", "_checkpoint_wrapped_module.")
+
+
+def _strip_wrapper_prefixes(name: str) -> str:
+    for p in _WRAPPER_PREFIXES:
+        name = name.replace(p, "")
+    return name
+
+
+# ---------------------------------------------------------------------- gradients
+
+
+@torch.no_grad()
+def clip_grad_norm_fsdp(params: Iterable[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
+    """Clip gradients by their global norm; returns the (pre-clip) total norm as a plain tensor.
+
+    ``torch.nn.utils.clip_grad_norm_`` (torch 2.13) handles DTensor gradients when *all* of
+    them are DTensors of one mesh (FSDP2 with the root sharded: the :func:`apply_fsdp2` case)
+    and then returns a replicated ``DTensor``; it raises ("got mixed torch.Tensor and DTensor")
+    as soon as plain-tensor gradients are mixed in (e.g. a trainable module left unsharded).
+    This function groups gradients by mesh (plain tensors by themselves), takes each group's
+    norm with torch's ``get_total_norm`` (DTensor groups reduce over their mesh), combines
+    them, and scales every gradient (DTensor gradients through their local shards). The result
+    is identical on every rank and can be ``float()``-ed. Parameters without ``.grad`` are
+    skipped.
+    """
+    DTensor = _dtensor_cls()
+    if isinstance(params, Tensor):
+        params = [params]
+    grads = [p.grad for p in params if p.grad is not None]
+    norm_type = float(norm_type)
+    if not grads:
+        return torch.tensor(0.0)
+    groups: dict[object, list[Tensor]] = {}
+    for g in grads:
+        key = g.device_mesh if isinstance(g, DTensor) else None
+        groups.setdefault(key, []).append(g)
+    device = (grads[0].to_local() if isinstance(grads[0], DTensor) else grads[0]).device
+    norms = []
+    for key, gs in groups.items():
+        n = torch.nn.utils.get_total_norm(gs, norm_type)
+        if isinstance(n, DTensor):
+            n = n.full_tensor()
+        norms.append(n.to(device=device, dtype=torch.float32))
+    stacked = torch.stack(norms)
+    if math.isinf(norm_type):
+        total = stacked.max()
+    else:
+        total = stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        local = g.to_local() if isinstance(g, DTensor) else g
+        local.mul_(coef.to(device=local.device, dtype=local.dtype))
+    return total
