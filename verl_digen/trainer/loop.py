@@ -78,10 +78,16 @@ def resolve_model_path(cfg: DigenConfig) -> str:
 def resolve_prompts(cfg: DigenConfig, source: str | None = None) -> list[str]:
     from verl_digen.data import builtin_prompts, load_prompts
 
+    key = "digen.data.prompts" if source is None else "digen.validation.prompts"
     source = source or cfg.data.prompts
-    if source.startswith("builtin:"):
-        return builtin_prompts(source.split(":", 1)[1])
-    return load_prompts(source)
+    try:
+        if source.startswith("builtin:"):
+            return builtin_prompts(source.split(":", 1)[1])
+        return load_prompts(source)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{key}: {e}") from None
+    except ValueError as e:
+        raise ConfigError(f"invalid config: {key}={source!r}: {e}") from None
 
 
 def output_dir_for(cfg: DigenConfig, trainer_cfg: Any) -> str:
