@@ -7,6 +7,16 @@ import os
 import pytest
 
 
+@pytest.fixture(scope="session", autouse=True)
+def isolated_cwd(tmp_path_factory):
+    """Run every test from an empty directory: relative defaults (runs/, checkpoints/ for
+    trainer.resume_mode=auto) must never leak between tests or into the checkout."""
+    old = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("cwd"))
+    yield
+    os.chdir(old)
+
+
 @pytest.fixture(scope="session")
 def tiny_cache(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("digen_cache"))

@@ -232,6 +232,13 @@ class TagConfig:
 
 
 @dataclass
+class PromptCacheConfig:
+    enable: bool = False  # encode every prompt once (memory + disk), then free the text encoders
+    dir: Optional[str] = None  # default: $VERL_DIGEN_CACHE/prompt_embeds or ~/.cache/verl_digen/prompt_embeds
+    release_encoders: bool = True
+
+
+@dataclass
 class FsdpConfig:
     enable: bool = False  # FSDP2 (fully_shard) over the trainer pool; micro-batches run in lockstep
     gradient_checkpointing: bool = False
@@ -286,6 +293,7 @@ class DigenConfig:
     tag: TagConfig = field(default_factory=TagConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     fsdp: FsdpConfig = field(default_factory=FsdpConfig)
+    prompt_cache: PromptCacheConfig = field(default_factory=PromptCacheConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     ema: EmaConfig = field(default_factory=EmaConfig)
     progress_bar: bool = True

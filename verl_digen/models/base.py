@@ -84,6 +84,53 @@ class DiffusionAdapter(abc.ABC):
     def device(self) -> torch.device:
         return next(self.transformer.parameters()).device
 
+    # Set by :meth:`release_text_encoders`; :meth:`encode_prompts` then raises.
+    text_encoders_released: bool = False
+
+    def release_text_encoders(self) -> int:
+        """Drop the text encoders and tokenizers (once every prompt the run needs is in a
+        :class:`~verl_digen.models.prompt_cache.PromptEmbeddingCache`); returns the bytes of
+        parameters and buffers freed. :meth:`encode_prompts` raises ``RuntimeError`` afterwards."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement release_text_encoders")
+
+
+TEXT_ENCODERS_RELEASED_MESSAGE = "text encoders were released; use the prompt cache"
+
+
+def release_modules(adapter: DiffusionAdapter, names: tuple[str, ...]) -> int:
+    """Set the attributes ``names`` of ``adapter`` (text encoders, tokenizers) to ``None`` after
+    counting the parameter and buffer bytes of those that are modules; mark the adapter released.
+
+    The memory is returned to the allocator once nothing else references the modules (the CUDA
+    cache is emptied when any of them lived on a GPU). Returns the bytes counted; releasing
+    twice frees nothing the second time and returns 0."""
+    import gc
+
+    freed, on_cuda, seen = 0, False, set()
+    for name in names:
+        module = getattr(adapter, name, None)
+        if isinstance(module, torch.nn.Module):
+            for t in (*module.parameters(), *module.buffers()):
+                if t.device.type != "meta" and id(t) not in seen:
+                    seen.add(id(t))
+                    freed += t.numel() * t.element_size()
+                    on_cuda |= t.is_cuda
+        setattr(adapter, name, None)
+    adapter.text_encoders_released = True
+    gc.collect()
+    if on_cuda and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return freed
+
+
+def require_text_encoders(adapter: DiffusionAdapter) -> None:
+    """Raise a clear ``RuntimeError`` when ``adapter``'s text encoders were released."""
+    if adapter.text_encoders_released:
+        raise RuntimeError(
+            f"{type(adapter).__name__}.encode_prompts: {TEXT_ENCODERS_RELEASED_MESSAGE} "
+            "(PromptEmbeddingCache.encode serves the prompts warmed before the release)"
+        )
+
 
 def read_model_index(path: str) -> dict:
     """The ``model_index.json`` of a local diffusers-format directory, as a dict.

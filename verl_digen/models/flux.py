@@ -17,7 +17,16 @@ from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransf
 from diffusers.utils.torch_utils import randn_tensor
 from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
-from .base import Conditioning, DiffusionAdapter, SampleSpec, batch_sigma, expand_batch, read_model_index
+from .base import (
+    Conditioning,
+    DiffusionAdapter,
+    SampleSpec,
+    batch_sigma,
+    expand_batch,
+    read_model_index,
+    release_modules,
+    require_text_encoders,
+)
 
 # FluxPipeline's defaults, used when a spec or a directory does not say otherwise.
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # T5 tokens (FluxPipeline.__call__ max_sequence_length)
@@ -144,9 +153,15 @@ class FluxAdapter(DiffusionAdapter):
 
     # ------------------------------------------------------------------ prompts
 
+    def release_text_encoders(self) -> int:
+        """Drop the text encoders and tokenizers (the prompt cache serves the embeddings from
+        now on); returns the parameter bytes freed. ``encode_prompts`` raises afterwards."""
+        return release_modules(self, ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"))
+
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> Conditioning:
         """``prompt_embeds`` [B, T, D] from T5 and ``pooled_prompt_embeds`` [B, D_clip] from CLIP."""
+        require_text_encoders(self)
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         # CLIP: only the pooled (end-of-text) vector is used, as a global conditioning.
         clip_ids = self.tokenizer(

@@ -24,7 +24,16 @@ from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PRO
 from diffusers.utils.torch_utils import randn_tensor
 from transformers import AutoTokenizer, CLIPTextModel, CLIPTokenizer, LlamaModel
 
-from .base import Conditioning, DiffusionAdapter, SampleSpec, batch_sigma, expand_batch, read_model_index
+from .base import (
+    Conditioning,
+    DiffusionAdapter,
+    SampleSpec,
+    batch_sigma,
+    expand_batch,
+    read_model_index,
+    release_modules,
+    require_text_encoders,
+)
 from .flux import scheduler_sigmas
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 256  # Llama tokens after the template (HunyuanVideoPipeline.__call__)
@@ -125,10 +134,16 @@ class HunyuanVideoAdapter(DiffusionAdapter):
 
     # ------------------------------------------------------------------ prompts
 
+    def release_text_encoders(self) -> int:
+        """Drop the text encoders and tokenizers (the prompt cache serves the embeddings from
+        now on); returns the parameter bytes freed. ``encode_prompts`` raises afterwards."""
+        return release_modules(self, ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"))
+
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> Conditioning:
         """``prompt_embeds`` [B, T, D] (Llama, template cropped), ``prompt_attention_mask`` [B, T]
         and ``pooled_prompt_embeds`` [B, D_clip] (CLIP pooled output)."""
+        require_text_encoders(self)
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         texts = [self.prompt_template["template"].format(p) for p in prompts]
         tokens = self.tokenizer(

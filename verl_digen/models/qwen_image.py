@@ -28,7 +28,16 @@ from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, Q
 from diffusers.utils.torch_utils import randn_tensor
 from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
-from .base import Conditioning, DiffusionAdapter, SampleSpec, batch_sigma, expand_batch, read_model_index
+from .base import (
+    Conditioning,
+    DiffusionAdapter,
+    SampleSpec,
+    batch_sigma,
+    expand_batch,
+    read_model_index,
+    release_modules,
+    require_text_encoders,
+)
 from .flux import calculate_shift, scheduler_sigmas
 
 # QwenImagePipeline's prompt template and the number of template tokens it drops
@@ -124,10 +133,16 @@ class QwenImageAdapter(DiffusionAdapter):
 
     # ------------------------------------------------------------------ prompts
 
+    def release_text_encoders(self) -> int:
+        """Drop the text encoders and tokenizers (the prompt cache serves the embeddings from
+        now on); returns the parameter bytes freed. ``encode_prompts`` raises afterwards."""
+        return release_modules(self, ("text_encoder", "tokenizer"))
+
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> Conditioning:
         """``prompt_embeds`` [B, T, D] (last hidden state of the prompt tokens, zero-padded to
         ``T = max_sequence_length``) and ``prompt_embeds_mask`` [B, T] (1 = token, 0 = padding)."""
+        require_text_encoders(self)
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         texts = [PROMPT_TEMPLATE.format(p) for p in prompts]
         tokens = self.tokenizer(

@@ -25,6 +25,8 @@ from .base import (
     expand_batch,
     has_component,
     read_model_index,
+    release_modules,
+    require_text_encoders,
 )
 from .flux import calculate_shift, scheduler_sigmas
 
@@ -129,9 +131,16 @@ class SD3Adapter(DiffusionAdapter):
         # projected pooled vector.
         return out.hidden_states[-2], out.text_embeds  # [B, 77, D_i], [B, P_i]
 
+    def release_text_encoders(self) -> int:
+        """Drop the text encoders and tokenizers (the prompt cache serves the embeddings from
+        now on); returns the parameter bytes freed. ``encode_prompts`` raises afterwards."""
+        names = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "text_encoder_3", "tokenizer_3")
+        return release_modules(self, names)
+
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> Conditioning:
         """``prompt_embeds`` [B, T_clip + T_t5, D_t5] and ``pooled_prompt_embeds`` [B, P_1 + P_2]."""
+        require_text_encoders(self)
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         hidden_1, pooled_1 = self._clip_embeds(self.text_encoder, self.tokenizer, prompts)
         hidden_2, pooled_2 = self._clip_embeds(self.text_encoder_2, self.tokenizer_2, prompts)

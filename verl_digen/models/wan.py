@@ -30,6 +30,8 @@ from .base import (
     expand_batch,
     has_component,
     read_model_index,
+    release_modules,
+    require_text_encoders,
 )
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # UMT5 tokens (WanPipeline.__call__ max_sequence_length)
@@ -150,9 +152,15 @@ class WanAdapter(DiffusionAdapter):
 
     # ------------------------------------------------------------------ prompts
 
+    def release_text_encoders(self) -> int:
+        """Drop the text encoders and tokenizers (the prompt cache serves the embeddings from
+        now on); returns the parameter bytes freed. ``encode_prompts`` raises afterwards."""
+        return release_modules(self, ("text_encoder", "tokenizer"))
+
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> Conditioning:
         """``prompt_embeds`` [B, T, D]: UMT5 last hidden state, rows past each prompt's length zeroed."""
+        require_text_encoders(self)
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         prompts = [prompt_clean(p) for p in prompts]  # html-unescape, whitespace (and ftfy if installed)
         tokens = self.tokenizer(

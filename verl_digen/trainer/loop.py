@@ -197,6 +197,11 @@ class DigenTrainer:
             infos = ray.get([a.init_model.remote() for a in actors.values()], timeout=cfg.task_timeout_s)
             with open(os.path.join(self.output_dir, "workers.json"), "w") as f:
                 json.dump([{**i, "worker": str(w)} for w, i in zip(actors, infos)], f, indent=2)
+            if cfg.prompt_cache.enable:
+                encoders = [a for w, a in actors.items() if w.pool != "reward"]
+                stats = ray.get([a.warm_prompt_cache.remote(self.prompts + self.val_prompts) for a in encoders],
+                                timeout=cfg.task_timeout_s)
+                self.prompt_cache_stats = stats[0]
             sampler = PromptSampler(self.prompts, seed=cfg.seed, shuffle=cfg.data.shuffle)
             self.history: list[dict[str, Any]] = []
             if self.resume_from is not None:

@@ -289,6 +289,27 @@ class DiffusionWorker(Worker, WeightSyncMixin):
     def trainable_state_cpu(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self._full_state().items()}
 
+    def warm_prompt_cache(self, prompts: list[str]) -> dict[str, Any]:
+        """Encode every prompt this worker may need once, then free the text encoders.
+
+        ``prompts``: training + validation prompts (the negative prompt is added here).
+        """
+        import os as _os
+
+        from verl_digen.models.prompt_cache import PromptEmbeddingCache, model_cache_key
+
+        pc = self.cfg.prompt_cache
+        root = pc.dir or _os.path.join(
+            _os.environ.get("VERL_DIGEN_CACHE") or _os.path.join(_os.path.expanduser("~"), ".cache", "verl_digen"),
+            "prompt_embeds",
+        )
+        cache = PromptEmbeddingCache(self.adapter, model_key=model_cache_key(self.model_path, self.adapter), cache_dir=root)
+        cache.warm(list(dict.fromkeys(list(prompts) + [self.settings.negative_prompt])))
+        cache.install()
+        freed = cache.release_encoders() if pc.release_encoders else 0
+        self.prompt_cache = cache
+        return {**cache.stats(), "bytes_freed": freed}
+
     def validate(self, prompts: list[str], step: int, out_dir: str) -> dict[str, Any]:
         """Deterministic samples of held-out prompts with the newest weights (EMA when on)."""
         from contextlib import nullcontext
