@@ -323,6 +323,8 @@ class DigenTrainer:
             for s in range(first, self.total_steps):
                 assign_prompts(min(s + lookahead, self.total_steps - 1))
                 tag_metrics, tag_groups = self._tag_decision(executor, s)
+                if self.spec.tsp_stages > 1 and cfg.tsp.balance and s > first:
+                    planner.spec = self.spec = self._rebalanced_stages(executor, s - 1)
                 planner.plan_step(s, costs, has_next=s + 1 < self.total_steps, tag_groups=tag_groups)
                 executor.run_until([f"opt:{s}"])
                 t_end = time.time()
@@ -480,7 +482,41 @@ class DigenTrainer:
         prof = ray.get(actors[WorkerId("rollout", 0)].profile_step_costs.remote(), timeout=self.cfg.task_timeout_s)
         bounds = balance_stages(prof["step_s"], self.spec.tsp_stages, head_s=prof["head_s"], tail_s=prof["tail_s"])
         self.stage_profile = {**prof, "bounds": list(bounds)}
+        with open(os.path.join(self.output_dir, "tsp_stages.json"), "w") as f:
+            json.dump(self.stage_profile, f, indent=2)
+        print(f"[verl-digen] TSP stage ranges {list(bounds)} from measured step costs (tsp_stages.json)")
         return dataclasses.replace(self.spec, stage_bounds=bounds)
+
+    def _rebalanced_stages(self, executor: RayPlanExecutor, step: int):
+        """TSP: move stage boundaries using the stage durations measured in ``step``.
+
+        Each stage's measured time (its steps plus what the profile cannot see: receiving the
+        in-flight state, packing and shipping the record) is spread over its steps; the
+        boundaries move only when that predicts a >10% shorter slowest stage.
+        """
+        import dataclasses
+
+        from verl_digen.schedule.elastic import balance_stages
+
+        bounds = self.spec.bounds
+        k = self.spec.tsp_stages
+        per_stage: list[list[float]] = [[] for _ in range(k)]
+        for r in executor.timeline.records:
+            if r.kind == "generate" and r.step == step and ":s" in r.task:
+                per_stage[int(r.task.rsplit(":s", 1)[1])].append(r.end - r.start)
+        if not all(per_stage):
+            return self.spec
+        means = [sum(v) / len(v) for v in per_stage]
+        step_costs = [means[i] / (bounds[i + 1] - bounds[i]) for i in range(k) for _ in range(bounds[i], bounds[i + 1])]
+        new = balance_stages(step_costs, k)
+
+        def slowest(b):
+            return max(sum(step_costs[b[i]:b[i + 1]]) for i in range(k))
+
+        if new != tuple(bounds) and slowest(new) < 0.9 * slowest(bounds):
+            self.stage_profile.setdefault("rebalanced", []).append({"step": step + 1, "bounds": list(new)})
+            return dataclasses.replace(self.spec, stage_bounds=new)
+        return self.spec
 
     def _tag_decision(self, executor: RayPlanExecutor, s: int) -> tuple[dict[str, float], int]:
         """TAG's share for step ``s`` from the rates measured in step ``s - 1``."""
