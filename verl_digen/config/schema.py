@@ -239,6 +239,17 @@ class PromptCacheConfig:
 
 
 @dataclass
+class EmulateConfig:
+    model: Optional[str] = None  # a cost-model profile (flux-12b, wan2.1-14b, ...): workers sleep instead of compute
+    device_type: str = "H800"
+    time_scale: float = 1.0  # real seconds per modelled second
+
+    def validate(self, key: str) -> None:
+        if self.time_scale <= 0:
+            _fail(f"{key}.time_scale", self.time_scale, "must be > 0")
+
+
+@dataclass
 class FsdpConfig:
     enable: bool = False  # FSDP2 (fully_shard) over the trainer pool; micro-batches run in lockstep
     gradient_checkpointing: bool = False
@@ -294,6 +305,7 @@ class DigenConfig:
     sync: SyncConfig = field(default_factory=SyncConfig)
     fsdp: FsdpConfig = field(default_factory=FsdpConfig)
     prompt_cache: PromptCacheConfig = field(default_factory=PromptCacheConfig)
+    emulate: EmulateConfig = field(default_factory=EmulateConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     ema: EmaConfig = field(default_factory=EmaConfig)
     progress_bar: bool = True
@@ -319,6 +331,7 @@ class DigenConfig:
         self.tsp.validate("digen.tsp", self.sampling.num_steps)
         self.tag.validate("digen.tag")
         self.validation.validate("digen.validation")
+        self.emulate.validate("digen.emulate")
         if self.fsdp.enable:
             if self.placement != "disaggregated":
                 _fail("digen.fsdp.enable", True, "FSDP shards the trainer pool: needs digen.placement=disaggregated")

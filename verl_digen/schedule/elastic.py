@@ -37,6 +37,38 @@ class TagDecision:
         return m
 
 
+def tag_inputs_from_records(spec, records: list, step: int, switch_s: float) -> TagInputs | None:
+    """TAG's inputs for the step after ``step``, from a timeline's records of ``step``.
+
+    Per-group seconds on one worker: rollout generation, training (all parts summed), and
+    trainer generation (the latest step where trainers generated; until then the rollout
+    rate, i.e. the same device type). None when ``step`` measured nothing yet.
+    """
+
+    def per_group(kind: str, at: int, pool: str | None) -> float | None:
+        rs = [r for r in records if r.kind == kind and r.step == at and (pool is None or r.workers[0].startswith(pool))]
+        groups = {g for r in rs for g in r.groups}
+        return sum(r.end - r.start for r in rs) / len(groups) if groups else None
+
+    if step < 0:
+        return None
+    roll = per_group("generate", step, "rollout")
+    train = per_group("train", step, None)
+    if roll is None or train is None:
+        return None
+    trainer_gen = next((v for v in (per_group("generate", q, "trainer") for q in range(step, -1, -1)) if v is not None), roll)
+    return TagInputs(
+        groups_per_step=spec.groups_per_step,
+        groups_per_task=spec.groups_per_task,
+        rollout_workers=spec.rollout_workers,
+        trainer_workers=spec.trainer_workers,
+        rollout_generate_per_group=roll,
+        trainer_generate_per_group=trainer_gen,
+        train_per_group=train,
+        switch_s=switch_s,
+    )
+
+
 def _phase_time(inp: TagInputs, n: int) -> float:
     """Time until both pools are done with the step's generation-and-training work.
 

@@ -144,14 +144,16 @@ class DigenTrainer:
         self.layout = pool_layout(self.cfg, self.cluster)
         self.spec = self.layout.spec
         self.prompts = resolve_prompts(self.cfg)
-        self.test_freq = int(self.trainer_cfg.get("test_freq", -1) or -1)
+        self.emulated = self.cfg.emulate.model is not None
+        self.test_freq = -1 if self.emulated else int(self.trainer_cfg.get("test_freq", -1) or -1)
         self.val_prompts = resolve_prompts(self.cfg, self.cfg.validation.prompts)[: self.cfg.validation.num_prompts]
         preflight_reward(self.cfg)
-        self.model_path = resolve_model_path(self.cfg)
+        # An emulated cluster has no model, no weights to save and nothing to resume.
+        self.model_path = "<emulated>" if self.emulated else resolve_model_path(self.cfg)
         self.output_dir = output_dir_for(self.cfg, self.trainer_cfg)
         self.ckpt_root = str(self.trainer_cfg.default_local_dir)
-        self.save_freq = int(self.trainer_cfg.get("save_freq", -1) or -1)
-        self.resume_from = self._resume_checkpoint()
+        self.save_freq = -1 if self.emulated else int(self.trainer_cfg.get("save_freq", -1) or -1)
+        self.resume_from = None if self.emulated else self._resume_checkpoint()
         self.start_step = self.resume_from.step if self.resume_from else 0
         if self.start_step >= self.total_steps:
             raise ConfigError(
@@ -190,14 +192,23 @@ class DigenTrainer:
         owns_ray = _init_ray(devices, cfg, use_gpu)
         threads = max(1, (os.cpu_count() or 1) // max(devices, 1)) if not use_gpu else 4
         digen_dict = self.full_config["digen"]
-        groups, actors = build_worker_groups(
-            self.layout, config=digen_dict, model_path=self.model_path, use_gpu=use_gpu, num_threads=threads
-        )
+        if self.emulated:
+            from verl_digen.sim.emulated import build_emulated_worker_groups, emulation_costs
+
+            em = cfg.emulate
+            groups, actors = build_emulated_worker_groups(
+                self.layout, emulation_costs(em.model, em.device_type), device=em.device_type,
+                time_scale=em.time_scale, group_size=cfg.batch.group_size,
+            )
+        else:
+            groups, actors = build_worker_groups(
+                self.layout, config=digen_dict, model_path=self.model_path, use_gpu=use_gpu, num_threads=threads
+            )
         try:
             infos = ray.get([a.init_model.remote() for a in actors.values()], timeout=cfg.task_timeout_s)
             with open(os.path.join(self.output_dir, "workers.json"), "w") as f:
                 json.dump([{**i, "worker": str(w)} for w, i in zip(actors, infos)], f, indent=2)
-            if cfg.prompt_cache.enable:
+            if cfg.prompt_cache.enable and not self.emulated:
                 encoders = [a for w, a in actors.items() if w.pool != "reward"]
                 stats = ray.get([a.warm_prompt_cache.remote(self.prompts + self.val_prompts) for a in encoders],
                                 timeout=cfg.task_timeout_s)
@@ -254,7 +265,7 @@ class DigenTrainer:
             extra["weights_in_sync"] = all(d == digests[0] for d in digests[1:])
             if not extra["weights_in_sync"]:
                 raise RuntimeError("after the final sync, rollout weights differ from the trainer's")
-        if self.cfg.save_final_weights:
+        if self.cfg.save_final_weights and not self.emulated:
             from safetensors.torch import save_file
 
             state = ray.get(source.trainable_state_cpu.remote(), timeout=300)
@@ -520,38 +531,13 @@ class DigenTrainer:
 
     def _tag_decision(self, executor: RayPlanExecutor, s: int) -> tuple[dict[str, float], int]:
         """TAG's share for step ``s`` from the rates measured in step ``s - 1``."""
-        from verl_digen.schedule.elastic import TagDecision, TagInputs, decide_tag_share
+        from verl_digen.schedule.elastic import TagDecision, decide_tag_share, tag_inputs_from_records
 
         if not self.spec.tag:
             return {}, 0
-        recs = executor.timeline.records
-
-        def per_group(kind: str, step: int, pool: str | None) -> float | None:
-            rs = [r for r in recs if r.kind == kind and r.step == step and (pool is None or r.workers[0].startswith(pool))]
-            groups = {g for r in rs for g in r.groups}
-            return sum(r.end - r.start for r in rs) / len(groups) if groups else None
-
-        prev = s - 1
-        roll = per_group("generate", prev, "rollout")
-        train = per_group("train", prev, None)
-        if prev < 0 or roll is None or train is None:
-            d = TagDecision(0, 0.0, 0.0, "no measurements yet")
-            return d.as_metrics(None), 0
-        # Trainer generation rate: measured once trainers have generated; until then assume the
-        # rollout devices' rate (same device type; heterogeneous pools correct it after one step).
-        trainer_gen = next(
-            (v for v in (per_group("generate", q, "trainer") for q in range(prev, -1, -1)) if v is not None), roll
-        )
-        inputs = TagInputs(
-            groups_per_step=self.spec.groups_per_step,
-            groups_per_task=self.spec.groups_per_task,
-            rollout_workers=self.spec.rollout_workers,
-            trainer_workers=self.spec.trainer_workers,
-            rollout_generate_per_group=roll,
-            trainer_generate_per_group=trainer_gen,
-            train_per_group=train,
-            switch_s=self.cfg.tag.switch_cost_s,
-        )
+        inputs = tag_inputs_from_records(self.spec, executor.timeline.records, s - 1, self.cfg.tag.switch_cost_s)
+        if inputs is None:
+            return TagDecision(0, 0.0, 0.0, "no measurements yet").as_metrics(None), 0
         d = decide_tag_share(inputs)
         return d.as_metrics(inputs), d.groups
 

@@ -1,0 +1,448 @@
+"""``python -m verl_digen.plan``: recommend a pool split and mechanisms for a cluster.
+
+The planner enumerates configurations (colocated; disaggregated pool splits that can be
+placed on whole nodes; micro-batch sizes; GAP and TCSS on or off), drops the ones that do
+not fit in device memory, simulates each with the cost model (the same plans the Ray
+executor would run) and ranks them by images/s. It prints the ranked table, the zero-bubble
+bound next to every row, and the hydra overrides that run the best configuration::
+
+    python -m verl_digen.plan --model flux-12b --devices 32 --device-type H800
+    python -m verl_digen.plan --model wan2.1-14b --mix H800:16,A100:16 --json plan.json
+    python -m verl_digen.plan --list            # the model and device profiles it knows
+
+TSP and TAG are not searched yet: they plug in as new ``StrategySpec`` switches that
+``StepPlanner`` turns into tasks; the simulator and the cost model already cost such tasks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable
+
+from verl_digen.schedule.strategies import StrategySpec
+from verl_digen.sim.cost_model import Catalog, Cluster, CostModel, PoolPlacement, ProfileError, load_catalog
+from verl_digen.sim.simulator import SimResult, simulate
+
+# Mechanism sets the planner searches by default, in the order of the paper's ladder.
+MECHANISMS: dict[str, dict[str, Any]] = {
+    "colocated": {"placement": "colocated"},
+    "disaggregated": {"placement": "disaggregated"},
+    "disaggregated+gap": {"placement": "disaggregated", "gap": True},
+    "disaggregated+tcss": {"placement": "disaggregated", "max_staleness": 1},
+    "disaggregated+gap+tcss": {"placement": "disaggregated", "gap": True, "max_staleness": 1},
+    "disaggregated+gap+tsp": {"placement": "disaggregated", "gap": True, "tsp_stages": (2, 4)},
+    "disaggregated+gap+tag": {"placement": "disaggregated", "gap": True, "tag": True},
+    "disaggregated+gap+tsp+tag+tcss": {
+        "placement": "disaggregated", "gap": True, "tsp_stages": (2, 4), "tag": True, "max_staleness": 1,
+    },
+}
+# Kept for callers that still name the TSP/TAG sets separately; they are searched by default now.
+EXPERIMENTAL: dict[str, dict[str, Any]] = {}
+
+
+def supports(switch: str) -> bool:
+    """Whether this checkout's StrategySpec has a switch (TSP: ``tsp_stages``, TAG: ``tag``)."""
+    return switch in {f.name for f in dataclasses.fields(StrategySpec)}
+
+
+@dataclass(frozen=True)
+class PoolShape:
+    """A pool as the loop's config spells it: ``devices`` per node on ``nodes`` nodes."""
+
+    devices: int
+    nodes: int
+    device: str
+
+    @property
+    def size(self) -> int:
+        return self.devices * self.nodes
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """The cluster: how many devices of each type, and devices per node."""
+
+    devices: dict[str, int]
+    per_node: int = 8
+
+    @property
+    def total(self) -> int:
+        return sum(self.devices.values())
+
+    def nodes_of(self, device: str) -> int:
+        return math.ceil(self.devices[device] / self.per_node)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    spec: StrategySpec
+    pools: dict[str, PoolShape]
+
+    @property
+    def cluster(self) -> Cluster:
+        return Cluster({name: PoolPlacement(size=p.size, nodes=p.nodes, device=p.device) for name, p in self.pools.items()})
+
+    @property
+    def label(self) -> str:
+        return self.spec.name
+
+
+@dataclass
+class Evaluation:
+    candidate: Candidate
+    result: SimResult | None = None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def feasible(self) -> bool:
+        return self.result is not None
+
+    @property
+    def images_per_s(self) -> float:
+        return self.result.images_per_s if self.result else 0.0
+
+    def row(self, colocated_images_per_s: float | None) -> dict[str, Any]:
+        spec = self.candidate.spec
+        pools = self.candidate.pools
+        disagg = spec.placement == "disaggregated"
+        r = self.result
+        row: dict[str, Any] = {
+            "strategy": spec.name,
+            "rollout_devices": spec.rollout_workers if disagg else spec.devices,
+            "trainer_devices": spec.trainer_workers if disagg else spec.devices,
+            "rollout_device_type": pools["rollout" if disagg else "fused"].device,
+            "trainer_device_type": pools["trainer" if disagg else "fused"].device,
+            "groups_per_task": spec.groups_per_task,
+            "train_micro_batch_groups": spec.train_micro_batch_groups,
+            "images_per_s": r.images_per_s if r else None,
+            "step_time_s": r.step_time_s if r else None,
+            "bubble_fraction": r.bubble_fraction if r else None,
+            "bound_images_per_s": r.bound_images_per_s if r else None,
+            "fraction_of_bound": r.fraction_of_bound if r else None,
+            "speedup_vs_colocated": (r.images_per_s / colocated_images_per_s) if (r and colocated_images_per_s) else None,
+            "feasible": r is not None,
+        }
+        if self.problems:
+            row["problems"] = self.problems
+        return row
+
+
+@dataclass
+class Search:
+    evaluations: list[Evaluation]
+    costs: CostModel
+    inventory: Inventory
+
+    @property
+    def evaluated(self) -> list[Evaluation]:
+        return [e for e in self.evaluations if e.feasible]
+
+    @property
+    def best(self) -> Evaluation:
+        if not self.evaluated:
+            problems = sorted({p for e in self.evaluations for p in e.problems})
+            raise ProfileError("no configuration fits: " + "; ".join(problems[:5]))
+        return max(self.evaluated, key=lambda e: (e.images_per_s, -e.candidate.spec.devices))
+
+    def best_of(self, label: str) -> Evaluation | None:
+        evs = [e for e in self.evaluated if e.candidate.label == label]
+        return max(evs, key=lambda e: e.images_per_s) if evs else None
+
+    @property
+    def colocated_images_per_s(self) -> float | None:
+        best = self.best_of("colocated")
+        return best.images_per_s if best else None
+
+    def ranked(self) -> list[Evaluation]:
+        return sorted(self.evaluated, key=lambda e: -e.images_per_s)
+
+    def rows(self) -> list[dict[str, Any]]:
+        base = self.colocated_images_per_s
+        return [e.row(base) for e in self.ranked()]
+
+
+# ---------------------------------------------------------------------------- enumeration
+
+
+def _shapes(n: int, per_node: int, nnodes: int) -> list[tuple[int, int]]:
+    """(devices per node, nodes) with devices x nodes = n, fewest nodes first."""
+    return [(n // k, k) for k in range(1, nnodes + 1) if n % k == 0 and n // k <= per_node]
+
+
+def split_shapes(rollout: int, trainer: int, per_node: int, nnodes: int) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """Node shapes for a rollout and a trainer pool of one device type that fit the nodes
+    together; the trainer on as few nodes as possible (its FSDP collectives), then rollout."""
+    for t_dev, t_nodes in _shapes(trainer, per_node, nnodes):
+        for r_dev, r_nodes in _shapes(rollout, per_node, nnodes):
+            # trainer on the first t_nodes nodes; rollout needs r_nodes nodes with r_dev free
+            free = [per_node - (t_dev if i < t_nodes else 0) for i in range(nnodes)]
+            if sum(1 for f in free if f >= r_dev) >= r_nodes:
+                return (r_dev, r_nodes), (t_dev, t_nodes)
+    return None
+
+
+def _divisors(n: int, options: Iterable[int]) -> list[int]:
+    return [k for k in options if k <= n and n % k == 0]
+
+
+def candidates(
+    inventory: Inventory,
+    *,
+    groups_per_step: int,
+    group_size: int,
+    mechanisms: Iterable[str] = tuple(MECHANISMS),
+    micro_batches: Iterable[int] = (1, 2),
+    splits: Iterable[int] | None = None,
+    num_steps: int = 8,
+) -> list[Candidate]:
+    """Every configuration the planner evaluates."""
+    micro = _divisors(groups_per_step, micro_batches)
+    types = sorted(inventory.devices, key=lambda t: -inventory.devices[t])
+    if len(types) > 2:
+        raise ProfileError(f"--mix supports at most two device types, got {', '.join(types)}")
+    out: list[Candidate] = []
+    for label in mechanisms:
+        switches = MECHANISMS.get(label) or EXPERIMENTAL.get(label)
+        if switches is None:
+            raise ProfileError(f"unknown mechanism set {label!r}; valid: {', '.join([*MECHANISMS, *EXPERIMENTAL])}")
+        missing = [k for k in ("tsp_stages", "tag") if k in switches and not supports(k)]
+        if missing:
+            raise ProfileError(f"{label}: this StrategySpec has no {', '.join(missing)} switch (not implemented yet)")
+        layouts: list[dict[str, PoolShape]] = []
+        if switches["placement"] == "colocated":
+            if len(types) == 1:
+                t = types[0]
+                n = inventory.devices[t]
+                layouts.append({"fused": PoolShape(min(n, inventory.per_node), inventory.nodes_of(t), t)})
+            # a mixed colocated pool is not modelled: FSDP across device types runs at the slowest
+            else:
+                slow = types[-1]
+                n = inventory.total
+                layouts.append({"fused": PoolShape(min(n, inventory.per_node), math.ceil(n / inventory.per_node), slow)})
+        elif len(types) == 1:
+            t = types[0]
+            n = inventory.devices[t]
+            nnodes = inventory.nodes_of(t)
+            per_node = min(n, inventory.per_node)
+            for r in splits if splits is not None else range(1, n):
+                shapes = split_shapes(r, n - r, per_node, nnodes)
+                if shapes:
+                    (rd, rn), (td, tn) = shapes
+                    layouts.append({"rollout": PoolShape(rd, rn, t), "trainer": PoolShape(td, tn, t)})
+        else:
+            for r_type, t_type in ((types[0], types[1]), (types[1], types[0])):
+                layouts.append(
+                    {
+                        "rollout": PoolShape(min(inventory.devices[r_type], inventory.per_node), inventory.nodes_of(r_type), r_type),
+                        "trainer": PoolShape(min(inventory.devices[t_type], inventory.per_node), inventory.nodes_of(t_type), t_type),
+                    }
+                )
+        for pools in layouts:
+            for gpt in micro:
+                for mb in micro:
+                    if "fused" in pools:
+                        spec = StrategySpec(
+                            "colocated", pools["fused"].size, pools["fused"].size, groups_per_step, group_size,
+                            groups_per_task=gpt, train_micro_batch_groups=mb,
+                        )
+                        out.append(Candidate(spec, pools))
+                        continue
+                    common = dict(
+                        groups_per_task=gpt, train_micro_batch_groups=mb, gap=switches.get("gap", False),
+                        max_staleness=switches.get("max_staleness", 0),
+                    )
+                    if "tag" in switches:
+                        common["tag"] = True
+                    stages = [1]
+                    if "tsp_stages" in switches:
+                        common["num_steps"] = num_steps
+                        stages = [k for k in switches["tsp_stages"] if pools["rollout"].size % k == 0 and k <= num_steps]
+                    for k in stages:
+                        extra = {"tsp_stages": k} if "tsp_stages" in switches else {}
+                        spec = StrategySpec(
+                            "disaggregated", pools["rollout"].size, pools["trainer"].size, groups_per_step, group_size,
+                            **common, **extra,
+                        )
+                        out.append(Candidate(spec, pools))
+    return out
+
+
+def evaluate(candidate: Candidate, costs: CostModel, *, steps: int = 5, warmup: int = 2) -> Evaluation:
+    cluster = candidate.cluster
+    problems = costs.memory_problems(cluster, trainers_generate=getattr(candidate.spec, "tag", False))
+    if problems:
+        return Evaluation(candidate, None, problems)
+    return Evaluation(candidate, simulate(candidate.spec, costs, cluster, steps=steps, warmup=warmup))
+
+
+def search(
+    costs: CostModel,
+    inventory: Inventory,
+    *,
+    mechanisms: Iterable[str] = tuple(MECHANISMS),
+    micro_batches: Iterable[int] = (1, 2),
+    steps: int = 5,
+    warmup: int = 2,
+) -> Search:
+    w = costs.workload
+    cands = candidates(
+        inventory, groups_per_step=w.groups_per_step, group_size=w.group_size, mechanisms=mechanisms,
+        micro_batches=micro_batches, num_steps=w.num_steps,
+    )
+    return Search([evaluate(c, costs, steps=steps, warmup=warmup) for c in cands], costs, inventory)
+
+
+# ---------------------------------------------------------------------------- output
+
+
+def hydra_overrides(candidate: Candidate, costs: CostModel, inventory: Inventory) -> list[str]:
+    """The ``python -m verl_digen.main`` overrides that run ``candidate``."""
+    spec, w = candidate.spec, costs.workload
+    nnodes = math.ceil(inventory.total / inventory.per_node)
+    out = [
+        f"trainer.n_gpus_per_node={min(inventory.per_node, inventory.total)}",
+        f"trainer.nnodes={nnodes}",
+        f"digen.placement={spec.placement}",
+    ]
+    if spec.placement == "disaggregated":
+        mixed = len(inventory.devices) > 1
+        for pool in ("rollout", "trainer"):
+            p = candidate.pools[pool]
+            out += [f"digen.pools.{pool}.devices={p.devices}", f"digen.pools.{pool}.nodes={p.nodes}"]
+            if mixed:
+                out.append(f"digen.pools.{pool}.accelerator_type={p.device}")
+    out += [
+        f"digen.batch.groups_per_step={spec.groups_per_step}",
+        f"digen.batch.group_size={spec.group_size}",
+        f"digen.batch.groups_per_task={spec.groups_per_task}",
+        f"digen.batch.train_micro_batch_groups={spec.train_micro_batch_groups}",
+        f"digen.gap.enable={'true' if spec.gap else 'false'}",
+        f"digen.async.max_staleness={spec.max_staleness}",
+        f"digen.tsp.stages={getattr(spec, 'tsp_stages', 1)}",
+        f"digen.tsp.train_split={getattr(spec, 'train_split', 'sample')}",
+        f"digen.tag.enable={'true' if getattr(spec, 'tag', False) else 'false'}",
+        f"digen.sampling.height={w.height}",
+        f"digen.sampling.width={w.width}",
+        f"digen.sampling.num_frames={w.frames}",
+        f"digen.sampling.num_steps={w.num_steps}",
+    ]
+    if w.sde_window and w.sde_window < w.num_steps:
+        out += ["digen.sampling.sde_window.mode=random", f"digen.sampling.sde_window.size={w.sde_window}"]
+    out.append(f"digen.sampling.timestep_fraction={w.timestep_fraction}")
+    out.append(f"digen.model.lora.enable={'true' if w.lora else 'false'}")
+    return out
+
+
+def format_table(rows: list[dict[str, Any]], top: int | None = None) -> str:
+    head = f"{'#':>3} {'strategy':<24} {'rollout':>8} {'trainer':>8} {'g/task':>6} {'g/mb':>5} {'img/s':>9} {'bubble':>7} {'bound':>9} {'%bound':>7} {'vs coloc':>8}"
+    lines = [head, "-" * len(head)]
+    for i, r in enumerate(rows[:top] if top else rows, 1):
+        ro = f"{r['rollout_devices']}"
+        tr = f"{r['trainer_devices']}"
+        if r["rollout_device_type"] != r["trainer_device_type"]:
+            ro += f"x{r['rollout_device_type']}"
+            tr += f"x{r['trainer_device_type']}"
+        speed = f"{r['speedup_vs_colocated']:.2f}x" if r["speedup_vs_colocated"] else "-"
+        lines.append(
+            f"{i:>3} {r['strategy']:<24} {ro:>8} {tr:>8} {r['groups_per_task']:>6} {r['train_micro_batch_groups']:>5} "
+            f"{r['images_per_s']:>9.3f} {r['bubble_fraction']:>7.3f} {r['bound_images_per_s']:>9.3f} "
+            f"{100 * r['fraction_of_bound']:>6.1f}% {speed:>8}"
+        )
+    return "\n".join(lines)
+
+
+def parse_mix(text: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for part in text.split(","):
+        name, _, count = part.partition(":")
+        if not name or not count.isdigit() or int(count) < 1:
+            raise ProfileError(f"--mix {text!r}: expected TYPE:COUNT[,TYPE:COUNT], e.g. H800:16,A100:16")
+        out[name.strip()] = out.get(name.strip(), 0) + int(count)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m verl_digen.plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="flux-12b", help="model profile name")
+    p.add_argument("--devices", type=int, default=None, help="number of devices (all of --device-type)")
+    p.add_argument("--device-type", default="H800", help="device profile name (H100, H800, A100, ...)")
+    p.add_argument("--mix", default=None, help="heterogeneous cluster, e.g. H800:16,A100:16 (replaces --devices)")
+    p.add_argument("--devices-per-node", type=int, default=8)
+    p.add_argument("--profile", action="append", default=[], help="extra profile YAML file (repeatable)")
+    p.add_argument("--groups-per-step", type=int, default=None)
+    p.add_argument("--group-size", type=int, default=None)
+    p.add_argument("--height", type=int, default=None)
+    p.add_argument("--width", type=int, default=None)
+    p.add_argument("--frames", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None, help="denoising steps per sample")
+    p.add_argument("--sde-window", type=int, default=None, help="trained (SDE) steps per trajectory; 0 = all")
+    p.add_argument("--lora", action=argparse.BooleanOptionalAction, default=None, help="LoRA instead of full fine-tuning")
+    p.add_argument("--mechanisms", default=",".join(MECHANISMS),
+                   help=f"comma list of: {', '.join(MECHANISMS)}")
+    p.add_argument("--micro-batches", default="1,2", help="groups per generate call / per train micro-batch to try")
+    p.add_argument("--sim-steps", type=int, default=5, help="simulated training steps per configuration")
+    p.add_argument("--top", type=int, default=15)
+    p.add_argument("--json", default=None, help="write every evaluated row as JSON to this file")
+    p.add_argument("--list", action="store_true", help="list the known model and device profiles")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        catalog: Catalog = load_catalog(args.profile)
+        if args.list:
+            print("models: " + ", ".join(sorted(catalog.models)))
+            print("devices: " + ", ".join(sorted(catalog.devices)))
+            return 0
+        if args.mix:
+            inventory = Inventory(parse_mix(args.mix), args.devices_per_node)
+        else:
+            if not args.devices or args.devices < 2:
+                raise ProfileError("--devices must be at least 2 (or use --mix)")
+            inventory = Inventory({args.device_type: args.devices}, args.devices_per_node)
+        for t, n in inventory.devices.items():
+            if n > inventory.per_node and n % inventory.per_node:
+                raise ProfileError(f"{n} {t} devices do not fill whole nodes of --devices-per-node={inventory.per_node}")
+        costs = CostModel.from_catalog(
+            catalog, args.model, devices=list(inventory.devices), groups_per_step=args.groups_per_step,
+            group_size=args.group_size, height=args.height, width=args.width, frames=args.frames,
+            num_steps=args.steps, sde_window=args.sde_window, lora=args.lora,
+        )
+        result = search(
+            costs, inventory, mechanisms=[m.strip() for m in args.mechanisms.split(",") if m.strip()],
+            micro_batches=[int(x) for x in args.micro_batches.split(",")], steps=args.sim_steps,
+        )
+        best = result.best
+    except ProfileError as e:
+        print(f"[verl-digen plan] error: {e}", file=sys.stderr)
+        return 2
+    rows = result.rows()
+    d = costs.describe(best.candidate.cluster)
+    print(
+        f"{args.model} on {' + '.join(f'{n} x {t}' for t, n in inventory.devices.items())}: "
+        f"{d['sequence_tokens']} tokens/sample, {d['forward_tflops_per_sample']:.1f} TFLOP/forward, "
+        f"{costs.workload.images_per_step} images/step ({costs.workload.groups_per_step} groups of {costs.workload.group_size}), "
+        f"{'LoRA' if costs.workload.lora else 'full fine-tuning'}"
+    )
+    print(f"evaluated {len(result.evaluated)} configurations ({len(result.evaluations) - len(result.evaluated)} do not fit in memory)")
+    print(format_table(rows, args.top))
+    print(f"\nbest: {best.candidate.label}, {best.images_per_s:.3f} images/s "
+          f"({100 * best.result.fraction_of_bound:.1f}% of the zero-bubble bound)")
+    print("hydra overrides:\n  " + " \\\n  ".join(hydra_overrides(best.candidate, costs, inventory)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "inventory": inventory.devices, "rows": rows,
+                       "skipped": [{**e.row(None), "problems": e.problems} for e in result.evaluations if not e.feasible],
+                       "best_overrides": hydra_overrides(best.candidate, costs, inventory)}, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
