@@ -19,22 +19,23 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from diffusers import AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, HunyuanVideoTransformer3DModel
+from diffusers import AutoencoderKLHunyuanVideo, HunyuanVideoTransformer3DModel
 from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
-from diffusers.utils.torch_utils import randn_tensor
 from transformers import AutoTokenizer, CLIPTextModel, CLIPTokenizer, LlamaModel
 
 from .base import (
     Conditioning,
     DiffusionAdapter,
     SampleSpec,
-    batch_sigma,
-    expand_batch,
-    read_model_index,
-    release_modules,
-    require_text_encoders,
+    check_num_steps,
+    latent_frames,
+    latent_hw,
+    prompts_to_encode,
+    randn_latents,
+    resolve_max_sequence_length,
+    scheduler_sigmas,
+    to_unit_range,
 )
-from .flux import scheduler_sigmas
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 256  # Llama tokens after the template (HunyuanVideoPipeline.__call__)
 DEFAULT_DISTILLED_GUIDANCE = 6.0  # HunyuanVideoPipeline.__call__ guidance_scale
@@ -47,6 +48,19 @@ class HunyuanVideoAdapter(DiffusionAdapter):
     transformer with a distilled guidance embedding, causal 3D VAE."""
 
     arch = "hunyuan_video"
+    # HunyuanVideoPipeline's components, as from_pretrained loads them.
+    component_classes = {
+        "transformer": HunyuanVideoTransformer3DModel,
+        "vae": AutoencoderKLHunyuanVideo,
+        "text_encoder": LlamaModel,  # Llama: the token sequence
+        "text_encoder_2": CLIPTextModel,  # CLIP-L: pooled vector only
+        "tokenizer": AutoTokenizer,
+        "tokenizer_2": CLIPTokenizer,
+    }
+    text_encoder_names = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
+    # True CFG (on top of the distilled guidance) batches [cond; uncond] through
+    # _transformer_forward(latents, sigma, embeds, mask, pooled, spec).
+    conditioning_keys = ("prompt_embeds", "prompt_attention_mask", "pooled_prompt_embeds")
 
     def __init__(
         self,
@@ -61,12 +75,8 @@ class HunyuanVideoAdapter(DiffusionAdapter):
         max_sequence_length: int | None = None,
         prompt_template: dict | None = None,
     ) -> None:
-        self.transformer = transformer
-        self.vae = vae
-        self.text_encoder = text_encoder
-        self.tokenizer = tokenizer
-        self.text_encoder_2 = text_encoder_2
-        self.tokenizer_2 = tokenizer_2
+        self.register_modules(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
+        self.register_modules(text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2)
         self.scheduler_config = dict(scheduler_config)
         self.prompt_template = dict(prompt_template or DEFAULT_PROMPT_TEMPLATE)
         if "{}" not in self.prompt_template.get("template", ""):
@@ -85,10 +95,8 @@ class HunyuanVideoAdapter(DiffusionAdapter):
             )
         # Llama tokens kept after the template: the pipeline's 256, capped by what a (tiny)
         # tokenizer was built for.
-        if max_sequence_length is None:
-            limit = int(tokenizer.model_max_length) - self.crop_start
-            max_sequence_length = min(DEFAULT_MAX_SEQUENCE_LENGTH, limit) if limit > 0 else DEFAULT_MAX_SEQUENCE_LENGTH
-        self.max_sequence_length = int(max_sequence_length)
+        limit = int(tokenizer.model_max_length) - self.crop_start
+        self.max_sequence_length = resolve_max_sequence_length(max_sequence_length, DEFAULT_MAX_SEQUENCE_LENGTH, limit)
 
     def _template_length(self) -> int:
         """Template tokens before the prompt, for a custom template without ``crop_start``: the
@@ -98,53 +106,13 @@ class HunyuanVideoAdapter(DiffusionAdapter):
         ids = self.tokenizer(self.prompt_template["template"], return_attention_mask=False)["input_ids"]
         return len(ids) - 2
 
-    @classmethod
-    def from_pretrained(
-        cls,
-        path: str,
-        *,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-        max_sequence_length: int | None = None,
-    ) -> "HunyuanVideoAdapter":
-        """Load a HunyuanVideoPipeline directory (``model_index.json`` + one subfolder per component)."""
-        read_model_index(path)  # clear FileNotFoundError for a wrong path
-        transformer = HunyuanVideoTransformer3DModel.from_pretrained(path, subfolder="transformer", torch_dtype=dtype)
-        vae = AutoencoderKLHunyuanVideo.from_pretrained(path, subfolder="vae", torch_dtype=dtype)
-        text_encoder = LlamaModel.from_pretrained(path, subfolder="text_encoder", dtype=dtype)
-        text_encoder_2 = CLIPTextModel.from_pretrained(path, subfolder="text_encoder_2", dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(path, subfolder="tokenizer")
-        tokenizer_2 = CLIPTokenizer.from_pretrained(path, subfolder="tokenizer_2")
-        scheduler_config = FlowMatchEulerDiscreteScheduler.load_config(path, subfolder="scheduler")
-
-        for module in (vae, text_encoder, text_encoder_2):
-            module.requires_grad_(False)
-        for module in (transformer, vae, text_encoder, text_encoder_2):
-            module.to(device).eval()
-        return cls(
-            transformer=transformer,
-            vae=vae,
-            text_encoder=text_encoder,
-            tokenizer=tokenizer,
-            text_encoder_2=text_encoder_2,
-            tokenizer_2=tokenizer_2,
-            scheduler_config=scheduler_config,
-            max_sequence_length=max_sequence_length,
-        )
-
     # ------------------------------------------------------------------ prompts
-
-    def release_text_encoders(self) -> int:
-        """Drop the text encoders and tokenizers (the prompt cache serves the embeddings from
-        now on); returns the parameter bytes freed. ``encode_prompts`` raises afterwards."""
-        return release_modules(self, ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"))
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> Conditioning:
         """``prompt_embeds`` [B, T, D] (Llama, template cropped), ``prompt_attention_mask`` [B, T]
         and ``pooled_prompt_embeds`` [B, D_clip] (CLIP pooled output)."""
-        require_text_encoders(self)
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        prompts = prompts_to_encode(self, prompts)
         texts = [self.prompt_template["template"].format(p) for p in prompts]
         tokens = self.tokenizer(
             texts,
@@ -177,36 +145,23 @@ class HunyuanVideoAdapter(DiffusionAdapter):
 
     def latent_shape(self, spec: SampleSpec) -> tuple[int, int, int]:
         """Latent ``(frames, h, w)`` for a video size; raises for sizes the model cannot take."""
-        multiple = self.vae_scale_factor_spatial * self.patch_size
-        if spec.height % multiple or spec.width % multiple:
-            raise ValueError(
-                f"HunyuanVideo needs height and width divisible by {multiple} (VAE factor "
-                f"{self.vae_scale_factor_spatial} x patch size {self.patch_size}), got {spec.height}x{spec.width}"
-            )
-        t = self.vae_scale_factor_temporal
-        if spec.num_frames < 1 or (spec.num_frames - 1) % t:
-            raise ValueError(
-                f"HunyuanVideo needs num_frames = {t} * k + 1 (causal VAE, temporal factor {t}), "
-                f"got {spec.num_frames}"
-            )
-        frames = (spec.num_frames - 1) // t + 1
-        if frames % self.patch_size_t:
-            raise ValueError(f"{frames} latent frames are not divisible by the temporal patch {self.patch_size_t}")
-        return frames, spec.height // self.vae_scale_factor_spatial, spec.width // self.vae_scale_factor_spatial
+        model = "HunyuanVideo"
+        h, w = latent_hw(spec, model=model, vae_scale_factor=self.vae_scale_factor_spatial, patch_size=self.patch_size)
+        frames = latent_frames(
+            spec, model=model, temporal_factor=self.vae_scale_factor_temporal, patch_size_t=self.patch_size_t
+        )
+        return frames, h, w
 
     def prepare_latents(self, batch_size: int, spec: SampleSpec, generator: torch.Generator) -> torch.Tensor:
         """Noise ``[B, C, F, h, w]`` fp32, drawn exactly as the pipeline draws it."""
-        frames, h, w = self.latent_shape(spec)
-        shape = (batch_size, self.latent_channels, frames, h, w)
-        return randn_tensor(shape, generator=generator, device=self.device, dtype=torch.float32)
+        return randn_latents((batch_size, self.latent_channels, *self.latent_shape(spec)), generator, self.device)
 
     # ------------------------------------------------------------------ schedule
 
     def sigmas(self, num_steps: int, spec: SampleSpec) -> torch.Tensor:
         """The pipeline's schedule: ``linspace(1, 0, N + 1)[:-1]`` shifted by the scheduler's fixed
         ``shift`` (7.0 for HunyuanVideo), then 0 (on CPU)."""
-        if num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        check_num_steps(num_steps)
         self.latent_shape(spec)  # validate the size here too
         base = np.linspace(1.0, 0.0, num_steps + 1)[:-1]
         return scheduler_sigmas(self.scheduler_config, num_steps, sigmas=base)
@@ -222,6 +177,8 @@ class HunyuanVideoAdapter(DiffusionAdapter):
         pooled: torch.Tensor,  # [B, D_clip]
         spec: SampleSpec,
     ) -> torch.Tensor:
+        """Velocity ``[B, C, F, h, w]`` fp32 with the distilled guidance ``spec.distilled_guidance``
+        (sigma broadcasting and true CFG on top: ``predict_velocity``)."""
         dtype = self.transformer.dtype
         device = latents.device
         scale = DEFAULT_DISTILLED_GUIDANCE if spec.distilled_guidance is None else spec.distilled_guidance
@@ -238,37 +195,6 @@ class HunyuanVideoAdapter(DiffusionAdapter):
         )[0]
         return out.float()
 
-    def predict_velocity(
-        self,
-        latents: torch.Tensor,
-        sigma: torch.Tensor,
-        cond: Conditioning,
-        spec: SampleSpec,
-        negative_cond: Conditioning | None = None,
-    ) -> torch.Tensor:
-        """Velocity ``[B, C, F, h, w]`` fp32 at noise level ``sigma`` ``[B]``, with the distilled
-        guidance ``spec.distilled_guidance``; true CFG on top when ``spec.guidance_scale > 1`` and
-        ``negative_cond`` is given."""
-        batch = latents.shape[0]
-        sigma = batch_sigma(sigma, batch, latents.device)
-        embeds, mask, pooled = cond["prompt_embeds"], cond["prompt_attention_mask"], cond["pooled_prompt_embeds"]
-        if not (spec.guidance_scale > 1.0 and negative_cond is not None):
-            return self._transformer_forward(latents, sigma, embeds, mask, pooled, spec)
-
-        neg_embeds = expand_batch(negative_cond["prompt_embeds"], batch).to(embeds)
-        neg_mask = expand_batch(negative_cond["prompt_attention_mask"], batch).to(mask)
-        neg_pooled = expand_batch(negative_cond["pooled_prompt_embeds"], batch).to(pooled)
-        both = self._transformer_forward(
-            torch.cat([latents, latents]),
-            torch.cat([sigma, sigma]),
-            torch.cat([embeds, neg_embeds]),
-            torch.cat([mask, neg_mask]),
-            torch.cat([pooled, neg_pooled]),
-            spec,
-        )
-        v_pos, v_neg = both.chunk(2)
-        return v_neg + spec.guidance_scale * (v_pos - v_neg)
-
     # ------------------------------------------------------------------ pixels
 
     def decode(self, latents: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
@@ -276,4 +202,4 @@ class HunyuanVideoAdapter(DiffusionAdapter):
         wrapped in no_grad: callers decide."""
         x = latents.to(self.vae.dtype) / self.vae.config.scaling_factor
         video = self.vae.decode(x, return_dict=False)[0]  # [B, 3, frames, H, W] in ~[-1, 1]
-        return (video.float() / 2 + 0.5).clamp(0, 1)
+        return to_unit_range(video)

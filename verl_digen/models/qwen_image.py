@@ -24,21 +24,26 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
-from diffusers.utils.torch_utils import randn_tensor
+from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
 from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
 from .base import (
     Conditioning,
     DiffusionAdapter,
     SampleSpec,
-    batch_sigma,
-    expand_batch,
-    read_model_index,
-    release_modules,
-    require_text_encoders,
+    check_num_steps,
+    config_shift,
+    latent_hw,
+    pack_2x2,
+    prompts_to_encode,
+    randn_latents,
+    resolve_max_sequence_length,
+    scheduler_sigmas,
+    to_unit_range,
+    true_cfg,
+    unnormalize_latents,
+    unpack_2x2,
 )
-from .flux import calculate_shift, scheduler_sigmas
 
 # QwenImagePipeline's prompt template and the number of template tokens it drops
 # (prompt_template_encode / prompt_template_encode_start_idx).
@@ -56,6 +61,17 @@ class QwenImageAdapter(DiffusionAdapter):
     """Qwen-Image (and fine-tunes) in diffusers format: Qwen2.5-VL text encoder, MMDiT, Qwen-Image VAE."""
 
     arch = "qwen_image"
+    # QwenImagePipeline's components, as from_pretrained loads them.
+    component_classes = {
+        "transformer": QwenImageTransformer2DModel,
+        "vae": AutoencoderKLQwenImage,
+        "text_encoder": Qwen2_5_VLForConditionalGeneration,
+        "tokenizer": AutoTokenizer,
+    }
+    text_encoder_names = ("text_encoder", "tokenizer")
+    # CFG batches [cond; uncond] through _transformer_forward(latents, sigma, embeds, mask, spec),
+    # each side trimmed to its longest prompt first (_transformer_inputs).
+    conditioning_keys = ("prompt_embeds", "prompt_embeds_mask")
 
     def __init__(
         self,
@@ -67,10 +83,7 @@ class QwenImageAdapter(DiffusionAdapter):
         scheduler_config: dict,
         max_sequence_length: int | None = None,
     ) -> None:
-        self.transformer = transformer
-        self.vae = vae
-        self.text_encoder = text_encoder
-        self.tokenizer = tokenizer
+        self.register_modules(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
         self.scheduler_config = dict(scheduler_config)
 
         # As in the pipeline: one 2x spatial downsample per temporal-downsample entry (8x for the
@@ -89,61 +102,19 @@ class QwenImageAdapter(DiffusionAdapter):
             )
         # Text tokens kept after the template drop: the pipeline's 512, capped by what a (tiny)
         # tokenizer was built for.
-        if max_sequence_length is None:
-            limit = int(tokenizer.model_max_length) - PROMPT_TEMPLATE_DROP
-            max_sequence_length = min(DEFAULT_MAX_SEQUENCE_LENGTH, limit) if limit > 0 else DEFAULT_MAX_SEQUENCE_LENGTH
+        limit = int(tokenizer.model_max_length) - PROMPT_TEMPLATE_DROP
+        max_sequence_length = resolve_max_sequence_length(max_sequence_length, DEFAULT_MAX_SEQUENCE_LENGTH, limit)
         if not 1 <= max_sequence_length <= TOKENIZER_MAX_LENGTH:
             raise ValueError(f"max_sequence_length must be in [1, {TOKENIZER_MAX_LENGTH}], got {max_sequence_length}")
-        self.max_sequence_length = int(max_sequence_length)
-
-    @classmethod
-    def from_pretrained(
-        cls,
-        path: str,
-        *,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-        max_sequence_length: int | None = None,
-    ) -> "QwenImageAdapter":
-        """Load a QwenImagePipeline directory (``model_index.json`` + one subfolder per component).
-
-        ``max_sequence_length`` is the number of prompt tokens kept (the pipeline's
-        ``max_sequence_length``, 512 by default, at most 1024).
-        """
-        read_model_index(path)  # clear FileNotFoundError for a wrong path
-        transformer = QwenImageTransformer2DModel.from_pretrained(path, subfolder="transformer", torch_dtype=dtype)
-        vae = AutoencoderKLQwenImage.from_pretrained(path, subfolder="vae", torch_dtype=dtype)
-        text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, subfolder="text_encoder", dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(path, subfolder="tokenizer")
-        scheduler_config = FlowMatchEulerDiscreteScheduler.load_config(path, subfolder="scheduler")
-
-        # Frozen parts: eval mode and no grads; the trainer decides what of the transformer trains.
-        for module in (vae, text_encoder):
-            module.requires_grad_(False)
-        for module in (transformer, vae, text_encoder):
-            module.to(device).eval()
-        return cls(
-            transformer=transformer,
-            vae=vae,
-            text_encoder=text_encoder,
-            tokenizer=tokenizer,
-            scheduler_config=scheduler_config,
-            max_sequence_length=max_sequence_length,
-        )
+        self.max_sequence_length = max_sequence_length
 
     # ------------------------------------------------------------------ prompts
-
-    def release_text_encoders(self) -> int:
-        """Drop the text encoders and tokenizers (the prompt cache serves the embeddings from
-        now on); returns the parameter bytes freed. ``encode_prompts`` raises afterwards."""
-        return release_modules(self, ("text_encoder", "tokenizer"))
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> Conditioning:
         """``prompt_embeds`` [B, T, D] (last hidden state of the prompt tokens, zero-padded to
         ``T = max_sequence_length``) and ``prompt_embeds_mask`` [B, T] (1 = token, 0 = padding)."""
-        require_text_encoders(self)
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        prompts = prompts_to_encode(self, prompts)
         texts = [PROMPT_TEMPLATE.format(p) for p in prompts]
         tokens = self.tokenizer(
             texts,
@@ -172,40 +143,23 @@ class QwenImageAdapter(DiffusionAdapter):
 
     def latent_size(self, spec: SampleSpec) -> tuple[int, int]:
         """Unpacked latent height and width ``(h, w)`` for a pixel size; both even (2x2 packing)."""
-        multiple = self.vae_scale_factor * 2
-        if spec.height % multiple or spec.width % multiple:
-            raise ValueError(
-                f"Qwen-Image needs height and width divisible by {multiple} (VAE factor {self.vae_scale_factor} "
-                f"x 2 for packing), got {spec.height}x{spec.width}"
-            )
+        hw = latent_hw(spec, model="Qwen-Image", vae_scale_factor=self.vae_scale_factor, patch_size=2, packed=True)
         if spec.num_frames != 1:
             raise ValueError(f"Qwen-Image generates images: num_frames must be 1, got {spec.num_frames}")
-        return spec.height // self.vae_scale_factor, spec.width // self.vae_scale_factor
+        return hw
 
     def pack_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """``[B, C, h, w]`` (or ``[B, 1, C, h, w]``) -> ``[B, (h/2)*(w/2), C*4]``."""
-        b, c, h, w = latents.shape[0], latents.shape[-3], latents.shape[-2], latents.shape[-1]
-        x = latents.reshape(b, c, h // 2, 2, w // 2, 2)
-        x = x.permute(0, 2, 4, 1, 3, 5)  # [B, h/2, w/2, C, 2, 2]
-        return x.reshape(b, (h // 2) * (w // 2), c * 4)
+        return pack_2x2(latents)
 
     def unpack_latents(self, latents: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
         """Inverse of :meth:`pack_latents`, as the VAE wants it: ``[B, L, C*4]`` -> ``[B, C, 1, h, w]``."""
-        b, length, packed_c = latents.shape
-        h, w = self.latent_size(spec)
-        if length != (h // 2) * (w // 2):
-            raise ValueError(f"{length} latent tokens do not match a {spec.height}x{spec.width} image")
-        x = latents.reshape(b, h // 2, w // 2, packed_c // 4, 2, 2)
-        x = x.permute(0, 3, 1, 4, 2, 5)  # [B, C, h/2, 2, w/2, 2]
-        return x.reshape(b, packed_c // 4, 1, h, w)
+        return unpack_2x2(latents, *self.latent_size(spec), spec).unsqueeze(2)
 
     def prepare_latents(self, batch_size: int, spec: SampleSpec, generator: torch.Generator) -> torch.Tensor:
         """Packed noise ``[B, L, C*4]`` fp32, drawn as the pipeline's ``[B, 1, C, h, w]`` then packed."""
-        h, w = self.latent_size(spec)
-        noise = randn_tensor(
-            (batch_size, 1, self.latent_channels, h, w), generator=generator, device=self.device, dtype=torch.float32
-        )
-        return self.pack_latents(noise)
+        noise = randn_latents((batch_size, 1, self.latent_channels, *self.latent_size(spec)), generator, self.device)
+        return self.pack_latents(noise)  # [B, 1, C, h, w] -> [B, L, C*4]
 
     def img_shapes(self, spec: SampleSpec, batch: int) -> list[list[tuple[int, int, int]]]:
         """The transformer's RoPE layout: one ``(frames=1, h/2, w/2)`` grid per sample."""
@@ -218,17 +172,10 @@ class QwenImageAdapter(DiffusionAdapter):
         """QwenImagePipeline's schedule: ``linspace(1, 1/N, N)`` with the resolution-dependent
         shift ``mu(image tokens)`` (exponential time shift and terminal stretch per the scheduler
         config), then 0 (on CPU)."""
-        if num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        check_num_steps(num_steps)
         h, w = self.latent_size(spec)
         config = self.scheduler_config
-        mu = calculate_shift(
-            (h // 2) * (w // 2),
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
+        mu = config_shift(config, (h // 2) * (w // 2))
         if num_steps == 1 and config.get("shift_terminal"):
             # The terminal stretch maps the last sigma to shift_terminal by rescaling 1 - sigma
             # with 1 - sigma_last, which is 0 for a single step (sigma 1): the pipeline gets NaN.
@@ -239,82 +186,45 @@ class QwenImageAdapter(DiffusionAdapter):
 
     # ------------------------------------------------------------------ denoiser
 
-    @staticmethod
-    def _trim(embeds: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Drop the padding columns no sample of the batch uses; ``None`` mask when nothing is padded.
+    def _transformer_inputs(self, cond: Conditioning) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(prompt_embeds [B, T', D], mask [B, T'])`` without the padding columns no sample of the
+        batch uses (``T'``: the longest prompt).
 
         Masked text tokens take no part in attention and the text RoPE positions of real tokens
         do not depend on the padding, so this changes nothing but the cost; it makes the
         transformer's inputs exactly the pipeline's (padded to the longest prompt, mask dropped
-        when all ones)."""
-        valid = mask.bool()
+        when all ones: :meth:`_transformer_forward`)."""
+        valid = cond["prompt_embeds_mask"].bool()
         used = valid.any(dim=0).nonzero()
         length = int(used.max()) + 1 if used.numel() else 1
-        embeds, valid = embeds[:, :length], valid[:, :length]
-        return embeds, (None if bool(valid.all()) else valid.to(torch.long))
+        return cond["prompt_embeds"][:, :length], valid[:, :length].to(torch.long)
 
     def _transformer_forward(
         self,
         latents: torch.Tensor,  # [B, L, C*4]
         sigma: torch.Tensor,  # [B]
         prompt_embeds: torch.Tensor,  # [B, T, D]
-        mask: torch.Tensor | None,  # [B, T] or None
+        mask: torch.Tensor,  # [B, T], 1 = token
         spec: SampleSpec,
     ) -> torch.Tensor:
+        """Velocity ``[B, L, C*4]`` fp32 (sigma broadcasting and CFG: ``predict_velocity``)."""
         dtype = self.transformer.dtype
         out = self.transformer(
             hidden_states=latents.to(dtype),
             # The pipeline passes t/1000 with t = 1000*sigma cast to the latents' dtype first.
             timestep=(sigma * 1000).to(dtype) / 1000,
             encoder_hidden_states=prompt_embeds.to(device=latents.device, dtype=dtype),
-            encoder_hidden_states_mask=None if mask is None else mask.to(latents.device),
+            # As the pipeline: no mask when no prompt of the batch is padded.
+            encoder_hidden_states_mask=None if bool(mask.all()) else mask.to(latents.device),
             img_shapes=self.img_shapes(spec, latents.shape[0]),
             return_dict=False,
         )[0]
         return out.float()
 
-    def predict_velocity(
-        self,
-        latents: torch.Tensor,
-        sigma: torch.Tensor,
-        cond: Conditioning,
-        spec: SampleSpec,
-        negative_cond: Conditioning | None = None,
-    ) -> torch.Tensor:
-        """Velocity ``[B, L, C*4]`` fp32 at noise level ``sigma`` ``[B]``.
-
-        With ``spec.guidance_scale > 1`` and ``negative_cond``: true CFG (the pipeline's
-        ``true_cfg_scale``) with the norm-preserving rescale, per token:
-        ``v = comb * |v_pos| / |comb|`` with ``comb = v_neg + s * (v_pos - v_neg)``.
-        """
-        batch = latents.shape[0]
-        sigma = batch_sigma(sigma, batch, latents.device)
-        embeds, mask = self._trim(cond["prompt_embeds"], cond["prompt_embeds_mask"])
-        if not (spec.guidance_scale > 1.0 and negative_cond is not None):
-            return self._transformer_forward(latents, sigma, embeds, mask, spec)
-
-        neg_embeds, neg_mask = self._trim(
-            expand_batch(negative_cond["prompt_embeds"], batch).to(embeds),
-            expand_batch(negative_cond["prompt_embeds_mask"], batch),
-        )
-        if neg_embeds.shape == embeds.shape:
-            # One forward over [cond; uncond] (same maths as two, fewer kernel launches).
-            ones = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
-            both_mask = None
-            if mask is not None or neg_mask is not None:
-                both_mask = torch.cat([ones if mask is None else mask, ones if neg_mask is None else neg_mask])
-            both = self._transformer_forward(
-                torch.cat([latents, latents]),
-                torch.cat([sigma, sigma]),
-                torch.cat([embeds, neg_embeds]),
-                both_mask,
-                spec,
-            )
-            v_pos, v_neg = both.chunk(2)
-        else:
-            v_pos = self._transformer_forward(latents, sigma, embeds, mask, spec)
-            v_neg = self._transformer_forward(latents, sigma, neg_embeds, neg_mask, spec)
-        combined = v_neg + spec.guidance_scale * (v_pos - v_neg)
+    def _combine_guidance(self, v_pos: torch.Tensor, v_neg: torch.Tensor, scale: float) -> torch.Tensor:
+        """True CFG (the pipeline's ``true_cfg_scale``) with the norm-preserving rescale, per token:
+        ``v = comb * |v_pos| / |comb|`` with ``comb = v_neg + s * (v_pos - v_neg)``."""
+        combined = true_cfg(v_pos, v_neg, scale)
         cond_norm = torch.norm(v_pos, dim=-1, keepdim=True)  # [B, L, 1]
         combined_norm = torch.norm(combined, dim=-1, keepdim=True)
         return combined * (cond_norm / combined_norm)
@@ -325,10 +235,6 @@ class QwenImageAdapter(DiffusionAdapter):
         """Packed latents -> images ``[B, 3, H, W]`` in [0, 1] (fp32). Not wrapped in no_grad:
         callers decide (rewards usually run under ``torch.no_grad()``)."""
         x = self.unpack_latents(latents, spec).to(self.vae.dtype)  # [B, C, 1, h, w]
-        config = self.vae.config
-        # Undo the per-channel normalisation z_model = (z - mean) / std (computed as the pipeline does).
-        mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(x.device, x.dtype)
-        inv_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(x.device, x.dtype)
-        x = x / inv_std + mean
+        x = unnormalize_latents(x, self.vae.config)  # z = z_model * std + mean
         image = self.vae.decode(x, return_dict=False)[0][:, :, 0]  # [B, 3, H, W] in ~[-1, 1]
-        return (image.float() / 2 + 0.5).clamp(0, 1)
+        return to_unit_range(image)

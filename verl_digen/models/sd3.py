@@ -13,22 +13,24 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-from diffusers.utils.torch_utils import randn_tensor
+from diffusers import AutoencoderKL, SD3Transformer2DModel
 from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
 from .base import (
     Conditioning,
     DiffusionAdapter,
     SampleSpec,
-    batch_sigma,
-    expand_batch,
+    check_num_steps,
+    config_shift,
     has_component,
-    read_model_index,
-    release_modules,
-    require_text_encoders,
+    latent_hw,
+    prompts_to_encode,
+    randn_latents,
+    resolve_max_sequence_length,
+    scheduler_sigmas,
+    to_unit_range,
+    unscale_latents,
 )
-from .flux import calculate_shift, scheduler_sigmas
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 256  # T5 tokens (StableDiffusion3Pipeline.__call__ max_sequence_length)
 
@@ -37,6 +39,22 @@ class SD3Adapter(DiffusionAdapter):
     """SD3 / SD3.5 in diffusers format: CLIP-L + CLIP-G (+ optional T5) encoders, MMDiT, VAE."""
 
     arch = "sd3"
+    # StableDiffusion3Pipeline's components, as from_pretrained loads them (T5 optional).
+    component_classes = {
+        "transformer": SD3Transformer2DModel,
+        "vae": AutoencoderKL,
+        "text_encoder": CLIPTextModelWithProjection,  # CLIP-L
+        "text_encoder_2": CLIPTextModelWithProjection,  # CLIP-G
+        "tokenizer": CLIPTokenizer,
+        "tokenizer_2": CLIPTokenizer,
+        "text_encoder_3": T5EncoderModel,
+        "tokenizer_3": T5TokenizerFast,
+    }
+    text_encoder_names = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "text_encoder_3", "tokenizer_3")
+    # Standard SD3 CFG: one forward over [uncond; cond] like the pipeline, through
+    # _transformer_forward(latents, sigma, embeds, pooled, spec).
+    conditioning_keys = ("prompt_embeds", "pooled_prompt_embeds")
+    cfg_uncond_first = True
 
     def __init__(
         self,
@@ -52,15 +70,10 @@ class SD3Adapter(DiffusionAdapter):
         scheduler_config: dict,
         max_sequence_length: int | None = None,
     ) -> None:
-        self.transformer = transformer
-        self.vae = vae
-        self.text_encoder = text_encoder
-        self.tokenizer = tokenizer
-        self.text_encoder_2 = text_encoder_2
-        self.tokenizer_2 = tokenizer_2
+        self.register_modules(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
+        self.register_modules(text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2)
         # SD3 runs without T5 (the pipeline then feeds zeros in its place).
-        self.text_encoder_3 = text_encoder_3
-        self.tokenizer_3 = tokenizer_3
+        self.register_modules(text_encoder_3=text_encoder_3, tokenizer_3=tokenizer_3)
         self.scheduler_config = dict(scheduler_config)
 
         self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
@@ -72,51 +85,17 @@ class SD3Adapter(DiffusionAdapter):
                 f"in_channels={transformer.config.in_channels}"
             )
         self.clip_max_length = int(tokenizer.model_max_length)
-        if max_sequence_length is None:
-            t5_limit = int(tokenizer_3.model_max_length) if tokenizer_3 is not None else DEFAULT_MAX_SEQUENCE_LENGTH
-            max_sequence_length = min(DEFAULT_MAX_SEQUENCE_LENGTH, t5_limit)
-        self.max_sequence_length = int(max_sequence_length)
+        limit = int(tokenizer_3.model_max_length) if tokenizer_3 is not None else None
+        self.max_sequence_length = resolve_max_sequence_length(max_sequence_length, DEFAULT_MAX_SEQUENCE_LENGTH, limit)
 
     @classmethod
-    def from_pretrained(
-        cls,
-        path: str,
-        *,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-        max_sequence_length: int | None = None,
-    ) -> "SD3Adapter":
-        """Load a StableDiffusion3Pipeline directory; ``text_encoder_3`` may be absent or null."""
-        index = read_model_index(path)
-        transformer = SD3Transformer2DModel.from_pretrained(path, subfolder="transformer", torch_dtype=dtype)
-        vae = AutoencoderKL.from_pretrained(path, subfolder="vae", torch_dtype=dtype)
-        text_encoder = CLIPTextModelWithProjection.from_pretrained(path, subfolder="text_encoder", dtype=dtype)
-        text_encoder_2 = CLIPTextModelWithProjection.from_pretrained(path, subfolder="text_encoder_2", dtype=dtype)
-        tokenizer = CLIPTokenizer.from_pretrained(path, subfolder="tokenizer")
-        tokenizer_2 = CLIPTokenizer.from_pretrained(path, subfolder="tokenizer_2")
-        text_encoder_3 = tokenizer_3 = None
-        if has_component(index, "text_encoder_3"):
-            text_encoder_3 = T5EncoderModel.from_pretrained(path, subfolder="text_encoder_3", dtype=dtype)
-            tokenizer_3 = T5TokenizerFast.from_pretrained(path, subfolder="tokenizer_3")
-        scheduler_config = FlowMatchEulerDiscreteScheduler.load_config(path, subfolder="scheduler")
-
-        frozen = [m for m in (vae, text_encoder, text_encoder_2, text_encoder_3) if m is not None]
-        for module in frozen:
-            module.requires_grad_(False)
-        for module in [transformer, *frozen]:
-            module.to(device).eval()
-        return cls(
-            transformer=transformer,
-            vae=vae,
-            text_encoder=text_encoder,
-            tokenizer=tokenizer,
-            text_encoder_2=text_encoder_2,
-            tokenizer_2=tokenizer_2,
-            text_encoder_3=text_encoder_3,
-            tokenizer_3=tokenizer_3,
-            scheduler_config=scheduler_config,
-            max_sequence_length=max_sequence_length,
-        )
+    def _components_to_load(cls, model_index: dict) -> dict[str, type | None]:
+        """All of ``component_classes``, but T5 only when the directory has it (SD3 runs without:
+        ``text_encoder_3`` absent or null in ``model_index.json``)."""
+        classes = dict(cls.component_classes)
+        if not has_component(model_index, "text_encoder_3"):
+            classes.update(text_encoder_3=None, tokenizer_3=None)
+        return classes
 
     # ------------------------------------------------------------------ prompts
 
@@ -131,17 +110,10 @@ class SD3Adapter(DiffusionAdapter):
         # projected pooled vector.
         return out.hidden_states[-2], out.text_embeds  # [B, 77, D_i], [B, P_i]
 
-    def release_text_encoders(self) -> int:
-        """Drop the text encoders and tokenizers (the prompt cache serves the embeddings from
-        now on); returns the parameter bytes freed. ``encode_prompts`` raises afterwards."""
-        names = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "text_encoder_3", "tokenizer_3")
-        return release_modules(self, names)
-
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> Conditioning:
         """``prompt_embeds`` [B, T_clip + T_t5, D_t5] and ``pooled_prompt_embeds`` [B, P_1 + P_2]."""
-        require_text_encoders(self)
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        prompts = prompts_to_encode(self, prompts)
         hidden_1, pooled_1 = self._clip_embeds(self.text_encoder, self.tokenizer, prompts)
         hidden_2, pooled_2 = self._clip_embeds(self.text_encoder_2, self.tokenizer_2, prompts)
         clip_embeds = torch.cat([hidden_1, hidden_2.to(hidden_1.device)], dim=-1)  # [B, 77, D_1 + D_2]
@@ -179,20 +151,11 @@ class SD3Adapter(DiffusionAdapter):
 
     def latent_size(self, spec: SampleSpec) -> tuple[int, int]:
         """Latent height and width ``(h, w)`` for a pixel size; both multiples of the patch size."""
-        multiple = self.vae_scale_factor * self.patch_size
-        if spec.height % multiple or spec.width % multiple:
-            raise ValueError(
-                f"SD3 needs height and width divisible by {multiple} (VAE factor {self.vae_scale_factor} x "
-                f"patch size {self.patch_size}), got {spec.height}x{spec.width}"
-            )
-        return spec.height // self.vae_scale_factor, spec.width // self.vae_scale_factor
+        return latent_hw(spec, model="SD3", vae_scale_factor=self.vae_scale_factor, patch_size=self.patch_size)
 
     def prepare_latents(self, batch_size: int, spec: SampleSpec, generator: torch.Generator) -> torch.Tensor:
         """Noise ``[B, C, h, w]`` fp32, drawn exactly as the pipeline draws it."""
-        h, w = self.latent_size(spec)
-        return randn_tensor(
-            (batch_size, self.latent_channels, h, w), generator=generator, device=self.device, dtype=torch.float32
-        )
+        return randn_latents((batch_size, self.latent_channels, *self.latent_size(spec)), generator, self.device)
 
     # ------------------------------------------------------------------ schedule
 
@@ -200,19 +163,12 @@ class SD3Adapter(DiffusionAdapter):
         """The pipeline's schedule: the scheduler's own ``set_timesteps(num_steps)`` (fixed
         ``shift``, or a resolution-dependent ``mu`` when the config asks for dynamic shifting),
         with the final 0 the scheduler appends."""
-        if num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        check_num_steps(num_steps)
         config = self.scheduler_config
         mu = None
         if config.get("use_dynamic_shifting", False):
             h, w = self.latent_size(spec)
-            mu = calculate_shift(
-                (h // self.patch_size) * (w // self.patch_size),
-                config.get("base_image_seq_len", 256),
-                config.get("max_image_seq_len", 4096),
-                config.get("base_shift", 0.5),
-                config.get("max_shift", 1.16),
-            )
+            mu = config_shift(config, (h // self.patch_size) * (w // self.patch_size), max_shift=1.16)
         return scheduler_sigmas(config, num_steps, mu=mu)
 
     # ------------------------------------------------------------------ denoiser
@@ -223,7 +179,9 @@ class SD3Adapter(DiffusionAdapter):
         sigma: torch.Tensor,  # [B]
         prompt_embeds: torch.Tensor,  # [B, T, D]
         pooled: torch.Tensor,  # [B, P]
+        spec: SampleSpec,  # unused: SD3 has no guidance embedding
     ) -> torch.Tensor:
+        """Velocity ``[B, C, h, w]`` fp32 (sigma broadcasting and CFG: ``predict_velocity``)."""
         dtype = self.transformer.dtype
         out = self.transformer(
             hidden_states=latents.to(dtype),
@@ -235,42 +193,11 @@ class SD3Adapter(DiffusionAdapter):
         )[0]
         return out.float()
 
-    def predict_velocity(
-        self,
-        latents: torch.Tensor,
-        sigma: torch.Tensor,
-        cond: Conditioning,
-        spec: SampleSpec,
-        negative_cond: Conditioning | None = None,
-    ) -> torch.Tensor:
-        """Velocity ``[B, C, h, w]`` fp32 at noise level ``sigma`` ``[B]``.
-
-        Standard SD3 CFG when ``spec.guidance_scale > 1`` and ``negative_cond`` is given
-        (usually the encoded empty prompt); one forward over ``[uncond; cond]`` like the pipeline.
-        """
-        batch = latents.shape[0]
-        sigma = batch_sigma(sigma, batch, latents.device)
-        embeds, pooled = cond["prompt_embeds"], cond["pooled_prompt_embeds"]
-        if not (spec.guidance_scale > 1.0 and negative_cond is not None):
-            return self._transformer_forward(latents, sigma, embeds, pooled)
-
-        neg_embeds = expand_batch(negative_cond["prompt_embeds"], batch).to(embeds)
-        neg_pooled = expand_batch(negative_cond["pooled_prompt_embeds"], batch).to(pooled)
-        both = self._transformer_forward(
-            torch.cat([latents, latents]),
-            torch.cat([sigma, sigma]),
-            torch.cat([neg_embeds, embeds]),
-            torch.cat([neg_pooled, pooled]),
-        )
-        v_neg, v_pos = both.chunk(2)
-        return v_neg + spec.guidance_scale * (v_pos - v_neg)
-
     # ------------------------------------------------------------------ pixels
 
     def decode(self, latents: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
         """Latents ``[B, C, h, w]`` -> images ``[B, 3, H, W]`` in [0, 1] (fp32). Not wrapped in
         no_grad: callers decide."""
-        shift = self.vae.config.shift_factor or 0.0
-        x = latents / self.vae.config.scaling_factor + shift
+        x = unscale_latents(latents, self.vae.config)  # z = z_model / scale + shift
         image = self.vae.decode(x.to(self.vae.dtype), return_dict=False)[0]  # [B, 3, H, W] in ~[-1, 1]
-        return (image.float() / 2 + 0.5).clamp(0, 1)
+        return to_unit_range(image)

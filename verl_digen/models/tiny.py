@@ -136,23 +136,25 @@ def _clip_text_config(tokenizer, *, hidden: int, projection: int | None = None, 
     )
 
 
-def _t5_encoder(tokenizer):
-    from transformers import T5Config, T5EncoderModel
+def _t5_encoder(tokenizer, *, width: int = _T5_WIDTH, umt5: bool = False):
+    """A one-layer T5 v1.1 encoder (FLUX, SD3), or UMT5 (Wan) of the same shape."""
+    from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
 
-    config = T5Config(
+    config_cls, model_cls = (UMT5Config, UMT5EncoderModel) if umt5 else (T5Config, T5EncoderModel)
+    config = config_cls(
         vocab_size=len(tokenizer),
-        d_model=_T5_WIDTH,
+        d_model=width,
         d_kv=8,
-        d_ff=2 * _T5_WIDTH,
+        d_ff=2 * width,
         num_layers=1,
         num_heads=4,
         relative_attention_num_buckets=8,
-        feed_forward_proj="gated-gelu",  # T5 v1.1, as used by FLUX and SD3
+        feed_forward_proj="gated-gelu",  # T5 v1.1 (and UMT5)
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         decoder_start_token_id=tokenizer.pad_token_id,
     )
-    return T5EncoderModel(config)
+    return model_cls(config)
 
 
 def _vae(*, scaling_factor: float, shift_factor: float):
@@ -379,6 +381,19 @@ def build_llama_tokenizer(max_length: int = 95 + 16):
 _TEXT_WIDTH = 32  # hidden size of the tiny LLM / UMT5 text encoders (== transformer text dim)
 
 
+def _llm_sizes(tokenizer, *, layers: int) -> dict:
+    """Config sizes of the tiny decoder-only text encoders (Qwen2.5-VL's text model, Llama)."""
+    return dict(
+        vocab_size=len(tokenizer),
+        hidden_size=_TEXT_WIDTH,
+        intermediate_size=2 * _TEXT_WIDTH,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+    )
+
+
 def _qwen2_5_vl_encoder(tokenizer):
     """Qwen2.5-VL with a 2-layer text model and a 1-block vision tower (unused for text-to-image)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
@@ -386,13 +401,7 @@ def _qwen2_5_vl_encoder(tokenizer):
     ids = tokenizer.convert_tokens_to_ids
     config = Qwen2_5_VLConfig(
         text_config=dict(
-            vocab_size=len(tokenizer),
-            hidden_size=_TEXT_WIDTH,
-            intermediate_size=2 * _TEXT_WIDTH,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=256,
+            **_llm_sizes(tokenizer, layers=2),
             # Multimodal RoPE: sections (t, h, w) sum to head_dim / 2 = 8.
             rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [2, 3, 3]},
             bos_token_id=None,
@@ -415,12 +424,25 @@ def _qwen2_5_vl_encoder(tokenizer):
     return Qwen2_5_VLForConditionalGeneration(config)
 
 
-def _wan_style_stats(n: int) -> tuple[list[float], list[float]]:
-    """Per-channel latent mean/std, like the real Wan / Qwen-Image VAE configs (not all 0 / 1, so
-    the normalisation is exercised)."""
-    mean = [round(0.1 * (i - n / 2), 3) for i in range(n)]
-    std = [round(1.0 + 0.25 * i, 3) for i in range(n)]
-    return mean, std
+def _wan_style_vae(vae_cls, *, temporal_downsample: bool, **kwargs):
+    """A Wan-style VAE (``AutoencoderKLWan``, or ``AutoencoderKLQwenImage``: the same design) with
+    one 2x spatial downsample: 32x32 pixels -> 16x16 latents (and, with ``temporal_downsample``,
+    one causal 2x temporal downsample: 5 frames -> 3 latent frames).
+
+    Per-channel latent mean/std as in the real configs (not all 0 / 1, so the normalisation is
+    exercised)."""
+    n = _LATENT_CHANNELS
+    return vae_cls(
+        base_dim=8,
+        z_dim=n,
+        dim_mult=[1, 2],
+        num_res_blocks=1,
+        attn_scales=[],
+        temperal_downsample=[temporal_downsample],
+        latents_mean=[round(0.1 * (i - n / 2), 3) for i in range(n)],
+        latents_std=[round(1.0 + 0.25 * i, 3) for i in range(n)],
+        **kwargs,
+    )
 
 
 def _qwen_image_pipeline():
@@ -443,17 +465,7 @@ def _qwen_image_pipeline():
         joint_attention_dim=_TEXT_WIDTH,
         axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim
     )
-    mean, std = _wan_style_stats(_LATENT_CHANNELS)
-    vae = AutoencoderKLQwenImage(
-        base_dim=8,
-        z_dim=_LATENT_CHANNELS,
-        dim_mult=[1, 2],  # one 2x spatial downsample: 32x32 pixels -> 16x16 latents
-        num_res_blocks=1,
-        attn_scales=[],
-        temperal_downsample=[False],
-        latents_mean=mean,
-        latents_std=std,
-    )
+    vae = _wan_style_vae(AutoencoderKLQwenImage, temporal_downsample=False)  # a one-frame video VAE
     # Qwen-Image's scheduler config (dynamic exponential shift, terminal sigma 0.02).
     scheduler = FlowMatchEulerDiscreteScheduler(
         num_train_timesteps=1000,
@@ -473,24 +485,9 @@ def _qwen_image_pipeline():
 
 def _wan_pipeline():
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
-    from transformers import UMT5Config, UMT5EncoderModel
 
     tokenizer = build_t5_tokenizer()  # a T5/UMT5 sentencepiece-style Unigram tokenizer
-    text_encoder = UMT5EncoderModel(
-        UMT5Config(
-            vocab_size=len(tokenizer),
-            d_model=_TEXT_WIDTH,
-            d_kv=8,
-            d_ff=2 * _TEXT_WIDTH,
-            num_layers=1,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            feed_forward_proj="gated-gelu",
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            decoder_start_token_id=tokenizer.pad_token_id,
-        )
-    )
+    text_encoder = _t5_encoder(tokenizer, width=_TEXT_WIDTH, umt5=True)
     transformer = WanTransformer3DModel(
         patch_size=(1, 2, 2),
         num_attention_heads=2,
@@ -505,19 +502,7 @@ def _wan_pipeline():
         qk_norm="rms_norm_across_heads",
         rope_max_seq_len=64,
     )
-    mean, std = _wan_style_stats(_LATENT_CHANNELS)
-    vae = AutoencoderKLWan(
-        base_dim=8,
-        z_dim=_LATENT_CHANNELS,
-        dim_mult=[1, 2],  # one 2x spatial downsample
-        num_res_blocks=1,
-        attn_scales=[],
-        temperal_downsample=[True],  # one causal 2x temporal downsample: 5 frames -> 3 latent frames
-        latents_mean=mean,
-        latents_std=std,
-        scale_factor_temporal=2,
-        scale_factor_spatial=2,
-    )
+    vae = _wan_style_vae(AutoencoderKLWan, temporal_downsample=True, scale_factor_temporal=2, scale_factor_spatial=2)
     # Wan2.1 ships a UniPC scheduler with flow_shift=3.0; the tiny model uses the flow-matching
     # Euler scheduler with the same shift, so that the pipeline's own loop is the Euler loop
     # the RL sampler runs (and the two can be compared step for step).
@@ -541,15 +526,9 @@ def _hunyuan_video_pipeline():
     tokenizer_2 = build_clip_tokenizer(max_length=77)
     text_encoder = LlamaModel(
         LlamaConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=_TEXT_WIDTH,
-            intermediate_size=2 * _TEXT_WIDTH,
             # The pipeline reads the hidden state 2 layers before the last: 3 layers keep that a
             # real layer output rather than the embeddings.
-            num_hidden_layers=3,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=256,
+            **_llm_sizes(tokenizer, layers=3),
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,

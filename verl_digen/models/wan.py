@@ -19,29 +19,25 @@ from __future__ import annotations
 import torch
 from diffusers import AutoencoderKLWan, WanTransformer3DModel
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
-from diffusers.utils.torch_utils import randn_tensor
 from transformers import AutoTokenizer, UMT5EncoderModel
 
 from .base import (
     Conditioning,
     DiffusionAdapter,
     SampleSpec,
-    batch_sigma,
-    expand_batch,
+    check_num_steps,
     has_component,
-    read_model_index,
-    release_modules,
-    require_text_encoders,
+    latent_frames,
+    latent_hw,
+    load_scheduler_config,  # noqa: F401  (re-exported: verl_digen.models.wan.load_scheduler_config)
+    prompts_to_encode,
+    randn_latents,
+    resolve_max_sequence_length,
+    to_unit_range,
+    unnormalize_latents,
 )
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # UMT5 tokens (WanPipeline.__call__ max_sequence_length)
-
-
-def load_scheduler_config(path: str) -> dict:
-    """The ``scheduler/scheduler_config.json`` of a pipeline directory, as a dict."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    return dict(FlowMatchEulerDiscreteScheduler.load_config(path, subfolder="scheduler"))
 
 
 def flow_sigmas(scheduler_config: dict, num_steps: int) -> torch.Tensor:
@@ -79,6 +75,19 @@ class WanAdapter(DiffusionAdapter):
     """Wan2.1 text-to-video in diffusers format: UMT5 text encoder, WanTransformer3DModel, Wan VAE."""
 
     arch = "wan"
+    # WanPipeline's components, as from_pretrained loads them.
+    component_classes = {
+        "transformer": WanTransformer3DModel,
+        "vae": AutoencoderKLWan,
+        "text_encoder": UMT5EncoderModel,
+        "tokenizer": AutoTokenizer,
+    }
+    # The Wan VAE is usually kept in fp32 (the pipeline examples load it so): decode quality
+    # suffers in bf16, and it only runs once per video.
+    fp32_components = ("vae",)
+    text_encoder_names = ("text_encoder", "tokenizer")
+    # CFG batches [cond; uncond] through _transformer_forward(latents, sigma, embeds, spec).
+    conditioning_keys = ("prompt_embeds",)
 
     def __init__(
         self,
@@ -91,10 +100,7 @@ class WanAdapter(DiffusionAdapter):
         max_sequence_length: int | None = None,
         expand_timesteps: bool = False,
     ) -> None:
-        self.transformer = transformer
-        self.vae = vae
-        self.text_encoder = text_encoder
-        self.tokenizer = tokenizer
+        self.register_modules(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
         self.scheduler_config = dict(scheduler_config)
         # Wan2.2 TI2V-5B takes one timestep per latent token (all equal for text-to-video).
         self.expand_timesteps = bool(expand_timesteps)
@@ -108,60 +114,26 @@ class WanAdapter(DiffusionAdapter):
                 f"VAE z_dim={vae.config.z_dim} does not match the transformer's "
                 f"in_channels={transformer.config.in_channels}"
             )
-        if max_sequence_length is None:
-            max_sequence_length = min(DEFAULT_MAX_SEQUENCE_LENGTH, int(tokenizer.model_max_length))
-        self.max_sequence_length = int(max_sequence_length)
+        limit = int(tokenizer.model_max_length)
+        self.max_sequence_length = resolve_max_sequence_length(max_sequence_length, DEFAULT_MAX_SEQUENCE_LENGTH, limit)
 
     @classmethod
-    def from_pretrained(
-        cls,
-        path: str,
-        *,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-        max_sequence_length: int | None = None,
-    ) -> "WanAdapter":
-        """Load a WanPipeline directory. Wan2.2's two-expert layout (``transformer_2``) is refused."""
-        index = read_model_index(path)
-        if has_component(index, "transformer_2"):
+    def _init_options(cls, path: str, model_index: dict) -> dict:
+        """``expand_timesteps`` (Wan2.2 TI2V) from ``model_index.json``; Wan2.2's two-expert layout
+        (``transformer_2``) is refused."""
+        if has_component(model_index, "transformer_2"):
             raise ValueError(
                 f"model path '{path}' holds a two-expert Wan2.2 pipeline (transformer_2); only "
                 "single-transformer Wan pipelines (Wan2.1, Wan2.2 TI2V) are supported"
             )
-        transformer = WanTransformer3DModel.from_pretrained(path, subfolder="transformer", torch_dtype=dtype)
-        # The Wan VAE is usually kept in fp32 (the pipeline examples load it so): decode quality
-        # suffers in bf16, and it only runs once per video.
-        vae = AutoencoderKLWan.from_pretrained(path, subfolder="vae", torch_dtype=torch.float32)
-        text_encoder = UMT5EncoderModel.from_pretrained(path, subfolder="text_encoder", dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(path, subfolder="tokenizer")
-        scheduler_config = load_scheduler_config(path)
-
-        for module in (vae, text_encoder):
-            module.requires_grad_(False)
-        for module in (transformer, vae, text_encoder):
-            module.to(device).eval()
-        return cls(
-            transformer=transformer,
-            vae=vae,
-            text_encoder=text_encoder,
-            tokenizer=tokenizer,
-            scheduler_config=scheduler_config,
-            max_sequence_length=max_sequence_length,
-            expand_timesteps=bool(index.get("expand_timesteps", False)),
-        )
+        return {"expand_timesteps": bool(model_index.get("expand_timesteps", False))}
 
     # ------------------------------------------------------------------ prompts
-
-    def release_text_encoders(self) -> int:
-        """Drop the text encoders and tokenizers (the prompt cache serves the embeddings from
-        now on); returns the parameter bytes freed. ``encode_prompts`` raises afterwards."""
-        return release_modules(self, ("text_encoder", "tokenizer"))
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> Conditioning:
         """``prompt_embeds`` [B, T, D]: UMT5 last hidden state, rows past each prompt's length zeroed."""
-        require_text_encoders(self)
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        prompts = prompts_to_encode(self, prompts)
         prompts = [prompt_clean(p) for p in prompts]  # html-unescape, whitespace (and ftfy if installed)
         tokens = self.tokenizer(
             prompts,
@@ -183,34 +155,20 @@ class WanAdapter(DiffusionAdapter):
 
     def latent_shape(self, spec: SampleSpec) -> tuple[int, int, int]:
         """Latent ``(frames, h, w)`` for a video size; raises for sizes the model cannot take."""
-        multiple = self.vae_scale_factor_spatial * self.patch_size[1]
-        if spec.height % multiple or spec.width % multiple:
-            raise ValueError(
-                f"Wan needs height and width divisible by {multiple} (VAE factor {self.vae_scale_factor_spatial} "
-                f"x patch size {self.patch_size[1]}), got {spec.height}x{spec.width}"
-            )
-        t = self.vae_scale_factor_temporal
-        if spec.num_frames < 1 or (spec.num_frames - 1) % t:
-            raise ValueError(
-                f"Wan needs num_frames = {t} * k + 1 (causal VAE, temporal factor {t}), got {spec.num_frames}"
-            )
-        frames = (spec.num_frames - 1) // t + 1
-        if frames % self.patch_size[0]:
-            raise ValueError(f"{frames} latent frames are not divisible by the temporal patch {self.patch_size[0]}")
-        return frames, spec.height // self.vae_scale_factor_spatial, spec.width // self.vae_scale_factor_spatial
+        patch_t, patch_h, _ = self.patch_size
+        h, w = latent_hw(spec, model="Wan", vae_scale_factor=self.vae_scale_factor_spatial, patch_size=patch_h)
+        frames = latent_frames(spec, model="Wan", temporal_factor=self.vae_scale_factor_temporal, patch_size_t=patch_t)
+        return frames, h, w
 
     def prepare_latents(self, batch_size: int, spec: SampleSpec, generator: torch.Generator) -> torch.Tensor:
         """Noise ``[B, C, F, h, w]`` fp32, drawn exactly as the pipeline draws it."""
-        frames, h, w = self.latent_shape(spec)
-        shape = (batch_size, self.latent_channels, frames, h, w)
-        return randn_tensor(shape, generator=generator, device=self.device, dtype=torch.float32)
+        return randn_latents((batch_size, self.latent_channels, *self.latent_shape(spec)), generator, self.device)
 
     # ------------------------------------------------------------------ schedule
 
     def sigmas(self, num_steps: int, spec: SampleSpec) -> torch.Tensor:
         """The pipeline's ``scheduler.set_timesteps(num_steps)`` sigmas (fixed shift), then 0 (on CPU)."""
-        if num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        check_num_steps(num_steps)
         self.latent_shape(spec)  # validate the size here too
         return flow_sigmas(self.scheduler_config, num_steps)
 
@@ -230,7 +188,9 @@ class WanAdapter(DiffusionAdapter):
         latents: torch.Tensor,  # [B, C, F, h, w]
         sigma: torch.Tensor,  # [B]
         prompt_embeds: torch.Tensor,  # [B, T, D]
+        spec: SampleSpec,  # unused: Wan has no guidance embedding
     ) -> torch.Tensor:
+        """Velocity ``[B, C, F, h, w]`` fp32 (sigma broadcasting and CFG: ``predict_velocity``)."""
         dtype = self.transformer.dtype
         out = self.transformer(
             hidden_states=latents.to(dtype),
@@ -240,38 +200,11 @@ class WanAdapter(DiffusionAdapter):
         )[0]
         return out.float()
 
-    def predict_velocity(
-        self,
-        latents: torch.Tensor,
-        sigma: torch.Tensor,
-        cond: Conditioning,
-        spec: SampleSpec,
-        negative_cond: Conditioning | None = None,
-    ) -> torch.Tensor:
-        """Velocity ``[B, C, F, h, w]`` fp32 at noise level ``sigma`` ``[B]``; CFG when
-        ``spec.guidance_scale > 1`` and ``negative_cond`` is given (one forward over [cond; uncond])."""
-        batch = latents.shape[0]
-        sigma = batch_sigma(sigma, batch, latents.device)
-        embeds = cond["prompt_embeds"]
-        if not (spec.guidance_scale > 1.0 and negative_cond is not None):
-            return self._transformer_forward(latents, sigma, embeds)
-        neg_embeds = expand_batch(negative_cond["prompt_embeds"], batch).to(embeds)
-        both = self._transformer_forward(
-            torch.cat([latents, latents]), torch.cat([sigma, sigma]), torch.cat([embeds, neg_embeds])
-        )
-        v_pos, v_neg = both.chunk(2)
-        return v_neg + spec.guidance_scale * (v_pos - v_neg)
-
     # ------------------------------------------------------------------ pixels
 
     def decode(self, latents: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
         """Latents ``[B, C, F, h, w]`` -> videos ``[B, 3, frames, H, W]`` in [0, 1] (fp32). Not
         wrapped in no_grad: callers decide."""
-        config = self.vae.config
-        x = latents.to(self.vae.dtype)
-        # Undo the per-channel normalisation z_model = (z - mean) / std (as the pipeline computes it).
-        mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(x.device, x.dtype)
-        inv_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(x.device, x.dtype)
-        x = x / inv_std + mean
+        x = unnormalize_latents(latents.to(self.vae.dtype), self.vae.config)  # z = z_model * std + mean
         video = self.vae.decode(x, return_dict=False)[0]  # [B, 3, frames, H, W] in ~[-1, 1]
-        return (video.float() / 2 + 0.5).clamp(0, 1)
+        return to_unit_range(video)

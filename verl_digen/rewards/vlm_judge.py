@@ -28,23 +28,26 @@ Video is judged frame by frame and averaged over frames (the base-class behaviou
 
 from __future__ import annotations
 
-import http.client
 import json
 import logging
 import math
 import re
-import socket
-import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from typing import Any
 
 import torch
 
 from verl_digen.rewards.base import RewardFn, register_reward
-from verl_digen.rewards.http_client import RewardServerError, encode_images_png_b64
+from verl_digen.rewards.http_client import (
+    RewardServerError,
+    check_retry_settings,
+    check_tcp_reachable,
+    encode_images_png_b64,
+    load_json_body,
+    malformed_response,
+    post_with_retries,
+    snippet,
+)
 
 __all__ = ["VlmJudgeReward", "DEFAULT_QUESTION", "DEFAULT_SCORE_REGEX", "chat_completions_url"]
 
@@ -57,7 +60,6 @@ DEFAULT_QUESTION = (
     "Answer with a single integer score from 0 (very poor) to 10 (excellent) and nothing else."
 )
 DEFAULT_SCORE_REGEX = r"[-+]?\d+(?:\.\d+)?"
-_RETRYABLE_STATUS = {429}  # plus every 5xx
 
 
 def chat_completions_url(base_url: str) -> str:
@@ -68,12 +70,6 @@ def chat_completions_url(base_url: str) -> str:
     if base.endswith("/v1"):
         return base + "/chat/completions"
     return base + "/v1/chat/completions"
-
-
-class _Retryable(Exception):
-    def __init__(self, message: str, *, answered: bool = False) -> None:
-        super().__init__(message)
-        self.answered = answered
 
 
 @register_reward("vlm_judge")
@@ -128,12 +124,7 @@ class VlmJudgeReward(RewardFn):
             raise bad("question_template must be a string containing '{prompt}'")
         if not (isinstance(max_score, (int, float)) and max_score > 0 and math.isfinite(max_score)):
             raise bad(f"max_score must be a finite number > 0, got {max_score!r}")
-        if not timeout_s > 0:
-            raise bad(f"timeout_s must be > 0, got {timeout_s!r}")
-        if not isinstance(max_retries, int) or max_retries < 1:
-            raise bad(f"max_retries must be an int >= 1, got {max_retries!r}")
-        if not backoff_s >= 0:
-            raise bad(f"backoff_s must be >= 0, got {backoff_s!r}")
+        check_retry_settings("vlm_judge", timeout_s=timeout_s, max_retries=max_retries, backoff_s=backoff_s)
         if not isinstance(concurrency, int) or concurrency < 1:
             raise bad(f"concurrency must be an int >= 1, got {concurrency!r}")
         if unparseable not in ("error", "default"):
@@ -230,61 +221,26 @@ class VlmJudgeReward(RewardFn):
 
     # ------------------------------------------------------------------ transport
 
-    def _headers(self) -> dict[str, str]:
-        headers = {"Content-Type": "application/json", "Accept": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        return headers
+    @property
+    def _judge_name(self) -> str:
+        """How errors name the judge."""
+        return f"VLM judge at {self.endpoint}"
 
     def _completion(self, body: bytes) -> str:
         """POST with retries; returns the reply text (``""`` for a null content)."""
-        last_error: _Retryable | None = None
-        for attempt in range(1, self.max_retries + 1):
-            if attempt > 1:
-                time.sleep(self.backoff_s * 2 ** (attempt - 2))
-            try:
-                payload = self._post_once(body)
-            except _Retryable as exc:
-                last_error = exc
-                continue
-            return self._parse_reply(payload)
-        assert last_error is not None
-        outcome = "failed" if last_error.answered else "unreachable"
-        raise RewardServerError(
-            f"VLM judge at {self.endpoint} {outcome} after {self.max_retries} attempts: {last_error}"
-        )
-
-    def _post_once(self, body: bytes) -> bytes:
-        request = urllib.request.Request(self.endpoint, data=body, headers=self._headers(), method="POST")
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                return response.read()
-        except urllib.error.HTTPError as exc:
-            detail = _snippet(exc.read())
-            message = f"HTTP {exc.code} {exc.reason}" + (f": {detail}" if detail else "")
-            if exc.code >= 500 or exc.code in _RETRYABLE_STATUS:
-                raise _Retryable(message, answered=True) from exc
-            raise RewardServerError(f"VLM judge at {self.endpoint} rejected the request: {message}") from exc
-        except urllib.error.URLError as exc:
-            reason = exc.reason
-            raise _Retryable(str(reason) if not isinstance(reason, socket.timeout) else "timed out") from exc
-        except TimeoutError as exc:
-            raise _Retryable(f"timed out after {self.timeout_s:g} s") from exc
-        except (OSError, http.client.HTTPException) as exc:
-            raise _Retryable(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc
+        retries = {"timeout_s": self.timeout_s, "max_retries": self.max_retries, "backoff_s": self.backoff_s}
+        payload = post_with_retries(self.endpoint, body, self.api_key, **retries, name=self._judge_name)
+        return self._parse_reply(payload)
 
     def _parse_reply(self, payload: bytes) -> str:
         def bad(problem: str) -> RewardServerError:
-            return RewardServerError(f"VLM judge at {self.endpoint} returned a malformed response: {problem}")
+            return malformed_response(self._judge_name, problem)
 
-        try:
-            data: Any = json.loads(payload)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise bad(f"not JSON ({exc}); body starts with {_snippet(payload)!r}") from None
+        data = load_json_body(payload, self._judge_name)
         try:
             message = data["choices"][0]["message"]
         except (KeyError, IndexError, TypeError):
-            raise bad(f"expected {{'choices': [{{'message': ...}}]}}, got {_snippet(payload)!r}") from None
+            raise bad(f"expected {{'choices': [{{'message': ...}}]}}, got {snippet(payload)!r}") from None
         if not isinstance(message, dict):
             raise bad(f"'message' must be an object, got {type(message).__name__}")
         content = message.get("content")
@@ -305,22 +261,9 @@ class VlmJudgeReward(RewardFn):
         parsed = urllib.parse.urlsplit(self.endpoint)
         if not parsed.hostname:
             raise RewardServerError(f"VLM judge URL {self.endpoint!r} has no host")
-        port = parsed.port or (443 if parsed.scheme == "https" else 80)
-        last: Exception | None = None
-        for attempt in range(1, self.max_retries + 1):
-            if attempt > 1:
-                time.sleep(self.backoff_s * 2 ** (attempt - 2))
-            try:
-                with socket.create_connection((parsed.hostname, port), timeout=self.timeout_s):
-                    return
-            except OSError as exc:
-                last = exc
-        raise RewardServerError(f"VLM judge at {self.endpoint} unreachable after {self.max_retries} attempts: {last}")
+        check_tcp_reachable(
+            parsed, self._judge_name, timeout_s=self.timeout_s, max_retries=self.max_retries, backoff_s=self.backoff_s
+        )
 
     def __repr__(self) -> str:
         return f"VlmJudgeReward(endpoint={self.endpoint!r}, model={self.model!r}, concurrency={self.concurrency})"
-
-
-def _snippet(payload: bytes, limit: int = 200) -> str:
-    text = payload.decode("utf-8", errors="replace").strip()
-    return text if len(text) <= limit else text[:limit] + "..."
