@@ -93,9 +93,14 @@ def test_builtin_prompts() -> None:
     assert 16 <= len(prompts) <= 64
     assert len(set(prompts)) == len(prompts)
     assert all(p and p == p.strip() for p in prompts)
-    assert builtin_prompt_sets() == ["demo"]
-    with pytest.raises(ValueError, match=r"unknown built-in prompt set 'nope'; available: demo"):
+    assert builtin_prompt_sets() == ["demo", "val"]
+    with pytest.raises(ValueError, match=r"unknown built-in prompt set 'nope'; available: demo, val"):
         builtin_prompts("nope")
+
+
+def test_validation_prompts_are_held_out_from_the_demo_set() -> None:
+    val = builtin_prompts("val")
+    assert val and not set(val) & set(builtin_prompts("demo"))
 
 
 # --------------------------------------------------------------------------- PromptSampler

@@ -110,7 +110,7 @@ def test_cli_prints_a_ranked_table_and_writes_json_rows(tmp_path, capsys):
                "--json", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
-    assert "hydra overrides" in text and "digen.placement=" in text and "TSP and TAG" in text
+    assert "hydra overrides" in text and "digen.placement=" in text and "digen.tsp.stages=" in text
     rows = json.loads(out.read_text())["rows"]
     keys = {"strategy", "rollout_devices", "trainer_devices", "images_per_s", "bubble_fraction",
             "bound_images_per_s", "speedup_vs_colocated"}

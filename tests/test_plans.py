@@ -257,3 +257,17 @@ def test_tag_groups_run_on_trainers_with_the_newest_weights():
     run.timeline.check_exclusive()
     groups = sorted(g for t in planner.plan.of_kind(TaskKind.TRAIN) for g in t.groups)
     assert groups == list(range(12))  # every group, TAG or not, trained exactly once
+
+
+def test_edge_idle_counts_waiting_not_other_work():
+    from verl_digen.schedule.timeline import TaskRecord, Timeline
+
+    tl = Timeline(workers=["trainer0", "rollout0"])
+    tl.add(TaskRecord("sync:1", "sync", ["trainer0", "rollout0"], 0.0, 1.0, 0, 1))
+    tl.add(TaskRecord("gen:0", "generate", ["rollout0"], 1.0, 5.0, 0, 1, [0]))
+    tl.add(TaskRecord("train:0:0", "train", ["trainer0"], 5.0, 9.0, 0, 0, [0]))
+    tl.add(TaskRecord("opt:0", "optimizer_step", ["trainer0"], 9.0, 10.0, 0, 1))
+    head, _ = tl.edge_idle(["trainer0"], 0.0, 10.0, head_kind="train")
+    _, drain = tl.edge_idle(["rollout0"], 0.0, 10.0, drain_kind="generate")
+    assert head == pytest.approx(0.4)  # waited 1..5 for the first group; the sync was work
+    assert drain == pytest.approx(0.5)  # idle 5..10 while the trainer drained

@@ -50,25 +50,37 @@ class Timeline:
         busy = sum(self.busy_seconds(t0, t1).values())
         return max(0.0, 1.0 - busy / (len(self.workers) * wall))
 
-    def edge_idle(self, workers: list[str], t0: float, t1: float) -> tuple[float, float]:
-        """Mean idle fraction of ``workers`` at the start (head) and at the end (drain) of ``[t0, t1]``.
+    def edge_idle(
+        self, workers: list[str], t0: float, t1: float, *, head_kind: str | None = None, drain_kind: str | None = None
+    ) -> tuple[float, float]:
+        """Mean idle fraction of ``workers`` at the start (head) and the end (drain) of ``[t0, t1]``.
 
-        Head: from ``t0`` to a worker's first task in the window; drain: from its last task's
-        end to ``t1``. A worker with no task in the window counts as idle throughout (head).
+        Head: idle time from ``t0`` until a worker's first ``head_kind`` task (any task when
+        None); drain: idle time after its last ``drain_kind`` task until ``t1``. Other work in
+        those intervals (a weight sync, say) is not idle. A worker without such a task is idle
+        for the whole window (head).
         """
         wall = t1 - t0
         if wall <= 0 or not workers:
             return 0.0, 0.0
         head = drain = 0.0
         for w in workers:
-            spans = [(max(r.start, t0), min(r.end, t1)) for r in self.records if w in r.workers and r.end > t0 and r.start < t1]
-            if not spans:
-                head += wall
+            recs = [r for r in self.records if w in r.workers and r.end > t0 and r.start < t1]
+
+            def busy(a: float, b: float) -> float:
+                return sum(max(0.0, min(r.end, b) - max(r.start, a)) for r in recs)
+
+            firsts = [r.start for r in recs if head_kind is None or r.kind == head_kind]
+            if not firsts:
+                head += wall - busy(t0, t1)
                 continue
-            head += min(a for a, _ in spans) - t0
-            drain += t1 - max(b for _, b in spans)
+            first = max(min(firsts), t0)
+            head += (first - t0) - busy(t0, first)
+            lasts = [r.end for r in recs if drain_kind is None or r.kind == drain_kind]
+            last = min(max(lasts), t1) if lasts else t0
+            drain += (t1 - last) - busy(last, t1)
         n = len(workers) * wall
-        return head / n, drain / n
+        return max(0.0, head / n), max(0.0, drain / n)
 
     def check_exclusive(self, eps: float = 1e-9) -> None:
         """Raise if two tasks overlap on one worker."""

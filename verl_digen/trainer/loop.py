@@ -565,8 +565,8 @@ class DigenTrainer:
         # waiting for the trainers to finish, step and sync (drain).
         trainers = [str(w) for w in self.spec.trainers]
         rollout = [str(w) for w in self.spec.generators]
-        m["bubble/head_trainer"] = executor.timeline.edge_idle(trainers, t0, t1)[0]
-        m["bubble/drain_rollout"] = executor.timeline.edge_idle(rollout, t0, t1)[1]
+        m["bubble/head_trainer"] = executor.timeline.edge_idle(trainers, t0, t1, head_kind="train")[0]
+        m["bubble/drain_rollout"] = executor.timeline.edge_idle(rollout, t0, t1, drain_kind="generate")[1]
         keys = {k for t in res.train for k in t if k.startswith("actor/")}
         for k in sorted(keys):
             m[k] = _mean([t[k] for t in res.train if k in t])
