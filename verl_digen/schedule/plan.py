@@ -128,15 +128,23 @@ class Plan:
         self._check_groups(steps)
         self._check_versions()
 
-    def _ancestors(self, task_id: str) -> set[str]:
+    def _depends_on(self, task_id: str, target_id: str, pos: dict[str, int]) -> bool:
+        """Whether ``task_id`` (transitively) waits for ``target_id``.
+
+        Dependencies only point backwards, so the search never follows a task placed before
+        the target: it stays within the few steps between them, however long the plan.
+        """
+        floor = pos[target_id]
         seen: set[str] = set()
         stack = [task_id]
         while stack:
             for d in self._index[stack.pop()].deps:
-                if d not in seen:
+                if d == target_id:
+                    return True
+                if d not in seen and pos[d] > floor:
                     seen.add(d)
                     stack.append(d)
-        return seen
+        return False
 
     def _check_groups(self, steps: list[int]) -> None:
         def unit(t: Task) -> tuple:
@@ -149,15 +157,18 @@ class Plan:
             if dup:
                 raise PlanError(f"groups {dup[:5]} appear in more than one {kind.value} task")
         self._check_stages()
+        pos = {t.id: i for i, t in enumerate(self.tasks)}
         gen_of = {g: t for t in self.of_kind(TaskKind.GENERATE) if t.final for g in t.groups}
         rew_of = {g: t for t in self.of_kind(TaskKind.REWARD) for g in t.groups}
+        by_step: dict[tuple[TaskKind, int], list[Task]] = defaultdict(list)
+        for t in self.tasks:
+            by_step[(t.kind, t.step)].append(t)
         for step in steps:
-            trains = self.of_kind(TaskKind.TRAIN, step)
-            opts = self.of_kind(TaskKind.OPTIMIZER_STEP, step)
+            trains = by_step[(TaskKind.TRAIN, step)]
+            opts = by_step[(TaskKind.OPTIMIZER_STEP, step)]
             if len(opts) != 1:
                 raise PlanError(f"step {step} has {len(opts)} optimizer steps, expected 1")
-            opt_anc = self._ancestors(opts[0].id)
-            step_groups = {g for t in self.of_kind(TaskKind.GENERATE) if t.step == step for g in t.groups}
+            step_groups = {g for t in by_step[(TaskKind.GENERATE, step)] for g in t.groups}
             trained = {g for t in trains for g in t.groups}
             if step_groups != trained:
                 raise PlanError(
@@ -165,11 +176,14 @@ class Plan:
                     f"trained groups {sorted(trained - step_groups)} were never generated"
                 )
             for t in trains:
-                if t.id not in opt_anc:
+                if not self._depends_on(opts[0].id, t.id, pos):
                     raise PlanError(f"optimizer step of step {step} does not wait for {t.id}")
-                anc = self._ancestors(t.id)
                 for g in t.groups:
-                    if g not in rew_of or rew_of[g].id not in anc or gen_of[g].id not in anc:
+                    if (
+                        g not in rew_of
+                        or not self._depends_on(t.id, rew_of[g].id, pos)
+                        or not self._depends_on(t.id, gen_of[g].id, pos)
+                    ):
                         raise PlanError(f"{t.id} trains group {g} before it is generated and rewarded")
 
     def _check_stages(self) -> None:
