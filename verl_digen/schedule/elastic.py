@@ -37,8 +37,8 @@ class TagDecision:
         return m
 
 
-def tag_inputs_from_records(spec, records: list, step: int, switch_s: float) -> TagInputs | None:
-    """TAG's inputs for the step after ``step``, from a timeline's records of ``step``.
+def tag_inputs_from_timeline(spec, timeline, step: int, switch_s: float) -> TagInputs | None:
+    """TAG's inputs for the step after ``step``, from a :class:`Timeline`'s records of ``step``.
 
     Per-group seconds on one worker: rollout generation, training (all parts summed), and
     trainer generation (the latest step where trainers generated; until then the rollout
@@ -46,7 +46,7 @@ def tag_inputs_from_records(spec, records: list, step: int, switch_s: float) -> 
     """
 
     def per_group(kind: str, at: int, pool: str | None) -> float | None:
-        rs = [r for r in records if r.kind == kind and r.step == at and (pool is None or r.workers[0].startswith(pool))]
+        rs = [r for r in timeline.of_step(at) if r.kind == kind and (pool is None or r.workers[0].startswith(pool))]
         groups = {g for r in rs for g in r.groups}
         return sum(r.end - r.start for r in rs) / len(groups) if groups else None
 

@@ -344,7 +344,10 @@ class StepPlanner:
 
 
 def measure_costs(records: list, step: int, spec: StrategySpec, fallback: StepCosts) -> StepCosts:
-    """Per-unit costs of ``step`` from a timeline's records (driver-observed durations)."""
+    """Per-unit costs of ``step`` from timeline records (driver-observed durations).
+
+    ``records`` may be the whole timeline or just ``Timeline.of_step(step)``.
+    """
 
     def mean(kind: str, per_group: bool) -> float | None:
         rs = [r for r in records if r.kind == kind and r.step == step]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -26,16 +27,46 @@ class TaskRecord:
 
 @dataclass
 class Timeline:
+    """Task intervals, appended as tasks finish.
+
+    The loop asks per-step questions every step (this step's records, the busy time in the
+    last window); an index by step and the finishing order (runners record tasks as they
+    end, so ends never decrease) keep those questions proportional to one step, not to the
+    whole run so far.
+    """
+
     workers: list[str]
     records: list[TaskRecord] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        given, self.records = self.records, []
+        self._ends: list[float] = []
+        self._by_step: dict[int, list[TaskRecord]] = {}
+        self._ordered = True
+        for r in given:
+            self.add(r)
+
     def add(self, record: TaskRecord) -> None:
+        if self._ends and record.end < self._ends[-1]:
+            self._ordered = False  # added out of finishing order: window queries scan everything
         self.records.append(record)
+        self._ends.append(record.end)
+        self._by_step.setdefault(record.step, []).append(record)
+
+    def of_step(self, step: int) -> list[TaskRecord]:
+        """The records of tasks serving training step ``step``."""
+        return self._by_step.get(step, [])
+
+    def since(self, t0: float) -> list[TaskRecord]:
+        """The records that end after ``t0``: the only ones that can overlap a window from ``t0``."""
+        if self._ordered:
+            return self.records[bisect.bisect_right(self._ends, t0) :]
+        return [r for r in self.records if r.end > t0]
 
     def busy_seconds(self, t0: float, t1: float) -> dict[str, float]:
         """Busy time of each worker clipped to the window ``[t0, t1]``."""
         busy = {w: 0.0 for w in self.workers}
-        for r in self.records:
+        for r in self.since(t0):
             lo, hi = max(r.start, t0), min(r.end, t1)
             if hi > lo:
                 for w in r.workers:
@@ -65,7 +96,7 @@ class Timeline:
             return 0.0, 0.0
         head = drain = 0.0
         for w in workers:
-            recs = [r for r in self.records if w in r.workers and r.end > t0 and r.start < t1]
+            recs = [r for r in self.since(t0) if w in r.workers and r.start < t1]
 
             def busy(a: float, b: float) -> float:
                 return sum(max(0.0, min(r.end, b) - max(r.start, a)) for r in recs)

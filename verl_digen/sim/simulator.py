@@ -183,19 +183,19 @@ class SimResult:
         save_gantt(self.timeline, path, t0=t0, t1=t1, title=title or f"{self.spec.name}, {self.spec.devices} devices (simulated)")
 
 
-def tag_share(spec: StrategySpec, records: list, s: int, costs: TaskCoster, cluster: Cluster) -> int:
+def tag_share(spec: StrategySpec, timeline: Any, s: int, costs: TaskCoster, cluster: Cluster) -> int:
     """TAG: how many of step ``s``'s groups the trainers generate, decided from the rates of
     step ``s - 1`` exactly as the training loop decides it (``verl_digen.schedule.elastic``)."""
     if not getattr(spec, "tag", False) or s == 0:
         return 0
-    from verl_digen.schedule.elastic import decide_tag_share, tag_inputs_from_records
+    from verl_digen.schedule.elastic import decide_tag_share, tag_inputs_from_timeline
 
     switch_s = 0.0
     if hasattr(costs, "switch_seconds"):
         dev = costs.device(cluster.device_of(spec.trainers[0]))
         group = costs.train_group(cluster)
         switch_s = costs.switch_seconds("generate", dev, group) + costs.switch_seconds("train", dev, group)
-    inputs = tag_inputs_from_records(spec, records, s - 1, switch_s)
+    inputs = tag_inputs_from_timeline(spec, timeline, s - 1, switch_s)
     return decide_tag_share(inputs).groups if inputs is not None else 0
 
 
@@ -228,7 +228,7 @@ def simulate(
     images = spec.groups_per_step * spec.group_size
     for s in range(steps):
         has_next = s + 1 < steps if mirror_loop else True
-        tag_groups = tag_share(spec, sim.timeline.records, s, costs, cluster)
+        tag_groups = tag_share(spec, sim.timeline, s, costs, cluster)
         if tag_groups:
             planner.plan_step(s, step_costs, has_next=has_next, tag_groups=tag_groups)
         else:
@@ -236,7 +236,7 @@ def simulate(
         sim.run_until([f"opt:{s}"])
         t_end = sim.now()
         step_end.append(t_end)
-        syncs = [r for r in sim.timeline.records if r.kind == TaskKind.SYNC.value and t_prev <= r.end <= t_end]
+        syncs = [r for r in sim.timeline.since(t_prev) if r.kind == TaskKind.SYNC.value and r.end <= t_end]
         metrics.append(
             {
                 "step": s + 1,
@@ -247,7 +247,7 @@ def simulate(
                 "weight_sync_s": sum(r.end - r.start for r in syncs),
             }
         )
-        step_costs = measure_costs(sim.timeline.records, s, spec, step_costs)
+        step_costs = measure_costs(sim.timeline.of_step(s), s, spec, step_costs)
         t_prev = t_end
     if mirror_loop:
         sim.run_until(None)

@@ -358,7 +358,7 @@ class DigenTrainer:
                     )
                 if self.save_freq > 0 and ((s + 1) % self.save_freq == 0 or s + 1 == self.total_steps):
                     self._save_checkpoint(actors, s + 1, all_metrics)
-                costs = measure_costs(executor.timeline.records, s, self.spec, costs)
+                costs = measure_costs(executor.timeline.of_step(s), s, self.spec, costs)
                 t_prev = time.time()
             bar.close()
             executor.run_until(None)  # nothing may be left running (e.g. a final sync)
@@ -512,8 +512,8 @@ class DigenTrainer:
         bounds = self.spec.bounds
         k = self.spec.tsp_stages
         per_stage: list[list[float]] = [[] for _ in range(k)]
-        for r in executor.timeline.records:
-            if r.kind == "generate" and r.step == step and ":s" in r.task:
+        for r in executor.timeline.of_step(step):
+            if r.kind == "generate" and ":s" in r.task:
                 per_stage[int(r.task.rsplit(":s", 1)[1])].append(r.end - r.start)
         if not all(per_stage):
             return self.spec
@@ -531,11 +531,11 @@ class DigenTrainer:
 
     def _tag_decision(self, executor: RayPlanExecutor, s: int) -> tuple[dict[str, float], int]:
         """TAG's share for step ``s`` from the rates measured in step ``s - 1``."""
-        from verl_digen.schedule.elastic import TagDecision, decide_tag_share, tag_inputs_from_records
+        from verl_digen.schedule.elastic import TagDecision, decide_tag_share, tag_inputs_from_timeline
 
         if not self.spec.tag:
             return {}, 0
-        inputs = tag_inputs_from_records(self.spec, executor.timeline.records, s - 1, self.cfg.tag.switch_cost_s)
+        inputs = tag_inputs_from_timeline(self.spec, executor.timeline, s - 1, self.cfg.tag.switch_cost_s)
         if inputs is None:
             return TagDecision(0, 0.0, 0.0, "no measurements yet").as_metrics(None), 0
         d = decide_tag_share(inputs)
@@ -546,7 +546,7 @@ class DigenTrainer:
         rewards = torch.cat([res.rewards[g] for g in sorted(res.rewards)])
         wall = t1 - t0
         images = self.spec.groups_per_step * self.spec.group_size
-        syncs = [r for r in executor.timeline.records if r.kind == TaskKind.SYNC.value and t0 <= r.end <= t1]
+        syncs = [r for r in executor.timeline.since(t0) if r.kind == TaskKind.SYNC.value and r.end <= t1]
         m: dict[str, Any] = {
             "step": s + 1,
             "policy_version": s + 1,
