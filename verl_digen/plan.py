@@ -21,7 +21,7 @@ import dataclasses
 import json
 import math
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from verl_digen.schedule.strategies import StrategySpec

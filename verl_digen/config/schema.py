@@ -167,6 +167,13 @@ class RewardConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)
     components: list[dict[str, Any]] = field(default_factory=list)  # for name=weighted
 
+    def as_spec(self) -> dict[str, Any]:
+        """The mapping ``verl_digen.rewards.build_reward_from_config`` takes."""
+        spec: dict[str, Any] = {"name": self.name, "kwargs": self.kwargs}
+        if self.name == "weighted":
+            spec["components"] = self.components
+        return spec
+
     def validate(self, key: str) -> None:
         from verl_digen.rewards import registered_rewards
 

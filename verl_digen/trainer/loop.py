@@ -484,8 +484,6 @@ class DigenTrainer:
 
     def _balanced_stages(self, actors: dict[WorkerId, Any]):
         """TSP: stage ranges balanced by the per-step cost measured on a rollout worker."""
-        import dataclasses
-
         import ray
 
         from verl_digen.schedule.elastic import balance_stages
@@ -505,8 +503,6 @@ class DigenTrainer:
         in-flight state, packing and shipping the record) is spread over its steps; the
         boundaries move only when that predicts a >10% shorter slowest stage.
         """
-        import dataclasses
-
         from verl_digen.schedule.elastic import balance_stages
 
         bounds = self.spec.bounds

@@ -15,7 +15,6 @@ can broadcast them (``ONE_TO_ALL``); the plan executor also calls them on single
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import numpy as np
@@ -142,14 +141,13 @@ class DiffusionWorker(Worker, WeightSyncMixin):
             self.role == "trainer" and cfg.tag.enable and cfg.pools.reward.devices == 0
         )
         if scores:
-            from verl_digen.rewards import build_reward_from_config
-
-            self.reward_fn = build_reward_from_config(
-                {"name": cfg.reward.name, "kwargs": cfg.reward.kwargs, "components": cfg.reward.components}
-                if cfg.reward.name == "weighted"
-                else {"name": cfg.reward.name, "kwargs": cfg.reward.kwargs}
-            )
+            self._build_reward()
         return info
+
+    def _build_reward(self) -> None:
+        from verl_digen.rewards import build_reward_from_config
+
+        self.reward_fn = build_reward_from_config(self.cfg.reward.as_spec())
 
     # ------------------------------------------------------------------ tasks
 
@@ -317,12 +315,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         from verl_digen.trainer.validation import run_validation
 
         if self.reward_fn is None:
-            from verl_digen.rewards import build_reward_from_config
-
-            r = self.cfg.reward
-            self.reward_fn = build_reward_from_config(
-                {"name": r.name, "kwargs": r.kwargs, **({"components": r.components} if r.name == "weighted" else {})}
-            )
+            self._build_reward()
         import tempfile
 
         ema = getattr(self.trainer, "ema", None) if self.trainer is not None else None
