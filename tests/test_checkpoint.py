@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 
 from verl_digen.config.compose import compose_config
 from verl_digen.trainer.checkpoint import CheckpointError, checkpoint_at, find_latest, save_checkpoint
+from runs import QUIET, metrics_lines, run_config, timeline_records
 from verl_digen.trainer.loop import RunStopped, run_training
 
-QUIET = ["digen.progress_bar=false", "trainer.logger=[]"]
 EXACT_KEYS = ("reward_mean", "reward_std", "actor/loss", "actor/grad_norm", "policy_version", "step")
 
 
@@ -69,15 +69,6 @@ def test_resume_path_must_be_a_complete_checkpoint(tmp_path):
 # ----------------------------------------------------------------------------- runs
 
 
-def _cfg(tmp_path, name, *overrides):
-    return compose_config(QUIET + [f"digen.output_dir={tmp_path / name}", *overrides])
-
-
-def _metrics(path):
-    with open(os.path.join(path, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
 def _wait_for(predicate, timeout_s: float):
     deadline = time.time() + timeout_s
     while time.time() < deadline:
@@ -101,7 +92,7 @@ def no_ray():
 
 def test_resume_after_a_kill_equals_the_uninterrupted_run(tmp_path, tiny_flux, no_ray):
     common = ["trainer.total_training_steps=5", "trainer.save_freq=1", "digen.save_final_weights=true"]
-    straight = run_training(_cfg(tmp_path, "straight", *common, f"trainer.default_local_dir={tmp_path}/ck_a"))
+    straight = run_training(run_config(tmp_path, "straight", *common, f"trainer.default_local_dir={tmp_path}/ck_a"))
 
     ck = tmp_path / "ck_b"
     out = tmp_path / "killed"
@@ -117,10 +108,10 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(tmp_path, tiny_flux, n
     killed_at = find_latest(str(ck)).step
     assert 2 <= killed_at < 5 or killed_at == 5
 
-    resumed = run_training(_cfg(tmp_path, "resumed", *common, f"trainer.default_local_dir={ck}"))
+    resumed = run_training(run_config(tmp_path, "resumed", *common, f"trainer.default_local_dir={ck}"))
     a, b = load_file(straight.extra["final_weights"]), load_file(resumed.extra["final_weights"])
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    ma, mb = _metrics(straight.output_dir), _metrics(resumed.output_dir)
+    ma, mb = metrics_lines(straight.output_dir), metrics_lines(resumed.output_dir)
     assert len(ma) == len(mb) == 5
     for x, y in zip(ma, mb):
         assert {k: x[k] for k in EXACT_KEYS} == {k: y[k] for k in EXACT_KEYS}
@@ -132,16 +123,15 @@ def test_async_resume_regenerates_in_flight_groups_and_keeps_the_invariants(tmp_
     common = ["digen.placement=disaggregated", "digen.gap.enable=true", "digen.async.max_staleness=1",
               "digen.pools.rollout.devices=1", "digen.pools.trainer.devices=1", "trainer.save_freq=1",
               f"trainer.default_local_dir={tmp_path}/ck"]
-    run_training(_cfg(tmp_path, "part1", *common, "trainer.total_training_steps=2"))
-    resumed = run_training(_cfg(tmp_path, "part2", *common, "trainer.total_training_steps=4"))
-    with open(os.path.join(resumed.output_dir, "timeline.jsonl")) as f:
-        recs = [json.loads(line) for line in f]
+    run_training(run_config(tmp_path, "part1", *common, "trainer.total_training_steps=2"))
+    resumed = run_training(run_config(tmp_path, "part2", *common, "trainer.total_training_steps=4"))
+    recs = timeline_records(resumed.output_dir)
     trained = sorted(g for r in recs if r["kind"] == "train" for g in r["groups"])
     assert trained == list(range(8, 16))  # steps 3-4 (groups 8..15), each exactly once
     for r in recs:
         if r["kind"] == "generate":
             assert 0 <= r["step"] - r["version"] <= 1
-    assert [m["step"] for m in _metrics(resumed.output_dir)] == [1, 2, 3, 4]
+    assert [m["step"] for m in metrics_lines(resumed.output_dir)] == [1, 2, 3, 4]
 
 
 def test_killed_worker_stops_the_run_with_its_name_and_the_run_resumes(tmp_path, tiny_flux, no_ray):
@@ -178,10 +168,10 @@ def test_non_finite_gradients_are_skipped_counted_and_stop_the_run(tmp_path, tin
     """NaN gradients are injected (digen.fault_nonfinite_grad_steps): a real blow-up also turns
     the sampled images into NaN, which the reward refuses first, so it cannot isolate this path."""
     with pytest.raises(RunStopped, match="non-finite"):
-        run_training(_cfg(tmp_path, "nan", "digen.fault_nonfinite_grad_steps=[2,4]", "trainer.total_training_steps=6",
+        run_training(run_config(tmp_path, "nan", "digen.fault_nonfinite_grad_steps=[2,4]", "trainer.total_training_steps=6",
                           "digen.max_nonfinite_steps=1", f"trainer.default_local_dir={tmp_path}/ck",
                           "digen.save_final_weights=false"))
-    metrics = _metrics(tmp_path / "nan")
+    metrics = metrics_lines(tmp_path / "nan")
     assert [m["actor/skipped_nonfinite"] for m in metrics] == [0.0, 1.0, 0.0, 1.0]
     # A skipped step leaves the weights (and the version count of applied updates) as they were.
     assert [m["policy_version"] for m in metrics] == [1, 2, 3, 4]
@@ -202,7 +192,7 @@ def test_reward_server_failure_stops_with_a_checkpoint_and_names_the_server(tmp_
     threading.Thread(target=stop_server, daemon=True).start()
     try:
         with pytest.raises(RunStopped) as err:
-            run_training(_cfg(
+            run_training(run_config(
                 tmp_path, "rs", "digen.reward.name=http", f"+digen.reward.kwargs.url={server.url}",
                 "+digen.reward.kwargs.max_retries=2", "+digen.reward.kwargs.backoff_s=0.05",
                 "+digen.reward.kwargs.timeout_s=5", "trainer.total_training_steps=200", "trainer.save_freq=1",
@@ -243,7 +233,7 @@ def test_exported_lora_loads_with_diffusers_load_lora_weights(tmp_path, tiny_flu
     from verl_digen.sync.state import load_trainable_state
     from verl_digen.workers.training import add_lora
 
-    run_training(_cfg(tmp_path, "exp", "trainer.total_training_steps=2", "trainer.save_freq=2",
+    run_training(run_config(tmp_path, "exp", "trainer.total_training_steps=2", "trainer.save_freq=2",
                       f"trainer.default_local_dir={tmp_path}/ck"))
     ckpt = find_latest(str(tmp_path / "ck"))
     out = export_checkpoint(ckpt, str(tmp_path / "lora"))
@@ -273,7 +263,7 @@ def test_full_finetune_exports_a_diffusers_directory(tmp_path, tiny_flux, no_ray
     from verl_digen.export import export_checkpoint
     from verl_digen.trainer.checkpoint import find_latest as latest
 
-    run_training(_cfg(tmp_path, "full", "trainer.total_training_steps=1", "trainer.save_freq=1",
+    run_training(run_config(tmp_path, "full", "trainer.total_training_steps=1", "trainer.save_freq=1",
                       "digen.model.lora.enable=false", f"trainer.default_local_dir={tmp_path}/ck"))
     ckpt = latest(str(tmp_path / "ck"))
     out = export_checkpoint(ckpt, str(tmp_path / "full_dir"))

@@ -12,10 +12,7 @@ import ray
 import torch
 from safetensors.torch import load_file
 
-from verl_digen.config.compose import compose_config
-from verl_digen.trainer.loop import run_training
-
-QUIET = ["digen.progress_bar=false", "trainer.logger=[]"]
+from runs import QUIET, run, timeline_records
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -26,19 +23,8 @@ def ray_cluster(tiny_flux):
     ray.shutdown()
 
 
-def _run(tmp_path, name: str, *overrides: str):
-    out = tmp_path / name
-    cfg = compose_config(QUIET + [f"digen.output_dir={out}", *overrides])
-    return run_training(cfg)
-
-
-def _records(result):
-    with open(os.path.join(result.output_dir, "timeline.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
 def test_colocated_training_raises_the_brightness_reward(tmp_path, capsys):
-    result = _run(tmp_path, "coloc", "trainer.total_training_steps=20")
+    result = run(tmp_path, "coloc", "trainer.total_training_steps=20")
     rewards = [m["reward_mean"] for m in result.metrics]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     # Step-to-step noise of reward_mean at a fixed policy is ~5e-4 on this model.
@@ -47,7 +33,7 @@ def test_colocated_training_raises_the_brightness_reward(tmp_path, capsys):
 
 
 def test_every_run_writes_the_metrics_contract(tmp_path):
-    result = _run(tmp_path, "contract", "trainer.total_training_steps=2")
+    result = run(tmp_path, "contract", "trainer.total_training_steps=2")
     with open(os.path.join(result.output_dir, "metrics.jsonl")) as f:
         lines = [json.loads(line) for line in f]
     assert [m["step"] for m in lines] == [1, 2]
@@ -60,7 +46,7 @@ def test_every_run_writes_the_metrics_contract(tmp_path):
         assert m["images_per_s"] > 0 and 0 <= m["bubble_fraction"] <= 1
     assert [m["policy_version"] for m in lines] == [1, 2]
     assert os.path.getsize(os.path.join(result.output_dir, "gantt.png")) > 0
-    recs = _records(result)
+    recs = timeline_records(result.output_dir)
     for r in recs:
         assert {"worker", "kind", "start", "end", "version", "step", "groups"} <= set(r)
         assert r["end"] >= r["start"] >= 0
@@ -71,8 +57,8 @@ DISAGG = ["digen.placement=disaggregated", "digen.pools.rollout.devices=1", "dig
 
 def test_gap_step_gives_the_same_weights_as_the_synchronous_step(tmp_path):
     common = DISAGG + ["trainer.total_training_steps=1", "digen.save_final_weights=true", "digen.batch.groups_per_step=4"]
-    sync = _run(tmp_path, "sync", *common, "digen.gap.enable=false")
-    gap = _run(tmp_path, "gap", *common, "digen.gap.enable=true")
+    sync = run(tmp_path, "sync", *common, "digen.gap.enable=false")
+    gap = run(tmp_path, "gap", *common, "digen.gap.enable=true")
     a = load_file(sync.extra["final_weights"])
     b = load_file(gap.extra["final_weights"])
     assert a.keys() == b.keys()
@@ -89,8 +75,8 @@ def test_gap_over_two_trainer_ranks_matches_one_trainer_rank(tmp_path):
         "trainer.total_training_steps=1", "digen.save_final_weights=true", "digen.gap.enable=true",
         "digen.algo.optimizer=sgd",
     ]
-    one = _run(tmp_path, "t1", *common, "digen.pools.trainer.devices=1")
-    two = _run(tmp_path, "t2", *common, "digen.pools.trainer.devices=2")
+    one = run(tmp_path, "t1", *common, "digen.pools.trainer.devices=1")
+    two = run(tmp_path, "t2", *common, "digen.pools.trainer.devices=2")
     a, b = load_file(one.extra["final_weights"]), load_file(two.extra["final_weights"])
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-7, rtol=1e-5)
@@ -98,9 +84,9 @@ def test_gap_over_two_trainer_ranks_matches_one_trainer_rank(tmp_path):
 
 @pytest.mark.parametrize("lora", [True, False], ids=["lora_only", "full"])
 def test_rollout_weights_equal_trainer_weights_after_sync(tmp_path, lora):
-    result = _run(tmp_path, f"sync_{lora}", *DISAGG, "trainer.total_training_steps=2", f"digen.model.lora.enable={lora}")
+    result = run(tmp_path, f"sync_{lora}", *DISAGG, "trainer.total_training_steps=2", f"digen.model.lora.enable={lora}")
     assert result.extra["weights_in_sync"] is True  # sha256 over every synced tensor, bitwise
-    syncs = [r for r in _records(result) if r["kind"] == "sync"]
+    syncs = [r for r in timeline_records(result.output_dir) if r["kind"] == "sync"]
     assert [r["version"] for r in syncs] == [1, 2]
     nbytes = syncs[0]["extra"]["bytes"]
     # LoRA-only moves megabytes-class payloads, full moves the whole denoiser.
@@ -108,7 +94,7 @@ def test_rollout_weights_equal_trainer_weights_after_sync(tmp_path, lora):
 
 
 def _check_tcss_invariants(result, steps: int, groups_per_step: int, bound: int) -> list[int]:
-    recs = _records(result)
+    recs = timeline_records(result.output_dir)
     for kind in ("generate", "reward", "train"):
         seen = sorted(g for r in recs if r["kind"] == kind for g in r["groups"])
         assert seen == list(range(steps * groups_per_step)), f"{kind}: a group was lost or duplicated"
@@ -123,7 +109,7 @@ def _check_tcss_invariants(result, steps: int, groups_per_step: int, bound: int)
 
 
 def test_tcss_invariants_over_a_multi_step_run(tmp_path):
-    result = _run(tmp_path, "tcss", *DISAGG, "trainer.total_training_steps=5", "digen.gap.enable=true",
+    result = run(tmp_path, "tcss", *DISAGG, "trainer.total_training_steps=5", "digen.gap.enable=true",
                   "digen.async.max_staleness=1")
     staleness = _check_tcss_invariants(result, 5, 4, bound=1)
     assert 1 in staleness, "one-step-constrained async never used the previous weights"
@@ -131,7 +117,7 @@ def test_tcss_invariants_over_a_multi_step_run(tmp_path):
 
 
 def test_max_staleness_zero_is_on_policy(tmp_path):
-    result = _run(tmp_path, "onpolicy", *DISAGG, "trainer.total_training_steps=3", "digen.gap.enable=true")
+    result = run(tmp_path, "onpolicy", *DISAGG, "trainer.total_training_steps=3", "digen.gap.enable=true")
     staleness = _check_tcss_invariants(result, 3, 4, bound=0)
     assert set(staleness) == {0}
     for m in result.metrics:

@@ -3,8 +3,6 @@ time-step training split, and TAG's version rules."""
 
 from __future__ import annotations
 
-import json
-import os
 import pickle
 
 import pytest
@@ -12,14 +10,12 @@ import ray
 import torch
 from safetensors.torch import load_file
 
-from verl_digen.config.compose import compose_config
 from verl_digen.config.schema import digen_config_from_dict
 from verl_digen.models.registry import load_adapter
-from verl_digen.trainer.loop import run_training
+from runs import run, timeline_records
 from verl_digen.workers.sampling import begin_groups, denoise, finish_groups, sample_groups
 from verl_digen.workers.worker import sampling_settings
 
-QUIET = ["digen.progress_bar=false", "trainer.logger=[]"]
 TENSORS = ("latents", "log_probs", "images", "sde_mask", "train_mask")
 
 
@@ -87,37 +83,27 @@ def test_tsp_pipeline_of_worker_processes_matches_one_worker_bitwise(ray_cluster
                 remove_placement_group(pg)
 
 
-def _run(tmp_path, name, *overrides):
-    cfg = compose_config(QUIET + [f"digen.output_dir={tmp_path / name}", *overrides])
-    return run_training(cfg)
-
-
-def _records(result):
-    with open(os.path.join(result.output_dir, "timeline.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
 def test_timestep_split_training_gives_the_sample_split_gradient(ray_cluster, tmp_path):
     common = [
         "digen.placement=disaggregated", "trainer.n_gpus_per_node=3", "digen.pools.rollout.devices=1",
         "digen.pools.trainer.devices=2", "trainer.total_training_steps=1", "digen.save_final_weights=true",
         "digen.gap.enable=true", "digen.algo.optimizer=sgd", "digen.batch.groups_per_step=2",
     ]
-    by_sample = _run(tmp_path, "sample", *common, "digen.tsp.train_split=sample")
-    by_step = _run(tmp_path, "timestep", *common, "digen.tsp.train_split=timestep")
+    by_sample = run(tmp_path, "sample", *common, "digen.tsp.train_split=sample")
+    by_step = run(tmp_path, "timestep", *common, "digen.tsp.train_split=timestep")
     a, b = load_file(by_sample.extra["final_weights"]), load_file(by_step.extra["final_weights"])
     for k in a:
         # Same per-step terms, summed in a different order across ranks: float rounding only.
         torch.testing.assert_close(a[k], b[k], atol=1e-7, rtol=1e-5)
-    assert len([r for r in _records(by_step) if r["kind"] == "train"]) == 4  # 2 micro-batches x 2 ranks
+    assert len([r for r in timeline_records(by_step.output_dir) if r["kind"] == "train"]) == 4  # 2 micro-batches x 2 ranks
 
 
 def test_tsp_run_trains_and_keeps_every_invariant(ray_cluster, tmp_path):
-    result = _run(
+    result = run(
         tmp_path, "tsp", "digen.placement=disaggregated", "trainer.n_gpus_per_node=3", "digen.pools.rollout.devices=2",
         "digen.tsp.stages=2", "digen.gap.enable=true", "trainer.total_training_steps=3", "digen.async.max_staleness=1",
     )
-    recs = _records(result)
+    recs = timeline_records(result.output_dir)
     finals = sorted(g for r in recs if r["kind"] == "generate" and r["worker"] == "rollout1" for g in r["groups"])
     assert finals == list(range(12))  # every group went through the last stage once
     trained = sorted(g for r in recs if r["kind"] == "train" for g in r["groups"])
@@ -132,12 +118,12 @@ def test_tsp_run_trains_and_keeps_every_invariant(ray_cluster, tmp_path):
 
 def test_tag_groups_carry_the_trainer_version_and_are_trained_once(ray_cluster, tmp_path):
     # A 2-step SDE window makes training cheap, so the trainer would idle: TAG should assist.
-    result = _run(
+    result = run(
         tmp_path, "tag", "digen.placement=disaggregated", "digen.gap.enable=true", "digen.tag.enable=true",
         "trainer.total_training_steps=4", "digen.sampling.sde_window.mode=fixed", "digen.sampling.sde_window.size=2",
         "digen.batch.groups_per_step=6",
     )
-    recs = _records(result)
+    recs = timeline_records(result.output_dir)
     on_trainer = [r for r in recs if r["kind"] == "generate" and r["worker"].startswith("trainer")]
     assert on_trainer, [m["tag/groups"] for m in result.metrics]
     assert all(r["version"] == r["step"] for r in on_trainer)  # the newest weights, never stale
@@ -155,12 +141,12 @@ def test_fsdp_trainer_pool_gives_the_data_parallel_update(ray_cluster, tmp_path)
         "digen.pools.trainer.devices=2", "trainer.total_training_steps=2", "digen.save_final_weights=true",
         "digen.gap.enable=true", "digen.algo.optimizer=sgd",
     ]
-    dp = _run(tmp_path, "dp", *common)
-    fsdp = _run(tmp_path, "fsdp", *common, "digen.fsdp.enable=true")
+    dp = run(tmp_path, "dp", *common)
+    fsdp = run(tmp_path, "fsdp", *common, "digen.fsdp.enable=true")
     assert fsdp.extra["weights_in_sync"] is True
     a, b = load_file(dp.extra["final_weights"]), load_file(fsdp.extra["final_weights"])
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)
-    gangs = [r for r in _records(fsdp) if r["kind"] == "train"]
+    gangs = [r for r in timeline_records(fsdp.output_dir) if r["kind"] == "train"]
     assert all(r["worker"] == "trainer0,trainer1" for r in gangs)
