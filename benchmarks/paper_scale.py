@@ -1,6 +1,6 @@
 """Paper-scale benchmark, simulated: the four paper models at 16 and 32 devices.
 
-For every model and cluster size the planner's search (``verl_digen.plan``) is restricted to
+For every model and cluster size the planner's search (``verl_digen.sim.planner``) is restricted to
 one rung of the ladder (colocated, disaggregated, +GAP, +TSP, +TAG, +TCSS; each rung keeps the
 ones before it) and its best configuration is reported: the pool split, images/s, the speedup
 over the best colocated configuration, the fraction of the zero-bubble bound reached and the
@@ -11,7 +11,7 @@ bubble fraction. Then:
 - **emulated runtime** (``--emulate``): the best colocated and +TCSS plans of FLUX at 16 and 32
   devices run on the real Ray executor with emulated devices; the gap to the simulator on the
   same plan is the runtime's own overhead;
-- **tiny model** (``--tiny``): ``python -m verl_digen.sim.profile --check`` (a profile measured
+- **tiny model** (``--tiny``): ``python -m verl_digen.profile --check`` (a profile measured
   on this machine predicts the real tiny runs).
 
 Writes ``docs/benchmarks_sim.md``::
@@ -32,7 +32,7 @@ import sys
 import time
 from typing import Any
 
-from verl_digen.plan import Inventory, search
+from verl_digen.sim.planner import Inventory, search
 from verl_digen.sim.cost_model import CostModel, load_catalog
 
 MODELS = ("hunyuanvideo-13b", "wan2.1-14b", "flux-12b", "qwen-image-20b")
@@ -152,7 +152,7 @@ def emulate(
     import ray
 
     from verl_digen.schedule.strategies import StepPlanner
-    from verl_digen.sim.emulated import run_emulated_plan
+    from verl_digen.emulate import run_emulated_plan
     from verl_digen.sim.simulator import simulate_plan
 
     out = []
@@ -187,11 +187,11 @@ def emulate(
 
 
 def tiny_check() -> list[dict[str, Any]]:
-    """``python -m verl_digen.sim.profile --check``: the tiny model's tasks measured alone and by
+    """``python -m verl_digen.profile --check``: the tiny model's tasks measured alone and by
     two processes at once, three real runs, their prediction and the schedule-only replay."""
     import platform
 
-    from verl_digen.sim.profile import check_against_real_runs, measure_tiny, profile_document, write_profile
+    from verl_digen.profile import check_against_real_runs, measure_tiny, profile_document, write_profile
 
     device = f"cpu-{platform.node() or 'local'}"
     raw = measure_tiny([], threads=1, repeats=5)
@@ -346,7 +346,7 @@ def write_doc(args, catalog, results, sens, scen, emu, tiny, elapsed) -> str:
                      f"{100 * r['gap']:+.1f}% | {r['overhead_ms_per_task']:.2f} ms |")
     if tiny:
         L += ["", "## Tiny model: profile measured here vs real runs", "",
-              "`python -m verl_digen.sim.profile --out FILE --check`: the tiny FLUX model's tasks timed",
+              "`python -m verl_digen.profile --out FILE --check`: the tiny FLUX model's tasks timed",
               "in-process on this machine predict the real training loop's steady-state step time.", "",
               "Errors are real / predicted - 1. *simulated*: the measured profile (task rates timed alone,",
               "plus `host_contention`, the slow-down when the machine's other CPU device is busy, timed by two",

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from verl_digen.plan import (
+from verl_digen.sim.planner import (
     Inventory,
     candidates,
     hydra_overrides,

@@ -331,7 +331,7 @@ def test_emulated_runtime_matches_the_simulator_on_the_same_plan():
     executor's makespan is the simulator's plus the runtime's own overhead (about 1 ms per task
     on a 2-core machine; allowed: up to 40% of the makespan)."""
     ray = pytest.importorskip("ray")
-    from verl_digen.sim.emulated import run_emulated_plan
+    from verl_digen.emulate import run_emulated_plan
 
     spec = StrategySpec("disaggregated", 6, 2, groups_per_step=12, group_size=4, gap=True, max_staleness=1)
     costs = TableCostModel(

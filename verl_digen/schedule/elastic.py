@@ -1,8 +1,15 @@
-"""Per-step decisions from measured rates: TAG's share and TSP's stage boundaries."""
+"""Per-step decisions from measured rates: TAG's share and TSP's stage boundaries.
+
+Both are pure functions of a :class:`~verl_digen.schedule.timeline.Timeline`, so the Ray loop
+and the simulator decide the same way (:class:`~verl_digen.schedule.driver.StepDriver` calls
+them for both).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -100,6 +107,53 @@ def decide_tag_share(inp: TagInputs) -> TagDecision:
     else:
         reason = "trainers generate while they would otherwise wait for the first groups"
     return TagDecision(groups=best_n, predicted_step_s=best_t, predicted_step_s_without=without, reason=reason)
+
+
+def tag_decision(spec: Any, timeline: Any, step: int, switch_s: float) -> tuple[dict[str, float], int]:
+    """TAG's share of step ``step`` (groups the trainers generate) from the rates measured in
+    step ``step - 1``, and the decision's metrics. ``({}, 0)`` when TAG is off."""
+    if not spec.tag:
+        return {}, 0
+    inputs = tag_inputs_from_timeline(spec, timeline, step - 1, switch_s)
+    if inputs is None:
+        return TagDecision(0, 0.0, 0.0, "no measurements yet").as_metrics(None), 0
+    d = decide_tag_share(inputs)
+    return d.as_metrics(inputs), d.groups
+
+
+def balanced_spec(spec: Any, profile: dict[str, Any]) -> Any:
+    """TSP: ``spec`` with stage ranges balanced by a per-step cost profile
+    (``{"step_s": [...], "head_s": ..., "tail_s": ...}``, measured on a rollout worker or modelled)."""
+    bounds = balance_stages(profile["step_s"], spec.tsp_stages, head_s=profile["head_s"], tail_s=profile["tail_s"])
+    return dataclasses.replace(spec, stage_bounds=bounds)
+
+
+def rebalanced_spec(spec: Any, timeline: Any, step: int) -> Any:
+    """TSP: move stage boundaries using the stage durations measured in ``step``.
+
+    Each stage's measured time (its steps plus what a profile cannot see: receiving the
+    in-flight state, packing and shipping the record) is spread over its steps; the boundaries
+    move only when that predicts a >10% shorter slowest stage. Returns ``spec`` unchanged
+    otherwise (the same object).
+    """
+    bounds = spec.bounds
+    k = spec.tsp_stages
+    per_stage: list[list[float]] = [[] for _ in range(k)]
+    for r in timeline.of_step(step):
+        if r.kind == "generate" and r.stage is not None:
+            per_stage[r.stage].append(r.end - r.start)
+    if not all(per_stage):
+        return spec
+    means = [sum(v) / len(v) for v in per_stage]
+    step_costs = [means[i] / (bounds[i + 1] - bounds[i]) for i in range(k) for _ in range(bounds[i], bounds[i + 1])]
+    new = balance_stages(step_costs, k)
+
+    def slowest(b: tuple[int, ...]) -> float:
+        return max(sum(step_costs[b[i]:b[i + 1]]) for i in range(k))
+
+    if new != tuple(bounds) and slowest(new) < 0.9 * slowest(bounds):
+        return dataclasses.replace(spec, stage_bounds=new)
+    return spec
 
 
 def balance_stages(step_costs: list[float], stages: int, *, head_s: float = 0.0, tail_s: float = 0.0) -> tuple[int, ...]:

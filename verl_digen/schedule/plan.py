@@ -54,6 +54,7 @@ class Task:
     # whether it is the last stage (decodes and completes the groups).
     denoise: tuple[int, int] | None = None
     final: bool = True
+    stage: int | None = None  # GENERATE under TSP: the stage index k of denoise (None: all steps)
     # TRAIN under time-step split: (part, parts) -> this task trains trained_steps[part::parts].
     train_part: tuple[int, int] | None = None
 

@@ -47,6 +47,10 @@ class PlanRunner(abc.ABC):
     def _record_extra(self, task: Task, result: Any) -> dict[str, Any]:
         return {}
 
+    def step_metrics(self, step: int) -> dict[str, Any]:
+        """What ``step`` produced beyond timing (rewards, losses); none in virtual time."""
+        return {}
+
     # ------------------------------------------------------------------ scheduling
 
     def _sync_queues(self) -> None:
@@ -112,6 +116,7 @@ class PlanRunner(abc.ABC):
                     version=task.version,
                     groups=list(task.groups),
                     extra=self._record_extra(task, result),
+                    stage=task.stage,
                 )
             )
             self._on_finish(task, result, start, end)

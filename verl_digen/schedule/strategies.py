@@ -203,41 +203,31 @@ class StepPlanner:
                 lane = self._next_gen_slot % lanes
                 self._next_gen_slot += 1
             tag = "-".join(str(g) for g in task_groups)
-            if tsp:
+            deps = tuple(d for d in extra_deps if d)
+            if tsp:  # one chained task per stage, each on its own worker of the pipeline
                 workers = [WorkerId("rollout", lane * spec.tsp_stages + k) for k in range(spec.tsp_stages)]
-                version = self._version[workers[0]]
-                bounds = spec.bounds
-                prev: Task | None = None
-                for k, worker in enumerate(workers):
-                    prev = self.plan.add(
-                        Task(
-                            id=f"gen:{tag}:s{k}",
-                            kind=TaskKind.GENERATE,
-                            workers=(worker,),
-                            step=step,
-                            deps=tuple(d for d in extra_deps if d) + ((prev.id,) if prev else ()),
-                            groups=task_groups,
-                            version=version,
-                            images=len(task_groups) * spec.group_size,
-                            denoise=(bounds[k], bounds[k + 1]),
-                            final=k == spec.tsp_stages - 1,
-                        )
-                    )
-                gen = prev
+                stages: list[tuple[WorkerId, int | None]] = list(zip(workers, range(spec.tsp_stages)))
             else:
-                worker = generators[lane]
+                stages = [(generators[lane], None)]
+            version = self._version[stages[0][0]]
+            gen: Task | None = None
+            for worker, k in stages:
                 gen = self.plan.add(
                     Task(
-                        id=f"gen:{tag}",
+                        id=f"gen:{tag}" if k is None else f"gen:{tag}:s{k}",
                         kind=TaskKind.GENERATE,
                         workers=(worker,),
                         step=step,
-                        deps=tuple(d for d in extra_deps if d),
+                        deps=deps + ((gen.id,) if gen else ()),
                         groups=task_groups,
-                        version=self._version[worker],
+                        version=version,
                         images=len(task_groups) * spec.group_size,
+                        denoise=None if k is None else (spec.bounds[k], spec.bounds[k + 1]),
+                        final=k is None or k == spec.tsp_stages - 1,
+                        stage=k,
                     )
                 )
+            assert gen is not None
             if spec.reward_workers:
                 self._next_reward_slot += 1
                 rw = WorkerId("reward", (self._next_reward_slot - 1) % spec.reward_workers)

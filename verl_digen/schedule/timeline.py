@@ -19,6 +19,7 @@ class TaskRecord:
     version: int
     groups: list[int] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    stage: int | None = None  # a TSP generate stage's index
 
     @property
     def duration(self) -> float:

@@ -1,13 +1,17 @@
-"""Cost model, discrete-event simulator and emulated cluster for verl-digen plans.
+"""The pure performance layer: cost model, discrete-event simulator, planner search.
+
+It imports only :mod:`verl_digen.schedule` (plans, the step driver) and its own profiles, never
+the runtime (trainer, workers, sync, placement), so it runs anywhere without Ray or torch.
 
 - :mod:`~verl_digen.sim.cost_model`: seconds per task from FLOPs, bytes and bandwidths,
   with profiles as data files (``verl_digen/sim/profiles/*.yaml``), and the zero-bubble bound;
-- :mod:`~verl_digen.sim.simulator`: the plans the Ray executor runs, in virtual time;
-- :mod:`~verl_digen.sim.emulated`: the real Ray executor on workers that sleep for the cost
-  model's durations (the orchestration measured at 16-32 devices on one machine);
-- :mod:`~verl_digen.sim.profile`: measure this machine and write a profile.
+- :mod:`~verl_digen.sim.simulator`: the loop's step driver over plans in virtual time;
+- :mod:`~verl_digen.sim.planner`: the pool-split search and its CLI
+  (``python -m verl_digen.sim.planner``).
 
-The planner CLI built on these is ``python -m verl_digen.plan``.
+Runtime tools built on these live next to the runtime they drive: the emulated cluster
+(:mod:`verl_digen.workers.emulated`, ``python -m verl_digen.emulate``) and the device profiler
+(``python -m verl_digen.profile``).
 """
 
 from verl_digen.sim.cost_model import (  # noqa: F401

@@ -11,10 +11,11 @@ the cost model's switch (colocated workers twice per step; trainers that assist 
 Durations are fixed when a task starts; for devices that share one machine (CPU slots, a
 profile's ``host_contention``) they grow with the number of other devices busy at that moment.
 
-:func:`simulate` drives a strategy the way the training loop does (plan one step, run it to
-its optimizer step, re-measure the costs from the timeline, plan the next) and reports the
-loop's metrics for the steady-state steps: images/s, images/device/s, step time, bubble
-fraction, per-phase device time, and the zero-bubble bound next to them.
+:func:`simulate` drives a strategy with the training loop's own
+:class:`~verl_digen.schedule.driver.StepDriver` (plan one step, run it to its optimizer step,
+re-measure the costs from the timeline, plan the next) and reports the loop's metrics for the
+steady-state steps: images/s, images/device/s, step time, bubble fraction, and the zero-bubble
+bound next to them.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from verl_digen.schedule.plan import Plan, Task, TaskKind, WorkerId
+from verl_digen.schedule.driver import StepDriver
+from verl_digen.schedule.elastic import balanced_spec
+from verl_digen.schedule.plan import Plan, Task, WorkerId
 from verl_digen.schedule.runner import PlanRunner
-from verl_digen.schedule.strategies import StepCosts, StepPlanner, StrategySpec, measure_costs
+from verl_digen.schedule.strategies import StepCosts, StrategySpec
 from verl_digen.schedule.timeline import Timeline, save_gantt
 from verl_digen.sim.cost_model import Cluster
 
@@ -152,16 +155,6 @@ class SimResult:
     def fraction_of_bound(self) -> float:
         return self.images_per_s / self.bound_images_per_s if self.bound_images_per_s else 0.0
 
-    def phase_device_seconds(self) -> dict[str, float]:
-        """Busy device-seconds per task kind and step, over the measured steps."""
-        t0, t1 = self.window
-        out: dict[str, float] = {}
-        for r in self.timeline.records:
-            lo, hi = max(r.start, t0), min(r.end, t1)
-            if hi > lo:
-                out[r.kind] = out.get(r.kind, 0.0) + (hi - lo) * len(r.workers) / self.measured_steps
-        return out
-
     def summary(self) -> dict[str, Any]:
         return {
             "strategy": self.spec.name,
@@ -183,20 +176,13 @@ class SimResult:
         save_gantt(self.timeline, path, t0=t0, t1=t1, title=title or f"{self.spec.name}, {self.spec.devices} devices (simulated)")
 
 
-def tag_share(spec: StrategySpec, timeline: Any, s: int, costs: TaskCoster, cluster: Cluster) -> int:
-    """TAG: how many of step ``s``'s groups the trainers generate, decided from the rates of
-    step ``s - 1`` exactly as the training loop decides it (``verl_digen.schedule.elastic``)."""
-    if not getattr(spec, "tag", False) or s == 0:
-        return 0
-    from verl_digen.schedule.elastic import decide_tag_share, tag_inputs_from_timeline
-
-    switch_s = 0.0
-    if hasattr(costs, "switch_seconds"):
-        dev = costs.device(cluster.device_of(spec.trainers[0]))
-        group = costs.train_group(cluster)
-        switch_s = costs.switch_seconds("generate", dev, group) + costs.switch_seconds("train", dev, group)
-    inputs = tag_inputs_from_timeline(spec, timeline, s - 1, switch_s)
-    return decide_tag_share(inputs).groups if inputs is not None else 0
+def tag_switch_seconds(spec: StrategySpec, costs: TaskCoster, cluster: Cluster) -> float:
+    """What the cost model charges a trainer for switching to generation and back (TAG)."""
+    if not hasattr(costs, "switch_seconds"):
+        return 0.0
+    dev = costs.device(cluster.device_of(spec.trainers[0]))
+    group = costs.train_group(cluster)
+    return costs.switch_seconds("generate", dev, group) + costs.switch_seconds("train", dev, group)
 
 
 def simulate(
@@ -207,57 +193,44 @@ def simulate(
     steps: int = 6,
     warmup: int = 2,
     mirror_loop: bool = False,
+    tag_switch_s: float | None = None,
+    tsp_balance: bool = False,
 ) -> SimResult:
-    """Run ``steps`` training steps of ``spec`` the way the training loop does.
+    """Run ``steps`` training steps of ``spec`` with the training loop's own step driver.
 
-    Each step is planned with the costs measured on the previous step's timeline
-    (``measure_costs``, as in ``verl_digen.trainer.loop``), run until its optimizer step,
-    then the next one is planned. The first ``warmup`` steps are excluded from the metrics.
-    ``mirror_loop=True`` reproduces the loop exactly (default :class:`StepCosts` for step 0,
-    no look-ahead after the last step); otherwise step 0 is planned with the model's own
-    costs and every step, the last included, plans its look-ahead (a steady state).
+    Each step is planned with the costs measured on the previous step's timeline, run until
+    its optimizer step, then the next one is planned (:class:`~verl_digen.schedule.driver.StepDriver`,
+    the same object the Ray loop drives). The first ``warmup`` steps are excluded from the
+    metrics. ``mirror_loop=True`` reproduces the loop's edges (default :class:`StepCosts` for
+    step 0, no look-ahead after the last step); otherwise step 0 is planned with the model's
+    own costs and every step, the last included, plans its look-ahead (a steady state).
+    ``tag_switch_s``: TAG's switch cost (default: the cost model's); ``tsp_balance``: balance
+    TSP stages from the model's per-step costs and re-balance them every step, as the loop
+    does with ``digen.tsp.balance``.
     """
     if not 0 <= warmup < steps:
         raise ValueError(f"need 0 <= warmup ({warmup}) < steps ({steps})")
-    planner = StepPlanner(spec)
-    sim = SimulatedExecutor(planner.plan, costs, cluster)
-    step_costs = StepCosts() if mirror_loop else costs.step_costs(spec, cluster)
-    step_end: list[float] = []
-    metrics: list[dict[str, Any]] = []
-    t_prev = 0.0
-    images = spec.groups_per_step * spec.group_size
-    for s in range(steps):
-        has_next = s + 1 < steps if mirror_loop else True
-        tag_groups = tag_share(spec, sim.timeline, s, costs, cluster)
-        if tag_groups:
-            planner.plan_step(s, step_costs, has_next=has_next, tag_groups=tag_groups)
-        else:
-            planner.plan_step(s, step_costs, has_next=has_next)
-        sim.run_until([f"opt:{s}"])
-        t_end = sim.now()
-        step_end.append(t_end)
-        syncs = [r for r in sim.timeline.since(t_prev) if r.kind == TaskKind.SYNC.value and r.end <= t_end]
-        metrics.append(
-            {
-                "step": s + 1,
-                "images_per_s": images / (t_end - t_prev) if t_end > t_prev else 0.0,
-                "images_per_device_s": images / (t_end - t_prev) / spec.devices if t_end > t_prev else 0.0,
-                "step_time_s": t_end - t_prev,
-                "bubble_fraction": sim.timeline.bubble_fraction(t_prev, t_end),
-                "weight_sync_s": sum(r.end - r.start for r in syncs),
-            }
-        )
-        step_costs = measure_costs(sim.timeline.of_step(s), s, spec, step_costs)
-        t_prev = t_end
+    if tsp_balance and spec.tsp_stages > 1 and hasattr(costs, "step_profile"):
+        group_size = spec.group_size
+        spec = balanced_spec(spec, costs.step_profile(costs.device(cluster.device_of(spec.generators[0])), group_size))
+    driver = StepDriver(
+        spec,
+        lambda plan: SimulatedExecutor(plan, costs, cluster),
+        total_steps=steps if mirror_loop else None,
+        costs=StepCosts() if mirror_loop else costs.step_costs(spec, cluster),
+        tag_switch_s=tag_switch_seconds(spec, costs, cluster) if tag_switch_s is None else tag_switch_s,
+        tsp_rebalance=tsp_balance,
+    )
+    metrics = [driver.run_step(s) for s in range(steps)]
     if mirror_loop:
-        sim.run_until(None)
-    devices = [cluster.device_of(w) for w in planner.plan.workers]
+        driver.finish()
+    devices = [cluster.device_of(w) for w in driver.planner.plan.workers]
     return SimResult(
-        spec=spec,
+        spec=driver.spec,
         cluster=cluster,
-        timeline=sim.timeline,
-        plan=planner.plan,
-        step_end=step_end,
+        timeline=driver.timeline,
+        plan=driver.planner.plan,
+        step_end=[driver.step_end[s] for s in range(steps)],
         warmup_steps=warmup,
         bound_images_per_s=costs.zero_bubble_bound(devices),
         step_metrics=metrics,

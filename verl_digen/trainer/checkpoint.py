@@ -148,3 +148,107 @@ def checkpoint_at(path: str) -> Checkpoint:
     if not is_complete(path):
         raise CheckpointError(f"trainer.resume_from_path={path!r} is incomplete (no meta.json with complete=true)")
     return Checkpoint(path, int(m.group(1)))
+
+
+# ---------------------------------------------------------------------------- a run's checkpoints
+
+
+def select_resume(trainer_cfg: Any, root: str) -> Checkpoint | None:
+    """The checkpoint ``trainer.resume_mode`` asks for (None: start fresh)."""
+    from verl_digen.config.schema import ConfigError
+
+    mode = trainer_cfg.get("resume_mode", "auto")
+    if mode == "disable":
+        return None
+    if mode == "auto":
+        return find_latest(root)
+    if mode == "resume_path":
+        path = trainer_cfg.get("resume_from_path")
+        if not path:
+            raise ConfigError("invalid config: trainer.resume_mode=resume_path needs trainer.resume_from_path")
+        return checkpoint_at(str(path))
+    raise ConfigError(f"invalid config: trainer.resume_mode={mode!r}; valid: auto, disable, resume_path")
+
+
+class RunCheckpoints:
+    """Saves and restores a running job's state through its workers.
+
+    A checkpoint after step ``s`` holds the trainer state at policy version ``s`` and the prompt
+    sampler's position before step ``s + 1``'s prompts were drawn (TCSS look-ahead may already
+    have drawn them): :meth:`note_sampler` records those positions as prompts are assigned.
+    """
+
+    def __init__(self, root: str, spec: Any, *, meta: dict[str, Any], max_to_keep: int | None, timeout_s: float) -> None:
+        self.root = root
+        self.spec = spec
+        self.meta = meta
+        self.max_to_keep = max_to_keep
+        self.timeout_s = timeout_s
+        self.sampler_before: dict[int, dict[str, Any]] = {}
+        self.last_saved = 0
+
+    def note_sampler(self, step: int, state: dict[str, Any]) -> None:
+        """The sampler's position before step ``step``'s prompts were drawn."""
+        self.sampler_before.setdefault(step, state)
+
+    def save(self, actors: dict[Any, Any], step: int, metrics: list[dict[str, Any]]) -> str:
+        import ray
+
+        trainer_actors = [actors[w] for w in self.spec.trainers]
+        if self.spec.fsdp:  # sharded optimizer state: every rank saves its own shard
+            states = ray.get([a.checkpoint_state.remote() for a in trainer_actors], timeout=self.timeout_s)
+            state = states[0]
+            state["optimizer_per_rank"] = [st.pop("optimizer") for st in states]
+        else:
+            state = ray.get(trainer_actors[0].checkpoint_state.remote(), timeout=self.timeout_s)
+        if state["version"] != step:
+            raise RuntimeError(f"trainer holds version {state['version']} at the end of step {step}")
+        ckpt = save_checkpoint(
+            self.root,
+            step,
+            weights=state.pop("weights"),
+            trainer_state=state,
+            controller_state={"step": step, "sampler": self.sampler_before[step], "metrics": metrics[:step]},
+            meta={**self.meta, "strategy": self.spec.name, "max_staleness": self.spec.max_staleness},
+            max_to_keep=self.max_to_keep,
+        )
+        self.last_saved = step
+        return ckpt.path
+
+    def load(self, ckpt: Checkpoint, actors: dict[Any, Any], sampler: Any) -> list[dict[str, Any]]:
+        """Load ``ckpt`` into every model-holding worker and the sampler; return the metrics so far."""
+        import ray
+
+        weights, trainer_state, ctrl = ckpt.weights(), ckpt.trainer_state(), ckpt.controller_state()
+        refs = []
+        for w, a in actors.items():
+            if w.pool == "reward":
+                continue
+            is_trainer = w in self.spec.trainers
+            refs.append(a.load_checkpoint_state.remote(weights, trainer_state if is_trainer else None, ckpt.step))
+        digests = ray.get(refs, timeout=self.timeout_s)
+        if len(set(digests)) != 1:
+            raise RuntimeError(f"workers disagree on the weights loaded from {ckpt.path}")
+        sampler.load_state_dict(ctrl["sampler"])
+        self.last_saved = ckpt.step
+        print(f"[verl-digen] resumed from {ckpt.path} (step {ckpt.step}, policy version {ckpt.step})")
+        return list(ctrl["metrics"])
+
+    def on_stop(self, error: BaseException, done: int, actors: dict[Any, Any], metrics: list[dict[str, Any]]) -> str:
+        """Checkpoint what completed before a failure (when it can) and say how to resume."""
+        saved = None
+        if done > self.last_saved and done > 0:
+            try:
+                saved = self.save(actors, done, metrics)
+            except Exception as e:  # the trainer itself may be the one that died
+                saved = f"not written ({e.__class__.__name__}: {e})"
+        elif self.last_saved > 0:
+            saved = os.path.join(self.root, f"global_step_{self.last_saved}")
+        how = (
+            f"resume with trainer.resume_mode=auto trainer.default_local_dir={self.root}"
+            if self.last_saved > 0 or (saved and not str(saved).startswith("not"))
+            else "no checkpoint exists yet (set trainer.save_freq to write them)"
+        )
+        kind = "interrupted" if isinstance(error, KeyboardInterrupt) else "stopped"
+        return (f"[verl-digen] run {kind} after {done} completed steps: {error}\n"
+                f"[verl-digen] checkpoint: {saved or 'none'}; {how}")

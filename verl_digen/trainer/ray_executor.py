@@ -1,6 +1,7 @@
-"""Runs plans on Ray actors with non-blocking calls.
+"""Runs plans on Ray actors with non-blocking calls: the phases of a FlowGRPO step.
 
-Each task kind maps to one actor method; trajectories travel generate -> reward -> train as
+Each task kind is one phase method here (generate, reward, train with its advantages,
+optimizer step, sync), each issuing one actor call per worker; trajectories travel generate -> reward -> train as
 Ray object refs (the driver never materialises latents), while the small reward vectors are
 fetched by the driver, which computes the group-normalised advantages.
 """
@@ -18,6 +19,15 @@ import torch
 from verl_digen.algos.advantages import group_advantages
 from verl_digen.schedule.plan import Plan, Task, TaskKind, WorkerId
 from verl_digen.schedule.runner import PlanRunner
+
+
+_PHASE = {
+    TaskKind.GENERATE: "generate",
+    TaskKind.REWARD: "reward",
+    TaskKind.TRAIN: "train",
+    TaskKind.OPTIMIZER_STEP: "optimizer_step",
+    TaskKind.SYNC: "sync",
+}
 
 
 class WorkerFailure(RuntimeError):
@@ -60,58 +70,42 @@ class RayPlanExecutor(PlanRunner):
     def now(self) -> float:
         return time.time()
 
-    # ------------------------------------------------------------------ launch
+    # ------------------------------------------------------------------ the phases of a step
+    #
+    # FlowGRPO, one method per task kind, in the order a group goes through them: sample the
+    # group with SDE log-probs -> score it -> normalise rewards within the group -> train on it
+    # -> step the optimizer -> hand the weights to rollout. The plan decides where and when
+    # each runs (colocated, disaggregated, GAP, TSP, TAG, TCSS); each method only issues the
+    # non-blocking actor calls and returns their refs.
 
-    def _launch(self, task: Task) -> None:
-        a = self.actors
-        if task.kind == TaskKind.GENERATE:
-            request = {
-                "group_ids": list(task.groups),
-                "prompts": [self.prompts[g][1] for g in task.groups],
-                "prompt_indices": [self.prompts[g][0] for g in task.groups],
-                "step": task.step,
-                "version": task.version,
-            }
-            if task.denoise is not None:
-                request["denoise"] = task.denoise
-            # A TSP stage after the first takes the previous stage's in-flight state.
-            prev = [d for d in task.deps if self.plan[d].kind == TaskKind.GENERATE]
-            args = [self.outputs.pop(prev[0])] if prev else []
-            ref = a[task.worker].generate.remote(request, *args)
-            self.outputs[task.id] = ref
-            if task.final:
-                for g in task.groups:
-                    self.gen_of_group[g] = task.id
-            refs = [ref]
-        elif task.kind == TaskKind.REWARD:
-            gen_id = self.gen_of_group[task.groups[0]]
-            refs = [a[task.worker].compute_reward.remote(self.outputs[gen_id])]
-        elif task.kind == TaskKind.TRAIN:
-            gen_ids = sorted({self.gen_of_group[g] for g in task.groups})
-            request = {
-                "groups": list(task.groups),
-                "advantages": self._advantages(task),
-                "train_part": task.train_part,
-            }
-            inputs = [self.outputs[i] for i in gen_ids]
-            if len(task.workers) == 1:
-                refs = [a[task.worker].train_micro_batch.remote(request, *inputs)]
-            else:  # FSDP gang: every rank, in lockstep, on its share of the samples
-                n = len(task.workers)
-                refs = [a[w].train_micro_batch.remote({**request, "row_part": (r, n)}, *inputs)
-                        for r, w in enumerate(task.workers)]
-        elif task.kind == TaskKind.OPTIMIZER_STEP:
-            refs = [a[w].optimizer_step.remote() for w in task.workers]
-        elif task.kind == TaskKind.SYNC:
-            sender, *receivers = task.workers
-            refs = [a[sender].sync_send.remote(task.version)] + [a[w].sync_recv.remote() for w in receivers]
-        else:  # pragma: no cover - TaskKind is closed
-            raise ValueError(task.kind)
-        self._refs[task.id] = refs
-        for r in refs:
-            self._ref_task[r] = task.id
+    def generate(self, task: Task) -> list[ray.ObjectRef]:
+        """Sample the task's groups (or one TSP stage of them) with behaviour log-probs."""
+        request = {
+            "group_ids": list(task.groups),
+            "prompts": [self.prompts[g][1] for g in task.groups],
+            "prompt_indices": [self.prompts[g][0] for g in task.groups],
+            "step": task.step,
+            "version": task.version,
+        }
+        if task.denoise is not None:
+            request["denoise"] = task.denoise
+        # A TSP stage after the first takes the previous stage's in-flight state.
+        prev = [d for d in task.deps if self.plan[d].kind == TaskKind.GENERATE]
+        args = [self.outputs.pop(prev[0])] if prev else []
+        ref = self.actors[task.worker].generate.remote(request, *args)
+        self.outputs[task.id] = ref
+        if task.final:
+            for g in task.groups:
+                self.gen_of_group[g] = task.id
+        return [ref]
 
-    def _advantages(self, task: Task) -> torch.Tensor:
+    def reward(self, task: Task) -> list[ray.ObjectRef]:
+        """Score the images of the generate task that completed these groups."""
+        gen_id = self.gen_of_group[task.groups[0]]
+        return [self.actors[task.worker].compute_reward.remote(self.outputs[gen_id])]
+
+    def advantages(self, task: Task) -> torch.Tensor:
+        """GRPO: rewards normalised within each group (or over the step, ``std_mode=global``)."""
         res = self.results[task.step]
         rows = torch.cat([res.rewards[g] for g in task.groups])
         ids = torch.cat([torch.full_like(res.rewards[g], g, dtype=torch.long) for g in task.groups])
@@ -123,6 +117,34 @@ class RayPlanExecutor(PlanRunner):
         adv = group_advantages(all_rows, all_ids, std_mode="global")
         by_group = {g: adv[all_ids == g] for g in sorted(res.rewards)}
         return torch.cat([by_group[g] for g in task.groups])
+
+    def train(self, task: Task) -> list[ray.ObjectRef]:
+        """One micro-batch: recompute log-probs, clipped surrogate (+KL), accumulate gradients."""
+        gen_ids = sorted({self.gen_of_group[g] for g in task.groups})
+        request = {"groups": list(task.groups), "advantages": self.advantages(task), "train_part": task.train_part}
+        inputs = [self.outputs[i] for i in gen_ids]
+        if len(task.workers) == 1:
+            return [self.actors[task.worker].train_micro_batch.remote(request, *inputs)]
+        n = len(task.workers)  # FSDP gang: every rank, in lockstep, on its share of the samples
+        return [self.actors[w].train_micro_batch.remote({**request, "row_part": (r, n)}, *inputs)
+                for r, w in enumerate(task.workers)]
+
+    def optimizer_step(self, task: Task) -> list[ray.ObjectRef]:
+        """Reduce gradients over the trainer ranks and step: weights version ``task.version``."""
+        return [self.actors[w].optimizer_step.remote() for w in task.workers]
+
+    def sync(self, task: Task) -> list[ray.ObjectRef]:
+        """Push the trained weights (LoRA-only when LoRA is on) to the rollout workers."""
+        sender, *receivers = task.workers
+        return [self.actors[sender].sync_send.remote(task.version)] + [
+            self.actors[w].sync_recv.remote() for w in receivers
+        ]
+
+    def _launch(self, task: Task) -> None:
+        refs = getattr(self, _PHASE[task.kind])(task)
+        self._refs[task.id] = refs
+        for r in refs:
+            self._ref_task[r] = task.id
 
     # ------------------------------------------------------------------ wait
 
@@ -186,3 +208,20 @@ class RayPlanExecutor(PlanRunner):
         if task.kind == TaskKind.SYNC:
             return {"bytes": result[0].get("nbytes", 0)}
         return {}
+
+    def step_metrics(self, step: int) -> dict[str, Any]:
+        """What ``step`` learned: rewards, staleness, the trainers' ``actor/*`` means, the
+        optimizer's statistics."""
+        res = self.results[step]
+        rewards = torch.cat([res.rewards[g] for g in sorted(res.rewards)])
+        m: dict[str, Any] = {
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std(unbiased=False)),
+            "max_staleness_seen": int(max((t["staleness_max"] for t in res.train), default=0)),
+        }
+        for k in sorted({k for t in res.train for k in t if k.startswith("actor/")}):
+            values = [t[k] for t in res.train if k in t]
+            m[k] = float(sum(values) / len(values))
+        m.update(res.optimizer)
+        m["policy_version"] = step + 1
+        return m

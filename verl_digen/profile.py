@@ -1,4 +1,4 @@
-"""``python -m verl_digen.sim.profile``: measure this machine and write a cost-model profile.
+"""``python -m verl_digen.profile``: measure this machine and write a cost-model profile.
 
 Default mode: time the real task code of the tiny model (or any ``digen.model.path``) on this
 machine, in-process, one thread per worker as the training loop gives each worker:
@@ -17,7 +17,7 @@ reproduces the measured forward, and a system with the measured fixed costs. ``-
 runs the real training loop (colocated on 2 devices and disaggregated 1+1 by default) and
 compares each run's steady-state step time with the simulator's prediction from the profile::
 
-    python -m verl_digen.sim.profile --out /tmp/tiny_cpu.yaml --check
+    python -m verl_digen.profile --out /tmp/tiny_cpu.yaml --check
 
 ``--block`` instead measures one DiT block at a real model's width and sequence length (e.g. on
 a GPU: ``--block --hidden 3072 --tokens 4608``) and writes a device profile with the measured
@@ -38,7 +38,7 @@ import sys
 import time
 from typing import Any, Callable
 
-SOURCE = "measured by python -m verl_digen.sim.profile"
+SOURCE = "measured by python -m verl_digen.profile"
 
 
 def _median_time(fn: Callable[[], Any], repeats: int) -> float:
@@ -177,7 +177,7 @@ def _load(overrides: list[str], threads: int) -> tuple[Any, Any, Any]:
     from verl_digen.config.compose import compose_config
     from verl_digen.config.schema import digen_config_from_dict
     from verl_digen.models.registry import load_adapter
-    from verl_digen.trainer.loop import resolve_model_path
+    from verl_digen.trainer.resolve import resolve_model_path
     from verl_digen.workers.training import add_lora
     from verl_digen.workers.worker import compute_device, sampling_settings
 
@@ -456,7 +456,7 @@ def write_profile(doc: dict[str, Any], path: str) -> None:
         return x
 
     header = (
-        "# Cost-model profile written by `python -m verl_digen.sim.profile` (see its --help).\n"
+        "# Cost-model profile written by `python -m verl_digen.profile` (see its --help).\n"
         "# Effective rates reproduce the measured task times of this model on this machine; every\n"
         "# value's provenance is in `sources`. `measurements` keeps the raw medians (seconds).\n"
     )
@@ -484,7 +484,7 @@ def check_against_real_runs(
     from verl_digen.config.compose import compose_config
     from verl_digen.schedule.timeline import Timeline
     from verl_digen.sim.cost_model import CostModel, TableCostModel, load_catalog
-    from verl_digen.sim.emulated import cluster_for_layout
+    from verl_digen.workers.emulated import cluster_for_layout
     from verl_digen.sim.simulator import simulate
     from verl_digen.trainer.loop import DigenTrainer
 
@@ -605,7 +605,7 @@ def measure_block(hidden: int, tokens: int, heads: int, batch: int, repeats: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m verl_digen.sim.profile", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m verl_digen.profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="profile YAML to write")
     p.add_argument("--name", default=None, help="model profile name (default: tiny-<arch>)")
     p.add_argument("--device-name", default=None, help="device profile name (default: cpu-<host> / the GPU)")

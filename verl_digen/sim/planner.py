@@ -1,4 +1,4 @@
-"""``python -m verl_digen.plan``: recommend a pool split and mechanisms for a cluster.
+"""``python -m verl_digen.sim.planner``: recommend a pool split and mechanisms for a cluster.
 
 The planner enumerates configurations (colocated; disaggregated pool splits that can be
 placed on whole nodes; micro-batch sizes; GAP and TCSS on or off), drops the ones that do
@@ -6,18 +6,14 @@ not fit in device memory, simulates each with the cost model (the same plans the
 executor would run) and ranks them by images/s. It prints the ranked table, the zero-bubble
 bound next to every row, and the hydra overrides that run the best configuration::
 
-    python -m verl_digen.plan --model flux-12b --devices 32 --device-type H800
-    python -m verl_digen.plan --model wan2.1-14b --mix H800:16,A100:16 --json plan.json
-    python -m verl_digen.plan --list            # the model and device profiles it knows
-
-TSP and TAG are not searched yet: they plug in as new ``StrategySpec`` switches that
-``StepPlanner`` turns into tasks; the simulator and the cost model already cost such tasks.
+    python -m verl_digen.sim.planner --model flux-12b --devices 32 --device-type H800
+    python -m verl_digen.sim.planner --model wan2.1-14b --mix H800:16,A100:16 --json plan.json
+    python -m verl_digen.sim.planner --list            # the model and device profiles it knows
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import sys
@@ -41,13 +37,6 @@ MECHANISMS: dict[str, dict[str, Any]] = {
         "placement": "disaggregated", "gap": True, "tsp_stages": (2, 4), "tag": True, "max_staleness": 1,
     },
 }
-# Kept for callers that still name the TSP/TAG sets separately; they are searched by default now.
-EXPERIMENTAL: dict[str, dict[str, Any]] = {}
-
-
-def supports(switch: str) -> bool:
-    """Whether this checkout's StrategySpec has a switch (TSP: ``tsp_stages``, TAG: ``tag``)."""
-    return switch in {f.name for f in dataclasses.fields(StrategySpec)}
 
 
 @dataclass(frozen=True)
@@ -207,12 +196,9 @@ def candidates(
         raise ProfileError(f"--mix supports at most two device types, got {', '.join(types)}")
     out: list[Candidate] = []
     for label in mechanisms:
-        switches = MECHANISMS.get(label) or EXPERIMENTAL.get(label)
+        switches = MECHANISMS.get(label)
         if switches is None:
-            raise ProfileError(f"unknown mechanism set {label!r}; valid: {', '.join([*MECHANISMS, *EXPERIMENTAL])}")
-        missing = [k for k in ("tsp_stages", "tag") if k in switches and not supports(k)]
-        if missing:
-            raise ProfileError(f"{label}: this StrategySpec has no {', '.join(missing)} switch (not implemented yet)")
+            raise ProfileError(f"unknown mechanism set {label!r}; valid: {', '.join(MECHANISMS)}")
         layouts: list[dict[str, PoolShape]] = []
         if switches["placement"] == "colocated":
             if len(types) == 1:
@@ -367,7 +353,7 @@ def parse_mix(text: str) -> dict[str, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m verl_digen.plan", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m verl_digen.sim.planner", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="flux-12b", help="model profile name")
     p.add_argument("--devices", type=int, default=None, help="number of devices (all of --device-type)")
     p.add_argument("--device-type", default="H800", help="device profile name (H100, H800, A100, ...)")

@@ -1,0 +1,165 @@
+"""The package's layering (docs/architecture.md), checked on the source, and the one step driver.
+
+- ``sim/`` is pure: it imports only ``schedule/`` (and itself), never the runtime;
+- ``workers/`` never import the controller (``trainer/``);
+- a step is driven in one place: only ``schedule/driver.py`` plans steps and runs a plan to a
+  step's optimizer step; the loop and the simulator both go through it;
+- the controller loop stays readable (under 350 lines) and importing it changes no environment;
+- the simulator re-balances TSP stages from measured stage times, as the loop does.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from verl_digen.schedule.plan import TaskKind
+from verl_digen.schedule.strategies import StrategySpec
+from verl_digen.sim.cost_model import Cluster, TableCostModel
+from verl_digen.sim.simulator import simulate
+
+PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "verl_digen")
+
+
+def _modules(sub: str) -> dict[str, ast.Module]:
+    root = os.path.join(PKG, sub)
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                with open(path) as f:
+                    out[os.path.relpath(path, PKG)] = ast.parse(f.read(), path)
+    return out
+
+
+def _imports(tree: ast.Module) -> set[str]:
+    """Every verl_digen module a file imports, at module level or inside functions."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("verl_digen"):
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("verl_digen"))
+    return found
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_sim_imports_only_schedule():
+    for path, tree in _modules("sim").items():
+        layers = {_layer(m) for m in _imports(tree)} - {"sim", "schedule"}
+        assert not layers, f"{path} imports verl_digen.{sorted(layers)}: sim/ must stay pure (schedule/ and data only)"
+
+
+def test_schedule_imports_nothing_above_it():
+    for path, tree in _modules("schedule").items():
+        layers = {_layer(m) for m in _imports(tree)} - {"schedule"}
+        assert not layers, f"{path} imports verl_digen.{sorted(layers)}"
+
+
+def test_workers_do_not_import_the_controller():
+    for path, tree in _modules("workers").items():
+        bad = sorted(m for m in _imports(tree) if _layer(m) == "trainer")
+        assert not bad, f"{path} imports {bad}: workers must not import trainer/"
+
+
+def _calls(tree: ast.Module, attr: str) -> int:
+    return sum(
+        1 for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == attr
+    )
+
+
+def test_steps_are_planned_and_run_only_by_the_step_driver():
+    trees = {**_modules("trainer"), **_modules("sim"), **_modules("schedule")}
+    for path, tree in trees.items():
+        if path == os.path.join("schedule", "driver.py"):
+            assert _calls(tree, "plan_step") == 1 and _calls(tree, "run_until") >= 1
+            continue
+        assert _calls(tree, "plan_step") == 0, f"{path} plans steps itself; use schedule.driver.StepDriver"
+        assert _calls(tree, "measure_costs") == 0, f"{path} measures step costs itself; use StepDriver"
+    for path in (os.path.join("trainer", "loop.py"), os.path.join("sim", "simulator.py")):
+        names = {n.id for n in ast.walk(trees[path]) if isinstance(n, ast.Name)}
+        assert "StepDriver" in names, f"{path} does not drive steps with StepDriver"
+
+
+def test_controller_loop_is_short():
+    with open(os.path.join(PKG, "trainer", "loop.py")) as f:
+        lines = len(f.readlines())
+    assert lines < 350, f"trainer/loop.py has {lines} lines"
+
+
+def test_importing_the_loop_changes_no_environment_variable():
+    code = (
+        "import os; before = dict(os.environ); import verl_digen.trainer.loop, verl_digen.main; "
+        "changed = sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k)); "
+        "print(changed)"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("TOKENIZERS_PARALLELISM", "TRANSFORMERS_VERBOSITY",
+                                                            "DIFFUSERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    changed = eval(out.stdout.strip().splitlines()[-1])
+    ours = [k for k in changed if k in ("TOKENIZERS_PARALLELISM", "TRANSFORMERS_VERBOSITY", "DIFFUSERS_VERBOSITY",
+                                        "HF_HUB_DISABLE_PROGRESS_BARS", "OMP_NUM_THREADS")]
+    assert ours == [], f"importing the loop set {ours}"
+
+
+# ---------------------------------------------------------------------------- the simulator mirrors the loop
+
+
+@dataclass
+class _StepCostTable(TableCostModel):
+    """Generation costs the sum of its denoising steps' costs: the last steps are 4x dearer."""
+
+    step_s: tuple[float, ...] = (1, 1, 1, 1, 1, 1, 4, 4)
+
+    def task_seconds(self, task, worker, cluster=None, *, switch_from=None):
+        if task.kind == TaskKind.GENERATE:
+            lo, hi = task.denoise or (0, len(self.step_s))
+            return sum(self.step_s[lo:hi])
+        return super().task_seconds(task, worker, cluster, switch_from=switch_from)
+
+
+def test_simulator_rebalances_tsp_stages_from_measured_stage_times_like_the_loop():
+    spec = StrategySpec(
+        placement="disaggregated", rollout_workers=2, trainer_workers=1, groups_per_step=4, group_size=2,
+        tsp_stages=2, num_steps=8, gap=True,
+    )
+    costs = _StepCostTable(seconds={"reward": 0.1, "train": 0.5, "optimizer_step": 0.1, "sync": 0.1})
+    cluster = Cluster.for_spec(spec, "any")
+    fixed = simulate(spec, costs, cluster, steps=5, warmup=2)
+    balanced = simulate(spec, costs, cluster, steps=5, warmup=2, tsp_balance=True)
+    assert fixed.spec.bounds == (0, 4, 8)
+    # Even split: stages of 4 s and 10 s; measured per-step means move the boundary towards
+    # the expensive tail until the slowest stage stops improving by 10%: (0, 6, 8) -> 6 s and 8 s.
+    assert balanced.spec.bounds == (0, 6, 8)
+    assert balanced.step_time_s < fixed.step_time_s
+    # Every generate record says which TSP stage it was (no parsing of task ids).
+    gens = [r for r in balanced.timeline.records if r.kind == "generate"]
+    assert {r.stage for r in gens} == {0, 1}
+    assert all(r.task.endswith(f":s{r.stage}") for r in gens)
+
+
+def test_simulated_steps_report_the_loops_timing_and_tag_metrics():
+    spec = StrategySpec(
+        placement="disaggregated", rollout_workers=1, trainer_workers=1, groups_per_step=4, group_size=2,
+        gap=True, tag=True,
+    )
+    costs = TableCostModel(seconds={"generate": 2.0, "reward": 0.1, "train": 0.5, "optimizer_step": 0.1, "sync": 0.1})
+    r = simulate(spec, costs, Cluster.for_spec(spec, "any"), steps=4, warmup=1, tag_switch_s=0.0)
+    first, later = r.step_metrics[0], r.step_metrics[1:]
+    assert first["tag/groups"] == 0.0  # nothing measured yet
+    # Trainers wait for groups: from step 2 on they generate part of the batch themselves.
+    assert all(m["tag/groups"] > 0 for m in later)
+    for key in ("images_per_s", "step_time_s", "bubble_fraction", "bubble/head_trainer", "bubble/drain_rollout",
+                "weight_sync_s", "strategy", "devices"):
+        assert key in first

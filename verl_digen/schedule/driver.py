@@ -1,0 +1,92 @@
+"""The step driver: what one training step does, for every executor.
+
+A step is: decide the elastic shares from what the previous step measured (TAG's share of
+generation on the trainers, TSP's stage boundaries), append the step to the plan, run the plan
+until the step's optimizer step, read the step's metrics off the timeline, and re-measure the
+per-unit costs that the next step's look-ahead is planned with.
+
+:class:`StepDriver` does exactly that and nothing else. The Ray training loop
+(:mod:`verl_digen.trainer.loop`) wraps it with Ray, prompts, checkpoints, validation and
+logging; the simulator (:mod:`verl_digen.sim.simulator`) wraps it with a virtual clock. So the
+simulator's prediction is of the step the loop actually runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from verl_digen.schedule.elastic import rebalanced_spec, tag_decision
+from verl_digen.schedule.metrics import step_timing_metrics
+from verl_digen.schedule.plan import Plan
+from verl_digen.schedule.runner import PlanRunner
+from verl_digen.schedule.strategies import StepCosts, StepPlanner, StrategySpec, measure_costs
+
+
+def optimizer_task_id(step: int) -> str:
+    return f"opt:{step}"
+
+
+class StepDriver:
+    """Plans and runs one training step at a time on the executor ``make_executor`` builds.
+
+    - ``start_step``: the first step (a resumed run continues from its checkpoint's step);
+    - ``total_steps``: the step after the last one (no look-ahead is planned past it); None
+      plans a look-ahead after every step (a steady state, for the simulator);
+    - ``costs``: the per-unit costs the first step is planned with (later steps use the costs
+      measured on the step before);
+    - ``tag_switch_s``: what a trainer pays to switch from generating to training (TAG);
+    - ``tsp_rebalance``: move TSP stage boundaries from the stage times measured each step.
+    """
+
+    def __init__(
+        self,
+        spec: StrategySpec,
+        make_executor: Callable[[Plan], PlanRunner],
+        *,
+        start_step: int = 0,
+        total_steps: int | None = None,
+        costs: StepCosts | None = None,
+        tag_switch_s: float = 0.0,
+        tsp_rebalance: bool = False,
+    ) -> None:
+        self.spec = spec
+        self.planner = StepPlanner(spec, start_step=start_step)
+        self.executor = make_executor(self.planner.plan)
+        self.first_step = start_step
+        self.total_steps = total_steps
+        self.costs = costs or StepCosts()
+        self.tag_switch_s = tag_switch_s
+        self.tsp_rebalance = tsp_rebalance
+        self.stage_changes: list[dict[str, Any]] = []  # TSP boundaries moved: {"step", "bounds"}
+        self.step_end: dict[int, float] = {}  # executor time at each step's optimizer step
+
+    @property
+    def timeline(self):
+        return self.executor.timeline
+
+    def run_step(self, step: int) -> dict[str, Any]:
+        """Decide, plan and run ``step`` to its optimizer step; return its metrics."""
+        ex = self.executor
+        t0 = ex.now()
+        tag_metrics, tag_groups = tag_decision(self.spec, ex.timeline, step, self.tag_switch_s)
+        if self.tsp_rebalance and self.spec.tsp_stages > 1 and step > self.first_step:
+            spec = rebalanced_spec(self.spec, ex.timeline, step - 1)
+            if spec is not self.spec:
+                self.stage_changes.append({"step": step, "bounds": list(spec.bounds)})
+                self.spec = self.planner.spec = spec
+        has_next = self.total_steps is None or step + 1 < self.total_steps
+        self.planner.plan_step(step, self.costs, has_next=has_next, tag_groups=tag_groups)
+        ex.run_until([optimizer_task_id(step)])
+        t1 = ex.now()
+        self.step_end[step] = t1
+        metrics = step_timing_metrics(self.spec, ex.timeline, step, t0, t1)
+        metrics.update(ex.step_metrics(step))
+        metrics.update(tag_metrics)
+        self.costs = measure_costs(ex.timeline.of_step(step), step, self.spec, self.costs)
+        return metrics
+
+    def finish(self) -> None:
+        """Run what is still planned (the final weight sync); check the executed plan."""
+        self.executor.run_until(None)
+        if self.total_steps is not None:
+            self.executor.plan.check(complete_steps=range(self.first_step, self.total_steps))

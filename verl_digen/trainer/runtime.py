@@ -1,0 +1,118 @@
+"""The Ray side of a run: the cluster, the worker groups, the weight channel, the final check.
+
+Worker groups come from a *factory* ``layout -> (groups, actors)``: :func:`real_worker_groups`
+builds ``DiffusionWorker`` groups on Ray resource pools; the emulated cluster
+(:func:`verl_digen.workers.emulated.emulated_worker_groups`) builds workers that sleep for the
+cost model's seconds. The loop does not know which it drives.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+from verl_digen.config.schema import DigenConfig
+from verl_digen.placement.pools import PoolLayout, build_worker_groups
+from verl_digen.schedule.plan import WorkerId
+
+WorkerGroupFactory = Callable[[PoolLayout], "tuple[dict[str, Any], dict[WorkerId, Any]]"]
+
+# Keep the console for the progress bar and the metrics, not per-worker loading bars.
+QUIET_ENV = {
+    "TOKENIZERS_PARALLELISM": "false",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "DIFFUSERS_VERBOSITY": "error",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+}
+
+
+def quiet_logs() -> None:
+    """Quiet the driver's libraries (workers get the same through Ray's runtime env)."""
+    for k, v in QUIET_ENV.items():
+        os.environ.setdefault(k, v)
+
+
+def init_ray(devices: int, cfg: DigenConfig) -> bool:
+    """Start a local Ray instance for the run unless one is up; return whether we own it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    num_cpus = cfg.ray_num_cpus or max(devices + 2, os.cpu_count() or 1)
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        ignore_reinit_error=True,
+        log_to_driver=True,
+        runtime_env={"env_vars": {**QUIET_ENV, "OMP_NUM_THREADS": "1"}},
+    )
+    return True
+
+
+def release(groups: dict[str, Any], owns_ray: bool) -> None:
+    """Kill the run's actors, free their placement groups, and stop Ray if we started it."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    for wg in groups.values():
+        for a in wg.workers:
+            ray.kill(a, no_restart=True)
+        for pg in getattr(wg.resource_pool, "pgs", None) or []:
+            remove_placement_group(pg)
+    if owns_ray:
+        ray.shutdown()
+
+
+def real_worker_groups(config: Any, model_path: str, *, use_gpu: bool, devices: int) -> WorkerGroupFactory:
+    """The factory of ``DiffusionWorker`` groups, one Ray resource pool per role (``config``:
+    the ``digen`` config the workers are built with)."""
+    threads = max(1, (os.cpu_count() or 1) // max(devices, 1)) if not use_gpu else 4
+
+    def build(layout: PoolLayout) -> tuple[dict[str, Any], dict[WorkerId, Any]]:
+        return build_worker_groups(layout, config=config, model_path=model_path, use_gpu=use_gpu, num_threads=threads)
+
+    return build
+
+
+def open_weight_channel(spec: Any, actors: dict[WorkerId, Any], cfg: DigenConfig, use_gpu: bool) -> None:
+    """Connect trainer rank 0 to every rollout worker (gloo or NCCL) and check they agree."""
+    import ray
+
+    backend = cfg.sync.backend
+    if backend == "auto":
+        backend = "nccl" if use_gpu else "gloo"
+    sender = actors[WorkerId("trainer", 0)]
+    receivers = [actors[WorkerId("rollout", r)] for r in range(spec.rollout_workers)]
+    addr, port = ray.get(sender.sync_master_endpoint.remote(), timeout=60)
+    world = len(receivers) + 1
+    ray.get(
+        [sender.sync_open.remote(0, world, addr, port, backend)]
+        + [w.sync_open.remote(i + 1, world, addr, port, backend) for i, w in enumerate(receivers)],
+        timeout=cfg.task_timeout_s,
+    )
+    digests = ray.get([sender.weights_digest.remote(), receivers[0].weights_digest.remote()], timeout=60)
+    if digests[0] != digests[1]:
+        raise RuntimeError("rollout and trainer start from different weights (same model dir and LoRA seed expected)")
+
+
+def finish_weights(spec: Any, actors: dict[WorkerId, Any], cfg: DigenConfig, output_dir: str, *, save: bool) -> dict[str, Any]:
+    """Check rollout holds the trainer's final weights; optionally save them."""
+    import ray
+
+    extra: dict[str, Any] = {}
+    source = actors[spec.trainers[0]]
+    if spec.placement == "disaggregated":
+        digests = ray.get(
+            [source.weights_digest.remote()] + [actors[w].weights_digest.remote() for w in spec.generators], timeout=120
+        )
+        extra["weights_in_sync"] = all(d == digests[0] for d in digests[1:])
+        if not extra["weights_in_sync"]:
+            raise RuntimeError("after the final sync, rollout weights differ from the trainer's")
+    if save:
+        from safetensors.torch import save_file
+
+        state = ray.get(source.trainable_state_cpu.remote(), timeout=300)
+        path = os.path.join(output_dir, "final_weights.safetensors")
+        save_file(state, path)
+        extra["final_weights"] = path
+    return extra

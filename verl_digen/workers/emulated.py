@@ -1,0 +1,237 @@
+"""An emulated cluster: the real Ray executor driving N workers that sleep instead of compute.
+
+Each :class:`EmulatedWorker` is a Ray actor with the task methods of
+:class:`~verl_digen.workers.worker.DiffusionWorker` (``generate``, ``compute_reward``,
+``train_micro_batch``, ``optimizer_step``, ``sync_send``, ``sync_recv``, plus the set-up
+calls the training loop makes). A call sleeps for the cost model's duration of the task, times
+``time_scale``, and returns the smallest data the executor and the loop consume: reward
+vectors as tensors, train and optimizer metrics, sync statistics. Weights versions are kept
+and checked as the real worker does, and each worker tracks its generate/train mode, so
+switches cost what the simulator charges.
+
+So the orchestration code itself (plan building, dispatch, ``ray.wait``, object refs, the
+driver's advantage computation, the loop's bookkeeping) runs at 16-32 devices on a laptop, and
+its overhead is measured against the simulator on the same plan:
+
+- :func:`emulated_worker_groups` is a worker-group factory for
+  :class:`~verl_digen.trainer.loop.DigenTrainer` (``digen.emulate.model=...`` selects it), so
+  the training loop runs unchanged (hydra config, planner, executor, metrics, timeline, Gantt);
+- ``python -m verl_digen.emulate`` runs a given plan, or the loop, on emulated workers and
+  compares each step with the simulator.
+
+Nothing here imports torch at module level: actor processes stay small (tensors are built
+when the driver unpickles a reward).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from verl_digen.schedule.plan import Task, TaskKind, WorkerId
+from verl_digen.sim.cost_model import Cluster, CostModel, PoolPlacement
+
+
+def _as_tensor(values: list, dtype: str) -> Any:
+    import torch
+
+    return torch.tensor(values, dtype=getattr(torch, dtype))
+
+
+class TensorData:
+    """A list that becomes a ``torch.Tensor`` when unpickled (on the driver)."""
+
+    def __init__(self, values: list, dtype: str) -> None:
+        self.values = values
+        self.dtype = dtype
+
+    def __reduce__(self) -> tuple:
+        return (_as_tensor, (self.values, self.dtype))
+
+
+@dataclass(frozen=True)
+class EmulatedTrajectories:
+    """What an emulated generate returns: which groups, how many rows, which weights version."""
+
+    group_ids: tuple[int, ...]
+    group_size: int
+    policy_version: int
+
+
+def emulated_reward(group: int, index: int) -> float:
+    """A deterministic reward in [0, 1) per sample (non-constant within a group)."""
+    x = (group * 2654435761 + index * 40503 + 12345) % 1_000_003
+    return x / 1_000_003
+
+
+class EmulatedWorker:
+    """Sleeps for the cost model's seconds; returns what the executor expects."""
+
+    def __init__(
+        self, worker: WorkerId, costs: Any, cluster: Cluster, *, group_size: int, time_scale: float = 1.0
+    ) -> None:
+        self.worker = worker
+        self.costs = costs
+        self.cluster = cluster
+        self.group_size = group_size
+        self.time_scale = time_scale
+        self.mode = costs.initial_mode(worker)
+        self.policy_version = 0
+
+    def _work(self, kind: TaskKind, *, groups: tuple[int, ...] = (), step: int = 0, version: int = 0, **fields: Any) -> float:
+        task = Task(
+            id="emulated", kind=kind, workers=(self.worker,), step=step, groups=groups, version=version,
+            images=len(groups) * self.group_size, **fields,
+        )
+        seconds = self.costs.task_seconds(task, self.worker, self.cluster, switch_from=self.mode)
+        after = self.costs.mode_of(task, self.worker)
+        if after is not None:
+            self.mode = after
+        time.sleep(seconds * self.time_scale)
+        return seconds
+
+    # ------------------------------------------------------------------ set-up (the loop's calls)
+
+    def init_model(self) -> dict[str, Any]:
+        self.warm_up()
+        return {"role": self.worker.pool, "rank": self.worker.rank, "emulated": True}
+
+    def warm_up(self) -> str:
+        """Trainers import torch now: the driver sends them advantages as tensors (a real
+        worker has torch loaded from the start; the first train call should not pay for it)."""
+        if self.worker.pool in ("trainer", "fused"):
+            import torch  # noqa: F401
+
+        return str(self.worker)
+
+    def sync_master_endpoint(self) -> tuple[str, int]:
+        return "127.0.0.1", 0
+
+    def sync_open(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def weights_digest(self) -> str:
+        return "emulated"
+
+    def ping(self) -> str:
+        return str(self.worker)
+
+    def get_policy_version(self) -> int:
+        return self.policy_version
+
+    # ------------------------------------------------------------------ tasks
+
+    def generate(self, request: dict[str, Any], *previous_stage: EmulatedTrajectories) -> EmulatedTrajectories:
+        """Whole groups, or one TSP stage (``request["denoise"]``) continuing ``previous_stage``."""
+        if request["version"] != self.policy_version:
+            raise RuntimeError(
+                f"{self.worker} holds weights version {self.policy_version} but the plan generates groups "
+                f"{request['group_ids']} with version {request['version']}"
+            )
+        groups = tuple(request["group_ids"])
+        fields: dict[str, Any] = {}
+        denoise = request.get("denoise")
+        if denoise is not None:
+            total = getattr(getattr(self.costs, "workload", None), "num_steps", denoise[1])
+            fields = {"denoise": tuple(denoise), "final": denoise[1] >= total}
+        self._work(TaskKind.GENERATE, groups=groups, step=request["step"], version=request["version"], **fields)
+        return EmulatedTrajectories(groups, self.group_size, self.policy_version)
+
+    def profile_step_costs(self) -> dict[str, Any]:
+        """What TSP's stage balancing asks a rollout worker (modelled, not measured)."""
+        if hasattr(self.costs, "step_profile"):
+            return self.costs.step_profile(self.costs.device(self.cluster.device_of(self.worker)), self.group_size)
+        steps = getattr(getattr(self.costs, "workload", None), "num_steps", 8)
+        return {"step_s": [1.0] * steps, "head_s": 0.0, "tail_s": 0.0}
+
+    def compute_reward(self, data: EmulatedTrajectories) -> dict[str, Any]:
+        self._work(TaskKind.REWARD, groups=data.group_ids)
+        rows = [(g, i) for g in data.group_ids for i in range(data.group_size)]
+        return {
+            "group_id": TensorData([g for g, _ in rows], "int64"),
+            "rewards": TensorData([emulated_reward(g, i) for g, i in rows], "float32"),
+            "policy_version": TensorData([data.policy_version] * len(rows), "int64"),
+        }
+
+    def train_micro_batch(self, request: dict[str, Any], *trajectories: EmulatedTrajectories) -> dict[str, float]:
+        groups = tuple(request["groups"])
+        versions = [t.policy_version for t in trajectories if set(t.group_ids) & set(groups)]
+        if not versions:
+            raise KeyError(f"groups {groups} are in none of the trajectories passed to {self.worker}")
+        part = request.get("train_part")
+        seconds = self._work(TaskKind.TRAIN, groups=groups, **({"train_part": tuple(part)} if part else {}))
+        return {
+            "actor/loss": 0.0,
+            "actor/emulated_s": seconds,
+            "staleness_max": float(self.policy_version - min(versions)),
+            "staleness_min": float(self.policy_version - max(versions)),
+        }
+
+    def optimizer_step(self) -> dict[str, float]:
+        self._work(TaskKind.OPTIMIZER_STEP)
+        self.policy_version += 1
+        return {"actor/grad_norm": 0.0, "actor/lr": 0.0, "actor/skipped_nonfinite": 0.0, "policy_version": float(self.policy_version)}
+
+    def _sync_stats(self, version: int, seconds: float) -> dict[str, Any]:
+        nbytes = int(getattr(self.costs, "sync_bytes", 0))
+        return {"version": version, "nbytes": nbytes, "seconds": seconds * self.time_scale, "num_tensors": 0}
+
+    def sync_send(self, version: int) -> dict[str, Any]:
+        seconds = self._work(TaskKind.SYNC, version=version)
+        self.policy_version = version
+        return self._sync_stats(version, seconds)
+
+    def sync_recv(self) -> dict[str, Any]:
+        seconds = self._work(TaskKind.SYNC)
+        self.policy_version += 1  # syncs deliver versions in order
+        return self._sync_stats(self.policy_version, seconds)
+
+
+# ---------------------------------------------------------------------------- worker groups
+
+
+class _EmulatedGroup:
+    """Stands in for a RayWorkerGroup: the loop reads ``.workers`` (and the placement groups of
+    ``.resource_pool``, none here)."""
+
+    def __init__(self, workers: list[Any]) -> None:
+        self.workers = workers
+        self.resource_pool = None
+
+
+def cluster_for_layout(layout: Any, device: str) -> Cluster:
+    """The :class:`Cluster` of a loop's ``PoolLayout`` (pools of ``devices x nodes``)."""
+    pools = {}
+    for name, (process_on_nodes, _accel) in layout.pools.items():
+        pools[name] = PoolPlacement(size=sum(process_on_nodes), nodes=len(process_on_nodes), device=device)
+    return Cluster(pools)
+
+
+def emulated_worker_groups(
+    costs: Any, *, device: str, time_scale: float, group_size: int
+) -> Callable[[Any], tuple[dict[str, Any], dict[WorkerId, Any]]]:
+    """A worker-group factory for the training loop: for each pool of a ``PoolLayout``, emulated
+    actors (no CPU reserved: they only sleep) in place of ``DiffusionWorker`` groups."""
+
+    def build(layout: Any) -> tuple[dict[str, Any], dict[WorkerId, Any]]:
+        import ray
+
+        cluster = cluster_for_layout(layout, device)
+        remote = ray.remote(num_cpus=0)(EmulatedWorker)
+        groups, actors = {}, {}
+        for pool, (process_on_nodes, _accel) in layout.pools.items():
+            ranks = [WorkerId(pool, r) for r in range(sum(process_on_nodes))]
+            handles = [remote.remote(w, costs, cluster, group_size=group_size, time_scale=time_scale) for w in ranks]
+            groups[pool] = _EmulatedGroup(handles)
+            actors.update(zip(ranks, handles))
+        return groups, actors
+
+    return build
+
+
+def emulation_costs(model: str, device: str) -> Any:
+    """The cost model an emulated run sleeps by (``digen.emulate.model`` on ``device_type``)."""
+    from verl_digen.sim.cost_model import load_catalog
+
+    return CostModel.from_catalog(load_catalog(), model, devices=[device])
