@@ -280,7 +280,8 @@ def test_wan_unipc_config_gives_unipc_flow_sigmas(tmp_path):
     """Real Wan2.1 checkpoints ship a UniPC scheduler with flow sigmas: the adapter steps those sigmas."""
     from diffusers import DDIMScheduler, UniPCMultistepScheduler
 
-    from verl_digen.models.wan import flow_sigmas, load_scheduler_config
+    from verl_digen.models.base import load_scheduler_config
+    from verl_digen.models.wan import flow_sigmas
 
     unipc = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
     unipc.save_pretrained(str(tmp_path / "scheduler"))  # as in a Wan2.1 checkpoint directory
