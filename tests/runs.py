@@ -1,22 +1,40 @@
-"""Helpers the end-to-end tests share: run the real job quietly, read what it wrote."""
+"""Plain helpers the tests share (fixtures live in conftest.py).
+
+- end-to-end runs: run the real job quietly, read what it wrote;
+- tiny models: the sample spec each tiny arch is tested at, and the reference Euler sampler.
+
+The trainer and config modules (Ray, Hydra) are imported by the run helpers only, so that the
+model and reward tests do not import them.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING
 
-from verl_digen.config.compose import compose_config
-from verl_digen.trainer.loop import RunResult, run_training
+import torch
+
+from verl_digen.models.base import DiffusionAdapter, SampleSpec
+
+if TYPE_CHECKING:
+    from verl_digen.trainer.loop import RunResult
+
+# ---------------------------------------------------------------------- end-to-end runs
 
 QUIET = ["digen.progress_bar=false", "trainer.logger=[]"]
 
 
 def run_config(tmp_path, name: str, *overrides: str):
     """The main job's config with quiet output into ``tmp_path / name``."""
+    from verl_digen.config.compose import compose_config
+
     return compose_config(QUIET + [f"digen.output_dir={tmp_path / name}", *overrides])
 
 
 def run(tmp_path, name: str, *overrides: str) -> RunResult:
+    from verl_digen.trainer.loop import run_training
+
     return run_training(run_config(tmp_path, name, *overrides))
 
 
@@ -31,3 +49,41 @@ def timeline_records(output_dir: str) -> list[dict]:
 
 def metrics_lines(output_dir: str) -> list[dict]:
     return _jsonl(os.path.join(output_dir, "metrics.jsonl"))
+
+
+# ---------------------------------------------------------------------- tiny models
+
+PROMPTS = ["a photo of a cat", "a red cube on a table"]
+# The size every tiny arch is tested at: 32x32 pixels (16x16 latents); videos have 5 frames.
+SPECS = {
+    "flux": SampleSpec(height=32, width=32),
+    "sd3": SampleSpec(height=32, width=32),
+    "qwen_image": SampleSpec(height=32, width=32),
+    "wan": SampleSpec(height=32, width=32, num_frames=5),
+    "hunyuan_video": SampleSpec(height=32, width=32, num_frames=5),
+}
+# What a batch of 2 decodes to at SPECS: [B, 3, H, W] images, [B, 3, F, H, W] videos.
+PIXEL_SHAPE = {arch: (2, 3, 32, 32) if spec.num_frames == 1 else (2, 3, spec.num_frames, 32, 32)
+               for arch, spec in SPECS.items()}
+
+
+def euler_sample(
+    adapter: DiffusionAdapter,
+    prompts: list[str],
+    spec: SampleSpec,
+    num_steps: int,
+    seed: int,
+    negative_prompt: str | None = None,
+) -> torch.Tensor:
+    """The deterministic (ODE) sampler: x <- x + (sigma_next - sigma) * v, then decode."""
+    batch = len(prompts)
+    generator = torch.Generator().manual_seed(seed)
+    cond = adapter.encode_prompts(prompts)
+    negative = adapter.encode_prompts([negative_prompt]) if negative_prompt is not None else None
+    latents = adapter.prepare_latents(batch, spec, generator)
+    sigmas = adapter.sigmas(num_steps, spec)
+    with torch.no_grad():
+        for i in range(num_steps):
+            velocity = adapter.predict_velocity(latents, sigmas[i].expand(batch), cond, spec, negative)
+            latents = latents + (sigmas[i + 1] - sigmas[i]) * velocity
+        return adapter.decode(latents, spec)
