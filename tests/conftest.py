@@ -1,5 +1,5 @@
 """Shared fixtures: tiny models built once per session in a temp cache, adapters loaded once per
-test module, one-thread torch for the tiny models.
+test module, one-thread torch for the tiny models, loopback traffic that bypasses proxies.
 
 Plain helpers (no fixtures) are in ``runs.py``."""
 
@@ -80,3 +80,10 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def loopback_no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests to the tests' local servers go straight to 127.0.0.1, whatever proxy is set."""
+    for var in ("NO_PROXY", "no_proxy"):
+        monkeypatch.setenv(var, "127.0.0.1,localhost")

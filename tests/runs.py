@@ -1,7 +1,9 @@
 """Plain helpers the tests share (fixtures live in conftest.py).
 
 - end-to-end runs: run the real job quietly, read what it wrote;
-- tiny models: the sample spec each tiny arch is tested at, and the reference Euler sampler.
+- tiny models: the sample spec each tiny arch is tested at, and the reference Euler sampler;
+- local fake servers: random PNG-exact images, a free port, a quiet JSON request handler and a
+  context manager that serves it on 127.0.0.1.
 
 The trainer and config modules (Ray, Hydra) are imported by the run helpers only, so that the
 model and reward tests do not import them.
@@ -9,9 +11,14 @@ model and reward tests do not import them.
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
 import os
-from typing import TYPE_CHECKING
+import socket
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -87,3 +94,61 @@ def euler_sample(
             velocity = adapter.predict_velocity(latents, sigmas[i].expand(batch), cond, spec, negative)
             latents = latents + (sigmas[i + 1] - sigmas[i]) * velocity
         return adapter.decode(latents, spec)
+
+
+# ---------------------------------------------------------------------- local fake servers
+
+
+def quantised_rand(*shape: int, seed: int = 0) -> torch.Tensor:
+    """Random images whose values are exact multiples of 1/255 (survive PNG round trips)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, shape, generator=generator).float() / 255.0
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that was free a moment ago (bound, then released: nothing listens)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class JsonHandler(http.server.BaseHTTPRequestHandler):
+    """Base of the tests' fake servers: logs nothing, reads and writes JSON. A subclass
+    implements ``do_POST`` (etc.); :func:`serve` gives it the test's ``state``."""
+
+    state: Any
+
+    def log_message(self, format: str, *args: object) -> None:  # keep pytest output clean
+        pass
+
+    def read_json(self) -> Any:
+        return json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+
+    def reply(self, status: int, payload: Any) -> None:
+        """Answer ``status`` with ``payload`` as JSON (``bytes`` are sent as they are)."""
+        body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        try:
+            self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):  # the client timed out and left
+            pass
+
+
+@contextlib.contextmanager
+def serve(handler_cls: type[JsonHandler], state: Any) -> Iterator[str]:
+    """Serve ``handler_cls`` (its ``state`` set to ``state``) on 127.0.0.1:<free port> from a
+    thread; yields the base URL ``http://127.0.0.1:<port>`` and stops the server on exit."""
+    handler = type("Handler", (handler_cls,), {"state": state})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)

@@ -27,20 +27,12 @@ from PIL import Image
 from verl_digen.rewards import HttpReward, RewardFn, RewardServerError, build_reward, encode_images_png_b64
 from verl_digen.rewards.serve import RewardServer, is_loopback
 
+from runs import free_port, quantised_rand
+
 TIMEOUT = 10.0
 TOKEN = "s3cret-token"
 
-
-def quantised_rand(*shape: int, seed: int = 0) -> torch.Tensor:
-    """Random images whose values are exact multiples of 1/255 (survive PNG round trips)."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, shape, generator=generator).float() / 255.0
-
-
-@pytest.fixture(autouse=True)
-def _no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("NO_PROXY", "no_proxy"):
-        monkeypatch.setenv(var, "127.0.0.1,localhost")
+pytestmark = pytest.mark.usefixtures("loopback_no_proxy")
 
 
 @pytest.fixture
@@ -341,15 +333,9 @@ def test_reward_exception_is_500_with_message_and_server_recovers() -> None:
 # --------------------------------------------------------------------------- CLI
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture
 def cli_server() -> Iterator[tuple[subprocess.Popen, str]]:
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "VERL_DIGEN_REWARD_TOKEN": TOKEN,
