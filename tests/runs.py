@@ -2,8 +2,9 @@
 
 - end-to-end runs: run the real job quietly, read what it wrote;
 - tiny models: the sample spec each tiny arch is tested at, and the reference Euler sampler;
-- local fake servers: random PNG-exact images, a free port, a quiet JSON request handler and a
-  context manager that serves it on 127.0.0.1.
+- local fake servers: random PNG-exact images, a quiet JSON request handler and a context
+  manager that serves it on 127.0.0.1 (a free port for a client to fail on:
+  ``verl_digen.sync.find_free_port("127.0.0.1")``).
 
 The trainer and config modules (Ray, Hydra) are imported by the run helpers only, so that the
 model and reward tests do not import them.
@@ -15,7 +16,6 @@ import contextlib
 import http.server
 import json
 import os
-import socket
 import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -103,13 +103,6 @@ def quantised_rand(*shape: int, seed: int = 0) -> torch.Tensor:
     """Random images whose values are exact multiples of 1/255 (survive PNG round trips)."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, shape, generator=generator).float() / 255.0
-
-
-def free_port() -> int:
-    """A port on 127.0.0.1 that was free a moment ago (bound, then released: nothing listens)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class JsonHandler(http.server.BaseHTTPRequestHandler):

@@ -23,8 +23,9 @@ from verl_digen.rewards import (
     encode_images_png_b64,
     registered_rewards,
 )
+from verl_digen.sync import find_free_port
 
-from runs import JsonHandler, free_port, quantised_rand, serve
+from runs import JsonHandler, quantised_rand, serve
 
 BUILTINS = {
     "brightness",
@@ -373,7 +374,7 @@ def test_http_reward_times_out_and_retries(reward_server) -> None:
 
 
 def test_http_reward_unreachable_port_raises_naming_url(loopback_no_proxy) -> None:
-    url = f"http://127.0.0.1:{free_port()}/score"  # nothing listens there
+    url = f"http://127.0.0.1:{find_free_port('127.0.0.1')}/score"  # nothing listens there
     reward = HttpReward(url, timeout_s=2.0, max_retries=3, backoff_s=0.01)
 
     start = time.monotonic()

@@ -25,8 +25,9 @@ from PIL import Image
 
 from verl_digen.rewards import RewardServerError, build_reward, build_reward_from_config, registered_rewards
 from verl_digen.rewards.vlm_judge import VlmJudgeReward, chat_completions_url
+from verl_digen.sync import find_free_port
 
-from runs import JsonHandler, free_port, quantised_rand, serve
+from runs import JsonHandler, quantised_rand, serve
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
 TIMEOUT = 10.0
@@ -223,7 +224,7 @@ def test_persistent_500_gives_up(judge: tuple[str, JudgeState]) -> None:
 
 
 def test_unreachable_raises_naming_url(loopback_no_proxy) -> None:
-    port = free_port()  # nothing listens there
+    port = find_free_port("127.0.0.1")  # nothing listens there
     reward = make(f"http://127.0.0.1:{port}", max_retries=2, timeout_s=2.0)
     start = time.monotonic()
     with pytest.raises(RewardServerError) as info:
