@@ -1,10 +1,26 @@
-"""Shared fixtures: tiny models built once per session, in a temp cache."""
+"""Shared fixtures: tiny models built once per session in a temp cache, adapters loaded once per
+test module, one-thread torch for the tiny models, loopback traffic that bypasses proxies.
+
+Plain helpers (no fixtures) are in ``runs.py``."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import pytest
+
+
+class LazyDict(dict):
+    """A dict whose missing keys are made on first lookup by ``make(key)`` and then kept."""
+
+    def __init__(self, make: Callable):
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, key):
+        value = self[key] = self._make(key)
+        return value
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -25,21 +41,49 @@ def tiny_cache(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
-def tiny_flux(tiny_cache) -> str:
+def tiny_dirs(tiny_cache) -> dict[str, str]:
+    """``tiny_dirs[arch]``: the tiny ``arch`` model (seed 0) in the session's cache, built on
+    first use (``ensure_tiny``)."""
     from verl_digen.models.tiny import ensure_tiny
 
-    return ensure_tiny("flux")
+    cache_dir = os.path.join(tiny_cache, "tiny")  # where ensure_tiny looks in Ray workers too
+    return LazyDict(lambda arch: ensure_tiny(arch, cache_dir))
 
 
 @pytest.fixture(scope="session")
-def tiny_sd3(tiny_cache) -> str:
-    from verl_digen.models.tiny import ensure_tiny
-
-    return ensure_tiny("sd3")
+def tiny_flux(tiny_dirs) -> str:
+    return tiny_dirs["flux"]
 
 
-def ray_shutdown_if_running() -> None:
-    import ray
+@pytest.fixture(scope="session")
+def tiny_sd3(tiny_dirs) -> str:
+    return tiny_dirs["sd3"]
 
-    if ray.is_initialized():
-        ray.shutdown()
+
+@pytest.fixture(scope="module")
+def adapters(tiny_dirs) -> dict:
+    """``adapters[arch]``: the tiny ``arch`` model's adapter, loaded on first use and shared by
+    the module's tests (a test that changes its adapter loads its own)."""
+    from verl_digen.models import load_adapter
+
+    return LazyDict(lambda arch: load_adapter(tiny_dirs[arch]))
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models are too small for intra-op threads to pay off; on a shared 2-core machine they
+    only spin against other processes. Restored afterwards. Use per module:
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def loopback_no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests to the tests' local servers go straight to 127.0.0.1, whatever proxy is set."""
+    for var in ("NO_PROXY", "no_proxy"):
+        monkeypatch.setenv(var, "127.0.0.1,localhost")

@@ -1,22 +1,47 @@
-"""Helpers the end-to-end tests share: run the real job quietly, read what it wrote."""
+"""Plain helpers the tests share (fixtures live in conftest.py).
+
+- end-to-end runs: run the real job quietly, read what it wrote;
+- tiny models: the sample spec each tiny arch is tested at, and the reference Euler sampler;
+- local fake servers: random PNG-exact images, a quiet JSON request handler and a context
+  manager that serves it on 127.0.0.1 (a free port for a client to fail on:
+  ``verl_digen.sync.find_free_port("127.0.0.1")``).
+
+The trainer and config modules (Ray, Hydra) are imported by the run helpers only, so that the
+model and reward tests do not import them.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
 import os
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
-from verl_digen.config.compose import compose_config
-from verl_digen.trainer.loop import RunResult, run_training
+import torch
+
+from verl_digen.models.base import DiffusionAdapter, SampleSpec
+
+if TYPE_CHECKING:
+    from verl_digen.trainer.loop import RunResult
+
+# ---------------------------------------------------------------------- end-to-end runs
 
 QUIET = ["digen.progress_bar=false", "trainer.logger=[]"]
 
 
 def run_config(tmp_path, name: str, *overrides: str):
     """The main job's config with quiet output into ``tmp_path / name``."""
+    from verl_digen.config.compose import compose_config
+
     return compose_config(QUIET + [f"digen.output_dir={tmp_path / name}", *overrides])
 
 
 def run(tmp_path, name: str, *overrides: str) -> RunResult:
+    from verl_digen.trainer.loop import run_training
+
     return run_training(run_config(tmp_path, name, *overrides))
 
 
@@ -31,3 +56,92 @@ def timeline_records(output_dir: str) -> list[dict]:
 
 def metrics_lines(output_dir: str) -> list[dict]:
     return _jsonl(os.path.join(output_dir, "metrics.jsonl"))
+
+
+# ---------------------------------------------------------------------- tiny models
+
+PROMPTS = ["a photo of a cat", "a red cube on a table"]
+# The size every tiny arch is tested at: 32x32 pixels (16x16 latents); videos have 5 frames.
+SPECS = {
+    "flux": SampleSpec(height=32, width=32),
+    "sd3": SampleSpec(height=32, width=32),
+    "qwen_image": SampleSpec(height=32, width=32),
+    "wan": SampleSpec(height=32, width=32, num_frames=5),
+    "hunyuan_video": SampleSpec(height=32, width=32, num_frames=5),
+}
+# What a batch of 2 decodes to at SPECS: [B, 3, H, W] images, [B, 3, F, H, W] videos.
+PIXEL_SHAPE = {arch: (2, 3, 32, 32) if spec.num_frames == 1 else (2, 3, spec.num_frames, 32, 32)
+               for arch, spec in SPECS.items()}
+
+
+def euler_sample(
+    adapter: DiffusionAdapter,
+    prompts: list[str],
+    spec: SampleSpec,
+    num_steps: int,
+    seed: int,
+    negative_prompt: str | None = None,
+) -> torch.Tensor:
+    """The deterministic (ODE) sampler: x <- x + (sigma_next - sigma) * v, then decode."""
+    batch = len(prompts)
+    generator = torch.Generator().manual_seed(seed)
+    cond = adapter.encode_prompts(prompts)
+    negative = adapter.encode_prompts([negative_prompt]) if negative_prompt is not None else None
+    latents = adapter.prepare_latents(batch, spec, generator)
+    sigmas = adapter.sigmas(num_steps, spec)
+    with torch.no_grad():
+        for i in range(num_steps):
+            velocity = adapter.predict_velocity(latents, sigmas[i].expand(batch), cond, spec, negative)
+            latents = latents + (sigmas[i + 1] - sigmas[i]) * velocity
+        return adapter.decode(latents, spec)
+
+
+# ---------------------------------------------------------------------- local fake servers
+
+
+def quantised_rand(*shape: int, seed: int = 0) -> torch.Tensor:
+    """Random images whose values are exact multiples of 1/255 (survive PNG round trips)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, shape, generator=generator).float() / 255.0
+
+
+class JsonHandler(http.server.BaseHTTPRequestHandler):
+    """Base of the tests' fake servers: logs nothing, reads and writes JSON. A subclass
+    implements ``do_POST`` (etc.); :func:`serve` gives it the test's ``state``."""
+
+    state: Any
+
+    def log_message(self, format: str, *args: object) -> None:  # keep pytest output clean
+        pass
+
+    def read_json(self) -> Any:
+        return json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+
+    def reply(self, status: int, payload: Any) -> None:
+        """Answer ``status`` with ``payload`` as JSON (``bytes`` are sent as they are)."""
+        body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        try:
+            self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):  # the client timed out and left
+            pass
+
+
+@contextlib.contextmanager
+def serve(handler_cls: type[JsonHandler], state: Any) -> Iterator[str]:
+    """Serve ``handler_cls`` (its ``state`` set to ``state``) on 127.0.0.1:<free port> from a
+    thread; yields the base URL ``http://127.0.0.1:<port>`` and stops the server on exit."""
+    handler = type("Handler", (handler_cls,), {"state": state})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)

@@ -8,7 +8,6 @@ training on the concatenated data with the mean loss.
 from __future__ import annotations
 
 import queue as queue_mod
-import socket
 import time
 import traceback
 
@@ -25,6 +24,7 @@ from verl_digen.workers.fsdp import (
     is_fsdp,
     lockstep_count,
 )
+from verl_digen.sync import find_free_port
 
 TOL = 1e-6
 DIM = 5  # odd on purpose: 5 rows over 2 ranks is an uneven shard (3 + 2)
@@ -104,12 +104,6 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 # ---------------------------------------------------------------------- process harness
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _entry(rank: int, world: int, port: int, backend: str, scenario: str, out) -> None:
     import datetime
 
@@ -140,7 +134,7 @@ def run_distributed(scenario: str, world: int = 2, backend: str = "gloo", timeou
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = find_free_port("127.0.0.1")
     procs = [ctx.Process(target=_entry, args=(r, world, port, backend, scenario, out)) for r in range(world)]
     for p in procs:
         p.start()

@@ -1,8 +1,14 @@
-"""Model adapters on the tiny models: save/load round trip, shapes, schedule, CFG, decoding,
-parity with the diffusers pipelines, registry errors and the tiny-model CLI."""
+"""Model adapters on the tiny models.
+
+Every architecture (FLUX, SD3, Qwen-Image, Wan2.1, HunyuanVideo): save/load round trip, seeded
+builds, bf16 loading, shapes, schedules, CFG, gradients, decoding, a deterministic Euler loop,
+registry errors and the tiny-model CLI. FLUX and SD3 specifics: tokenizers, resolution shift,
+distilled guidance, parity with the diffusers pipelines, the tiny-model cache. The other
+architectures' specifics are in test_models_video.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -13,53 +19,35 @@ import torch
 from safetensors.torch import load_file
 
 from verl_digen.models import ADAPTERS, SampleSpec, detect_arch, load_adapter
-from verl_digen.models.base import DiffusionAdapter
-from verl_digen.models.tiny import build_tiny, ensure_tiny
+from verl_digen.models.tiny import TINY_ARCHS, build_tiny, ensure_tiny
 
-ARCHS = ["flux", "sd3"]
-SPEC = SampleSpec(height=32, width=32)
-PROMPTS = ["a photo of a cat", "a red cube on a table"]
-LATENT_SHAPE = {"flux": (2, 64, 16), "sd3": (2, 4, 16, 16)}  # B=2, 32x32 pixels
-PIPELINE_CLASS = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline"}
+from runs import PIXEL_SHAPE, PROMPTS, SPECS, euler_sample
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-@pytest.fixture(scope="session")
-def tiny_dirs(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("tiny_models")
-    return {arch: build_tiny(arch, str(root / arch)) for arch in ARCHS}
-
-
-@pytest.fixture(scope="session")
-def adapters(tiny_dirs) -> dict[str, DiffusionAdapter]:
-    return {arch: load_adapter(path) for arch, path in tiny_dirs.items()}
-
-
-def euler_sample(
-    adapter: DiffusionAdapter,
-    prompts: list[str],
-    spec: SampleSpec,
-    num_steps: int,
-    seed: int,
-    negative_prompt: str | None = None,
-) -> torch.Tensor:
-    """The deterministic (ODE) sampler: x <- x + (sigma_next - sigma) * v."""
-    batch = len(prompts)
-    generator = torch.Generator().manual_seed(seed)
-    cond = adapter.encode_prompts(prompts)
-    negative = adapter.encode_prompts([negative_prompt]) if negative_prompt is not None else None
-    latents = adapter.prepare_latents(batch, spec, generator)
-    sigmas = adapter.sigmas(num_steps, spec)
-    with torch.no_grad():
-        for i in range(num_steps):
-            velocity = adapter.predict_velocity(latents, sigmas[i].expand(batch), cond, spec, negative)
-            latents = latents + (sigmas[i + 1] - sigmas[i]) * velocity
-        return adapter.decode(latents, spec)
+ARCHS = ["flux", "sd3"]  # this file's architecture-specific tests
+VIDEO_ARCHS = ["wan", "hunyuan_video"]
+# B=2 at SPECS (32x32 pixels: 16x16 latents; videos 5 frames).
+LATENT_SHAPE = {
+    "flux": (2, 64, 16),  # packed 2x2 patches of 4-channel 16x16 latents
+    "sd3": (2, 4, 16, 16),
+    "qwen_image": (2, 64, 16),  # packed like FLUX
+    "wan": (2, 4, 3, 16, 16),  # temporal factor 2: 5 frames -> 3 latent frames
+    "hunyuan_video": (2, 4, 2, 16, 16),  # temporal factor 4: 5 frames -> 2 latent frames
+}
+PIPELINE_CLASS = {
+    "flux": "FluxPipeline",
+    "sd3": "StableDiffusion3Pipeline",
+    "qwen_image": "QwenImagePipeline",
+    "wan": "WanPipeline",
+    "hunyuan_video": "HunyuanVideoPipeline",
+}
 
 
-# ---------------------------------------------------------------------- build / load
+# ---------------------------------------------------------------------- build / load (every arch)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_tiny_dir_layout_and_detection(arch, tiny_dirs):
     with open(os.path.join(tiny_dirs[arch], "model_index.json")) as f:
         assert json.load(f)["_class_name"] == PIPELINE_CLASS[arch]
@@ -67,7 +55,7 @@ def test_tiny_dir_layout_and_detection(arch, tiny_dirs):
     assert isinstance(ADAPTERS[arch], type) and ADAPTERS[arch].arch == arch
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_roundtrip_weights_equal_saved(arch, tiny_dirs, adapters):
     saved = load_file(os.path.join(tiny_dirs[arch], "transformer", "diffusion_pytorch_model.safetensors"))
     loaded = adapters[arch].transformer.state_dict()
@@ -78,34 +66,37 @@ def test_roundtrip_weights_equal_saved(arch, tiny_dirs, adapters):
     assert 1_000 <= n_params <= 300_000
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_second_load_predicts_identical_velocity(arch, tiny_dirs, adapters):
+    spec = SPECS[arch]
     again = load_adapter(tiny_dirs[arch], arch)
-    latents = adapters[arch].prepare_latents(2, SPEC, torch.Generator().manual_seed(1))
+    latents = adapters[arch].prepare_latents(2, spec, torch.Generator().manual_seed(1))
     sigma = torch.tensor([0.9, 0.4])
     with torch.no_grad():
-        v1 = adapters[arch].predict_velocity(latents, sigma, adapters[arch].encode_prompts(PROMPTS), SPEC)
-        v2 = again.predict_velocity(latents, sigma, again.encode_prompts(PROMPTS), SPEC)
+        v1 = adapters[arch].predict_velocity(latents, sigma, adapters[arch].encode_prompts(PROMPTS), spec)
+        v2 = again.predict_velocity(latents, sigma, again.encode_prompts(PROMPTS), spec)
     assert torch.equal(v1, v2)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_bf16_load_returns_fp32(arch, tiny_dirs):
+    spec = SPECS[arch]
     adapter = load_adapter(tiny_dirs[arch], dtype=torch.bfloat16)
     assert adapter.transformer.dtype == torch.bfloat16
-    latents = adapter.prepare_latents(2, SPEC, torch.Generator().manual_seed(0))
+    latents = adapter.prepare_latents(2, spec, torch.Generator().manual_seed(0))
     with torch.no_grad():
-        velocity = adapter.predict_velocity(latents, torch.tensor([0.6, 0.3]), adapter.encode_prompts(PROMPTS), SPEC)
-        image = adapter.decode(latents, SPEC)
-    assert velocity.dtype == image.dtype == torch.float32
+        velocity = adapter.predict_velocity(latents, torch.tensor([0.6, 0.3]), adapter.encode_prompts(PROMPTS), spec)
+        pixels = adapter.decode(latents, spec)
+    assert velocity.dtype == pixels.dtype == torch.float32
     assert torch.isfinite(velocity).all()
 
 
-def test_build_is_seeded(tmp_path, tiny_dirs):
-    same = build_tiny("flux", str(tmp_path / "same"), seed=0)
-    other = build_tiny("flux", str(tmp_path / "other"), seed=1)
+@pytest.mark.parametrize("arch", ["flux", "wan"])
+def test_build_is_seeded(arch, tmp_path, tiny_dirs):
+    same = build_tiny(arch, str(tmp_path / "same"), seed=0)
+    other = build_tiny(arch, str(tmp_path / "other"), seed=1)
     weights = "transformer/diffusion_pytorch_model.safetensors"
-    ref = load_file(os.path.join(tiny_dirs["flux"], weights))
+    ref = load_file(os.path.join(tiny_dirs[arch], weights))
     same_w, other_w = load_file(os.path.join(same, weights)), load_file(os.path.join(other, weights))
     assert all(torch.equal(ref[k], same_w[k]) for k in ref)
     assert not all(torch.equal(ref[k], other_w[k]) for k in ref)
@@ -127,25 +118,27 @@ def test_tokenizers_reload_and_separate_prompts(arch, adapters):
 # ---------------------------------------------------------------------- shapes and schedule
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_shapes(arch, adapters):
-    adapter = adapters[arch]
+    adapter, spec = adapters[arch], SPECS[arch]
     cond = adapter.encode_prompts(PROMPTS)
     for tensor in cond.values():
         assert tensor.shape[0] == 2  # batch-first
-    latents = adapter.prepare_latents(2, SPEC, torch.Generator().manual_seed(0))
+    latents = adapter.prepare_latents(2, spec, torch.Generator().manual_seed(0))
     assert latents.shape == LATENT_SHAPE[arch] and latents.dtype == torch.float32
     with torch.no_grad():
-        velocity = adapter.predict_velocity(latents, torch.tensor([1.0, 0.5]), cond, SPEC)
-        image = adapter.decode(latents, SPEC)
+        velocity = adapter.predict_velocity(latents, torch.tensor([1.0, 0.5]), cond, spec)
+        pixels = adapter.decode(latents, spec)
     assert velocity.shape == latents.shape and velocity.dtype == torch.float32
-    assert image.shape == (2, 3, 32, 32) and image.dtype == torch.float32
-    # A non-square size goes through as well.
-    wide = SampleSpec(height=16, width=48)
-    latents = adapter.prepare_latents(1, wide, torch.Generator().manual_seed(0))
+    assert pixels.shape == PIXEL_SHAPE[arch] and pixels.dtype == torch.float32
+    # A non-square size (and, for Wan, another frame count) goes through as well.
+    frames = 3 if arch == "wan" else 1
+    other = SampleSpec(height=16, width=48, num_frames=frames)
+    latents = adapter.prepare_latents(1, other, torch.Generator().manual_seed(0))
     with torch.no_grad():
-        velocity = adapter.predict_velocity(latents, torch.tensor([0.5]), adapter.encode_prompts(["x"]), wide)
-        assert adapter.decode(velocity, wide).shape == (1, 3, 16, 48)
+        velocity = adapter.predict_velocity(latents, torch.tensor([0.5]), adapter.encode_prompts(["x"]), other)
+        expected = (1, 3, frames, 16, 48) if arch in VIDEO_ARCHS else (1, 3, 16, 48)
+        assert adapter.decode(velocity, other).shape == expected
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -154,10 +147,10 @@ def test_bad_image_size_is_rejected(arch, adapters):
         adapters[arch].prepare_latents(1, SampleSpec(height=30, width=32), torch.Generator())
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", TINY_ARCHS)
 @pytest.mark.parametrize("num_steps", [1, 4, 10])
 def test_sigmas(arch, num_steps, adapters):
-    sigmas = adapters[arch].sigmas(num_steps, SPEC)
+    sigmas = adapters[arch].sigmas(num_steps, SPECS[arch])
     assert sigmas.shape == (num_steps + 1,) and sigmas.dtype == torch.float32
     assert torch.all(sigmas[1:] < sigmas[:-1])
     assert sigmas[0].item() == pytest.approx(1.0, abs=1e-6)
@@ -174,17 +167,18 @@ def test_flux_sigmas_use_resolution_shift(adapters):
 # ---------------------------------------------------------------------- guidance, grads, pixels
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_cfg_runs_and_differs(arch, adapters):
-    adapter = adapters[arch]
+    adapter, spec = adapters[arch], SPECS[arch]
     cond, negative = adapter.encode_prompts(PROMPTS), adapter.encode_prompts([""])
-    latents = adapter.prepare_latents(2, SPEC, torch.Generator().manual_seed(0))
+    latents = adapter.prepare_latents(2, spec, torch.Generator().manual_seed(0))
     sigma = torch.tensor([0.8, 0.8])
+    cfg_spec = dataclasses.replace(spec, guidance_scale=4.0)
     with torch.no_grad():
-        plain = adapter.predict_velocity(latents, sigma, cond, SPEC)
-        cfg = adapter.predict_velocity(latents, sigma, cond, SampleSpec(32, 32, guidance_scale=4.0), negative)
+        plain = adapter.predict_velocity(latents, sigma, cond, spec)
+        cfg = adapter.predict_velocity(latents, sigma, cond, cfg_spec, negative)
         # Scale 1 means no CFG even with a negative prompt.
-        scale_one = adapter.predict_velocity(latents, sigma, cond, SPEC, negative)
+        scale_one = adapter.predict_velocity(latents, sigma, cond, spec, negative)
     assert cfg.shape == plain.shape
     assert not torch.allclose(cfg, plain, atol=1e-4)
     assert torch.equal(scale_one, plain)
@@ -193,7 +187,7 @@ def test_cfg_runs_and_differs(arch, adapters):
 def test_flux_distilled_guidance_changes_velocity(adapters):
     adapter = adapters["flux"]
     cond = adapter.encode_prompts(PROMPTS)
-    latents = adapter.prepare_latents(2, SPEC, torch.Generator().manual_seed(0))
+    latents = adapter.prepare_latents(2, SPECS["flux"], torch.Generator().manual_seed(0))
     sigma = torch.tensor([0.5, 0.5])
     with torch.no_grad():
         low = adapter.predict_velocity(latents, sigma, cond, SampleSpec(32, 32, distilled_guidance=1.0))
@@ -201,31 +195,35 @@ def test_flux_distilled_guidance_changes_velocity(adapters):
     assert not torch.allclose(low, high, atol=1e-5)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_velocity_is_differentiable(arch, adapters):
-    adapter = adapters[arch]
-    latents = adapter.prepare_latents(1, SPEC, torch.Generator().manual_seed(0))
-    velocity = adapter.predict_velocity(latents, torch.tensor([0.7]), adapter.encode_prompts(PROMPTS[:1]), SPEC)
+    adapter, spec = adapters[arch], SPECS[arch]
+    latents = adapter.prepare_latents(1, spec, torch.Generator().manual_seed(0))
+    velocity = adapter.predict_velocity(latents, torch.tensor([0.7]), adapter.encode_prompts(PROMPTS[:1]), spec)
     velocity.square().mean().backward()
     grads = [p.grad for p in adapter.transformer.parameters() if p.grad is not None]
     assert grads and any(g.abs().sum() > 0 for g in grads)
     adapter.transformer.zero_grad(set_to_none=True)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_decode_in_unit_range(arch, adapters):
-    latents = 3.0 * adapters[arch].prepare_latents(2, SPEC, torch.Generator().manual_seed(0))
+    spec = SPECS[arch]
+    latents = 3.0 * adapters[arch].prepare_latents(2, spec, torch.Generator().manual_seed(0))
     with torch.no_grad():
-        image = adapters[arch].decode(latents, SPEC)
-    assert image.min() >= 0.0 and image.max() <= 1.0
-    assert image.std() > 1e-3  # the random decoder does not collapse to a constant
+        pixels = adapters[arch].decode(latents, spec)
+    assert pixels.min() >= 0.0 and pixels.max() <= 1.0
+    assert pixels.std() > 1e-3  # the random decoder does not collapse to a constant
+    if arch in VIDEO_ARCHS:  # frames differ from one another
+        assert not torch.allclose(pixels[:, :, 0], pixels[:, :, -1], atol=1e-3)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_euler_loop_is_deterministic(arch, adapters):
-    first = euler_sample(adapters[arch], PROMPTS, SPEC, num_steps=3, seed=7)
-    second = euler_sample(adapters[arch], PROMPTS, SPEC, num_steps=3, seed=7)
-    other_seed = euler_sample(adapters[arch], PROMPTS, SPEC, num_steps=3, seed=8)
+    spec = SPECS[arch]
+    first = euler_sample(adapters[arch], PROMPTS, spec, num_steps=3, seed=7)
+    second = euler_sample(adapters[arch], PROMPTS, spec, num_steps=3, seed=7)
+    other_seed = euler_sample(adapters[arch], PROMPTS, spec, num_steps=3, seed=8)
     assert torch.equal(first, second)
     assert not torch.equal(first, other_seed)
 
@@ -267,7 +265,7 @@ def test_missing_model_index_raises(tmp_path):
 
 
 def test_unknown_arch_raises(tiny_dirs):
-    with pytest.raises(ValueError, match=r"unknown model arch 'unet'.*flux, sd3"):
+    with pytest.raises(ValueError, match=r"unknown model arch 'unet'.*flux, sd3, qwen_image, wan, hunyuan_video"):
         load_adapter(tiny_dirs["flux"], "unet")
 
 
@@ -277,9 +275,10 @@ def test_unsupported_pipeline_raises(tmp_path):
         load_adapter(str(tmp_path))
 
 
-def test_arch_mismatch_raises(tiny_dirs):
+@pytest.mark.parametrize(("saved", "requested"), [("sd3", "flux"), ("wan", "hunyuan_video")])
+def test_arch_mismatch_raises(saved, requested, tiny_dirs):
     with pytest.raises(ValueError, match="does not match"):
-        load_adapter(tiny_dirs["sd3"], "flux")
+        load_adapter(tiny_dirs[saved], requested)
 
 
 # ---------------------------------------------------------------------- cache and CLI
@@ -303,18 +302,18 @@ def test_ensure_tiny_builds_once(tmp_path, monkeypatch):
         ensure_tiny("unet")
 
 
-def test_cli_writes_loadable_dir(tmp_path):
-    out = tmp_path / "cli_flux"
+@pytest.mark.parametrize("arch", ["flux", "qwen_image"])
+def test_cli_writes_loadable_dir(arch, tmp_path):
+    out = tmp_path / f"cli_{arch}"
     result = subprocess.run(
-        [sys.executable, "-m", "verl_digen.models.tiny", "--arch", "flux", "--out", str(out)],
+        [sys.executable, "-m", "verl_digen.models.tiny", "--arch", arch, "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == str(out)
-    adapter = load_adapter(str(out))
-    assert adapter.arch == "flux"
+    assert load_adapter(str(out)).arch == arch
 
 
 def test_import_is_light():

@@ -1,140 +1,25 @@
-"""Qwen-Image, Wan2.1 and HunyuanVideo adapters on their tiny models: save/load round trip,
-tokenizers, shapes, schedules, CFG / distilled guidance, decoding, parity with the diffusers
-pipelines, on-policy consistency through the rollout and trainer code, the tiny-model CLI, and
-the ``temporal_smoothness`` video reward."""
+"""Qwen-Image, Wan2.1 and HunyuanVideo specifics on their tiny models: tokenizers, shapes,
+schedules, CFG / distilled guidance, parity with the diffusers pipelines, on-policy consistency
+through the rollout and trainer code, the tiny-model cache, and the ``temporal_smoothness`` video
+reward. What holds for every architecture (round trip, seeded builds, shapes, sigmas, gradients,
+decoding, registry errors, the CLI) is tested over all of them in test_models.py."""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from verl_digen.models import ADAPTERS, SampleSpec, detect_arch, load_adapter
-from verl_digen.models.base import DiffusionAdapter
-from verl_digen.models.tiny import build_tiny, ensure_tiny
+from verl_digen.models import SampleSpec, detect_arch, load_adapter
+from verl_digen.models.tiny import ensure_tiny
+
+from runs import PIXEL_SHAPE, PROMPTS, SPECS, euler_sample
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 ARCHS = ["qwen_image", "wan", "hunyuan_video"]
-VIDEO_ARCHS = ["wan", "hunyuan_video"]
-PROMPTS = ["a photo of a cat", "a red cube on a table"]
-PIPELINE_CLASS = {"qwen_image": "QwenImagePipeline", "wan": "WanPipeline", "hunyuan_video": "HunyuanVideoPipeline"}
-# 32x32 pixels; videos have 5 frames.
-SPECS = {
-    "qwen_image": SampleSpec(height=32, width=32),
-    "wan": SampleSpec(height=32, width=32, num_frames=5),
-    "hunyuan_video": SampleSpec(height=32, width=32, num_frames=5),
-}
-LATENT_SHAPE = {
-    "qwen_image": (2, 64, 16),  # packed 2x2 patches of 4-channel 16x16 latents
-    "wan": (2, 4, 3, 16, 16),  # temporal factor 2: 5 frames -> 3 latent frames
-    "hunyuan_video": (2, 4, 2, 16, 16),  # temporal factor 4: 5 frames -> 2 latent frames
-}
-PIXEL_SHAPE = {"qwen_image": (2, 3, 32, 32), "wan": (2, 3, 5, 32, 32), "hunyuan_video": (2, 3, 5, 32, 32)}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models are too small for intra-op threads to pay off; on a shared 2-core machine they
-    only spin against other processes. Restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tiny_dirs(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("tiny_video_models")
-    return {arch: build_tiny(arch, str(root / arch)) for arch in ARCHS}
-
-
-@pytest.fixture(scope="module")
-def adapters(tiny_dirs) -> dict[str, DiffusionAdapter]:
-    return {arch: load_adapter(path) for arch, path in tiny_dirs.items()}
-
-
-def euler_sample(
-    adapter: DiffusionAdapter,
-    prompts: list[str],
-    spec: SampleSpec,
-    num_steps: int,
-    seed: int,
-    negative_prompt: str | None = None,
-) -> torch.Tensor:
-    """The deterministic (ODE) sampler: x <- x + (sigma_next - sigma) * v, then decode."""
-    batch = len(prompts)
-    generator = torch.Generator().manual_seed(seed)
-    cond = adapter.encode_prompts(prompts)
-    negative = adapter.encode_prompts([negative_prompt]) if negative_prompt is not None else None
-    latents = adapter.prepare_latents(batch, spec, generator)
-    sigmas = adapter.sigmas(num_steps, spec)
-    with torch.no_grad():
-        for i in range(num_steps):
-            velocity = adapter.predict_velocity(latents, sigmas[i].expand(batch), cond, spec, negative)
-            latents = latents + (sigmas[i + 1] - sigmas[i]) * velocity
-        return adapter.decode(latents, spec)
-
-
-# ---------------------------------------------------------------------- build / load
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_tiny_dir_layout_and_detection(arch, tiny_dirs):
-    with open(os.path.join(tiny_dirs[arch], "model_index.json")) as f:
-        assert json.load(f)["_class_name"] == PIPELINE_CLASS[arch]
-    assert detect_arch(tiny_dirs[arch]) == arch
-    assert isinstance(ADAPTERS[arch], type) and ADAPTERS[arch].arch == arch
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_roundtrip_weights_equal_saved(arch, tiny_dirs, adapters):
-    saved = load_file(os.path.join(tiny_dirs[arch], "transformer", "diffusion_pytorch_model.safetensors"))
-    loaded = adapters[arch].transformer.state_dict()
-    assert set(saved) <= set(loaded)
-    for name, tensor in saved.items():
-        assert torch.equal(loaded[name], tensor), name
-    n_params = sum(p.numel() for p in adapters[arch].transformer.parameters())
-    assert 1_000 <= n_params <= 300_000
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_second_load_predicts_identical_velocity(arch, tiny_dirs, adapters):
-    spec = SPECS[arch]
-    again = load_adapter(tiny_dirs[arch], arch)
-    latents = adapters[arch].prepare_latents(2, spec, torch.Generator().manual_seed(1))
-    sigma = torch.tensor([0.9, 0.4])
-    with torch.no_grad():
-        v1 = adapters[arch].predict_velocity(latents, sigma, adapters[arch].encode_prompts(PROMPTS), spec)
-        v2 = again.predict_velocity(latents, sigma, again.encode_prompts(PROMPTS), spec)
-    assert torch.equal(v1, v2)
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_bf16_load_returns_fp32(arch, tiny_dirs):
-    spec = SPECS[arch]
-    adapter = load_adapter(tiny_dirs[arch], dtype=torch.bfloat16)
-    assert adapter.transformer.dtype == torch.bfloat16
-    latents = adapter.prepare_latents(2, spec, torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        velocity = adapter.predict_velocity(latents, torch.tensor([0.6, 0.3]), adapter.encode_prompts(PROMPTS), spec)
-        pixels = adapter.decode(latents, spec)
-    assert velocity.dtype == pixels.dtype == torch.float32
-    assert torch.isfinite(velocity).all()
-
-
-def test_build_is_seeded(tmp_path, tiny_dirs):
-    same = build_tiny("wan", str(tmp_path / "same"), seed=0)
-    other = build_tiny("wan", str(tmp_path / "other"), seed=1)
-    weights = "transformer/diffusion_pytorch_model.safetensors"
-    ref = load_file(os.path.join(tiny_dirs["wan"], weights))
-    same_w, other_w = load_file(os.path.join(same, weights)), load_file(os.path.join(other, weights))
-    assert all(torch.equal(ref[k], same_w[k]) for k in ref)
-    assert not all(torch.equal(ref[k], other_w[k]) for k in ref)
 
 
 # ---------------------------------------------------------------------- tokenizers and prompts
@@ -203,29 +88,6 @@ def test_qwen_stored_padding_length_does_not_change_velocity(tiny_dirs, adapters
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_shapes(arch, adapters):
-    adapter, spec = adapters[arch], SPECS[arch]
-    cond = adapter.encode_prompts(PROMPTS)
-    for tensor in cond.values():
-        assert tensor.shape[0] == 2  # batch-first
-    latents = adapter.prepare_latents(2, spec, torch.Generator().manual_seed(0))
-    assert latents.shape == LATENT_SHAPE[arch] and latents.dtype == torch.float32
-    with torch.no_grad():
-        velocity = adapter.predict_velocity(latents, torch.tensor([1.0, 0.5]), cond, spec)
-        pixels = adapter.decode(latents, spec)
-    assert velocity.shape == latents.shape and velocity.dtype == torch.float32
-    assert pixels.shape == PIXEL_SHAPE[arch] and pixels.dtype == torch.float32
-    # A non-square size (and, for video, another frame count) goes through as well.
-    frames = {"qwen_image": 1, "wan": 3, "hunyuan_video": 1}[arch]
-    other = SampleSpec(height=16, width=48, num_frames=frames)
-    latents = adapter.prepare_latents(1, other, torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        velocity = adapter.predict_velocity(latents, torch.tensor([0.5]), adapter.encode_prompts(["x"]), other)
-        expected = (1, 3, 16, 48) if arch == "qwen_image" else (1, 3, frames, 16, 48)
-        assert adapter.decode(velocity, other).shape == expected
-
-
-@pytest.mark.parametrize("arch", ARCHS)
 def test_bad_sizes_are_rejected(arch, adapters):
     adapter = adapters[arch]
     with pytest.raises(ValueError, match="divisible"):
@@ -233,16 +95,6 @@ def test_bad_sizes_are_rejected(arch, adapters):
         adapter.prepare_latents(1, bad, torch.Generator())
     with pytest.raises(ValueError, match="num_frames"):
         adapter.prepare_latents(1, SampleSpec(height=32, width=32, num_frames=4), torch.Generator())
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("num_steps", [1, 4, 10])
-def test_sigmas(arch, num_steps, adapters):
-    sigmas = adapters[arch].sigmas(num_steps, SPECS[arch])
-    assert sigmas.shape == (num_steps + 1,) and sigmas.dtype == torch.float32
-    assert torch.all(sigmas[1:] < sigmas[:-1])
-    assert sigmas[0].item() == pytest.approx(1.0, abs=1e-6)
-    assert sigmas[-1].item() == 0.0
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -280,7 +132,8 @@ def test_wan_unipc_config_gives_unipc_flow_sigmas(tmp_path):
     """Real Wan2.1 checkpoints ship a UniPC scheduler with flow sigmas: the adapter steps those sigmas."""
     from diffusers import DDIMScheduler, UniPCMultistepScheduler
 
-    from verl_digen.models.wan import flow_sigmas, load_scheduler_config
+    from verl_digen.models.base import load_scheduler_config
+    from verl_digen.models.wan import flow_sigmas
 
     unipc = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
     unipc.save_pretrained(str(tmp_path / "scheduler"))  # as in a Wan2.1 checkpoint directory
@@ -294,23 +147,6 @@ def test_wan_unipc_config_gives_unipc_flow_sigmas(tmp_path):
 
 
 # ---------------------------------------------------------------------- guidance, grads, pixels
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_cfg_runs_and_differs(arch, adapters):
-    adapter, spec = adapters[arch], SPECS[arch]
-    cond, negative = adapter.encode_prompts(PROMPTS), adapter.encode_prompts([""])
-    latents = adapter.prepare_latents(2, spec, torch.Generator().manual_seed(0))
-    sigma = torch.tensor([0.8, 0.8])
-    cfg_spec = SampleSpec(32, 32, num_frames=spec.num_frames, guidance_scale=4.0)
-    with torch.no_grad():
-        plain = adapter.predict_velocity(latents, sigma, cond, spec)
-        cfg = adapter.predict_velocity(latents, sigma, cond, cfg_spec, negative)
-        # Scale 1 means no CFG even with a negative prompt.
-        scale_one = adapter.predict_velocity(latents, sigma, cond, spec, negative)
-    assert cfg.shape == plain.shape
-    assert not torch.allclose(cfg, plain, atol=1e-4)
-    assert torch.equal(scale_one, plain)
 
 
 def test_qwen_true_cfg_preserves_the_conditional_norm(adapters):
@@ -375,39 +211,6 @@ def test_hunyuan_distilled_guidance_changes_velocity(adapters):
     low, high = velocity(1.0), velocity(8.0)
     assert not torch.allclose(low, high, atol=1e-5)
     assert torch.equal(velocity(None), velocity(6.0))  # the pipeline's default guidance_scale
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_velocity_is_differentiable(arch, adapters):
-    adapter, spec = adapters[arch], SPECS[arch]
-    latents = adapter.prepare_latents(1, spec, torch.Generator().manual_seed(0))
-    velocity = adapter.predict_velocity(latents, torch.tensor([0.7]), adapter.encode_prompts(PROMPTS[:1]), spec)
-    velocity.square().mean().backward()
-    grads = [p.grad for p in adapter.transformer.parameters() if p.grad is not None]
-    assert grads and any(g.abs().sum() > 0 for g in grads)
-    adapter.transformer.zero_grad(set_to_none=True)
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_decode_in_unit_range(arch, adapters):
-    spec = SPECS[arch]
-    latents = 3.0 * adapters[arch].prepare_latents(2, spec, torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        pixels = adapters[arch].decode(latents, spec)
-    assert pixels.min() >= 0.0 and pixels.max() <= 1.0
-    assert pixels.std() > 1e-3  # the random decoder does not collapse to a constant
-    if arch in VIDEO_ARCHS:  # frames differ from one another
-        assert not torch.allclose(pixels[:, :, 0], pixels[:, :, -1], atol=1e-3)
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_euler_loop_is_deterministic(arch, adapters):
-    spec = SPECS[arch]
-    first = euler_sample(adapters[arch], PROMPTS, spec, num_steps=3, seed=7)
-    second = euler_sample(adapters[arch], PROMPTS, spec, num_steps=3, seed=7)
-    other_seed = euler_sample(adapters[arch], PROMPTS, spec, num_steps=3, seed=8)
-    assert torch.equal(first, second)
-    assert not torch.equal(first, other_seed)
 
 
 # ---------------------------------------------------------------------- parity with diffusers
@@ -532,17 +335,7 @@ def test_recomputed_log_probs_equal_behaviour_log_probs(arch, guidance, distille
     torch.testing.assert_close(recomputed[:, window], behaviour, atol=1e-5, rtol=0)
 
 
-# ---------------------------------------------------------------------- registry, cache, CLI
-
-
-def test_unknown_arch_lists_new_archs(tiny_dirs):
-    with pytest.raises(ValueError, match=r"unknown model arch 'unet'.*qwen_image, wan, hunyuan_video"):
-        load_adapter(tiny_dirs["wan"], "unet")
-
-
-def test_arch_mismatch_raises(tiny_dirs):
-    with pytest.raises(ValueError, match="does not match"):
-        load_adapter(tiny_dirs["wan"], "hunyuan_video")
+# ---------------------------------------------------------------------- tiny-model cache
 
 
 def test_ensure_tiny_video_arch(tmp_path, monkeypatch):
@@ -550,19 +343,6 @@ def test_ensure_tiny_video_arch(tmp_path, monkeypatch):
     path = ensure_tiny("hunyuan_video")
     assert path == str(tmp_path / "tiny" / "hunyuan_video-v1")
     assert detect_arch(path) == "hunyuan_video"
-
-
-def test_cli_writes_loadable_dir(tmp_path):
-    out = tmp_path / "cli_qwen"
-    result = subprocess.run(
-        [sys.executable, "-m", "verl_digen.models.tiny", "--arch", "qwen_image", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().splitlines()[-1] == str(out)
-    assert load_adapter(str(out)).arch == "qwen_image"
 
 
 # ---------------------------------------------------------------------- temporal_smoothness reward

@@ -24,7 +24,7 @@ from verl_digen.config.schema import AlgoConfig, LoraConfigSpec
 from verl_digen.models.base import SampleSpec
 from verl_digen.models.prompt_cache import PromptEmbeddingCache, model_cache_key, prompt_digest
 from verl_digen.models.registry import load_adapter
-from verl_digen.models.tiny import TINY_ARCHS, ensure_tiny
+from verl_digen.models.tiny import TINY_ARCHS
 from verl_digen.workers.sampling import SamplingSettings, sample_groups
 from verl_digen.workers.training import PolicyTrainer, TrainSettings, add_lora
 
@@ -47,17 +47,6 @@ MIXED_ROWS = [3, 0, 3]
 BATCH_INVARIANT = {"flux": True, "sd3": False, "qwen_image": False, "wan": True, "hunyuan_video": True}
 
 
-@pytest.fixture(scope="module")
-def tiny_paths(tiny_cache) -> dict[str, str]:
-    return {arch: ensure_tiny(arch) for arch in TINY_ARCHS}
-
-
-@pytest.fixture(scope="module")
-def adapters(tiny_paths):
-    """Shared read-only adapters (tests that release encoders load their own)."""
-    return {arch: load_adapter(path) for arch, path in tiny_paths.items()}
-
-
 def assert_bitwise(got: dict, want: dict) -> None:
     assert list(got) == list(want)
     for k in want:
@@ -74,9 +63,9 @@ def rows_of(cond: dict, idx: list[int]) -> dict:
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
-def test_cache_returns_the_fresh_encode_bitwise(arch, adapters, tiny_paths, tmp_path):
+def test_cache_returns_the_fresh_encode_bitwise(arch, adapters, tiny_dirs, tmp_path):
     adapter = adapters[arch]
-    key = model_cache_key(tiny_paths[arch], adapter)
+    key = model_cache_key(tiny_dirs[arch], adapter)
     fresh = adapter.encode_prompts(PROMPTS)
 
     cache = PromptEmbeddingCache(adapter, model_key=key, cache_dir=str(tmp_path))
@@ -105,7 +94,7 @@ def test_cache_returns_the_fresh_encode_bitwise(arch, adapters, tiny_paths, tmp_
         torch.testing.assert_close(got[k], reference[k], atol=1e-6, rtol=1e-6)
 
 
-def test_repeated_prompts_are_encoded_once_and_memory_is_bounded(adapters, tiny_paths, tmp_path):
+def test_repeated_prompts_are_encoded_once_and_memory_is_bounded(adapters, tiny_dirs, tmp_path):
     adapter = adapters["flux"]
     fresh = adapter.encode_prompts(PROMPTS)
     cache = PromptEmbeddingCache(adapter, model_key="k", cache_dir=str(tmp_path), max_memory_items=2)
@@ -133,15 +122,15 @@ def test_repeated_prompts_are_encoded_once_and_memory_is_bounded(adapters, tiny_
         memory_only.encode([])
 
 
-def test_disk_layout_and_model_key_isolation(adapters, tiny_paths, tmp_path):
+def test_disk_layout_and_model_key_isolation(adapters, tiny_dirs, tmp_path):
     flux, sd3 = adapters["flux"], adapters["sd3"]
-    key_flux = model_cache_key(tiny_paths["flux"], flux)
-    assert key_flux == model_cache_key(tiny_paths["flux"], flux)  # stable
-    assert key_flux != model_cache_key(tiny_paths["sd3"], sd3)
-    assert key_flux != model_cache_key(tiny_paths["flux"])  # the adapter's settings count
-    shorter = load_adapter(tiny_paths["flux"])
+    key_flux = model_cache_key(tiny_dirs["flux"], flux)
+    assert key_flux == model_cache_key(tiny_dirs["flux"], flux)  # stable
+    assert key_flux != model_cache_key(tiny_dirs["sd3"], sd3)
+    assert key_flux != model_cache_key(tiny_dirs["flux"])  # the adapter's settings count
+    shorter = load_adapter(tiny_dirs["flux"])
     shorter.max_sequence_length = 8  # a different T5 length gives different embeddings
-    assert model_cache_key(tiny_paths["flux"], shorter) != key_flux
+    assert model_cache_key(tiny_dirs["flux"], shorter) != key_flux
 
     cache = PromptEmbeddingCache(flux, model_key=key_flux, cache_dir=str(tmp_path))
     cache.encode(PROMPTS[:2])
@@ -166,7 +155,7 @@ def test_disk_layout_and_model_key_isolation(adapters, tiny_paths, tmp_path):
     import shutil
 
     copy = tmp_path / "flux-copy"
-    shutil.copytree(tiny_paths["flux"], copy)
+    shutil.copytree(tiny_dirs["flux"], copy)
     same = model_cache_key(str(copy))
     with open(copy / "tokenizer_2" / "tokenizer_config.json", "a") as f:
         f.write("\n")
@@ -206,8 +195,8 @@ def test_corrupted_or_foreign_disk_entries_are_recomputed(adapters, tmp_path):
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
-def test_release_text_encoders_frees_their_bytes(arch, tiny_paths):
-    adapter = load_adapter(tiny_paths[arch])
+def test_release_text_encoders_frees_their_bytes(arch, tiny_dirs):
+    adapter = load_adapter(tiny_dirs[arch])
     modules = [v for k, v in vars(adapter).items() if k.startswith("text_encoder") and v is not None]
     expected = sum(t.numel() * t.element_size() for m in modules for t in (*m.parameters(), *m.buffers()))
     assert expected > 0
@@ -219,8 +208,8 @@ def test_release_text_encoders_frees_their_bytes(arch, tiny_paths):
     assert adapter.release_text_encoders() == 0  # nothing left to free
 
 
-def test_release_needs_warm_prompts_and_a_later_miss_names_the_prompt(tiny_paths, tmp_path):
-    adapter = load_adapter(tiny_paths["sd3"])
+def test_release_needs_warm_prompts_and_a_later_miss_names_the_prompt(tiny_dirs, tmp_path):
+    adapter = load_adapter(tiny_dirs["sd3"])
     fresh = adapter.encode_prompts(PROMPTS[:3])
     cache = PromptEmbeddingCache(adapter, model_key="k", cache_dir=str(tmp_path))
     with pytest.raises(RuntimeError, match="warm"):
@@ -270,7 +259,7 @@ def _first_step(adapter, settings):
 
 
 @pytest.mark.parametrize("arch", ["flux", "sd3"])
-def test_first_step_update_is_the_same_with_the_cache(arch, tiny_paths, tmp_path):
+def test_first_step_update_is_the_same_with_the_cache(arch, tiny_dirs, tmp_path):
     settings = SamplingSettings(
         spec=SampleSpec(height=32, width=32, guidance_scale=4.5),  # true CFG: the negative prompt too
         num_steps=4,
@@ -280,15 +269,15 @@ def test_first_step_update_is_the_same_with_the_cache(arch, tiny_paths, tmp_path
         timestep_fraction=1.0,
         negative_prompt=NEGATIVE,
     )
-    plain = load_adapter(tiny_paths[arch])
+    plain = load_adapter(tiny_dirs[arch])
     add_lora(plain, LoraConfigSpec(rank=4))
     initial = {n: p.detach().clone() for n, p in plain.transformer.named_parameters() if "lora_" in n}
     data_plain, lora_plain = _first_step(plain, settings)
 
-    cached = load_adapter(tiny_paths[arch])
+    cached = load_adapter(tiny_dirs[arch])
     add_lora(cached, LoraConfigSpec(rank=4))
     cache = PromptEmbeddingCache(
-        cached, model_key=model_cache_key(tiny_paths[arch], cached), cache_dir=str(tmp_path)
+        cached, model_key=model_cache_key(tiny_dirs[arch], cached), cache_dir=str(tmp_path)
     )
     cache.warm(TRAIN_PROMPTS + [NEGATIVE])  # the whole prompt set in one call, before training
     assert cache.release_encoders() > 0

@@ -26,42 +26,27 @@ from PIL import Image
 
 from verl_digen.rewards import HttpReward, RewardFn, RewardServerError, build_reward, encode_images_png_b64
 from verl_digen.rewards.serve import RewardServer, is_loopback
+from verl_digen.sync import find_free_port
+
+from runs import quantised_rand
 
 TIMEOUT = 10.0
 TOKEN = "s3cret-token"
 
-
-def quantised_rand(*shape: int, seed: int = 0) -> torch.Tensor:
-    """Random images whose values are exact multiples of 1/255 (survive PNG round trips)."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, shape, generator=generator).float() / 255.0
-
-
-@pytest.fixture(autouse=True)
-def _no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("NO_PROXY", "no_proxy"):
-        monkeypatch.setenv(var, "127.0.0.1,localhost")
+pytestmark = pytest.mark.usefixtures("loopback_no_proxy")
 
 
 @pytest.fixture
 def server() -> Iterator[RewardServer]:
     """A brightness server, no token, small limits (4 KiB bodies, 4 images)."""
-    srv = RewardServer("brightness", port=0, max_body_mb=4 / 1024, max_batch=4, read_timeout_s=5.0)
-    srv.start()
-    try:
+    with RewardServer("brightness", port=0, max_body_mb=4 / 1024, max_batch=4, read_timeout_s=5.0) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture
 def token_server() -> Iterator[RewardServer]:
-    srv = RewardServer("brightness", port=0, token=TOKEN, read_timeout_s=5.0)
-    srv.start()
-    try:
+    with RewardServer("brightness", port=0, token=TOKEN, read_timeout_s=5.0) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def raw_request(
@@ -341,15 +326,9 @@ def test_reward_exception_is_500_with_message_and_server_recovers() -> None:
 # --------------------------------------------------------------------------- CLI
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture
 def cli_server() -> Iterator[tuple[subprocess.Popen, str]]:
-    port = _free_port()
+    port = find_free_port("127.0.0.1")
     env = {
         **os.environ,
         "VERL_DIGEN_REWARD_TOKEN": TOKEN,

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import http.server
-import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +23,9 @@ from verl_digen.rewards import (
     encode_images_png_b64,
     registered_rewards,
 )
+from verl_digen.sync import find_free_port
+
+from runs import JsonHandler, quantised_rand, serve
 
 BUILTINS = {
     "brightness",
@@ -36,12 +36,6 @@ BUILTINS = {
     "jpeg_incompressibility",
     "weighted",
 }
-
-
-def quantised_rand(*shape: int, seed: int = 0) -> torch.Tensor:
-    """Random images whose values are exact multiples of 1/255 (survive PNG round trips)."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, shape, generator=generator).float() / 255.0
 
 
 # --------------------------------------------------------------------------- registry
@@ -283,24 +277,11 @@ class ServerState:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-class _Handler(http.server.BaseHTTPRequestHandler):
-    state: ServerState  # set on the subclass made per server
-
-    def log_message(self, format: str, *args: object) -> None:  # keep pytest output clean
-        pass
-
-    def _reply(self, status: int, body: bytes) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        try:
-            self.wfile.write(body)
-        except (BrokenPipeError, ConnectionResetError):  # the client timed out and left
-            pass
+class _Handler(JsonHandler):
+    state: ServerState
 
     def do_POST(self) -> None:
-        payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        payload = self.read_json()
         state = self.state
         with state.lock:
             state.requests += 1
@@ -309,15 +290,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if fail:
                 state.failures_left -= 1
         if fail:
-            return self._reply(500, b'{"error": "try again"}')
+            return self.reply(500, b'{"error": "try again"}')
         if state.mode == "forbidden":
-            return self._reply(403, b'{"error": "bad token"}')
+            return self.reply(403, b'{"error": "bad token"}')
         if state.mode == "slow":
             time.sleep(0.5)
         if state.mode == "not_json":
-            return self._reply(200, b"<html>oops</html>")
+            return self.reply(200, b"<html>oops</html>")
         if state.mode == "no_rewards":
-            return self._reply(200, b'{"scores": [1.0]}')
+            return self.reply(200, b'{"scores": [1.0]}')
         images = decode_images_png_b64(payload["images"])
         assert len(payload["prompts"]) == images.shape[0]
         with state.lock:
@@ -327,25 +308,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             rewards = rewards[:-1]
         if state.mode == "nan":
             rewards[0] = float("nan")
-        self._reply(200, json.dumps({"rewards": rewards}).encode())
+        self.reply(200, {"rewards": rewards})
 
 
 @pytest.fixture
-def reward_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, ServerState]]:
+def reward_server(loopback_no_proxy) -> Iterator[tuple[str, ServerState]]:
     """A brightness reward server on 127.0.0.1:<free port>; yields (url, state)."""
-    for var in ("NO_PROXY", "no_proxy"):
-        monkeypatch.setenv(var, "127.0.0.1,localhost")
     state = ServerState()
-    handler = type("Handler", (_Handler,), {"state": state})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/score", state
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
+    with serve(_Handler, state) as base_url:
+        yield f"{base_url}/score", state
 
 
 def test_http_reward_round_trip_equals_local_brightness(reward_server) -> None:
@@ -402,13 +373,8 @@ def test_http_reward_times_out_and_retries(reward_server) -> None:
     assert state.requests == 2
 
 
-def test_http_reward_unreachable_port_raises_naming_url(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("NO_PROXY", "no_proxy"):
-        monkeypatch.setenv(var, "127.0.0.1,localhost")
-    with socket.socket() as sock:  # grab a free port, then release it: nothing listens there
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    url = f"http://127.0.0.1:{port}/score"
+def test_http_reward_unreachable_port_raises_naming_url(loopback_no_proxy) -> None:
+    url = f"http://127.0.0.1:{find_free_port('127.0.0.1')}/score"  # nothing listens there
     reward = HttpReward(url, timeout_s=2.0, max_retries=3, backoff_s=0.01)
 
     start = time.monotonic()

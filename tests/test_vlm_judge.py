@@ -11,11 +11,8 @@ PNG, ``max_tokens``, ``temperature``) and answers
 from __future__ import annotations
 
 import base64
-import http.server
 import io
-import json
 import re
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -28,14 +25,12 @@ from PIL import Image
 
 from verl_digen.rewards import RewardServerError, build_reward, build_reward_from_config, registered_rewards
 from verl_digen.rewards.vlm_judge import VlmJudgeReward, chat_completions_url
+from verl_digen.sync import find_free_port
+
+from runs import JsonHandler, quantised_rand, serve
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
 TIMEOUT = 10.0
-
-
-def quantised_rand(*shape: int, seed: int = 0) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, shape, generator=generator).float() / 255.0
 
 
 @dataclass
@@ -55,22 +50,8 @@ class JudgeState:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-class _JudgeHandler(http.server.BaseHTTPRequestHandler):
+class _JudgeHandler(JsonHandler):
     state: JudgeState
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
-
-    def _reply(self, status: int, payload: Any) -> None:
-        body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        try:
-            self.wfile.write(body)
-        except (BrokenPipeError, ConnectionResetError):
-            pass
 
     def _validate(self, request: dict[str, Any]) -> str:
         """Checks the OpenAI chat shape; returns the question text."""
@@ -92,7 +73,7 @@ class _JudgeHandler(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         state = self.state
-        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        request = self.read_json()
         with state.lock:
             state.requests += 1
             state.in_flight += 1
@@ -109,15 +90,15 @@ class _JudgeHandler(http.server.BaseHTTPRequestHandler):
             except Exception as exc:  # report shape violations to the test, answer 400
                 with state.lock:
                     state.errors.append(repr(exc))
-                return self._reply(400, {"error": {"message": f"bad request: {exc!r}"}})
+                return self.reply(400, {"error": {"message": f"bad request: {exc!r}"}})
             if state.mode == "unknown_model" or request["model"] != MODEL:
-                return self._reply(404, {"error": {"message": f"The model `{request['model']}` does not exist."}})
+                return self.reply(404, {"error": {"message": f"The model `{request['model']}` does not exist."}})
             if fail:
-                return self._reply(500, {"error": {"message": "engine busy"}})
+                return self.reply(500, {"error": {"message": "engine busy"}})
             if state.mode == "not_json":
-                return self._reply(200, b"<html>proxy error</html>")
+                return self.reply(200, b"<html>proxy error</html>")
             if state.mode == "garbage":
-                return self._reply(200, {"object": "error"})
+                return self.reply(200, {"object": "error"})
             with state.lock:
                 state.questions.append(question)
             content: str | None = state.reply
@@ -126,7 +107,7 @@ class _JudgeHandler(http.server.BaseHTTPRequestHandler):
                 content = f"I rate this {number} out of 10"
             if state.mode == "null_content":
                 content = None
-            self._reply(
+            self.reply(
                 200,
                 {
                     "id": "x",
@@ -140,22 +121,11 @@ class _JudgeHandler(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.fixture
-def judge(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, JudgeState]]:
+def judge(loopback_no_proxy) -> Iterator[tuple[str, JudgeState]]:
     """The fake judge on 127.0.0.1:<free port>; yields (base_url, state)."""
-    for var in ("NO_PROXY", "no_proxy"):
-        monkeypatch.setenv(var, "127.0.0.1,localhost")
     state = JudgeState()
-    handler = type("Handler", (_JudgeHandler,), {"state": state})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", state
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
+    with serve(_JudgeHandler, state) as base_url:
+        yield base_url, state
     assert state.errors == [], state.errors  # every request had the expected shape
 
 
@@ -253,12 +223,8 @@ def test_persistent_500_gives_up(judge: tuple[str, JudgeState]) -> None:
     assert state.requests == 2
 
 
-def test_unreachable_raises_naming_url(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("NO_PROXY", "no_proxy"):
-        monkeypatch.setenv(var, "127.0.0.1,localhost")
-    with socket.socket() as sock:  # a free port nothing listens on
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+def test_unreachable_raises_naming_url(loopback_no_proxy) -> None:
+    port = find_free_port("127.0.0.1")  # nothing listens there
     reward = make(f"http://127.0.0.1:{port}", max_retries=2, timeout_s=2.0)
     start = time.monotonic()
     with pytest.raises(RewardServerError) as info:

@@ -20,7 +20,6 @@ from .base import (
     Conditioning,
     DiffusionAdapter,
     SampleSpec,
-    calculate_shift,  # noqa: F401  (re-exported: verl_digen.models.flux.calculate_shift)
     check_num_steps,
     config_shift,
     latent_hw,

@@ -118,10 +118,13 @@ def build_t5_tokenizer(max_length: int = _PROMPT_TOKENS):
 # ---------------------------------------------------------------------- components
 
 
-def _clip_text_config(tokenizer, *, hidden: int, projection: int | None = None, layers: int = 1):
-    from transformers import CLIPTextConfig
+def _clip_encoder(tokenizer, *, hidden: int, projection: int | None = None, layers: int = 1):
+    """A CLIP text encoder: ``CLIPTextModelWithProjection`` when ``projection`` is given (SD3),
+    else ``CLIPTextModel`` (FLUX, HunyuanVideo: pooled width == ``hidden``)."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
-    return CLIPTextConfig(
+    model_cls = CLIPTextModel if projection is None else CLIPTextModelWithProjection
+    config = CLIPTextConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
         intermediate_size=2 * hidden,
@@ -134,6 +137,7 @@ def _clip_text_config(tokenizer, *, hidden: int, projection: int | None = None, 
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    return model_cls(config)
 
 
 def _t5_encoder(tokenizer, *, width: int = _T5_WIDTH, umt5: bool = False):
@@ -179,15 +183,45 @@ def _vae(*, scaling_factor: float, shift_factor: float):
     )
 
 
+def _flow_match_scheduler(shift: float, *, max_shift: float | None = None, max_image_seq_len: int = 4096, **extra):
+    """The flow-matching Euler scheduler every tiny model uses (1000 training timesteps). With
+    ``max_shift``: the resolution-dependent dynamic shift of FLUX.1 / Qwen-Image (mu grows from 0.5
+    at 256 image tokens to ``max_shift`` at ``max_image_seq_len``)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    if max_shift is not None:
+        extra = dict(
+            use_dynamic_shifting=True,
+            base_shift=0.5,
+            max_shift=max_shift,
+            base_image_seq_len=256,
+            max_image_seq_len=max_image_seq_len,
+            **extra,
+        )
+    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift, **extra)
+
+
+def _pipeline(pipeline_cls, text: list[tuple], transformer, vae, scheduler):
+    """``pipeline_cls`` from its components; ``text`` lists the (tokenizer, text encoder) pairs in
+    the pipeline's order: ``tokenizer`` / ``text_encoder``, then ``..._2``, ``..._3``.
+
+    Callers build the modules before calling (text encoders, transformer, VAE: the order their
+    weights are drawn from the seeded RNG)."""
+    components = {}
+    for i, (tokenizer, text_encoder) in enumerate(text):
+        suffix = "" if i == 0 else f"_{i + 1}"
+        components[f"tokenizer{suffix}"] = tokenizer
+        components[f"text_encoder{suffix}"] = text_encoder
+    return pipeline_cls(transformer=transformer, vae=vae, scheduler=scheduler, **components)
+
+
 def _flux_pipeline():
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-    from transformers import CLIPTextModel
+    from diffusers import FluxPipeline, FluxTransformer2DModel
 
     tokenizer = build_clip_tokenizer()
     tokenizer_2 = build_t5_tokenizer()
     clip_hidden = 24  # pooled width; distinct from the T5 width on purpose
-    text_encoder = CLIPTextModel(_clip_text_config(tokenizer, hidden=clip_hidden))
-    text_encoder_2 = _t5_encoder(tokenizer_2)
+    text = [(tokenizer, _clip_encoder(tokenizer, hidden=clip_hidden)), (tokenizer_2, _t5_encoder(tokenizer_2))]
     transformer = FluxTransformer2DModel(
         patch_size=1,
         in_channels=4 * _LATENT_CHANNELS,  # packed 2x2 patches
@@ -201,39 +235,23 @@ def _flux_pipeline():
         axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim
     )
     vae = _vae(scaling_factor=0.3611, shift_factor=0.1159)  # FLUX.1 VAE's values
-    # FLUX.1-dev's scheduler config (dynamic, resolution-dependent shift).
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000,
-        shift=3.0,
-        use_dynamic_shifting=True,
-        base_shift=0.5,
-        max_shift=1.15,
-        base_image_seq_len=256,
-        max_image_seq_len=4096,
-    )
-    return FluxPipeline(
-        scheduler=scheduler,
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        text_encoder_2=text_encoder_2,
-        tokenizer_2=tokenizer_2,
-        transformer=transformer,
-    )
+    scheduler = _flow_match_scheduler(3.0, max_shift=1.15)  # FLUX.1-dev's config
+    return _pipeline(FluxPipeline, text, transformer, vae, scheduler)
 
 
 def _sd3_pipeline():
-    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
-    from transformers import CLIPTextModelWithProjection
+    from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
 
     tokenizer = build_clip_tokenizer()
     tokenizer_2 = build_clip_tokenizer()
     tokenizer_3 = build_t5_tokenizer()
     # Two CLIPs of different widths (like CLIP-L 768 / CLIP-G 1280): their hidden states are
     # concatenated (8 + 16 = 24) and zero-padded to the T5 width (32); pooled 16 + 16 = 32.
-    text_encoder = CLIPTextModelWithProjection(_clip_text_config(tokenizer, hidden=8, projection=16, layers=2))
-    text_encoder_2 = CLIPTextModelWithProjection(_clip_text_config(tokenizer_2, hidden=16, projection=16, layers=2))
-    text_encoder_3 = _t5_encoder(tokenizer_3)
+    text = [
+        (tokenizer, _clip_encoder(tokenizer, hidden=8, projection=16, layers=2)),
+        (tokenizer_2, _clip_encoder(tokenizer_2, hidden=16, projection=16, layers=2)),
+        (tokenizer_3, _t5_encoder(tokenizer_3)),
+    ]
     transformer = SD3Transformer2DModel(
         sample_size=16,  # latent size of a 32x32 image
         patch_size=2,
@@ -248,18 +266,8 @@ def _sd3_pipeline():
         pos_embed_max_size=32,  # room for up to 128x128-pixel images
     )
     vae = _vae(scaling_factor=1.5305, shift_factor=0.0609)  # SD3 VAE's values
-    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)  # SD3.5's config
-    return StableDiffusion3Pipeline(
-        transformer=transformer,
-        scheduler=scheduler,
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        text_encoder_2=text_encoder_2,
-        tokenizer_2=tokenizer_2,
-        text_encoder_3=text_encoder_3,
-        tokenizer_3=tokenizer_3,
-    )
+    scheduler = _flow_match_scheduler(3.0)  # SD3.5's config
+    return _pipeline(StableDiffusion3Pipeline, text, transformer, vae, scheduler)
 
 
 # ---------------------------------------------------------------------- trained BPE tokenizers
@@ -345,8 +353,6 @@ def build_llama_tokenizer(max_length: int = 95 + 16):
     Prompt words and the words of HunyuanVideo's template are single tokens, so the template
     prefix (with the BOS token) is exactly the 95 tokens the pipeline crops. Pads on the right,
     which HunyuanVideo's transformer assumes (it reads the mask as an effective length)."""
-    import string
-
     from tokenizers import pre_tokenizers
     from transformers import LlamaTokenizerFast
 
@@ -446,15 +452,10 @@ def _wan_style_vae(vae_cls, *, temporal_downsample: bool, **kwargs):
 
 
 def _qwen_image_pipeline():
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImagePipeline,
-        QwenImageTransformer2DModel,
-    )
+    from diffusers import AutoencoderKLQwenImage, QwenImagePipeline, QwenImageTransformer2DModel
 
     tokenizer = build_qwen2_tokenizer()
-    text_encoder = _qwen2_5_vl_encoder(tokenizer)
+    text = [(tokenizer, _qwen2_5_vl_encoder(tokenizer))]
     transformer = QwenImageTransformer2DModel(
         patch_size=2,
         in_channels=4 * _LATENT_CHANNELS,  # packed 2x2 patches
@@ -467,27 +468,17 @@ def _qwen_image_pipeline():
     )
     vae = _wan_style_vae(AutoencoderKLQwenImage, temporal_downsample=False)  # a one-frame video VAE
     # Qwen-Image's scheduler config (dynamic exponential shift, terminal sigma 0.02).
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000,
-        shift=1.0,
-        use_dynamic_shifting=True,
-        base_shift=0.5,
-        max_shift=0.9,
-        base_image_seq_len=256,
-        max_image_seq_len=8192,
-        shift_terminal=0.02,
-        time_shift_type="exponential",
+    scheduler = _flow_match_scheduler(
+        1.0, max_shift=0.9, max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential"
     )
-    return QwenImagePipeline(
-        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
-    )
+    return _pipeline(QwenImagePipeline, text, transformer, vae, scheduler)
 
 
 def _wan_pipeline():
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
 
     tokenizer = build_t5_tokenizer()  # a T5/UMT5 sentencepiece-style Unigram tokenizer
-    text_encoder = _t5_encoder(tokenizer, width=_TEXT_WIDTH, umt5=True)
+    text = [(tokenizer, _t5_encoder(tokenizer, width=_TEXT_WIDTH, umt5=True))]
     transformer = WanTransformer3DModel(
         patch_size=(1, 2, 2),
         num_attention_heads=2,
@@ -506,20 +497,13 @@ def _wan_pipeline():
     # Wan2.1 ships a UniPC scheduler with flow_shift=3.0; the tiny model uses the flow-matching
     # Euler scheduler with the same shift, so that the pipeline's own loop is the Euler loop
     # the RL sampler runs (and the two can be compared step for step).
-    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
-    return WanPipeline(
-        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler, transformer=transformer
-    )
+    scheduler = _flow_match_scheduler(3.0)
+    return _pipeline(WanPipeline, text, transformer, vae, scheduler)
 
 
 def _hunyuan_video_pipeline():
-    from diffusers import (
-        AutoencoderKLHunyuanVideo,
-        FlowMatchEulerDiscreteScheduler,
-        HunyuanVideoPipeline,
-        HunyuanVideoTransformer3DModel,
-    )
-    from transformers import CLIPTextModel, LlamaConfig, LlamaModel
+    from diffusers import AutoencoderKLHunyuanVideo, HunyuanVideoPipeline, HunyuanVideoTransformer3DModel
+    from transformers import LlamaConfig, LlamaModel
 
     tokenizer = build_llama_tokenizer()
     # The pipeline always pads CLIP prompts to 77 tokens.
@@ -535,7 +519,7 @@ def _hunyuan_video_pipeline():
         )
     )
     clip_hidden = 24  # pooled width; distinct from the LLM width on purpose
-    text_encoder_2 = CLIPTextModel(_clip_text_config(tokenizer_2, hidden=clip_hidden))
+    text = [(tokenizer, text_encoder), (tokenizer_2, _clip_encoder(tokenizer_2, hidden=clip_hidden))]
     transformer = HunyuanVideoTransformer3DModel(
         in_channels=_LATENT_CHANNELS,
         out_channels=_LATENT_CHANNELS,
@@ -568,16 +552,8 @@ def _hunyuan_video_pipeline():
         temporal_compression_ratio=4,
         mid_block_add_attention=True,
     )
-    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=7.0)  # HunyuanVideo's config
-    return HunyuanVideoPipeline(
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        transformer=transformer,
-        vae=vae,
-        scheduler=scheduler,
-        text_encoder_2=text_encoder_2,
-        tokenizer_2=tokenizer_2,
-    )
+    scheduler = _flow_match_scheduler(7.0)  # HunyuanVideo's config
+    return _pipeline(HunyuanVideoPipeline, text, transformer, vae, scheduler)
 
 
 _PIPELINE_BUILDERS = {

@@ -29,7 +29,6 @@ from .base import (
     has_component,
     latent_frames,
     latent_hw,
-    load_scheduler_config,  # noqa: F401  (re-exported: verl_digen.models.wan.load_scheduler_config)
     prompts_to_encode,
     randn_latents,
     resolve_max_sequence_length,

@@ -94,13 +94,6 @@ class Plan:
     def __contains__(self, task_id: str) -> bool:
         return task_id in self._index
 
-    def queues(self) -> dict[WorkerId, list[Task]]:
-        q: dict[WorkerId, list[Task]] = {w: [] for w in self.workers}
-        for t in self.tasks:
-            for w in t.workers:
-                q[w].append(t)
-        return q
-
     def of_kind(self, kind: TaskKind, step: int | None = None) -> list[Task]:
         return [t for t in self.tasks if t.kind == kind and (step is None or t.step == step)]
 
@@ -230,27 +223,9 @@ class Plan:
                     )
 
 
-def replay_order(plan: Plan, finished_order: list[str]) -> None:
-    """Check that an execution finished tasks in a way the plan allows (deps first)."""
-    done: set[str] = set()
-    for tid in finished_order:
-        for d in plan[tid].deps:
-            if d not in done:
-                raise PlanError(f"{tid} finished before its dependency {d}")
-        done.add(tid)
-
-
 def group_ids(step: int, groups_per_step: int) -> list[int]:
     return [step * groups_per_step + i for i in range(groups_per_step)]
 
 
 def chunk(items: list[int], size: int) -> list[tuple[int, ...]]:
     return [tuple(items[i : i + size]) for i in range(0, len(items), size)]
-
-
-def by_worker(tasks: Iterable[Task]) -> dict[WorkerId, list[Task]]:
-    out: dict[WorkerId, list[Task]] = defaultdict(list)
-    for t in tasks:
-        for w in t.workers:
-            out[w].append(t)
-    return dict(out)
