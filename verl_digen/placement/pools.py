@@ -74,7 +74,7 @@ def pool_layout(cfg: DigenConfig, cluster: ClusterSpec) -> PoolLayout:
 def build_worker_groups(
     layout: PoolLayout,
     *,
-    config: dict[str, Any],
+    config: DigenConfig,
     model_path: str,
     use_gpu: bool,
     num_threads: int,

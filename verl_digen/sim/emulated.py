@@ -340,9 +340,9 @@ def emulated_devices(costs: Any, *, device: str, time_scale: float = 1.0) -> Ite
     state: dict[str, Any] = {}
     original = loop.build_worker_groups
 
-    def build(layout: Any, *, config: dict, model_path: str, use_gpu: bool, num_threads: int):
+    def build(layout: Any, *, config: Any, model_path: str, use_gpu: bool, num_threads: int):
         groups, actors = build_emulated_worker_groups(
-            layout, costs, device=device, time_scale=time_scale, group_size=int(config["batch"]["group_size"])
+            layout, costs, device=device, time_scale=time_scale, group_size=config.batch.group_size
         )
         state.update(cluster=cluster_for_layout(layout, device), actors=actors)
         return groups, actors

@@ -191,7 +191,6 @@ class DigenTrainer:
         devices = self.spec.devices
         owns_ray = _init_ray(devices, cfg, use_gpu)
         threads = max(1, (os.cpu_count() or 1) // max(devices, 1)) if not use_gpu else 4
-        digen_dict = self.full_config["digen"]
         if self.emulated:
             from verl_digen.sim.emulated import build_emulated_worker_groups, emulation_costs
 
@@ -202,7 +201,7 @@ class DigenTrainer:
             )
         else:
             groups, actors = build_worker_groups(
-                self.layout, config=digen_dict, model_path=self.model_path, use_gpu=use_gpu, num_threads=threads
+                self.layout, config=cfg, model_path=self.model_path, use_gpu=use_gpu, num_threads=threads
             )
         try:
             infos = ray.get([a.init_model.remote() for a in actors.values()], timeout=cfg.task_timeout_s)
