@@ -102,7 +102,8 @@ SAME_RULES = [
      dict(placement="disaggregated", rollout_workers=3, tsp_stages=2), "tsp_stages"),
     ({"placement": "disaggregated", "tsp": {"stages": 9}},
      dict(placement="disaggregated", rollout_workers=9, tsp_stages=9), "tsp_stages"),
-    ({"batch": {"groups_per_task": 3}}, dict(placement="colocated", rollout_workers=2, groups_per_task=3), "groups_per_task"),
+    ({"batch": {"groups_per_task": 3}}, dict(placement="colocated", rollout_workers=2, groups_per_task=3),
+     "groups_per_task"),
     ({"placement": "sideways"}, dict(placement="sideways", rollout_workers=2), "placement"),
 ]
 KEYS = {"tsp_stages": "digen.tsp.stages", "max_staleness": "digen.async.max_staleness", "tag": "digen.tag.enable",
@@ -112,7 +113,8 @@ KEYS = {"tsp_stages": "digen.tsp.stages", "max_staleness": "digen.async.max_stal
 @pytest.mark.parametrize("digen,spec,field", SAME_RULES)
 def test_config_and_strategy_share_one_set_of_rules(digen, spec, field):
     spec = dict(dict(trainer_workers=1, groups_per_step=4, group_size=4, num_steps=8), **spec)
-    assert [f for f, _ in strategy_violations(**{k: v for k, v in spec.items() if k not in ("trainer_workers", "group_size")})] == [field]
+    checked = {k: v for k, v in spec.items() if k not in ("trainer_workers", "group_size")}
+    assert [f for f, _ in strategy_violations(**checked)] == [field]
     with pytest.raises(ValueError, match=rf"^{field}="):
         StrategySpec(**spec)
     with pytest.raises(ConfigError, match=rf"invalid config: {KEYS[field]}="):

@@ -224,7 +224,8 @@ class PoolsConfig:
                 continue
             if p.devices > n_devices_per_node:
                 raise ConfigError(
-                    f"invalid config: {key}.{role}.devices={p.devices} exceeds trainer.n_gpus_per_node={n_devices_per_node}"
+                    f"invalid config: {key}.{role}.devices={p.devices} exceeds "
+                    f"trainer.n_gpus_per_node={n_devices_per_node}"
                 )
             if p.nodes > nnodes:
                 raise ConfigError(f"invalid config: {key}.{role}.nodes={p.nodes} exceeds trainer.nnodes={nnodes}")
@@ -281,7 +282,8 @@ class PromptCacheConfig:
 class EmulateConfig:
     """Emulated cluster: the real executor drives workers that sleep for the cost model's time."""
 
-    model: Optional[str] = None  # a cost-model profile, e.g. flux-12b (python -m verl_digen.plan --list); None: real workers
+    # A cost-model profile, e.g. flux-12b (python -m verl_digen.plan --list); None: real workers.
+    model: Optional[str] = None
     device_type: str = "H800"
     time_scale: float = 1.0  # real seconds per modelled second
 

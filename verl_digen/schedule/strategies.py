@@ -75,10 +75,10 @@ def strategy_violations(
         if len(b) != tsp_stages + 1 or b[0] != 0 or b[-1] != num_steps or any(x >= y for x, y in zip(b, b[1:])):
             out.append(("stage_bounds", f"must rise strictly from 0 to {name('num_steps')}={num_steps} in "
                                         f"{name('tsp_stages')}={tsp_stages} stages"))
-    for field in ("groups_per_task", "train_micro_batch_groups"):
-        v = {"groups_per_task": groups_per_task, "train_micro_batch_groups": train_micro_batch_groups}[field]
+    for field, v in (("groups_per_task", groups_per_task), ("train_micro_batch_groups", train_micro_batch_groups)):
         if v < 1 or groups_per_step % v:
-            out.append((field, f"must be >= 1 and divide {name('groups_per_step')}={groups_per_step} (whole groups only)"))
+            valid = f"must be >= 1 and divide {name('groups_per_step')}={groups_per_step} (whole groups only)"
+            out.append((field, valid))
     return out
 
 
