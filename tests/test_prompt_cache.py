@@ -250,7 +250,7 @@ def _first_step(adapter, settings):
         group_size=2, settings=settings, training_step=0, seed=7, policy_version=0,
     )
     trainer = PolicyTrainer(
-        adapter, TrainSettings(algo=AlgoConfig(), sampling=settings, lora_only=True, images_per_step=len(data))
+        adapter, TrainSettings(algo=AlgoConfig(lr=3e-4), sampling=settings, lora_only=True, images_per_step=len(data))
     )
     trainer.train_micro_batch(data, torch.tensor([1.0, -1.0, 0.5, -0.5]))
     trainer.optimizer_step()

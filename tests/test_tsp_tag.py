@@ -61,7 +61,7 @@ def test_tsp_pipeline_of_worker_processes_matches_one_worker_bitwise(ray_cluster
     }
     cfg = digen_config_from_dict(digen)
     layout = pool_layout(cfg, ClusterSpec(n_devices_per_node=stages + 1, nnodes=1))
-    groups, actors = build_worker_groups(layout, config=digen, model_path=tiny_flux, use_gpu=False, num_threads=1)
+    groups, actors = build_worker_groups(layout, config=cfg, model_path=tiny_flux, use_gpu=False, num_threads=1)
     try:
         rollout = [a for w, a in sorted(actors.items()) if w.pool == "rollout"]
         ray.get([a.init_model.remote() for a in rollout], timeout=300)

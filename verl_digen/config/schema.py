@@ -1,17 +1,26 @@
-"""The ``digen`` config group as typed dataclasses, validated before anything starts.
+"""The ``digen`` config group as typed dataclasses: its only defaults, and its validation.
 
-Hydra gives us a DictConfig; :func:`digen_config_from_dict` turns ``cfg.digen`` into a
-:class:`DigenConfig`, refusing unknown keys (typos) and bad values with an error that names
-the full key, the value and what would be valid. Nothing deep inside Ray ever sees a
-config typo.
+The dataclasses below are the single source of the ``digen`` defaults (each field carries the
+comment documenting its key). :func:`register_configs` puts them into Hydra's ConfigStore as
+the node ``digen_defaults`` (package ``digen``), which ``digen_base.yaml`` lists in its
+defaults, so every composed config (``python -m verl_digen.main``, ``compose_config``, the
+presets in ``configs/``) holds the full ``digen`` tree; YAML files only override it.
+
+:func:`digen_config_from_dict` turns the composed ``cfg.digen`` mapping into a
+:class:`DigenConfig` through OmegaConf's structured-config merge (unknown keys and values of
+the wrong type are refused), then :meth:`DigenConfig.validate` checks every rule, raising a
+:class:`ConfigError` that names the full key, the value and what would be valid. Nothing deep
+inside Ray ever sees a config typo: workers receive the validated dataclass.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import typing
+import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
+
+from verl_digen.algos.window import SdeWindowConfig
 
 
 class ConfigError(ValueError):
@@ -20,6 +29,21 @@ class ConfigError(ValueError):
 
 def _fail(key: str, value: Any, valid: str) -> None:
     raise ConfigError(f"invalid config: {key}={value!r}; {valid}")
+
+
+def _finite(value: Any) -> bool:
+    """A real number that is neither NaN nor infinite (NaN slips through ``x <= 0`` checks)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _positive(key: str, value: Any) -> None:
+    if not (_finite(value) and value > 0):
+        _fail(key, value, "must be a finite number > 0")
+
+
+def _non_negative(key: str, value: Any) -> None:
+    if not (_finite(value) and value >= 0):
+        _fail(key, value, "must be a finite number >= 0")
 
 
 @dataclass
@@ -43,8 +67,8 @@ class LoraConfigSpec:
 
 @dataclass
 class ModelConfig:
-    path: Optional[str] = None  # local diffusers directory; None -> build the tiny model of tiny_arch
-    arch: Optional[str] = None  # None -> detected from model_index.json
+    path: Optional[str] = None  # local diffusers directory; None builds and uses a tiny model of tiny_arch
+    arch: Optional[str] = None  # flux | sd3 | qwen_image | wan | hunyuan_video; None: read from model_index.json
     tiny_arch: str = "flux"
     dtype: str = "fp32"  # fp32 | bf16 (bf16: autocast for the denoiser, SDE maths stay fp32)
     lora: LoraConfigSpec = field(default_factory=LoraConfigSpec)
@@ -59,25 +83,18 @@ class ModelConfig:
 
 
 @dataclass
-class SdeWindowSpec:
-    mode: str = "all"  # all | fixed | random | sliding
-    size: int = 0
-    start: int = 0
-    stride: int = 1
-    range_end: Optional[int] = None
-
-
-@dataclass
 class SamplingConfig:
     height: int = 32
     width: int = 32
     num_frames: int = 1
     num_steps: int = 8
-    guidance_scale: float = 1.0
-    distilled_guidance: Optional[float] = None
+    guidance_scale: float = 1.0  # > 1: true CFG with negative_prompt
+    distilled_guidance: Optional[float] = None  # FLUX.1-dev style guidance embedding
     noise_level: float = 0.7
-    sde_type: str = "sde"
-    sde_window: SdeWindowSpec = field(default_factory=SdeWindowSpec)
+    sde_type: str = "sde"  # sde | cps | dance_sde
+    # Which steps are stochastic (and trained): mode all | fixed | random | sliding, with size,
+    # start, stride, range_end (see verl_digen.algos.window).
+    sde_window: SdeWindowConfig = field(default_factory=SdeWindowConfig)
     timestep_fraction: float = 1.0
     negative_prompt: str = ""
 
@@ -93,42 +110,33 @@ class SamplingConfig:
                 _fail(f"{key}.{name}", getattr(self, name), "must be >= 8 pixels")
         if not 0.0 < self.timestep_fraction <= 1.0:
             _fail(f"{key}.timestep_fraction", self.timestep_fraction, "must be in (0, 1]")
-        if self.noise_level <= 0:
-            _fail(f"{key}.noise_level", self.noise_level, "must be > 0")
-        from verl_digen.algos.window import SdeWindowConfig
-
+        _positive(f"{key}.noise_level", self.noise_level)
         try:
-            SdeWindowConfig(**dataclasses.asdict(self.sde_window)).validate(self.num_steps)
+            self.sde_window.validate(self.num_steps)
         except ValueError as e:
             raise ConfigError(f"invalid config: {key}.sde_window: {e}") from None
 
 
 @dataclass
 class DataConfig:
-    prompts: str = "builtin:demo"  # a .txt/.jsonl/.parquet path, or builtin:<name>
+    prompts: str = "builtin:demo"  # builtin:<name>, or a .txt / .jsonl / .parquet file
     shuffle: bool = True
 
 
 @dataclass
 class BatchConfig:
     groups_per_step: int = 4  # prompts per optimizer step
-    group_size: int = 4  # images per prompt (G)
+    group_size: int = 4  # images per prompt (GRPO group, G)
     groups_per_task: int = 1  # groups sampled together in one generate call
     train_micro_batch_groups: int = 1  # groups per trainer micro-batch (gradient accumulation unit)
 
     def validate(self, key: str) -> None:
+        # That groups_per_task and train_micro_batch_groups divide groups_per_step is a
+        # strategy rule (verl_digen.schedule.strategies.strategy_violations).
         if self.group_size < 2:
             _fail(f"{key}.group_size", self.group_size, "GRPO needs at least 2 samples per group")
         if self.groups_per_step < 1:
             _fail(f"{key}.groups_per_step", self.groups_per_step, "must be >= 1")
-        for name in ("groups_per_task", "train_micro_batch_groups"):
-            v = getattr(self, name)
-            if v < 1 or self.groups_per_step % v != 0:
-                _fail(
-                    f"{key}.{name}",
-                    v,
-                    f"must be >= 1 and divide {key}.groups_per_step={self.groups_per_step} (whole groups only)",
-                )
 
     @property
     def images_per_step(self) -> int:
@@ -141,7 +149,7 @@ class AlgoConfig:
     adv_clip_max: float = 5.0
     kl_beta: float = 0.0
     std_mode: str = "group"  # group | global | none
-    lr: float = 3e-4
+    lr: float = 3e-2  # tiny demo; Flow-GRPO uses 3e-4 for LoRA on real models (see configs/)
     weight_decay: float = 1e-4
     max_grad_norm: float = 1.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -151,12 +159,9 @@ class AlgoConfig:
     def validate(self, key: str) -> None:
         if self.std_mode not in ("group", "global", "none"):
             _fail(f"{key}.std_mode", self.std_mode, "valid: group, global, none")
-        if self.clip_range <= 0:
-            _fail(f"{key}.clip_range", self.clip_range, "must be > 0")
-        if self.lr <= 0:
-            _fail(f"{key}.lr", self.lr, "must be > 0")
-        if self.kl_beta < 0:
-            _fail(f"{key}.kl_beta", self.kl_beta, "must be >= 0")
+        _positive(f"{key}.clip_range", self.clip_range)
+        _positive(f"{key}.lr", self.lr)
+        _non_negative(f"{key}.kl_beta", self.kl_beta)
         if self.optimizer not in ("adamw", "sgd"):
             _fail(f"{key}.optimizer", self.optimizer, "valid: adamw, sgd")
 
@@ -165,7 +170,7 @@ class AlgoConfig:
 class RewardConfig:
     name: str = "brightness"
     kwargs: dict[str, Any] = field(default_factory=dict)
-    components: list[dict[str, Any]] = field(default_factory=list)  # for name=weighted
+    components: list[dict[str, Any]] = field(default_factory=list)  # for name=weighted: [{name, weight, kwargs}, ...]
 
     def as_spec(self) -> dict[str, Any]:
         """The mapping ``verl_digen.rewards.build_reward_from_config`` takes."""
@@ -196,9 +201,42 @@ class PoolSpec:
 
 @dataclass
 class PoolsConfig:
+    """Disaggregated placement only."""
+
     rollout: PoolSpec = field(default_factory=PoolSpec)
     trainer: PoolSpec = field(default_factory=PoolSpec)
-    reward: PoolSpec = field(default_factory=lambda: PoolSpec(devices=0))
+    reward: PoolSpec = field(default_factory=lambda: PoolSpec(devices=0))  # devices 0: score on the rollout workers
+
+    def validate(self, key: str) -> None:
+        for role in ("rollout", "trainer"):
+            spec: PoolSpec = getattr(self, role)
+            if spec.devices < 1 or spec.nodes < 1:
+                _fail(f"{key}.{role}.devices", spec.devices, f"the {role} pool needs at least 1 device")
+        if self.reward.devices < 0:
+            _fail(f"{key}.reward.devices", self.reward.devices, "must be >= 0 (0 = reward on rollout)")
+
+    def validate_cluster(self, key: str, n_devices_per_node: int, nnodes: int) -> None:
+        """The pools fit the declared cluster (``trainer.n_gpus_per_node`` x ``trainer.nnodes``)."""
+        total = 0
+        for role in ("rollout", "trainer", "reward"):
+            p: PoolSpec = getattr(self, role)
+            if role == "reward" and p.devices == 0:
+                continue
+            if p.devices > n_devices_per_node:
+                raise ConfigError(
+                    f"invalid config: {key}.{role}.devices={p.devices} exceeds "
+                    f"trainer.n_gpus_per_node={n_devices_per_node}"
+                )
+            if p.nodes > nnodes:
+                raise ConfigError(f"invalid config: {key}.{role}.nodes={p.nodes} exceeds trainer.nnodes={nnodes}")
+            total += p.world_size
+        if total > n_devices_per_node * nnodes:
+            raise ConfigError(
+                f"invalid config: {key} need {total} devices "
+                f"(rollout {self.rollout.world_size} + trainer {self.trainer.world_size} + "
+                f"reward {self.reward.world_size}) but the cluster has "
+                f"trainer.n_gpus_per_node x trainer.nnodes = {n_devices_per_node * nnodes}"
+            )
 
 
 @dataclass
@@ -208,7 +246,7 @@ class GapConfig:
 
 @dataclass
 class AsyncConfig:
-    max_staleness: int = 0
+    max_staleness: int = 0  # 0 on-policy, 1 one-step-constrained (TCSS)
 
     def validate(self, key: str) -> None:
         if self.max_staleness not in (0, 1):
@@ -217,55 +255,56 @@ class AsyncConfig:
 
 @dataclass
 class TspConfig:
-    stages: int = 1  # rollout workers per time-step pipeline (1 = plain data parallel)
-    train_split: str = "sample"  # sample | timestep
+    stages: int = 1  # K: rollout workers per time-step pipeline (1 = plain data parallel; must divide the rollout pool)
+    train_split: str = "sample"  # sample | timestep: trainer ranks split each micro-batch by denoising step
     balance: bool = True  # balance stage ranges by measured per-step cost (else an even split)
-
-    def validate(self, key: str, num_steps: int) -> None:
-        if self.stages < 1 or self.stages > num_steps:
-            _fail(f"{key}.stages", self.stages, f"must be in [1, digen.sampling.num_steps={num_steps}]")
-        if self.train_split not in ("sample", "timestep"):
-            _fail(f"{key}.train_split", self.train_split, "valid: sample, timestep")
 
 
 @dataclass
 class TagConfig:
-    enable: bool = False
+    enable: bool = False  # trainers generate part of each step's groups (share decided per step)
     switch_cost_s: float = 0.0  # a trainer's generate->train switch (e.g. freeing activations)
 
     def validate(self, key: str) -> None:
-        if self.switch_cost_s < 0:
-            _fail(f"{key}.switch_cost_s", self.switch_cost_s, "must be >= 0")
+        _non_negative(f"{key}.switch_cost_s", self.switch_cost_s)
 
 
 @dataclass
 class PromptCacheConfig:
-    enable: bool = False  # encode every prompt once (memory + disk), then free the text encoders
+    """Text encoders run once per unique prompt (memory + disk), then are freed."""
+
+    enable: bool = False
     dir: Optional[str] = None  # default: $VERL_DIGEN_CACHE/prompt_embeds or ~/.cache/verl_digen/prompt_embeds
     release_encoders: bool = True
 
 
 @dataclass
 class EmulateConfig:
-    model: Optional[str] = None  # a cost-model profile (flux-12b, wan2.1-14b, ...): workers sleep instead of compute
+    """Emulated cluster: the real executor drives workers that sleep for the cost model's time."""
+
+    # A cost-model profile, e.g. flux-12b (python -m verl_digen.plan --list); None: real workers.
+    model: Optional[str] = None
     device_type: str = "H800"
     time_scale: float = 1.0  # real seconds per modelled second
 
     def validate(self, key: str) -> None:
-        if self.time_scale <= 0:
-            _fail(f"{key}.time_scale", self.time_scale, "must be > 0")
+        _positive(f"{key}.time_scale", self.time_scale)
 
 
 @dataclass
 class FsdpConfig:
-    enable: bool = False  # FSDP2 (fully_shard) over the trainer pool; micro-batches run in lockstep
+    """FSDP2 (fully_shard) over the trainer pool (GPU); each micro-batch runs on every trainer rank in lockstep."""
+
+    enable: bool = False
     gradient_checkpointing: bool = False
     reshard_after_forward: bool = True
 
 
 @dataclass
 class ValidationConfig:
-    prompts: str = "builtin:val"  # held-out prompts (builtin:<name> or a file); trainer.test_freq sets how often
+    """Every trainer.test_freq steps: deterministic (ODE) samples of held-out prompts."""
+
+    prompts: str = "builtin:val"  # held-out prompts (builtin:<name> or a file)
     num_prompts: int = 8
     seed: int = 2024
 
@@ -276,6 +315,8 @@ class ValidationConfig:
 
 @dataclass
 class EmaConfig:
+    """EMA of the trained weights, used for validation when on."""
+
     enable: bool = False
     decay: float = 0.999
 
@@ -293,11 +334,27 @@ class SyncConfig:
             _fail(f"{key}.backend", self.backend, "valid: auto, gloo, nccl")
 
 
+# The digen.* key of each StrategySpec field that a DigenConfig determines.
+_STRATEGY_KEYS = {
+    "placement": "digen.placement",
+    "rollout_workers": "the rollout pool size digen.pools.rollout.devices x nodes",
+    "groups_per_step": "digen.batch.groups_per_step",
+    "groups_per_task": "digen.batch.groups_per_task",
+    "train_micro_batch_groups": "digen.batch.train_micro_batch_groups",
+    "max_staleness": "digen.async.max_staleness",
+    "tsp_stages": "digen.tsp.stages",
+    "num_steps": "digen.sampling.num_steps",
+    "train_split": "digen.tsp.train_split",
+    "tag": "digen.tag.enable",
+    "fsdp": "digen.fsdp.enable",
+}
+
+
 @dataclass
 class DigenConfig:
     seed: int = 42
-    output_dir: Optional[str] = None
-    placement: str = "colocated"
+    output_dir: Optional[str] = None  # default: runs/<project_name>/<experiment_name>-<timestamp>
+    placement: str = "colocated"  # colocated | disaggregated
     model: ModelConfig = field(default_factory=ModelConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -306,7 +363,7 @@ class DigenConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     pools: PoolsConfig = field(default_factory=PoolsConfig)
     gap: GapConfig = field(default_factory=GapConfig)
-    async_: AsyncConfig = field(default_factory=AsyncConfig)
+    async_: AsyncConfig = field(default_factory=AsyncConfig)  # hydra key: digen.async (see HYDRA_KEYS)
     tsp: TspConfig = field(default_factory=TspConfig)
     tag: TagConfig = field(default_factory=TagConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
@@ -319,15 +376,33 @@ class DigenConfig:
     ray_num_cpus: Optional[int] = None
     task_timeout_s: float = 600.0
     gantt_last_steps: int = 3
-    max_nonfinite_steps: int = 3
-    # Testing knob: training steps (1-based) whose gradients are replaced by NaN before the
+    max_nonfinite_steps: int = 3  # skipped (non-finite) optimizer steps tolerated before the run stops
+    # Testing knob only: training steps (1-based) whose gradients are replaced by NaN before the
     # optimizer step, to exercise the non-finite path end to end. Never set in real runs.
-    fault_nonfinite_grad_steps: list[int] = field(default_factory=list)  # optimizer steps skipped for NaN/inf gradients before the run stops
-    save_final_weights: bool = False  # write the trained (LoRA or full) state to final_weights.safetensors
+    fault_nonfinite_grad_steps: list[int] = field(default_factory=list)
+    save_final_weights: bool = False  # final_weights.safetensors in the run dir (LoRA-only when LoRA is on)
+
+    def strategy_fields(self) -> dict[str, Any]:
+        """The :class:`~verl_digen.schedule.strategies.StrategySpec` fields this config fixes
+        (``rollout_workers`` is None when colocated: the cluster decides it)."""
+        b = self.batch
+        return dict(
+            placement=self.placement,
+            rollout_workers=self.pools.rollout.world_size if self.placement == "disaggregated" else None,
+            groups_per_step=b.groups_per_step,
+            groups_per_task=b.groups_per_task,
+            train_micro_batch_groups=b.train_micro_batch_groups,
+            max_staleness=self.async_.max_staleness,
+            tsp_stages=self.tsp.stages,
+            num_steps=self.sampling.num_steps,
+            train_split=self.tsp.train_split,
+            tag=self.tag.enable,
+            fsdp=self.fsdp.enable,
+        )
 
     def validate(self) -> None:
-        if self.placement not in ("colocated", "disaggregated"):
-            _fail("digen.placement", self.placement, "valid: colocated, disaggregated")
+        from verl_digen.schedule.strategies import strategy_violations
+
         self.model.validate("digen.model")
         self.sampling.validate("digen.sampling")
         self.batch.validate("digen.batch")
@@ -335,108 +410,104 @@ class DigenConfig:
         self.reward.validate("digen.reward")
         self.async_.validate("digen.async")
         self.sync.validate("digen.sync")
-        self.tsp.validate("digen.tsp", self.sampling.num_steps)
         self.tag.validate("digen.tag")
         self.validation.validate("digen.validation")
         self.emulate.validate("digen.emulate")
+        self.ema.validate("digen.ema")
+        # Placement, TCSS/TSP/TAG/FSDP and batch divisibility: the planner's own rules.
+        fields = self.strategy_fields()
+        for name, valid in strategy_violations(**fields, name=_STRATEGY_KEYS.__getitem__):
+            _fail(_STRATEGY_KEYS[name], fields[name], valid)
         if self.fsdp.enable:
-            if self.placement != "disaggregated":
-                _fail("digen.fsdp.enable", True, "FSDP shards the trainer pool: needs digen.placement=disaggregated")
             if self.tag.enable:
                 _fail("digen.tag.enable", True, "TAG with FSDP would make generation a trainer collective; not supported")
             if self.tsp.train_split != "sample":
                 _fail("digen.tsp.train_split", self.tsp.train_split, "FSDP splits each micro-batch by sample")
             if self.algo.kl_beta > 0 and not self.model.lora.enable:
                 _fail("digen.algo.kl_beta", self.algo.kl_beta, "a full-copy KL reference is not supported with FSDP (use LoRA)")
-        self.ema.validate("digen.ema")
-        if self.placement == "colocated":
-            if self.tsp.stages > 1 or self.tsp.train_split != "sample":
-                _fail("digen.tsp.stages", self.tsp.stages, "TSP needs digen.placement=disaggregated")
-            if self.tag.enable:
-                _fail("digen.tag.enable", True, "TAG needs digen.placement=disaggregated")
-        elif self.pools.rollout.world_size % self.tsp.stages:
-            _fail(
-                "digen.tsp.stages", self.tsp.stages,
-                f"must divide the rollout pool size {self.pools.rollout.world_size} (pipelines of whole stages)",
-            )
         if self.placement == "disaggregated":
-            for role in ("rollout", "trainer"):
-                spec: PoolSpec = getattr(self.pools, role)
-                if spec.devices < 1 or spec.nodes < 1:
-                    _fail(f"digen.pools.{role}.devices", spec.devices, f"the {role} pool needs at least 1 device")
-            if self.pools.reward.devices < 0:
-                _fail("digen.pools.reward.devices", self.pools.reward.devices, "must be >= 0 (0 = reward on rollout)")
-        if self.async_.max_staleness > 0 and self.placement == "colocated":
-            _fail("digen.async.max_staleness", self.async_.max_staleness, "async needs digen.placement=disaggregated")
+            self.pools.validate("digen.pools")
         if self.algo.std_mode == "global" and self.gap.enable:
             _fail("digen.algo.std_mode", "global", "GAP streams groups before the batch is complete; use group or none")
-        if self.task_timeout_s <= 0:
-            _fail("digen.task_timeout_s", self.task_timeout_s, "must be > 0")
+        _positive("digen.task_timeout_s", self.task_timeout_s)
 
 
 # ---------------------------------------------------------------------------
-# dict -> dataclass, strict
+# Hydra: the defaults node, and the composed mapping -> dataclass
 # ---------------------------------------------------------------------------
 
-_RENAMES = {"async": "async_"}
+# Python field -> hydra key, where the key is a Python keyword. A dataclass field cannot be
+# named ``async``, and an OmegaConf structured node keeps field names as keys, so the
+# ConfigStore node is built from ``asdict(DigenConfig())`` with this rename (see
+# :func:`hydra_defaults`) and the rename is undone before the structured merge.
+HYDRA_KEYS = {"async_": "async"}
+_FIELDS = {v: k for k, v in HYDRA_KEYS.items()}
 
 
-def _build(cls: type, data: Any, key: str) -> Any:
-    if data is None:
-        return cls()
-    if not isinstance(data, dict):
-        raise ConfigError(f"invalid config: {key} must be a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    kwargs: dict[str, Any] = {}
-    for raw_name, value in data.items():
-        name = _RENAMES.get(raw_name, raw_name)
-        if name not in names:
-            valid = sorted(n.rstrip("_") for n in names)
-            raise ConfigError(f"unknown config key {key}.{raw_name}; valid keys under {key}: {', '.join(valid)}")
-        kwargs[name] = _coerce(hints[name], value, f"{key}.{raw_name}")
-    return cls(**kwargs)
+def hydra_defaults() -> dict[str, Any]:
+    """The ``digen`` tree of the composed config: ``DigenConfig()``'s defaults, hydra key names."""
+    return {HYDRA_KEYS.get(k, k): v for k, v in dataclasses.asdict(DigenConfig()).items()}
 
 
-def _coerce(tp: Any, value: Any, key: str) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin is typing.Union:  # Optional[X]
-        if value is None:
-            return None
-        inner = [a for a in args if a is not type(None)][0]
-        return _coerce(inner, value, key)
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, key)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"invalid config: {key}={value!r}; expected true or false")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"invalid config: {key}={value!r}; expected an integer")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"invalid config: {key}={value!r}; expected a number")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"invalid config: {key}={value!r}; expected a string")
-        return value
-    if origin is list:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"invalid config: {key}={value!r}; expected a list")
-        return [_coerce(args[0], v, f"{key}[{i}]") if args else v for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"invalid config: {key}={value!r}; expected a mapping")
-        return dict(value)
-    return value
+def register_configs() -> None:
+    """Store the ``digen`` defaults in Hydra's ConfigStore as ``digen_defaults`` (package
+    ``digen``), the entry ``digen_base.yaml`` lists in its defaults.
+
+    The node is plain data rather than a structured (typed) node: its top-level key ``async``
+    cannot be a dataclass field, and Hydra's ``+digen.x.y=...`` appends bypass a structured
+    node's key check anyway, so types and keys are enforced once, for every source (CLI,
+    presets, dicts given in code), by :func:`digen_config_from_dict`.
+    """
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="digen_defaults", node=hydra_defaults(), package="digen")
 
 
-def digen_config_from_dict(data: dict[str, Any] | None) -> DigenConfig:
-    """Strictly build and validate a :class:`DigenConfig` from the plain ``digen`` mapping."""
-    cfg = _build(DigenConfig, data or {}, "digen")
+def _valid_keys(path: list[str]) -> list[str]:
+    """The hydra keys under the section at ``path`` (python field names below ``DigenConfig``)."""
+    section: Any = DigenConfig()
+    for part in path:
+        section = getattr(section, part, None)
+    if not dataclasses.is_dataclass(section):
+        return []
+    return sorted(HYDRA_KEYS.get(f.name, f.name) for f in dataclasses.fields(section))
+
+
+def _config_error(e: Exception) -> ConfigError:
+    """An OmegaConf merge error as a :class:`ConfigError` naming the ``digen.*`` key."""
+    from omegaconf.errors import ConfigKeyError
+
+    full_key = str(getattr(e, "full_key", "") or "")
+    parts = full_key.split(".") if full_key else []
+    if parts:
+        parts[0] = HYDRA_KEYS.get(parts[0], parts[0])
+    key = ".".join(["digen", *parts])
+    msg = str(getattr(e, "msg", None) or e).splitlines()[0]
+    if isinstance(e, ConfigKeyError) and parts:
+        parent = ".".join(["digen", *parts[:-1]])
+        path = [_FIELDS.get(p, p) for p in full_key.split(".")[:-1]]
+        return ConfigError(f"unknown config key {key}; valid keys under {parent}: {', '.join(_valid_keys(path))}")
+    if parts:
+        return ConfigError(f"invalid config: {key}={getattr(e, 'value', None)!r}; {msg}")
+    return ConfigError(f"invalid config under digen: {msg}")
+
+
+def digen_config_from_dict(data: Mapping[str, Any] | None) -> DigenConfig:
+    """Strictly build and validate a :class:`DigenConfig` from the plain ``digen`` mapping.
+
+    Missing keys take the dataclass defaults; unknown keys and values of the wrong type are
+    refused (OmegaConf structured merge), then :meth:`DigenConfig.validate` runs.
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if data is not None and not isinstance(data, Mapping):
+        raise ConfigError(f"invalid config: digen must be a mapping, got {data!r}")
+    renamed = {_FIELDS.get(k, k): v for k, v in (data or {}).items()}
+    try:
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DigenConfig), renamed))
+    except OmegaConfBaseException as e:
+        raise _config_error(e) from None
+    assert isinstance(cfg, DigenConfig)
     cfg.validate()
     return cfg

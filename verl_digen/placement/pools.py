@@ -6,7 +6,8 @@ disaggregated: a rollout pool, a trainer pool and an optional reward pool, each 
 clusters: e.g. rollout on L40S, training on H800). On CPU machines a device is a CPU slot.
 
 Everything is validated against the declared cluster (``trainer.n_gpus_per_node`` x
-``trainer.nnodes``) before Ray is touched.
+``trainer.nnodes``) before Ray is touched; the rules live with the config
+(``PoolsConfig.validate_cluster``) and the strategy (``strategy_violations``).
 """
 
 from __future__ import annotations
@@ -48,58 +49,24 @@ class PoolLayout:
 
 
 def pool_layout(cfg: DigenConfig, cluster: ClusterSpec) -> PoolLayout:
-    b = cfg.batch
-    common = dict(
-        groups_per_step=b.groups_per_step,
-        group_size=b.group_size,
-        groups_per_task=b.groups_per_task,
-        train_micro_batch_groups=b.train_micro_batch_groups,
-        gap=cfg.gap.enable,
-        max_staleness=cfg.async_.max_staleness,
-    )
+    # The strategy fields the config fixes (the same mapping DigenConfig.validate checks).
+    common = dict(cfg.strategy_fields(), group_size=cfg.batch.group_size, gap=cfg.gap.enable)
     if cfg.placement == "colocated":
-        spec = StrategySpec(
-            placement="colocated", rollout_workers=cluster.devices, trainer_workers=cluster.devices,
-            num_steps=cfg.sampling.num_steps, **common,
-        )
+        spec = StrategySpec(**dict(common, rollout_workers=cluster.devices), trainer_workers=cluster.devices)
         return PoolLayout({"fused": ([cluster.n_devices_per_node] * cluster.nnodes, None)}, {"fused": "fused"}, spec)
 
     pools_cfg = cfg.pools
-    total = 0
+    pools_cfg.validate_cluster("digen.pools", cluster.n_devices_per_node, cluster.nnodes)
     pools: dict[str, tuple[list[int], str | None]] = {}
     for role in ("rollout", "trainer", "reward"):
         p = getattr(pools_cfg, role)
         if role == "reward" and p.devices == 0:
             continue
-        if p.devices > cluster.n_devices_per_node:
-            raise ConfigError(
-                f"invalid config: digen.pools.{role}.devices={p.devices} exceeds "
-                f"trainer.n_gpus_per_node={cluster.n_devices_per_node}"
-            )
-        if p.nodes > cluster.nnodes:
-            raise ConfigError(f"invalid config: digen.pools.{role}.nodes={p.nodes} exceeds trainer.nnodes={cluster.nnodes}")
-        total += p.world_size
         pools[role] = ([p.devices] * p.nodes, p.accelerator_type)
-    if total > cluster.devices:
-        raise ConfigError(
-            f"invalid config: digen.pools need {total} devices "
-            f"(rollout {pools_cfg.rollout.world_size} + trainer {pools_cfg.trainer.world_size} + "
-            f"reward {pools_cfg.reward.world_size}) but the cluster has "
-            f"trainer.n_gpus_per_node x trainer.nnodes = {cluster.devices}"
-        )
-    if b.groups_per_step % b.groups_per_task:
-        raise ConfigError("invalid config: digen.batch.groups_per_task must divide digen.batch.groups_per_step")
     spec = StrategySpec(
-        placement="disaggregated",
-        rollout_workers=pools_cfg.rollout.world_size,
+        **common,
         trainer_workers=pools_cfg.trainer.world_size,
         reward_workers=pools_cfg.reward.world_size if pools_cfg.reward.devices else 0,
-        tsp_stages=cfg.tsp.stages,
-        num_steps=cfg.sampling.num_steps,
-        train_split=cfg.tsp.train_split,
-        tag=cfg.tag.enable,
-        fsdp=cfg.fsdp.enable,
-        **common,
     )
     return PoolLayout(pools, {name: name for name in pools}, spec)
 
@@ -107,7 +74,7 @@ def pool_layout(cfg: DigenConfig, cluster: ClusterSpec) -> PoolLayout:
 def build_worker_groups(
     layout: PoolLayout,
     *,
-    config: dict[str, Any],
+    config: DigenConfig,
     model_path: str,
     use_gpu: bool,
     num_threads: int,

@@ -15,8 +15,71 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 from verl_digen.schedule.plan import Plan, Task, TaskKind, WorkerId, chunk, group_ids
+
+
+PLACEMENTS = ("colocated", "disaggregated")
+TRAIN_SPLITS = ("sample", "timestep")
+
+
+def strategy_violations(
+    *,
+    placement: str,
+    rollout_workers: int | None,
+    groups_per_step: int,
+    groups_per_task: int = 1,
+    train_micro_batch_groups: int = 1,
+    max_staleness: int = 0,
+    tsp_stages: int = 1,
+    num_steps: int = 8,
+    train_split: str = "sample",
+    tag: bool = False,
+    fsdp: bool = False,
+    stage_bounds: tuple[int, ...] | None = None,
+    name: Callable[[str], str] = str,
+) -> list[tuple[str, str]]:
+    """The broken invariants of a strategy as ``(field, what is valid)`` pairs; empty if none.
+
+    The one copy of these rules: :class:`StrategySpec` raises ``ValueError`` on them, and
+    ``DigenConfig.validate`` reports them against the ``digen.*`` key of the field. ``name``
+    maps a field to how messages refer to it (the field name itself, or its config key).
+    ``rollout_workers=None``: not known yet (colocated: the cluster's device count).
+    ``stage_bounds=None``: an even split, valid whenever ``tsp_stages`` is.
+    """
+    if placement not in PLACEMENTS:
+        return [("placement", f"valid: {', '.join(PLACEMENTS)}")]
+    out: list[tuple[str, str]] = []
+    if train_split not in TRAIN_SPLITS:
+        out.append(("train_split", f"valid: {', '.join(TRAIN_SPLITS)}"))
+    if placement == "colocated":
+        needs = f"needs {name('placement')}=disaggregated"
+        for field, used, what in (
+            ("max_staleness", max_staleness != 0, "async (TCSS)"),
+            ("tsp_stages", tsp_stages > 1, "TSP"),
+            ("train_split", train_split == "timestep", "the TSP training split"),
+            ("tag", tag, "TAG"),
+            ("fsdp", fsdp, "FSDP shards the trainer pool:"),
+        ):
+            if used:
+                out.append((field, f"{what} {needs}"))
+    if not 1 <= tsp_stages <= num_steps:
+        out.append(("tsp_stages", f"must be in [1, {name('num_steps')}={num_steps}]"))
+    elif rollout_workers is not None and rollout_workers % tsp_stages:
+        out.append(
+            ("tsp_stages", f"must divide {name('rollout_workers')}={rollout_workers} (pipelines of whole stages)")
+        )
+    elif stage_bounds is not None:
+        b = tuple(stage_bounds)
+        if len(b) != tsp_stages + 1 or b[0] != 0 or b[-1] != num_steps or any(x >= y for x, y in zip(b, b[1:])):
+            out.append(("stage_bounds", f"must rise strictly from 0 to {name('num_steps')}={num_steps} in "
+                                        f"{name('tsp_stages')}={tsp_stages} stages"))
+    for field, v in (("groups_per_task", groups_per_task), ("train_micro_batch_groups", train_micro_batch_groups)):
+        if v < 1 or groups_per_step % v:
+            valid = f"must be >= 1 and divide {name('groups_per_step')}={groups_per_step} (whole groups only)"
+            out.append((field, valid))
+    return out
 
 
 @dataclass(frozen=True)
@@ -46,22 +109,14 @@ class StrategySpec:
     fsdp: bool = False
 
     def __post_init__(self) -> None:
-        if self.placement not in ("colocated", "disaggregated"):
-            raise ValueError(f"placement must be colocated or disaggregated, got {self.placement!r}")
-        if self.placement == "colocated" and (self.max_staleness or self.tsp_stages > 1 or self.tag or self.fsdp):
-            raise ValueError("TCSS, TSP and TAG need disaggregated placement")
-        if self.tsp_stages < 1 or self.rollout_workers % self.tsp_stages:
-            raise ValueError(f"tsp_stages={self.tsp_stages} must divide rollout_workers={self.rollout_workers}")
-        if self.tsp_stages > self.num_steps:
-            raise ValueError(f"tsp_stages={self.tsp_stages} exceeds num_steps={self.num_steps}")
-        if self.train_split not in ("sample", "timestep"):
-            raise ValueError(f"train_split must be sample or timestep, got {self.train_split!r}")
-        b = self.bounds
-        if len(b) != self.tsp_stages + 1 or b[0] != 0 or b[-1] != self.num_steps or any(x >= y for x, y in zip(b, b[1:])):
-            raise ValueError(f"stage_bounds={b} must rise strictly from 0 to num_steps={self.num_steps}")
-        for name in ("groups_per_task", "train_micro_batch_groups"):
-            if self.groups_per_step % getattr(self, name):
-                raise ValueError(f"{name}={getattr(self, name)} must divide groups_per_step={self.groups_per_step}")
+        problems = strategy_violations(
+            placement=self.placement, rollout_workers=self.rollout_workers, groups_per_step=self.groups_per_step,
+            groups_per_task=self.groups_per_task, train_micro_batch_groups=self.train_micro_batch_groups,
+            max_staleness=self.max_staleness, tsp_stages=self.tsp_stages, num_steps=self.num_steps,
+            train_split=self.train_split, tag=self.tag, fsdp=self.fsdp, stage_bounds=self.stage_bounds,
+        )
+        if problems:
+            raise ValueError("; ".join(f"{name}={getattr(self, name)!r}: {valid}" for name, valid in problems))
 
     @property
     def bounds(self) -> tuple[int, ...]:

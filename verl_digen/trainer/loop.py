@@ -107,7 +107,7 @@ class DigenTrainer:
             em = self.cfg.emulate
             return emulated_worker_groups(emulation_costs(em.model, em.device_type), device=em.device_type,
                                           time_scale=em.time_scale, group_size=self.cfg.batch.group_size)
-        return runtime.real_worker_groups(self.full_config["digen"], self.model_path, use_gpu=use_gpu,
+        return runtime.real_worker_groups(self.cfg, self.model_path, use_gpu=use_gpu,
                                           devices=self.spec.devices)
 
     # ------------------------------------------------------------------ run

@@ -63,13 +63,12 @@ def release(groups: dict[str, Any], owns_ray: bool) -> None:
         ray.shutdown()
 
 
-def real_worker_groups(config: Any, model_path: str, *, use_gpu: bool, devices: int) -> WorkerGroupFactory:
-    """The factory of ``DiffusionWorker`` groups, one Ray resource pool per role (``config``:
-    the ``digen`` config the workers are built with)."""
+def real_worker_groups(cfg: DigenConfig, model_path: str, *, use_gpu: bool, devices: int) -> WorkerGroupFactory:
+    """The factory of ``DiffusionWorker`` groups, one Ray resource pool per role."""
     threads = max(1, (os.cpu_count() or 1) // max(devices, 1)) if not use_gpu else 4
 
     def build(layout: PoolLayout) -> tuple[dict[str, Any], dict[WorkerId, Any]]:
-        return build_worker_groups(layout, config=config, model_path=model_path, use_gpu=use_gpu, num_threads=threads)
+        return build_worker_groups(layout, config=cfg, model_path=model_path, use_gpu=use_gpu, num_threads=threads)
 
     return build
 

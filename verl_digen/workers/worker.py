@@ -14,6 +14,7 @@ can broadcast them (``ONE_TO_ALL``); the plan executor also calls them on single
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from verl import DataProto
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
-from verl_digen.config.schema import DigenConfig, digen_config_from_dict
+from verl_digen.config.schema import DigenConfig
 from verl_digen.sync.state import state_digest, trainable_state
 from verl_digen.sync.transport import WeightSyncMixin
 from verl_digen.workers.sampling import GroupsInFlight, SamplingSettings, begin_groups, denoise, finish_groups
@@ -34,7 +35,6 @@ ROLES = ("fused", "rollout", "trainer", "reward")
 
 
 def sampling_settings(cfg: DigenConfig) -> SamplingSettings:
-    from verl_digen.algos.window import SdeWindowConfig
     from verl_digen.models.base import SampleSpec
 
     s = cfg.sampling
@@ -49,13 +49,7 @@ def sampling_settings(cfg: DigenConfig) -> SamplingSettings:
         num_steps=s.num_steps,
         noise_level=s.noise_level,
         sde_type=s.sde_type,
-        window=SdeWindowConfig(
-            mode=s.sde_window.mode,
-            size=s.sde_window.size,
-            start=s.sde_window.start,
-            stride=s.sde_window.stride,
-            range_end=s.sde_window.range_end,
-        ),
+        window=dataclasses.replace(s.sde_window),
         timestep_fraction=s.timestep_fraction,
         negative_prompt=s.negative_prompt,
         autocast_bf16=cfg.model.dtype == "bf16",
@@ -69,12 +63,18 @@ def compute_device() -> torch.device:
 
 
 class DiffusionWorker(Worker, WeightSyncMixin):
-    def __init__(self, role: str, config: dict[str, Any], model_path: str, num_threads: int = 1) -> None:
+    def __init__(self, role: str, config: DigenConfig, model_path: str, num_threads: int = 1) -> None:
+        """``config``: the driver's validated :class:`DigenConfig` (it pickles through Ray)."""
         super().__init__()
         if role not in ROLES:
             raise ValueError(f"unknown worker role {role!r}; valid: {', '.join(ROLES)}")
+        if not isinstance(config, DigenConfig):
+            raise TypeError(
+                f"DiffusionWorker takes a DigenConfig, got {type(config).__name__} "
+                "(verl_digen.config.digen_config_from_dict builds one from the digen mapping)"
+            )
         self.role = role
-        self.cfg: DigenConfig = digen_config_from_dict(config)
+        self.cfg = config
         self.model_path = model_path
         self.num_threads = num_threads
         self.policy_version = 0

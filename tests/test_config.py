@@ -1,0 +1,128 @@
+"""The digen config: one source of defaults (schema.py), one place for its rules."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+
+import pytest
+import yaml
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+import verl_digen.config
+from verl_digen.config.compose import compose_config
+from verl_digen.config.schema import ConfigError, DigenConfig, digen_config_from_dict
+from verl_digen.schedule.strategies import StrategySpec, strategy_violations
+
+PACKAGED = os.path.dirname(verl_digen.config.__file__)
+PRESETS = os.path.join(os.path.dirname(__file__), "..", "configs")
+
+
+def _composed_digen(*overrides: str, **kw) -> dict:
+    return OmegaConf.to_container(compose_config(list(overrides), **kw).digen, resolve=True)
+
+
+def test_packaged_yaml_defines_no_digen_default():
+    files = glob.glob(os.path.join(PACKAGED, "*.yaml"))
+    assert files
+    for path in files:
+        with open(path) as f:
+            assert "digen" not in (yaml.safe_load(f) or {}), f"{path} defines digen defaults; they live in schema.py"
+
+
+def test_composed_defaults_are_the_dataclass_defaults():
+    expected = dataclasses.asdict(DigenConfig())
+    expected["async"] = expected.pop("async_")  # the hydra key; `async` cannot be a field name
+    assert _composed_digen() == expected
+    assert digen_config_from_dict(_composed_digen()) == DigenConfig()
+
+
+def test_defaults_in_effect_before_the_single_source_are_kept():
+    cfg = digen_config_from_dict(_composed_digen())
+    assert cfg.algo.lr == 3e-2 and cfg.model.lora.alpha == 16.0 and cfg.batch.images_per_step == 16
+
+
+@pytest.mark.parametrize("preset", ["flux_colocated", "qwen_image_disaggregated"])
+def test_presets_hold_the_full_tree_and_override_only_known_keys(preset):
+    digen = _composed_digen(config_name=preset, config_dir=PRESETS)
+    assert set(digen) == set(_composed_digen())
+    with open(os.path.join(PRESETS, f"{preset}.yaml")) as f:
+        lr = yaml.safe_load(f)["digen"]["algo"]["lr"]
+    assert lr != DigenConfig().algo.lr and digen_config_from_dict(digen).algo.lr == lr  # the preset wins
+
+
+def test_async_key_reaches_the_async_field():
+    cfg = digen_config_from_dict(_composed_digen("digen.placement=disaggregated", "digen.async.max_staleness=1"))
+    assert cfg.async_.max_staleness == 1
+
+
+def test_unknown_keys_are_named_at_every_level():
+    with pytest.raises(ConfigError, match=r"unknown config key digen.foo; valid keys under digen: .*async"):
+        digen_config_from_dict(_composed_digen("+digen.foo=1"))
+    with pytest.raises(ConfigError, match=r"unknown config key digen.async.max_stalenes; .*max_staleness"):
+        digen_config_from_dict({"async": {"max_stalenes": 1}})
+    with pytest.raises(ConfigError, match=r"unknown config key digen.sampling.sde_window.sise"):
+        digen_config_from_dict({"sampling": {"sde_window": {"sise": 2}}})
+    # Without `+`, Hydra's struct mode refuses the typo at composition and names it.
+    with pytest.raises(ConfigCompositionException, match=r"digen.batch.group_szie"):
+        compose_config(["digen.batch.group_szie=4"])
+
+
+def test_wrong_types_are_named():
+    with pytest.raises(ConfigError, match=r"digen.batch.group_size='abc'"):
+        digen_config_from_dict(_composed_digen("digen.batch.group_size=abc"))
+    with pytest.raises(ConfigError, match=r"digen.algo.betas\[1\]"):
+        digen_config_from_dict({"algo": {"betas": [0.9, "x"]}})
+
+
+@pytest.mark.parametrize("key", ["algo.lr", "algo.clip_range", "sampling.noise_level", "task_timeout_s", "algo.kl_beta"])
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_non_finite_numbers_are_refused(key, value):
+    with pytest.raises(ConfigError, match=rf"digen.{key}={value}; must be a finite number"):
+        digen_config_from_dict(_composed_digen(f"digen.{key}={value}"))
+
+
+def test_sde_window_is_the_sampler_type():
+    from verl_digen.algos.window import SdeWindowConfig
+
+    cfg = digen_config_from_dict({"sampling": {"num_steps": 6, "sde_window": {"mode": "fixed", "start": 1, "size": 3}}})
+    assert cfg.sampling.sde_window == SdeWindowConfig(mode="fixed", start=1, size=3)
+    with pytest.raises(ConfigError, match=r"digen.sampling.sde_window: sde_window.size=9"):
+        digen_config_from_dict({"sampling": {"sde_window": {"mode": "fixed", "size": 9}}})
+
+
+# (digen overrides, the StrategySpec that says the same, the field both name)
+SAME_RULES = [
+    ({"tsp": {"stages": 2}}, dict(placement="colocated", rollout_workers=2, tsp_stages=2), "tsp_stages"),
+    ({"async": {"max_staleness": 1}}, dict(placement="colocated", rollout_workers=2, max_staleness=1), "max_staleness"),
+    ({"tag": {"enable": True}}, dict(placement="colocated", rollout_workers=2, tag=True), "tag"),
+    ({"placement": "disaggregated", "pools": {"rollout": {"devices": 3}}, "tsp": {"stages": 2}},
+     dict(placement="disaggregated", rollout_workers=3, tsp_stages=2), "tsp_stages"),
+    ({"placement": "disaggregated", "tsp": {"stages": 9}},
+     dict(placement="disaggregated", rollout_workers=9, tsp_stages=9), "tsp_stages"),
+    ({"batch": {"groups_per_task": 3}}, dict(placement="colocated", rollout_workers=2, groups_per_task=3),
+     "groups_per_task"),
+    ({"placement": "sideways"}, dict(placement="sideways", rollout_workers=2), "placement"),
+]
+KEYS = {"tsp_stages": "digen.tsp.stages", "max_staleness": "digen.async.max_staleness", "tag": "digen.tag.enable",
+        "groups_per_task": "digen.batch.groups_per_task", "placement": "digen.placement"}
+
+
+@pytest.mark.parametrize("digen,spec,field", SAME_RULES)
+def test_config_and_strategy_share_one_set_of_rules(digen, spec, field):
+    spec = dict(dict(trainer_workers=1, groups_per_step=4, group_size=4, num_steps=8), **spec)
+    checked = {k: v for k, v in spec.items() if k not in ("trainer_workers", "group_size")}
+    assert [f for f, _ in strategy_violations(**checked)] == [field]
+    with pytest.raises(ValueError, match=rf"^{field}="):
+        StrategySpec(**spec)
+    with pytest.raises(ConfigError, match=rf"invalid config: {KEYS[field]}="):
+        digen_config_from_dict(digen)
+
+
+def test_pools_are_checked_against_the_cluster_in_the_schema():
+    cfg = digen_config_from_dict({"placement": "disaggregated", "pools": {"rollout": {"devices": 2}}})
+    cfg.pools.validate_cluster("digen.pools", 4, 1)
+    with pytest.raises(ConfigError, match=r"digen.pools need 3 devices"):
+        cfg.pools.validate_cluster("digen.pools", 2, 1)
