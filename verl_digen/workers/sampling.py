@@ -18,6 +18,7 @@ The record of a trajectory (what the trainer needs to recompute each trained ste
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -63,21 +64,17 @@ def autocast_context(device: torch.device, enabled: bool):
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=enabled)
 
 
-def _cat_cond(items: list[Conditioning]) -> Conditioning:
-    return {k: torch.cat([c[k] for c in items], dim=0) for k in items[0]}
-
-
 def _repeat_cond(cond: Conditioning, n: int) -> Conditioning:
     return {k: v.repeat_interleave(n, dim=0) for k, v in cond.items()}
 
 
 @dataclass
-class GroupsInFlight:
-    """Groups part-way through sampling: what a TSP stage hands to the next one.
+class GroupRequest:
+    """Which groups to sample: ``group_size`` images of each of ``prompts``.
 
-    Everything is on CPU so it can travel between processes (Ray object store); the
-    generators travel as their states, so stage k+1 draws exactly the noise a single
-    worker would have drawn.
+    Group ``group_ids[k]`` (prompt ``prompts[k]``, dataset index ``prompt_indices[k]``) draws its
+    noise from ``group_seed(seed, group_ids[k])``; ``training_step`` picks the SDE window and
+    ``policy_version`` is the weights version the trajectories are recorded with.
     """
 
     prompts: list[str]
@@ -85,7 +82,19 @@ class GroupsInFlight:
     prompt_indices: list[int]
     group_size: int
     training_step: int
+    seed: int
     policy_version: int
+
+
+@dataclass
+class GroupsInFlight(GroupRequest):
+    """A :class:`GroupRequest` part-way through sampling: what a TSP stage hands to the next one.
+
+    Everything is on CPU so it can travel between processes (Ray object store); the
+    generators travel as their states, so stage k+1 draws exactly the noise a single
+    worker would have drawn.
+    """
+
     window: list[int]
     trained: list[int]
     cond: Conditioning
@@ -103,34 +112,27 @@ class GroupsInFlight:
 
 @torch.no_grad()
 def begin_groups(
-    adapter: DiffusionAdapter,
-    prompts: list[str],
-    group_ids: list[int],
-    prompt_indices: list[int],
-    *,
-    group_size: int,
-    settings: SamplingSettings,
-    training_step: int,
-    seed: int,
-    policy_version: int,
+    adapter: DiffusionAdapter, request: GroupRequest, settings: SamplingSettings
 ) -> GroupsInFlight:
     """Encode the prompts and draw each group's initial noise (the head of sampling)."""
     spec = settings.spec
-    window, trained = step_plan(settings, training_step=training_step, seed=seed)
+    prompts, group_size = request.prompts, request.group_size
+    window, trained = step_plan(settings, training_step=request.training_step, seed=request.seed)
     cond = _repeat_cond(adapter.encode_prompts(prompts), group_size)  # [B, ...]
     neg = None
     if settings.uses_cfg:
         neg = _repeat_cond(adapter.encode_prompts([settings.negative_prompt] * len(prompts)), group_size)
-    generators = [torch.Generator().manual_seed(group_seed(seed, g)) for g in group_ids]
+    generators = [torch.Generator().manual_seed(group_seed(request.seed, g)) for g in request.group_ids]
     x = torch.cat([adapter.prepare_latents(group_size, spec, gen) for gen in generators], dim=0)
     sigmas = adapter.sigmas(settings.num_steps, spec).to(dtype=torch.float32).cpu()  # [S+1]
     return GroupsInFlight(
         prompts=list(prompts),
-        group_ids=list(group_ids),
-        prompt_indices=list(prompt_indices),
+        group_ids=list(request.group_ids),
+        prompt_indices=list(request.prompt_indices),
         group_size=group_size,
-        training_step=training_step,
-        policy_version=policy_version,
+        training_step=request.training_step,
+        seed=request.seed,
+        policy_version=request.policy_version,
         window=window,
         trained=trained,
         cond={k: v.cpu() for k, v in cond.items()},
@@ -216,23 +218,14 @@ def finish_groups(adapter: DiffusionAdapter, state: GroupsInFlight, settings: Sa
     )
 
 
-def sample_groups(
-    adapter: DiffusionAdapter,
-    prompts: list[str],
-    group_ids: list[int],
-    prompt_indices: list[int],
-    *,
-    group_size: int,
-    settings: SamplingSettings,
-    training_step: int,
-    seed: int,
-    policy_version: int,
-) -> DataProto:
-    """Sample ``group_size`` trajectories for each prompt; a DataProto of ``len(prompts) * G`` rows."""
-    state = begin_groups(
-        adapter, prompts, group_ids, prompt_indices, group_size=group_size, settings=settings,
-        training_step=training_step, seed=seed, policy_version=policy_version,
-    )
+def sample_groups(adapter: DiffusionAdapter, *request: Any, settings: SamplingSettings, **fields: Any) -> DataProto:
+    """Sample ``group_size`` trajectories for each prompt; a DataProto of ``len(prompts) * G`` rows.
+
+    ``request`` / ``fields`` are :class:`GroupRequest`'s, positional or by name:
+    ``sample_groups(adapter, prompts, group_ids, prompt_indices, group_size=G, settings=s,
+    training_step=t, seed=seed, policy_version=v)``.
+    """
+    state = begin_groups(adapter, GroupRequest(*request, **fields), settings)
     denoise(adapter, state, settings, settings.num_steps)
     return finish_groups(adapter, state, settings)
 
