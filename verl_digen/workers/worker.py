@@ -311,7 +311,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         """Deterministic samples of held-out prompts with the newest weights (EMA when on)."""
         from contextlib import nullcontext
 
-        from verl_digen.trainer.validation import run_validation
+        from verl_digen.workers.validation import run_validation
 
         if self.reward_fn is None:
             self._build_reward()
