@@ -442,12 +442,51 @@ def _scenario_bf16(rank: int, world: int) -> dict:
     }
 
 
+def _scenario_ema(rank: int, world: int) -> dict:
+    """The EMA of sharded LoRA parameters (uneven shards): the same shadows as an unsharded EMA,
+    exact swap-in and restore, and a checkpoint state (gathered: plain full tensors) that every
+    rank resumes from, as the worker does with rank 0's state."""
+    import torch.distributed as dist
+
+    from verl_digen.workers.ema import EMA, named_trainable_parameters
+
+    ref = make_lora_model()
+    model = apply_fsdp2(make_lora_model(), param_dtype=None)
+    ref_ema = EMA(named_trainable_parameters(ref), decay=0.9)
+    ema = EMA(named_trainable_parameters(model), decay=0.9)
+    for step in range(3):
+        with torch.no_grad():
+            for m in (ref, model):
+                for i, (_, p) in enumerate(named_trainable_parameters(m)):
+                    p.mul_(1.1).add_(0.01 * (step + i))  # elementwise: the same on shards
+        ref_ema.update()
+        ema.update()
+    before = full_params(model)
+    with ema.swapped_in():
+        swapped = full_params(model)
+    after = full_params(model)
+    state = ema.state_dict()
+    shared = [state if rank == 0 else None]
+    dist.broadcast_object_list(shared, src=0)
+    resumed = EMA(named_trainable_parameters(model), decay=0.9)
+    resumed.load_state_dict(shared[0])
+    return {
+        "plain": all(type(t) is torch.Tensor for t in state["shadow"].values()),
+        "state_diff": max_diff(state["shadow"], ref_ema.state_dict()["shadow"]),
+        "swap_diff": max_diff({n: swapped[n] for n in state["shadow"]}, state["shadow"]),
+        "restored": all(torch.equal(before[n], after[n]) for n in before),
+        "resumed_diff": max_diff(resumed.state_dict()["shadow"], state["shadow"]),
+        "num_updates": resumed.num_updates,
+    }
+
+
 SCENARIOS = {
     "lora_mean": _scenario_lora_mean,
     "sum_accum_clip": _scenario_sum_accum_clip,
     "flux_lora_checkpointing": _scenario_flux_lora_checkpointing,
     "bf16": _scenario_bf16,
     "policy_trainer": _scenario_policy_trainer,
+    "ema": _scenario_ema,
 }
 
 
@@ -551,6 +590,14 @@ def test_fsdp2_with_policy_trainer_optimizer_step() -> None:
         assert r["weights_diff"] <= TOL, (rank, r["weights_diff"])
         assert all(abs(a - b) <= TOL * max(1.0, b) for a, b in zip(r["norms"], r["ref_norms"])), r
         assert min(r["ref_norms"]) > 0.05, "the test must actually clip"
+
+
+def test_fsdp2_ema_matches_unsharded_and_resumes_on_every_rank() -> None:
+    results = run_distributed("ema")
+    for rank, r in results.items():
+        assert r["plain"] and r["num_updates"] == 3, (rank, r)
+        assert r["state_diff"] == 0.0 and r["swap_diff"] == 0.0 and r["restored"], (rank, r)
+        assert r["resumed_diff"] == 0.0, (rank, r)
 
 
 def test_fsdp2_flux_lora_with_gradient_checkpointing() -> None:

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from verl_digen.config.schema import digen_config_from_dict
 from verl_digen.models.registry import load_adapter
 from runs import run, timeline_records
-from verl_digen.workers.sampling import begin_groups, denoise, finish_groups, sample_groups
+from verl_digen.workers.sampling import GroupRequest, begin_groups, denoise, finish_groups, sample_groups
 from verl_digen.workers.worker import sampling_settings
 
 TENSORS = ("latents", "log_probs", "images", "sde_mask", "train_mask")
@@ -28,9 +28,10 @@ def _settings(window_size: int = 3):
 def test_stages_reproduce_single_worker_sampling_bitwise_in_process(tiny_flux, bounds):
     adapter = load_adapter(tiny_flux)
     settings = _settings()
-    kw = dict(group_size=2, settings=settings, training_step=3, seed=11, policy_version=0)
-    whole = sample_groups(adapter, ["a cat", "a dog"], [4, 5], [0, 1], **kw)
-    state = begin_groups(adapter, ["a cat", "a dog"], [4, 5], [0, 1], **kw)
+    groups = (["a cat", "a dog"], [4, 5], [0, 1])
+    kw = dict(group_size=2, training_step=3, seed=11, policy_version=0)
+    whole = sample_groups(adapter, *groups, settings=settings, **kw)
+    state = begin_groups(adapter, GroupRequest(*groups, **kw), settings)
     for end in bounds[1:]:
         state = pickle.loads(pickle.dumps(state))  # what crosses between stage processes
         denoise(adapter, state, settings, end)

@@ -16,12 +16,12 @@ from PIL import Image
 from verl_digen.algos.window import SdeWindowConfig
 from verl_digen.models.base import DiffusionAdapter, SampleSpec
 from verl_digen.rewards import build_reward_from_config
-from verl_digen.trainer.validation import (
+from verl_digen.trainer.media import close_tensorboard_writers, log_images_tensorboard, log_images_wandb
+from verl_digen.workers.ema import EMA, named_trainable_parameters
+from verl_digen.workers.sampling import SamplingSettings
+from verl_digen.workers.validation import (
     ValidationResult,
-    close_tensorboard_writers,
     image_grid,
-    log_images_tensorboard,
-    log_images_wandb,
     run_validation,
     sample_deterministic,
     save_grid_png,
@@ -29,8 +29,6 @@ from verl_digen.trainer.validation import (
     save_video_strip,
     validation_seed,
 )
-from verl_digen.workers.ema import EMA, named_trainable_parameters
-from verl_digen.workers.sampling import SamplingSettings
 
 PROMPTS = ["a red apple", "a blue car"]
 
@@ -79,6 +77,18 @@ def test_deterministic_sampling_with_cfg_is_repeatable(flux):
     b = sample_deterministic(flux, PROMPTS[:1], settings, seed=3)
     assert torch.equal(a, b)
     assert not torch.allclose(a, sample_deterministic(flux, PROMPTS[:1], _settings(), seed=3))
+
+
+def test_ode_mode_of_the_rollout_sampler_keeps_no_trajectory(flux):
+    from verl_digen.workers.sampling import GroupRequest, begin_groups, decode_groups, denoise, finish_groups
+
+    settings = _settings()
+    request = GroupRequest(PROMPTS, [7, 8], [0, 1], group_size=1, training_step=0, seed=3, policy_version=0)
+    state = denoise(flux, begin_groups(flux, request, settings, ode=True), settings, settings.num_steps)
+    assert state.window == [] and len(state.latents) == 1 and not state.log_probs.any()
+    assert decode_groups(flux, state, settings).shape == (2, 3, 32, 32)
+    with pytest.raises(ValueError, match="ode=True"):
+        finish_groups(flux, state, settings)
 
 
 def test_validation_seeds_do_not_collide_with_training_groups():

@@ -227,7 +227,7 @@ class DigenTrainer:
         import ray
         from PIL import Image
 
-        from verl_digen.trainer.validation import log_images_tensorboard, log_images_wandb
+        from verl_digen.trainer.media import log_images_tensorboard, log_images_wandb
 
         ranks = self.spec.trainers if self.spec.fsdp else self.spec.trainers[:1]  # FSDP: lockstep forwards
         val_dir = os.path.join(self.output_dir, "val")

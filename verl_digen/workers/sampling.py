@@ -13,11 +13,16 @@ The record of a trajectory (what the trainer needs to recompute each trained ste
 - ``train_mask`` ``[B, S]``            steps that are trained (SDE window, subsampled)
 - ``images``    ``[B, 3, H, W]``       decoded pixels in [0, 1] (video: ``[B, 3, F, H, W]``)
 - ``cond__<k>`` / ``neg__<k>``         conditioning (and CFG negative) tensors
+
+The same functions sample deterministically for validation (``begin_groups(..., ode=True)``):
+every step is an Euler ODE step and only the newest latents are kept; :func:`decode_groups`
+gives the images (``verl_digen.workers.validation`` is the caller).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -63,21 +68,17 @@ def autocast_context(device: torch.device, enabled: bool):
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=enabled)
 
 
-def _cat_cond(items: list[Conditioning]) -> Conditioning:
-    return {k: torch.cat([c[k] for c in items], dim=0) for k in items[0]}
-
-
 def _repeat_cond(cond: Conditioning, n: int) -> Conditioning:
     return {k: v.repeat_interleave(n, dim=0) for k, v in cond.items()}
 
 
 @dataclass
-class GroupsInFlight:
-    """Groups part-way through sampling: what a TSP stage hands to the next one.
+class GroupRequest:
+    """Which groups to sample: ``group_size`` images of each of ``prompts``.
 
-    Everything is on CPU so it can travel between processes (Ray object store); the
-    generators travel as their states, so stage k+1 draws exactly the noise a single
-    worker would have drawn.
+    Group ``group_ids[k]`` (prompt ``prompts[k]``, dataset index ``prompt_indices[k]``) draws its
+    noise from ``group_seed(seed, group_ids[k])``; ``training_step`` picks the SDE window and
+    ``policy_version`` is the weights version the trajectories are recorded with.
     """
 
     prompts: list[str]
@@ -85,16 +86,29 @@ class GroupsInFlight:
     prompt_indices: list[int]
     group_size: int
     training_step: int
+    seed: int
     policy_version: int
+
+
+@dataclass
+class GroupsInFlight(GroupRequest):
+    """A :class:`GroupRequest` part-way through sampling: what a TSP stage hands to the next one.
+
+    Everything is on CPU so it can travel between processes (Ray object store); the
+    generators travel as their states, so stage k+1 draws exactly the noise a single
+    worker would have drawn.
+    """
+
     window: list[int]
     trained: list[int]
     cond: Conditioning
     neg: Conditioning | None
     sigmas: torch.Tensor  # [S+1]
-    latents: list[torch.Tensor]  # x_0 .. x_t, each [B, ...]
+    latents: list[torch.Tensor]  # x_0 .. x_t, each [B, ...] (ode: only the newest)
     log_probs: torch.Tensor  # [B, S]
     generator_states: list[torch.Tensor]
     next_step: int = 0  # the first denoising step not yet taken
+    ode: bool = False  # deterministic sampling (validation): ODE steps only, no trajectory kept
 
     @property
     def batch(self) -> int:
@@ -103,34 +117,41 @@ class GroupsInFlight:
 
 @torch.no_grad()
 def begin_groups(
-    adapter: DiffusionAdapter,
-    prompts: list[str],
-    group_ids: list[int],
-    prompt_indices: list[int],
-    *,
-    group_size: int,
-    settings: SamplingSettings,
-    training_step: int,
-    seed: int,
-    policy_version: int,
+    adapter: DiffusionAdapter, request: GroupRequest, settings: SamplingSettings, *, ode: bool = False
 ) -> GroupsInFlight:
-    """Encode the prompts and draw each group's initial noise (the head of sampling)."""
+    """Encode the prompts and draw each group's initial noise (the head of sampling).
+
+    ``ode=True`` samples deterministically (validation): no SDE window (every step is an Euler
+    ODE step, no step noise drawn, log-probs stay 0), :func:`denoise` keeps only the newest
+    latents, and the CFG negative prompt is encoded once and broadcast to every row. Rollouts
+    encode it once per prompt; both keep the numerics they always had (for encoders whose
+    output depends on the batch size, e.g. SD3's CLIP projection, the two differ by ~1 ulp).
+    """
     spec = settings.spec
-    window, trained = step_plan(settings, training_step=training_step, seed=seed)
+    prompts, group_size = request.prompts, request.group_size
+    if ode:
+        window, trained = [], []
+    else:
+        window, trained = step_plan(settings, training_step=request.training_step, seed=request.seed)
     cond = _repeat_cond(adapter.encode_prompts(prompts), group_size)  # [B, ...]
     neg = None
-    if settings.uses_cfg:
+    if settings.uses_cfg and ode:
+        rows = len(prompts) * group_size
+        neg_one = adapter.encode_prompts([settings.negative_prompt])
+        neg = {k: v.expand(rows, *v.shape[1:]).contiguous() for k, v in neg_one.items()}
+    elif settings.uses_cfg:
         neg = _repeat_cond(adapter.encode_prompts([settings.negative_prompt] * len(prompts)), group_size)
-    generators = [torch.Generator().manual_seed(group_seed(seed, g)) for g in group_ids]
+    generators = [torch.Generator().manual_seed(group_seed(request.seed, g)) for g in request.group_ids]
     x = torch.cat([adapter.prepare_latents(group_size, spec, gen) for gen in generators], dim=0)
     sigmas = adapter.sigmas(settings.num_steps, spec).to(dtype=torch.float32).cpu()  # [S+1]
     return GroupsInFlight(
         prompts=list(prompts),
-        group_ids=list(group_ids),
-        prompt_indices=list(prompt_indices),
+        group_ids=list(request.group_ids),
+        prompt_indices=list(request.prompt_indices),
         group_size=group_size,
-        training_step=training_step,
-        policy_version=policy_version,
+        training_step=request.training_step,
+        seed=request.seed,
+        policy_version=request.policy_version,
         window=window,
         trained=trained,
         cond={k: v.cpu() for k, v in cond.items()},
@@ -139,6 +160,7 @@ def begin_groups(
         latents=[x.float().cpu()],
         log_probs=torch.zeros(x.shape[0], settings.num_steps, dtype=torch.float32),
         generator_states=[g.get_state() for g in generators],
+        ode=ode,
     )
 
 
@@ -174,20 +196,30 @@ def denoise(adapter: DiffusionAdapter, state: GroupsInFlight, settings: Sampling
             state.log_probs[:, i] = out.log_prob.cpu()
         else:
             x = ode_step(v, x, sigma, sigma_next)
-        state.latents.append(x.cpu())
+        if not state.ode:
+            state.latents.append(x.cpu())
+    if state.ode:  # no trajectory record: only the newest latents
+        state.latents = [x.cpu()]
     state.generator_states = [gen.get_state() for gen in generators]
     state.next_step = end
     return state
 
 
 @torch.no_grad()
-def finish_groups(adapter: DiffusionAdapter, state: GroupsInFlight, settings: SamplingSettings) -> DataProto:
-    """Decode the final latents and pack the trajectory record (the tail of sampling)."""
+def decode_groups(adapter: DiffusionAdapter, state: GroupsInFlight, settings: SamplingSettings) -> torch.Tensor:
+    """Decode the final latents: ``[B, 3, H, W]`` (video ``[B, 3, F, H, W]``) fp32 CPU pixels in [0, 1]."""
     if state.next_step != settings.num_steps:
         raise ValueError(f"groups {state.group_ids} finished at step {state.next_step} of {settings.num_steps}")
-    spec = settings.spec
+    return adapter.decode(state.latents[-1].to(adapter.device), settings.spec).float().clamp(0, 1).cpu()
+
+
+@torch.no_grad()
+def finish_groups(adapter: DiffusionAdapter, state: GroupsInFlight, settings: SamplingSettings) -> DataProto:
+    """Decode the final latents and pack the trajectory record (the tail of sampling)."""
+    if state.ode:
+        raise ValueError(f"groups {state.group_ids} were sampled with ode=True (no trajectory): use decode_groups")
+    images = decode_groups(adapter, state, settings)
     batch, g = state.batch, state.group_size
-    images = adapter.decode(state.latents[-1].to(adapter.device), spec).float().clamp(0, 1)
     train_mask = torch.zeros(batch, settings.num_steps, dtype=torch.bool)
     train_mask[:, state.trained] = True
     sde_mask = torch.zeros_like(train_mask)
@@ -198,7 +230,7 @@ def finish_groups(adapter: DiffusionAdapter, state: GroupsInFlight, settings: Sa
         "sigmas": state.sigmas.unsqueeze(0).expand(batch, -1).contiguous(),
         "train_mask": train_mask,
         "sde_mask": sde_mask,
-        "images": images.cpu(),
+        "images": images,
     }
     tensors.update({COND_PREFIX + k: v for k, v in state.cond.items()})
     if state.neg is not None:
@@ -216,23 +248,14 @@ def finish_groups(adapter: DiffusionAdapter, state: GroupsInFlight, settings: Sa
     )
 
 
-def sample_groups(
-    adapter: DiffusionAdapter,
-    prompts: list[str],
-    group_ids: list[int],
-    prompt_indices: list[int],
-    *,
-    group_size: int,
-    settings: SamplingSettings,
-    training_step: int,
-    seed: int,
-    policy_version: int,
-) -> DataProto:
-    """Sample ``group_size`` trajectories for each prompt; a DataProto of ``len(prompts) * G`` rows."""
-    state = begin_groups(
-        adapter, prompts, group_ids, prompt_indices, group_size=group_size, settings=settings,
-        training_step=training_step, seed=seed, policy_version=policy_version,
-    )
+def sample_groups(adapter: DiffusionAdapter, *request: Any, settings: SamplingSettings, **fields: Any) -> DataProto:
+    """Sample ``group_size`` trajectories for each prompt; a DataProto of ``len(prompts) * G`` rows.
+
+    ``request`` / ``fields`` are :class:`GroupRequest`'s, positional or by name:
+    ``sample_groups(adapter, prompts, group_ids, prompt_indices, group_size=G, settings=s,
+    training_step=t, seed=seed, policy_version=v)``.
+    """
+    state = begin_groups(adapter, GroupRequest(*request, **fields), settings)
     denoise(adapter, state, settings, settings.num_steps)
     return finish_groups(adapter, state, settings)
 

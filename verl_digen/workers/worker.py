@@ -28,7 +28,7 @@ from verl.single_controller.base.decorator import Dispatch, register
 from verl_digen.config.schema import DigenConfig
 from verl_digen.sync.state import state_digest, trainable_state
 from verl_digen.sync.transport import WeightSyncMixin
-from verl_digen.workers.sampling import GroupsInFlight, SamplingSettings, begin_groups, denoise, finish_groups
+from verl_digen.workers.sampling import GroupRequest, GroupsInFlight, SamplingSettings, begin_groups, denoise, finish_groups
 from verl_digen.workers.training import PolicyTrainer, TrainSettings, add_lora
 
 ROLES = ("fused", "rollout", "trainer", "reward")
@@ -168,17 +168,16 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         if state is None:
             if start != 0:
                 raise RuntimeError(f"TSP stage [{start}, {end}) of groups {request['group_ids']} got no input state")
-            state = begin_groups(
-                self.adapter,
+            groups = GroupRequest(
                 request["prompts"],
                 request["group_ids"],
                 request["prompt_indices"],
                 group_size=self.cfg.batch.group_size,
-                settings=self.settings,
                 training_step=request["step"],
                 seed=self.cfg.seed,
                 policy_version=self.policy_version,
             )
+            state = begin_groups(self.adapter, groups, self.settings)
         elif state.policy_version != self.policy_version:
             raise RuntimeError(
                 f"groups {state.group_ids} began with weights version {state.policy_version} but "
@@ -204,9 +203,9 @@ class DiffusionWorker(Worker, WeightSyncMixin):
                 best = min(best, _time.perf_counter() - t0)
             return best, out
 
-        req = dict(group_size=self.cfg.batch.group_size, settings=self.settings, training_step=0,
-                   seed=self.cfg.seed, policy_version=self.policy_version)
-        head, state = timed(lambda: begin_groups(self.adapter, ["a photo"], [0], [0], **req))
+        groups = GroupRequest(["a photo"], [0], [0], group_size=self.cfg.batch.group_size, training_step=0,
+                              seed=self.cfg.seed, policy_version=self.policy_version)
+        head, state = timed(lambda: begin_groups(self.adapter, groups, self.settings))
         steps = []
         for i in range(self.settings.num_steps):
             snapshot = (list(state.latents), state.log_probs.clone(), state.generator_states, state.next_step)
@@ -312,7 +311,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         """Deterministic samples of held-out prompts with the newest weights (EMA when on)."""
         from contextlib import nullcontext
 
-        from verl_digen.trainer.validation import run_validation
+        from verl_digen.workers.validation import run_validation
 
         if self.reward_fn is None:
             self._build_reward()

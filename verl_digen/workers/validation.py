@@ -1,15 +1,17 @@
-"""Validation: deterministic sampling of fixed prompts, scoring, image grids and logging.
+"""Validation on a worker: deterministic sampling of fixed prompts, scoring, image grids.
 
-Validation must measure the *policy*, not the sampler's luck, so it samples with the plain
-probability-flow ODE (Euler :func:`~verl_digen.algos.sde.ode_step` at every step, no SDE
-noise) from initial noise that depends only on ``(seed, prompt index)``: the same weights,
-prompts, settings and seed give bitwise the same images, every validation step, whichever
-worker runs it. Prompt ``i`` draws its noise from
+Validation must measure the *policy*, not the sampler's luck, so it samples with the rollout
+sampler in its ODE mode (``begin_groups(..., ode=True)``: an Euler
+:func:`~verl_digen.algos.sde.ode_step` at every step, no SDE noise) from initial noise that
+depends only on ``(seed, prompt index)``: the same weights, prompts, settings and seed give
+bitwise the same images, every validation step, whichever worker runs it. Prompt ``i`` is the
+one-image group ``VALIDATION_GROUP_OFFSET + i``, so its noise comes from
 ``torch.Generator().manual_seed(group_seed(seed, 10_000_000 + i))``, an id range training
-groups never use, so validation noise never repeats a training group's noise.
+groups never use: validation noise never repeats a training group's noise.
 
 Everything here is plain torch / numpy / PIL (no Ray): a worker calls :func:`run_validation`
-on its own adapter and ships back the :class:`ValidationResult`.
+on its own adapter and ships back the :class:`ValidationResult`; the controller logs the grid to
+TensorBoard / wandb (its ``media`` module).
 
 Video (``[N, 3, F, H, W]``): :func:`image_grid` shows the *middle frame* ``F // 2`` of each
 video (one cell per video); :func:`save_video_gif` writes a whole clip as an animated GIF and
@@ -27,9 +29,15 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from verl_digen.algos.sde import ode_step
 from verl_digen.models.base import DiffusionAdapter
-from verl_digen.workers.sampling import SamplingSettings, autocast_context, group_seed
+from verl_digen.workers.sampling import (
+    GroupRequest,
+    SamplingSettings,
+    begin_groups,
+    decode_groups,
+    denoise,
+    group_seed,
+)
 
 __all__ = [
     "VALIDATION_GROUP_OFFSET",
@@ -41,9 +49,6 @@ __all__ = [
     "save_grid_png",
     "save_video_gif",
     "save_video_strip",
-    "log_images_tensorboard",
-    "close_tensorboard_writers",
-    "log_images_wandb",
     "ValidationResult",
     "run_validation",
 ]
@@ -79,12 +84,12 @@ def sample_deterministic(
     seed: int,
     batch_size: int | None = None,
 ) -> torch.Tensor:
-    """One image per prompt with the deterministic ODE sampler (validation / evaluation).
+    """One image per prompt with the rollout sampler's deterministic ODE mode (validation / evaluation).
 
     Every step is an Euler ODE step (``settings.noise_level``, ``sde_type`` and ``window`` are
-    ignored); CFG (``settings.spec.guidance_scale`` with ``settings.negative_prompt``) and bf16
-    autocast are applied as in training rollouts. Prompt ``i``'s initial noise comes from
-    ``adapter.prepare_latents(1, settings.spec, Generator().manual_seed(validation_seed(seed, i)))``.
+    ignored); CFG (``settings.spec.guidance_scale`` with ``settings.negative_prompt``, encoded
+    once) and bf16 autocast are applied as in training rollouts. Prompt ``i``'s initial noise
+    comes from ``adapter.prepare_latents(1, settings.spec, Generator().manual_seed(validation_seed(seed, i)))``.
     The denoiser runs in eval mode (its previous mode is restored).
 
     Args:
@@ -105,36 +110,19 @@ def sample_deterministic(
         raise TypeError("prompts must be a list of strings")
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}")
-    spec = settings.spec
-    device = adapter.device
     n = len(prompts)
     chunk = n if batch_size is None else batch_size
-    sigmas = adapter.sigmas(settings.num_steps, spec).to(device=device, dtype=torch.float32)
-    neg_one = adapter.encode_prompts([settings.negative_prompt]) if settings.uses_cfg else None
     out: list[torch.Tensor] = []
     with _eval_mode(adapter.transformer):
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
-            b = end - start
-            cond = {k: v.to(device) for k, v in adapter.encode_prompts(prompts[start:end]).items()}
-            neg = None
-            if neg_one is not None:
-                neg = {k: v.to(device).expand(b, *v.shape[1:]).contiguous() for k, v in neg_one.items()}
-            x = torch.cat(
-                [
-                    adapter.prepare_latents(1, spec, torch.Generator().manual_seed(validation_seed(seed, i)))
-                    for i in range(start, end)
-                ],
-                dim=0,
-            ).to(device=device, dtype=torch.float32)
-            for s in range(settings.num_steps):
-                sigma = sigmas[s].expand(b)
-                sigma_next = sigmas[s + 1].expand(b)
-                with autocast_context(device, settings.autocast_bf16):
-                    v = adapter.predict_velocity(x, sigma, cond, spec, negative_cond=neg)
-                x = ode_step(v.float(), x, sigma, sigma_next)
-            images = adapter.decode(x, spec).float().clamp(0, 1)
-            out.append(images.cpu())
+            indices = list(range(start, end))
+            groups = [VALIDATION_GROUP_OFFSET + i for i in indices]  # noise seeds: validation_seed(seed, i)
+            request = GroupRequest(prompts[start:end], groups, indices, group_size=1, training_step=0, seed=seed,
+                                   policy_version=0)  # training_step / policy_version: unused by ODE sampling
+            state = begin_groups(adapter, request, settings, ode=True)
+            denoise(adapter, state, settings, settings.num_steps)
+            out.append(decode_groups(adapter, state, settings))
     return torch.cat(out, dim=0)
 
 
@@ -244,54 +232,6 @@ def save_video_strip(video: torch.Tensor, path: str, *, padding: int = 2) -> str
     _check_video(video)
     frames = video.permute(1, 0, 2, 3)  # [F, 3, H, W]
     return save_grid_png(image_grid(frames, nrow=frames.shape[0], padding=padding), path)
-
-
-# ----------------------------------------------------------------------------- logging
-
-_TB_WRITERS: dict[str, object] = {}
-
-
-def log_images_tensorboard(log_dir: str, tag: str, grid: np.ndarray, step: int) -> None:
-    """Write ``grid`` (uint8 ``[H, W, 3]``) as image ``tag`` at ``step`` to a TensorBoard log in ``log_dir``.
-
-    One ``SummaryWriter`` per ``log_dir`` is kept open (and flushed after each image) so
-    repeated calls append to one event file; :func:`close_tensorboard_writers` closes them.
-    """
-    from torch.utils.tensorboard import SummaryWriter
-
-    grid = np.asarray(grid)
-    if grid.ndim != 3 or grid.shape[2] != 3:
-        raise ValueError(f"grid must be [H, W, 3], got {grid.shape}")
-    key = os.path.abspath(log_dir)
-    writer = _TB_WRITERS.get(key)
-    if writer is None:
-        writer = SummaryWriter(log_dir=key)
-        _TB_WRITERS[key] = writer
-    writer.add_image(tag, grid, global_step=int(step), dataformats="HWC")
-    writer.flush()
-
-
-def close_tensorboard_writers() -> None:
-    """Close the writers opened by :func:`log_images_tensorboard`."""
-    while _TB_WRITERS:
-        _, writer = _TB_WRITERS.popitem()
-        writer.close()
-
-
-def log_images_wandb(tag: str, grid: np.ndarray, step: int) -> bool:
-    """``wandb.log({tag: wandb.Image(grid)}, step=step)`` if a wandb run is active.
-
-    Never initialises wandb. Returns whether anything was logged (False when wandb is not
-    installed or no run is active).
-    """
-    try:
-        import wandb
-    except ImportError:
-        return False
-    if getattr(wandb, "run", None) is None:
-        return False
-    wandb.log({tag: wandb.Image(grid)}, step=int(step))
-    return True
 
 
 # ----------------------------------------------------------------------------- validation
