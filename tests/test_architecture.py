@@ -91,6 +91,21 @@ def test_steps_are_planned_and_run_only_by_the_step_driver():
         assert "StepDriver" in names, f"{path} does not drive steps with StepDriver"
 
 
+def test_one_denoising_loop():
+    """Only the rollout sampler steps the denoiser (validation uses its ODE mode); the updater
+    recomputes single steps for the loss. No second sampler anywhere else in the runtime."""
+    callers = set()
+    for sub in ("workers", "trainer", "rewards", "schedule", "sim", "sync", "placement"):
+        for path, tree in _modules(sub).items():
+            if _calls(tree, "predict_velocity"):
+                callers.add(path)
+    for path in ("compare.py", "export.py", "profile.py", "emulate.py", "main.py"):
+        with open(os.path.join(PKG, path)) as f:
+            if _calls(ast.parse(f.read()), "predict_velocity"):
+                callers.add(path)
+    assert callers == {os.path.join("workers", "sampling.py"), os.path.join("workers", "training.py")}, callers
+
+
 def test_controller_loop_is_short():
     with open(os.path.join(PKG, "trainer", "loop.py")) as f:
         lines = len(f.readlines())

@@ -10,7 +10,7 @@ from verl_digen.config.schema import AlgoConfig, LoraConfigSpec
 from verl_digen.models.base import SampleSpec
 from verl_digen.models.registry import load_adapter
 from verl_digen.workers.sampling import SamplingSettings, sample_groups
-from verl_digen.workers.training import PolicyTrainer, TrainSettings, add_lora
+from verl_digen.workers.training import PolicyUpdater, TrainSettings, add_lora
 from verl_digen.algos.window import SdeWindowConfig
 
 
@@ -45,7 +45,7 @@ def test_recomputed_log_probs_equal_behaviour_log_probs(arch, sde_type, guidance
     add_lora(adapter, LoraConfigSpec(rank=4))
     settings = _settings(sde_type, guidance)
     data = _sample(adapter, settings)
-    trainer = PolicyTrainer(
+    trainer = PolicyUpdater(
         adapter, TrainSettings(algo=AlgoConfig(), sampling=settings, lora_only=True, images_per_step=len(data))
     )
     recomputed = trainer.recompute_log_probs(data)
@@ -61,7 +61,7 @@ def test_first_training_step_sees_ratio_one_and_no_clipping(tiny_flux):
     add_lora(adapter, LoraConfigSpec(rank=4))
     settings = _settings()
     data = _sample(adapter, settings)
-    trainer = PolicyTrainer(
+    trainer = PolicyUpdater(
         adapter, TrainSettings(algo=AlgoConfig(), sampling=settings, lora_only=True, images_per_step=len(data))
     )
     metrics = trainer.train_micro_batch(data, torch.tensor([1.0, -1.0, 0.5, -0.5]))

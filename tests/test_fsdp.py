@@ -273,13 +273,13 @@ def _scenario_sum_accum_clip(rank: int, world: int) -> dict:
 
 
 def _scenario_policy_trainer(rank: int, world: int) -> dict:
-    """The existing PolicyTrainer on a sharded module, built AFTER apply_fsdp2 (it sets
+    """The existing PolicyUpdater on a sharded module, built AFTER apply_fsdp2 (it sets
     requires_grad and builds AdamW on the sharded parameters); its optimizer_step with
     process_group=None (no manual all-reduce: grad_reduce='sum' already summed). Two steps."""
     from types import SimpleNamespace
 
     from verl_digen.config.schema import AlgoConfig
-    from verl_digen.workers.training import PolicyTrainer, TrainSettings
+    from verl_digen.workers.training import PolicyUpdater, TrainSettings
 
     sizes = [[2, 3], [1, 2]]
     total = sum(sum(s) for s in sizes)
@@ -292,13 +292,13 @@ def _scenario_policy_trainer(rank: int, world: int) -> dict:
 
     def everything_trainable() -> nn.Module:
         model = make_lora_model()
-        model.requires_grad_(True)  # PolicyTrainer must narrow this down, after sharding too
+        model.requires_grad_(True)  # PolicyUpdater must narrow this down, after sharding too
         return model
 
     ref = everything_trainable()
-    ref_trainer = PolicyTrainer(SimpleNamespace(transformer=ref), settings)
+    ref_trainer = PolicyUpdater(SimpleNamespace(transformer=ref), settings)
     model = apply_fsdp2(everything_trainable(), param_dtype=None, grad_reduce="sum")
-    trainer = PolicyTrainer(SimpleNamespace(transformer=model), settings)
+    trainer = PolicyUpdater(SimpleNamespace(transformer=model), settings)
     norms, ref_norms = [], []
     for step in range(2):
         data = [[make_data(n, seed=5000 + 100 * step + 10 * r + k) for k, n in enumerate(sizes[r])] for r in range(world)]

@@ -16,7 +16,7 @@ def test_bf16_autocast_keeps_the_sde_maths_fp32_and_on_policy(tiny_flux):
     from verl_digen.config.schema import AlgoConfig, LoraConfigSpec, digen_config_from_dict
     from verl_digen.models.registry import load_adapter
     from verl_digen.workers.sampling import sample_groups
-    from verl_digen.workers.training import PolicyTrainer, TrainSettings, add_lora
+    from verl_digen.workers.training import PolicyUpdater, TrainSettings, add_lora
     from verl_digen.workers.worker import sampling_settings
 
     adapter = load_adapter(tiny_flux, device="cuda")
@@ -26,7 +26,7 @@ def test_bf16_autocast_keeps_the_sde_maths_fp32_and_on_policy(tiny_flux):
     data = sample_groups(adapter, ["a cat"], [0], [0], group_size=2, settings=settings, training_step=0, seed=1,
                          policy_version=0)
     assert data.batch["log_probs"].dtype == torch.float32 and data.batch["latents"].dtype == torch.float32
-    trainer = PolicyTrainer(adapter, TrainSettings(AlgoConfig(), settings, lora_only=True, images_per_step=2))
+    trainer = PolicyUpdater(adapter, TrainSettings(AlgoConfig(), settings, lora_only=True, images_per_step=2))
     recomputed = trainer.recompute_log_probs(data)
     # bf16 kernels can differ between batch shapes; the ratio stays within bf16 noise.
     assert torch.allclose(recomputed, data.batch["log_probs"], atol=1e-3)

@@ -306,7 +306,7 @@ def test_recomputed_log_probs_equal_behaviour_log_probs(arch, guidance, distille
     from verl_digen.algos.window import SdeWindowConfig
     from verl_digen.config.schema import AlgoConfig, LoraConfigSpec
     from verl_digen.workers.sampling import SamplingSettings, sample_groups
-    from verl_digen.workers.training import PolicyTrainer, TrainSettings, add_lora
+    from verl_digen.workers.training import PolicyUpdater, TrainSettings, add_lora
 
     adapter = load_adapter(tiny_dirs[arch])
     add_lora(adapter, LoraConfigSpec(rank=4))  # the default targets exist in every architecture
@@ -324,7 +324,7 @@ def test_recomputed_log_probs_equal_behaviour_log_probs(arch, guidance, distille
         policy_version=0,
     )
     assert len(data) == 2 and data.batch["images"].shape == PIXEL_SHAPE[arch]
-    trainer = PolicyTrainer(
+    trainer = PolicyUpdater(
         adapter, TrainSettings(algo=AlgoConfig(), sampling=settings, lora_only=True, images_per_step=len(data))
     )
     recomputed = trainer.recompute_log_probs(data)

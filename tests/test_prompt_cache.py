@@ -26,7 +26,7 @@ from verl_digen.models.prompt_cache import PromptEmbeddingCache, model_cache_key
 from verl_digen.models.registry import load_adapter
 from verl_digen.models.tiny import TINY_ARCHS
 from verl_digen.workers.sampling import SamplingSettings, sample_groups
-from verl_digen.workers.training import PolicyTrainer, TrainSettings, add_lora
+from verl_digen.workers.training import PolicyUpdater, TrainSettings, add_lora
 
 # Mixed lengths (Qwen-Image pads a batch to its longest prompt), an empty prompt and non-ASCII.
 PROMPTS = [
@@ -249,7 +249,7 @@ def _first_step(adapter, settings):
         adapter, [TRAIN_PROMPTS[g] for g in groups], groups, groups,
         group_size=2, settings=settings, training_step=0, seed=7, policy_version=0,
     )
-    trainer = PolicyTrainer(
+    trainer = PolicyUpdater(
         adapter, TrainSettings(algo=AlgoConfig(lr=3e-4), sampling=settings, lora_only=True, images_per_step=len(data))
     )
     trainer.train_micro_batch(data, torch.tensor([1.0, -1.0, 0.5, -0.5]))

@@ -7,8 +7,8 @@ machine, in-process, one thread per worker as the training loop gives each worke
   steps is one forward (fitted as ``overhead + per-image x images``), the intercept is the
   per-call and per-image work outside the denoiser loop (prompt encoding, latents, decoding);
 - the reward function on 1 and 2 groups of images;
-- ``PolicyTrainer.train_micro_batch`` on 1 and 2 groups (per trained step: one pass);
-- ``PolicyTrainer.optimizer_step``;
+- ``PolicyUpdater.train_micro_batch`` on 1 and 2 groups (per trained step: one pass);
+- ``PolicyUpdater.optimizer_step``;
 - a weight sync of the LoRA state between two processes over gloo (``WeightChannel``).
 
 The fit is written as a profile in the format of ``verl_digen/sim/profiles/*.yaml``: a model
@@ -198,7 +198,7 @@ def _task_timings(overrides: list[str], threads: int, repeats: int, barrier: Any
     from verl_digen.algos.window import SdeWindowConfig
     from verl_digen.rewards import build_reward_from_config
     from verl_digen.workers.sampling import sample_groups
-    from verl_digen.workers.training import PolicyTrainer, TrainSettings
+    from verl_digen.workers.training import PolicyUpdater, TrainSettings
 
     cfg, adapter, settings = _load(overrides, threads)
     G, S = cfg.batch.group_size, settings.num_steps
@@ -219,7 +219,7 @@ def _task_timings(overrides: list[str], threads: int, repeats: int, barrier: Any
         {"name": cfg.reward.name, "kwargs": cfg.reward.kwargs, "components": cfg.reward.components}
         if cfg.reward.name == "weighted" else {"name": cfg.reward.name, "kwargs": cfg.reward.kwargs}
     )
-    trainer = PolicyTrainer(
+    trainer = PolicyUpdater(
         adapter,
         TrainSettings(algo=cfg.algo, sampling=settings, lora_only=cfg.model.lora.enable, images_per_step=cfg.batch.images_per_step),
     )
@@ -402,9 +402,9 @@ def profile_document(raw: dict[str, Any], name: str, device: str, contended: dic
         "task_overhead_s": fit["task_overhead_s"],
         "sources": {
             "task_overhead_s": f"{src}: median round trip of an empty Ray actor call",
-            "hsdp_shard": "1: the runtime keeps a full replica per trainer and all-reduces gradients at the optimizer step (PolicyTrainer.optimizer_step), no FSDP",
+            "hsdp_shard": "1: the runtime keeps a full replica per trainer and all-reduces gradients at the optimizer step (PolicyUpdater.optimizer_step), no FSDP",
             "switch_fixed_s": "0: a fused worker of this runtime keeps one copy of the weights (no offload between generate and train)",
-            "optimizer_fixed_s": f"{src}: PolicyTrainer.optimizer_step",
+            "optimizer_fixed_s": f"{src}: PolicyUpdater.optimizer_step",
             "sync_fixed_s": f"{src}: one gloo WeightChannel send of the LoRA state between two processes",
             "comm_overlap": "0: no per-pass collectives to overlap",
         },

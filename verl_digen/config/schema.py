@@ -282,7 +282,7 @@ class PromptCacheConfig:
 class EmulateConfig:
     """Emulated cluster: the real executor drives workers that sleep for the cost model's time."""
 
-    # A cost-model profile, e.g. flux-12b (python -m verl_digen.plan --list); None: real workers.
+    # A cost-model profile, e.g. flux-12b (python -m verl_digen.sim.planner --list); None: real workers.
     model: Optional[str] = None
     device_type: str = "H800"
     time_scale: float = 1.0  # real seconds per modelled second

@@ -164,7 +164,7 @@ def apply_fsdp2(
         grad_reduce: ``"mean"`` (FSDP default: gradients averaged over ranks; right when every
             rank's loss is the mean over its own equally-sized data) or ``"sum"`` (gradients
             summed: right when each rank scales its loss by its share of the global batch,
-            as ``PolicyTrainer.train_micro_batch`` does for the all-reduce it replaces).
+            as ``PolicyUpdater.train_micro_batch`` does for the all-reduce it replaces).
             ``"sum"`` forces SUM collectives with no divide, which works on gloo and NCCL
             (a divide factor alone would use NCCL's PREMUL_SUM, which gloo rejects).
 

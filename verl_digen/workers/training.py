@@ -60,7 +60,7 @@ class TrainSettings:
     ema_decay: float | None = None  # keep an EMA of the trained weights (validation uses it)
 
 
-class PolicyTrainer:
+class PolicyUpdater:
     """Owns the trainable denoiser's optimizer and gradient accumulation for one rank."""
 
     def __init__(self, adapter: DiffusionAdapter, settings: TrainSettings) -> None:

@@ -29,7 +29,7 @@ from verl_digen.config.schema import DigenConfig
 from verl_digen.sync.state import state_digest, trainable_state
 from verl_digen.sync.transport import WeightSyncMixin
 from verl_digen.workers.sampling import GroupRequest, GroupsInFlight, SamplingSettings, begin_groups, denoise, finish_groups
-from verl_digen.workers.training import PolicyTrainer, TrainSettings, add_lora
+from verl_digen.workers.training import PolicyUpdater, TrainSettings, add_lora
 
 ROLES = ("fused", "rollout", "trainer", "reward")
 
@@ -79,7 +79,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         self.num_threads = num_threads
         self.policy_version = 0
         self.adapter = None
-        self.trainer: PolicyTrainer | None = None
+        self.trainer: PolicyUpdater | None = None
         self.reward_fn = None
         self._pg: dist.ProcessGroup | None = None
 
@@ -124,7 +124,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
                 grad_reduce="sum",  # each rank scales its loss by its share of the step's batch
             )
         if self.role in ("fused", "trainer"):
-            self.trainer = PolicyTrainer(
+            self.trainer = PolicyUpdater(
                 self.adapter,
                 TrainSettings(
                     algo=cfg.algo,
