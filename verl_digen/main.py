@@ -20,6 +20,7 @@ def main(config: DictConfig) -> None:
     from verl_digen.rewards.http_client import RewardServerError
     from verl_digen.trainer.checkpoint import CheckpointError
     from verl_digen.trainer.loop import RunStopped, run_training
+    from verl_digen.trainer.runtime import RunInterrupted
 
     try:
         run_training(config)
@@ -28,6 +29,8 @@ def main(config: DictConfig) -> None:
         sys.exit(2)
     except RunStopped:
         sys.exit(1)  # the message (what failed, the checkpoint, how to resume) is already printed
+    except RunInterrupted as e:  # SIGINT -> 130, SIGTERM -> 143, after a checkpoint of completed steps
+        sys.exit(e.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from verl_digen.algos.window import SdeWindowConfig
 
@@ -121,6 +121,9 @@ class SamplingConfig:
 class DataConfig:
     prompts: str = "builtin:demo"  # builtin:<name>, or a .txt / .jsonl / .parquet file
     shuffle: bool = True
+    # Longest prompt accepted, in characters: every text encoder here truncates far below this,
+    # so a longer one is a data error (and would only slow each step down), refused up front.
+    max_prompt_chars: int = 16384
 
 
 @dataclass
@@ -403,6 +406,8 @@ class DigenConfig:
     def validate(self) -> None:
         from verl_digen.schedule.strategies import strategy_violations
 
+        _check_finite(self, "digen")
+        _check_ranges(self)
         self.model.validate("digen.model")
         self.sampling.validate("digen.sampling")
         self.batch.validate("digen.batch")
@@ -430,6 +435,53 @@ class DigenConfig:
         if self.algo.std_mode == "global" and self.gap.enable:
             _fail("digen.algo.std_mode", "global", "GAP streams groups before the batch is complete; use group or none")
         _positive("digen.task_timeout_s", self.task_timeout_s)
+
+
+def _check_finite(node: Any, key: str) -> None:
+    """Every number anywhere in the config is finite: NaN passes ``x <= 0`` checks and inf
+    passes ``x > 0``, so neither may reach a range check (or a worker)."""
+    if dataclasses.is_dataclass(node):
+        for f in dataclasses.fields(node):
+            _check_finite(getattr(node, f.name), f"{key}.{HYDRA_KEYS.get(f.name, f.name)}")
+    elif isinstance(node, dict):
+        for k, v in node.items():
+            _check_finite(v, f"{key}.{k}")
+    elif isinstance(node, (list, tuple)):
+        for i, v in enumerate(node):
+            _check_finite(v, f"{key}[{i}]")
+    elif isinstance(node, float) and not math.isfinite(node):
+        _fail(key, node, "must be a finite number (NaN and inf are refused)")
+
+
+# Ranges of the numeric keys no section checks itself: key -> (test, what is valid).
+_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "seed": (lambda v: v >= 0, "must be >= 0"),
+    "model.lora.alpha": (lambda v: v > 0, "must be > 0"),
+    "sampling.num_frames": (lambda v: v >= 1, "must be >= 1"),
+    "sampling.guidance_scale": (lambda v: v >= 1.0, "must be >= 1 (1 disables CFG)"),
+    "sampling.distilled_guidance": (lambda v: v is None or v > 0, "must be > 0 or null"),
+    "batch.groups_per_task": (lambda v: v >= 1, "must be >= 1"),
+    "batch.train_micro_batch_groups": (lambda v: v >= 1, "must be >= 1"),
+    "algo.adv_clip_max": (lambda v: v > 0, "must be > 0"),
+    "algo.weight_decay": (lambda v: v >= 0, "must be >= 0"),
+    "algo.max_grad_norm": (lambda v: v > 0, "must be > 0"),
+    "algo.eps": (lambda v: v > 0, "must be > 0"),
+    "algo.betas": (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "must be two numbers in [0, 1)"),
+    "validation.seed": (lambda v: v >= 0, "must be >= 0"),
+    "data.max_prompt_chars": (lambda v: v >= 1, "must be >= 1"),
+    "ray_num_cpus": (lambda v: v is None or v >= 1, "must be >= 1 or null"),
+    "gantt_last_steps": (lambda v: v >= 1, "must be >= 1"),
+    "max_nonfinite_steps": (lambda v: v >= 0, "must be >= 0"),
+}
+
+
+def _check_ranges(cfg: "DigenConfig") -> None:
+    for path, (ok, valid) in _RANGES.items():
+        value: Any = cfg
+        for part in path.split("."):
+            value = getattr(value, part)
+        if not ok(value):
+            _fail(f"digen.{path}", value, valid)
 
 
 # ---------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar, Mapping
 
 import numpy as np
 import torch
@@ -41,10 +41,53 @@ class SampleSpec:
     distilled_guidance: float | None = None  # FLUX.1-dev style guidance embedding
 
 
+@dataclass(frozen=True)
+class SizeRules:
+    """How an architecture maps pixels to latents: the sizes it can sample are multiples of
+    ``spatial * patch`` (and, for video, ``temporal * k + 1`` frames whose latent frames split
+    into patches of ``patch_t``)."""
+
+    model: str
+    spatial: int  # the VAE's spatial compression
+    patch: int  # the transformer's spatial patch (2 for 2x2 token packing)
+    packed: bool = False
+    temporal: int | None = None  # video: the VAE's temporal compression
+    patch_t: int = 1
+
+    def check(self, spec: "SampleSpec") -> None:
+        """Raise ``ValueError`` naming the model and the valid sizes unless it can sample ``spec``."""
+        latent_hw(spec, model=self.model, vae_scale_factor=self.spatial, patch_size=self.patch, packed=self.packed)
+        if self.temporal is None:
+            if spec.num_frames != 1:
+                raise ValueError(f"{self.model} generates images: num_frames must be 1, got {spec.num_frames}")
+        else:
+            latent_frames(spec, model=self.model, temporal_factor=self.temporal, patch_size_t=self.patch_t)
+
+
 class DiffusionAdapter(abc.ABC):
     """One architecture's diffusers components behind the RL loop's calls."""
 
     arch: ClassVar[str]
+
+    @classmethod
+    def size_rules(cls, vae_config: Mapping[str, Any], transformer_config: Mapping[str, Any]) -> SizeRules | None:
+        """The architecture's :class:`SizeRules`, from its VAE's and transformer's configs only
+        (so a size can be checked before any weight is loaded); None: not known up front."""
+        return None
+
+    @classmethod
+    def check_sample_size(cls, path: str, spec: "SampleSpec") -> None:
+        """Check that the model at ``path`` can sample ``spec``, reading only its config files."""
+        import json
+        import os
+
+        def config(sub: str) -> dict[str, Any]:
+            with open(os.path.join(path, sub, "config.json")) as f:
+                return json.load(f)
+
+        rules = cls.size_rules(config("vae"), config("transformer"))
+        if rules is not None:
+            rules.check(spec)
 
     # The trainable denoiser (FluxTransformer2DModel, SD3Transformer2DModel, ...).
     transformer: torch.nn.Module

@@ -20,6 +20,7 @@ from .base import (
     Conditioning,
     DiffusionAdapter,
     SampleSpec,
+    SizeRules,
     check_num_steps,
     config_shift,
     latent_hw,
@@ -55,6 +56,10 @@ class FluxAdapter(DiffusionAdapter):
     # CFG batches [cond; uncond] through _transformer_forward(latents, sigma, embeds, pooled, spec).
     conditioning_keys = ("prompt_embeds", "pooled_prompt_embeds")
 
+    @classmethod
+    def size_rules(cls, vae_config, transformer_config) -> SizeRules:
+        return SizeRules("FLUX", spatial=2 ** (len(vae_config["block_out_channels"]) - 1), patch=2, packed=True)
+
     def __init__(
         self,
         *,
@@ -73,7 +78,7 @@ class FluxAdapter(DiffusionAdapter):
 
         # Every VAE block but the last downsamples 2x (8x for the real FLUX VAE); packing then
         # groups 2x2 latent pixels into one token.
-        self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
+        self.vae_scale_factor = self.size_rules(vae.config, transformer.config).spatial
         self.latent_channels = transformer.config.in_channels // 4
         if vae.config.latent_channels != self.latent_channels:
             raise ValueError(

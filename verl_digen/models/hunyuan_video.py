@@ -27,6 +27,7 @@ from .base import (
     Conditioning,
     DiffusionAdapter,
     SampleSpec,
+    SizeRules,
     check_num_steps,
     latent_frames,
     latent_hw,
@@ -62,6 +63,13 @@ class HunyuanVideoAdapter(DiffusionAdapter):
     # _transformer_forward(latents, sigma, embeds, mask, pooled, spec).
     conditioning_keys = ("prompt_embeds", "prompt_attention_mask", "pooled_prompt_embeds")
 
+    @classmethod
+    def size_rules(cls, vae_config, transformer_config) -> SizeRules:
+        return SizeRules("HunyuanVideo", spatial=int(vae_config["spatial_compression_ratio"]),
+                         patch=int(transformer_config["patch_size"]),
+                         temporal=int(vae_config["temporal_compression_ratio"]),
+                         patch_t=int(transformer_config["patch_size_t"]))
+
     def __init__(
         self,
         *,
@@ -83,11 +91,12 @@ class HunyuanVideoAdapter(DiffusionAdapter):
             raise ValueError("prompt_template['template'] must contain '{}' where the prompt goes")
         self.crop_start = int(self.prompt_template.get("crop_start") or self._template_length())
 
-        self.vae_scale_factor_temporal = int(vae.temporal_compression_ratio)
-        self.vae_scale_factor_spatial = int(vae.spatial_compression_ratio)
+        rules = self.size_rules(vae.config, transformer.config)
+        self.vae_scale_factor_temporal = rules.temporal
+        self.vae_scale_factor_spatial = rules.spatial
         self.latent_channels = transformer.config.in_channels
-        self.patch_size = int(transformer.config.patch_size)
-        self.patch_size_t = int(transformer.config.patch_size_t)
+        self.patch_size = rules.patch
+        self.patch_size_t = rules.patch_t
         if vae.config.latent_channels != self.latent_channels:
             raise ValueError(
                 f"VAE latent_channels={vae.config.latent_channels} does not match the transformer's "

@@ -31,6 +31,7 @@ from .base import (
     Conditioning,
     DiffusionAdapter,
     SampleSpec,
+    SizeRules,
     check_num_steps,
     config_shift,
     latent_hw,
@@ -73,6 +74,10 @@ class QwenImageAdapter(DiffusionAdapter):
     # each side trimmed to its longest prompt first (_transformer_inputs).
     conditioning_keys = ("prompt_embeds", "prompt_embeds_mask")
 
+    @classmethod
+    def size_rules(cls, vae_config, transformer_config) -> SizeRules:
+        return SizeRules("Qwen-Image", spatial=2 ** len(vae_config["temperal_downsample"]), patch=2, packed=True)
+
     def __init__(
         self,
         *,
@@ -88,7 +93,7 @@ class QwenImageAdapter(DiffusionAdapter):
 
         # As in the pipeline: one 2x spatial downsample per temporal-downsample entry (8x for the
         # real VAE); packing then groups 2x2 latent pixels into one token.
-        self.vae_scale_factor = 2 ** len(vae.temperal_downsample)
+        self.vae_scale_factor = self.size_rules(vae.config, transformer.config).spatial
         self.latent_channels = transformer.config.in_channels // 4
         if vae.config.z_dim != self.latent_channels:
             raise ValueError(

@@ -20,6 +20,7 @@ from .base import (
     Conditioning,
     DiffusionAdapter,
     SampleSpec,
+    SizeRules,
     check_num_steps,
     config_shift,
     has_component,
@@ -56,6 +57,11 @@ class SD3Adapter(DiffusionAdapter):
     conditioning_keys = ("prompt_embeds", "pooled_prompt_embeds")
     cfg_uncond_first = True
 
+    @classmethod
+    def size_rules(cls, vae_config, transformer_config) -> SizeRules:
+        return SizeRules("SD3", spatial=2 ** (len(vae_config["block_out_channels"]) - 1),
+                         patch=int(transformer_config["patch_size"]))
+
     def __init__(
         self,
         *,
@@ -76,9 +82,10 @@ class SD3Adapter(DiffusionAdapter):
         self.register_modules(text_encoder_3=text_encoder_3, tokenizer_3=tokenizer_3)
         self.scheduler_config = dict(scheduler_config)
 
-        self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
+        rules = self.size_rules(vae.config, transformer.config)
+        self.vae_scale_factor = rules.spatial
         self.latent_channels = transformer.config.in_channels
-        self.patch_size = transformer.config.patch_size
+        self.patch_size = rules.patch
         if vae.config.latent_channels != self.latent_channels:
             raise ValueError(
                 f"VAE latent_channels={vae.config.latent_channels} does not match the transformer's "

@@ -25,6 +25,7 @@ from .base import (
     Conditioning,
     DiffusionAdapter,
     SampleSpec,
+    SizeRules,
     check_num_steps,
     has_component,
     latent_frames,
@@ -88,6 +89,12 @@ class WanAdapter(DiffusionAdapter):
     # CFG batches [cond; uncond] through _transformer_forward(latents, sigma, embeds, spec).
     conditioning_keys = ("prompt_embeds",)
 
+    @classmethod
+    def size_rules(cls, vae_config, transformer_config) -> SizeRules:
+        patch_t, patch_h, _ = transformer_config["patch_size"]
+        return SizeRules("Wan", spatial=int(vae_config["scale_factor_spatial"]), patch=int(patch_h),
+                         temporal=int(vae_config["scale_factor_temporal"]), patch_t=int(patch_t))
+
     def __init__(
         self,
         *,
@@ -104,8 +111,9 @@ class WanAdapter(DiffusionAdapter):
         # Wan2.2 TI2V-5B takes one timestep per latent token (all equal for text-to-video).
         self.expand_timesteps = bool(expand_timesteps)
 
-        self.vae_scale_factor_temporal = int(vae.config.scale_factor_temporal)
-        self.vae_scale_factor_spatial = int(vae.config.scale_factor_spatial)
+        rules = self.size_rules(vae.config, transformer.config)
+        self.vae_scale_factor_temporal = rules.temporal
+        self.vae_scale_factor_spatial = rules.spatial
         self.latent_channels = transformer.config.in_channels
         self.patch_size = tuple(transformer.config.patch_size)  # (t, h, w)
         if vae.config.z_dim != self.latent_channels:

@@ -77,6 +77,15 @@ def find_free_port(host: str = "") -> int:
         return int(sock.getsockname()[1])
 
 
+def _listening_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    return sock
+
+
 def node_ip_address() -> str:
     """This node's IP as Ray sees it (what the other endpoints can reach), else a local guess."""
     try:
@@ -165,6 +174,13 @@ class WeightChannel:
 
         # Rank 0 hosts the store; wait_for_workers=False because the process-group constructor
         # below performs the real rendezvous (and would otherwise be a second blocking point).
+        # The store's server binds only master_addr (the node's address, or 127.0.0.1), not every
+        # interface as TCPStore does by itself: we hand it a socket already listening there.
+        self._listen_sock: socket.socket | None = None
+        listen_fd: dict[str, int] = {}
+        if rank == 0:
+            self._listen_sock = _listening_socket(master_addr, master_port)
+            listen_fd["master_listen_fd"] = self._listen_sock.fileno()
         self._store: dist.Store | None = dist.TCPStore(
             master_addr,
             master_port,
@@ -172,6 +188,7 @@ class WeightChannel:
             is_master=(rank == 0),
             timeout=self._timeout,
             wait_for_workers=False,
+            **listen_fd,
         )
         prefixed = dist.PrefixStore(_STORE_PREFIX, self._store)
         self._pg: Any = self._make_process_group(prefixed)
@@ -328,6 +345,9 @@ class WeightChannel:
                 pass
         # Dropping the store on rank 0 stops its server; gloo's pairs close with the group object.
         self._store = None
+        if self._listen_sock is not None:
+            self._listen_sock.close()
+            self._listen_sock = None
 
     def __enter__(self) -> WeightChannel:
         return self
@@ -364,7 +384,8 @@ class WeightSyncMixin:
 
     def sync_master_endpoint(self) -> tuple[str, int]:
         """``(node ip, free port)`` on this worker's node; call it on the sender."""
-        return node_ip_address(), find_free_port()
+        ip = node_ip_address()
+        return ip, find_free_port(ip)
 
     def sync_open(
         self,

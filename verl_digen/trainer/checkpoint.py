@@ -1,32 +1,47 @@
-"""Checkpoints with veRL's layout and keys, written atomically.
+"""Checkpoints with veRL's layout and keys, written atomically, verified on resume.
 
 Layout (as veRL's trainers): ``<trainer.default_local_dir>/global_step_<k>/`` plus
 ``latest_checkpointed_iteration.txt``. A checkpoint directory is built under a temporary
-name and renamed into place only once every file and ``meta.json`` are written, so a crash
-mid-save never leaves a directory that looks complete; :func:`find_latest` also requires
-``meta.json`` with ``complete: true``.
+name and renamed into place only once every file is written and fsynced and ``meta.json``
+(the completion marker, written last) lists the SHA-256 and size of every file; a crash
+mid-save never leaves a directory that looks complete. :func:`find_latest` requires
+``meta.json`` with ``complete: true``; resuming verifies every checksum and, in ``auto``
+mode, falls back to the newest intact checkpoint when the latest is corrupt (saying so).
 
 Contents of ``global_step_<k>``:
 
 - ``weights.safetensors``  the trained state (LoRA-only when LoRA is on), policy version k
 - ``trainer.pt``           optimizer state, EMA state, trainer RNG state
 - ``controller.pt``        data position (prompt sampler state), metrics history, step
-- ``meta.json``            step, strategy, model path, ``complete: true`` (written last)
+- ``meta.json``            step, strategy, model path, file checksums, ``complete: true`` (last)
+
+Checkpoint files come from outside (they are shared between people and machines): the
+``.pt`` files are read with ``torch.load(weights_only=True)``, which unpickles only tensors
+and plain containers and refuses anything that could run code; the weights are safetensors.
+
+One run at a time writes a checkpoint root: :class:`RootLock` holds an exclusive ``flock`` on
+``<root>/.digen.lock`` for the whole run (released by the OS if the process dies) and records
+its holder, so a second run on the same directory stops with an error naming the first.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
+import socket
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 TRACKER = "latest_checkpointed_iteration.txt"
+LOCK_FILE = ".digen.lock"
+DATA_FILES = ("weights.safetensors", "trainer.pt", "controller.pt")
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
 
@@ -34,25 +49,82 @@ class CheckpointError(RuntimeError):
     """A checkpoint asked for cannot be used; the message names it and why."""
 
 
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        _fsync_file(path)
+    except OSError:  # some filesystems cannot fsync a directory; the data files are synced
+        pass
+
+
 @dataclass
 class Checkpoint:
     path: str
     step: int
 
+    def _file(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
     def weights(self) -> dict[str, torch.Tensor]:
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        return load_file(os.path.join(self.path, "weights.safetensors"))
+        try:
+            return load_file(self._file("weights.safetensors"))
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{self._file('weights.safetensors')}: cannot be read ({e})") from None
+
+    def _load_pt(self, name: str) -> dict[str, Any]:
+        try:
+            return torch.load(self._file(name), map_location="cpu", weights_only=True)
+        except Exception as e:  # UnpicklingError for refused globals, RuntimeError/EOFError for damage
+            raise CheckpointError(
+                f"{self._file(name)}: refused or unreadable ({e.__class__.__name__}: {str(e).splitlines()[0][:300]}); "
+                "checkpoint files hold only tensors and plain containers"
+            ) from None
 
     def trainer_state(self) -> dict[str, Any]:
-        return torch.load(os.path.join(self.path, "trainer.pt"), map_location="cpu", weights_only=False)
+        return self._load_pt("trainer.pt")
 
     def controller_state(self) -> dict[str, Any]:
-        return torch.load(os.path.join(self.path, "controller.pt"), map_location="cpu", weights_only=False)
+        return self._load_pt("controller.pt")
 
     def meta(self) -> dict[str, Any]:
-        with open(os.path.join(self.path, "meta.json")) as f:
+        with open(self._file("meta.json")) as f:
             return json.load(f)
+
+    def verify(self) -> None:
+        """Check every file against the checksums in ``meta.json``; raise naming the first bad one."""
+        try:
+            files = self.meta().get("files")
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{self._file('meta.json')}: unreadable ({e})") from None
+        if files is None:  # written before checksums existed: nothing to check against
+            return
+        for name, want in files.items():
+            path = self._file(name)
+            if not os.path.isfile(path):
+                raise CheckpointError(f"{path}: missing (listed in meta.json)")
+            size = os.path.getsize(path)
+            if size != want["bytes"]:
+                raise CheckpointError(f"{path}: {size} bytes, meta.json says {want['bytes']} (truncated or replaced)")
+            if _sha256(path) != want["sha256"]:
+                raise CheckpointError(f"{path}: SHA-256 does not match meta.json (the file is corrupt)")
 
 
 def _atomic_write_text(path: str, text: str) -> None:
@@ -62,6 +134,7 @@ def _atomic_write_text(path: str, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path))
 
 
 def is_complete(path: str) -> bool:
@@ -92,13 +165,20 @@ def save_checkpoint(
         save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(tmp, "weights.safetensors"))
         torch.save(trainer_state, os.path.join(tmp, "trainer.pt"))
         torch.save(controller_state, os.path.join(tmp, "controller.pt"))
+        files = {}
+        for name in DATA_FILES:
+            path = os.path.join(tmp, name)
+            _fsync_file(path)
+            files[name] = {"sha256": _sha256(path), "bytes": os.path.getsize(path)}
         with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump({**meta, "step": step, "complete": True}, f, indent=2)
+            json.dump({**meta, "step": step, "files": files, "complete": True}, f, indent=2)
             f.flush()
             os.fsync(f.fileno())
+        _fsync_dir(tmp)
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
+        _fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -122,7 +202,7 @@ def _complete_steps(root: str) -> list[tuple[int, str]]:
 
 
 def find_latest(root: str) -> Checkpoint | None:
-    """The newest complete checkpoint under ``root`` (tracker first, then a scan)."""
+    """The newest complete checkpoint under ``root`` (tracker first, then a scan); not verified."""
     try:
         with open(os.path.join(root, TRACKER)) as f:
             step = int(f.read().strip())
@@ -138,6 +218,23 @@ def find_latest(root: str) -> Checkpoint | None:
     return Checkpoint(path, step)
 
 
+def find_latest_intact(root: str) -> Checkpoint | None:
+    """The newest complete checkpoint whose files match their checksums; a corrupt newer one
+    is skipped with a message naming the bad file."""
+    newest = find_latest(root)
+    candidates = sorted(_complete_steps(root), reverse=True)
+    if newest is not None and (newest.step, newest.path) not in candidates:
+        candidates.insert(0, (newest.step, newest.path))
+    for step, path in candidates:
+        ckpt = Checkpoint(path, step)
+        try:
+            ckpt.verify()
+            return ckpt
+        except CheckpointError as e:
+            print(f"[verl-digen] skipping corrupt checkpoint: {e}; falling back to an older one", flush=True)
+    return None
+
+
 def checkpoint_at(path: str) -> Checkpoint:
     """A specific checkpoint directory (``trainer.resume_from_path``), checked for completeness."""
     m = _STEP_DIR.match(os.path.basename(os.path.normpath(path)))
@@ -148,6 +245,43 @@ def checkpoint_at(path: str) -> Checkpoint:
     if not is_complete(path):
         raise CheckpointError(f"trainer.resume_from_path={path!r} is incomplete (no meta.json with complete=true)")
     return Checkpoint(path, int(m.group(1)))
+
+
+class RootLock:
+    """An exclusive lock on a checkpoint root for the lifetime of a run (``fcntl.flock``)."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.path = os.path.join(root, LOCK_FILE)
+        self._fd: int | None = None
+
+    def acquire(self, holder: dict[str, Any]) -> None:
+        import fcntl
+
+        os.makedirs(self.root, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            with os.fdopen(fd) as f:
+                who = f.read().strip() or "unknown holder"
+            raise CheckpointError(
+                f"trainer.default_local_dir={self.root} is in use by another run ({who}); two runs writing one "
+                "checkpoint directory would overwrite each other's checkpoints: give this run its own "
+                "trainer.default_local_dir, or wait for the other to finish"
+            ) from None
+        os.ftruncate(fd, 0)
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S"), **holder}
+        os.write(fd, json.dumps(info).encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            import fcntl
+
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
 
 
 # ---------------------------------------------------------------------------- a run's checkpoints
@@ -161,12 +295,14 @@ def select_resume(trainer_cfg: Any, root: str) -> Checkpoint | None:
     if mode == "disable":
         return None
     if mode == "auto":
-        return find_latest(root)
+        return find_latest_intact(root)
     if mode == "resume_path":
         path = trainer_cfg.get("resume_from_path")
         if not path:
             raise ConfigError("invalid config: trainer.resume_mode=resume_path needs trainer.resume_from_path")
-        return checkpoint_at(str(path))
+        ckpt = checkpoint_at(str(path))
+        ckpt.verify()
+        return ckpt
     raise ConfigError(f"invalid config: trainer.resume_mode={mode!r}; valid: auto, disable, resume_path")
 
 

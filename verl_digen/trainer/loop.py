@@ -35,7 +35,7 @@ from verl_digen.schedule.elastic import balanced_spec
 from verl_digen.schedule.plan import TaskKind, WorkerId, group_ids
 from verl_digen.schedule.timeline import save_gantt
 from verl_digen.trainer import resolve, runtime
-from verl_digen.trainer.checkpoint import RunCheckpoints, select_resume
+from verl_digen.trainer.checkpoint import RootLock, RunCheckpoints, select_resume
 from verl_digen.trainer.ray_executor import RayPlanExecutor
 
 
@@ -72,6 +72,7 @@ class DigenTrainer:
         self.trainer_cfg = config.trainer
         self.cfg = cfg = digen_config_from_dict(container.get("digen"))
         self.total_steps = resolve.total_steps(self.trainer_cfg)
+        resolve.check_loggers(self.trainer_cfg)
         self.layout = pool_layout(cfg, cluster_from_trainer_config(self.trainer_cfg))
         self.spec = self.layout.spec
         self.prompts = resolve.resolve_prompts(cfg)
@@ -113,46 +114,61 @@ class DigenTrainer:
     # ------------------------------------------------------------------ run
 
     def run(self) -> RunResult:
-        import ray
         import torch
+
+        cfg = self.cfg
+        runtime.quiet_logs()
+        use_gpu = torch.cuda.is_available()
+        lock = RootLock(self.checkpoints.root)
+        if not self.emulated:  # emulated runs write no checkpoints
+            lock.acquire({"output_dir": self.output_dir})
+        owns_ray, self._groups = False, {}
+        try:
+            owns_ray = runtime.init_ray(self.spec.devices, cfg)
+            with runtime.stop_signals():
+                try:
+                    metrics, extra = self._run_on_ray(use_gpu)
+                except KeyboardInterrupt as e:  # SIGINT/SIGTERM: exit 128 + signal (main.py)
+                    raise runtime.as_interrupt(e) from None
+        finally:
+            runtime.release(self._groups, owns_ray)
+            lock.release()
+        print(f"[verl-digen] run output: {self.output_dir}")
+        return RunResult(output_dir=self.output_dir, metrics=metrics, strategy=self.spec.name,
+                         devices=self.spec.devices, wall_s=self._wall_s, extra=extra)
+
+    def _run_on_ray(self, use_gpu: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        import ray
         from verl.utils.tracking import Tracking
 
         from verl_digen.data import PromptSampler
 
         cfg = self.cfg
-        runtime.quiet_logs()
-        use_gpu = torch.cuda.is_available()
-        owns_ray = runtime.init_ray(self.spec.devices, cfg)
-        groups, actors = (self.worker_groups or self._default_worker_groups(use_gpu))(self.layout)
+        self._groups, actors = (self.worker_groups or self._default_worker_groups(use_gpu))(self.layout)
+        infos = ray.get([a.init_model.remote() for a in actors.values()], timeout=cfg.task_timeout_s)
+        with open(os.path.join(self.output_dir, "workers.json"), "w") as f:
+            json.dump([{**i, "worker": str(w)} for w, i in zip(actors, infos)], f, indent=2)
+        if cfg.prompt_cache.enable and not self.emulated:
+            encoders = [a for w, a in actors.items() if w.pool != "reward"]
+            stats = ray.get([a.warm_prompt_cache.remote(self.prompts + self.val_prompts) for a in encoders],
+                            timeout=cfg.task_timeout_s)
+            self.prompt_cache_stats = stats[0]
+        sampler = PromptSampler(self.prompts, seed=cfg.seed, shuffle=cfg.data.shuffle)
+        if self.resume_from is not None:
+            self.history = self.checkpoints.load(self.resume_from, actors, sampler)
+        if self.spec.placement == "disaggregated":
+            runtime.open_weight_channel(self.spec, actors, cfg, use_gpu)
+        tracker = Tracking(project_name=self.trainer_cfg.project_name, config=self.full_config,
+                           experiment_name=self.trainer_cfg.experiment_name,
+                           default_backend=list(self.trainer_cfg.logger))
         try:
-            infos = ray.get([a.init_model.remote() for a in actors.values()], timeout=cfg.task_timeout_s)
-            with open(os.path.join(self.output_dir, "workers.json"), "w") as f:
-                json.dump([{**i, "worker": str(w)} for w, i in zip(actors, infos)], f, indent=2)
-            if cfg.prompt_cache.enable and not self.emulated:
-                encoders = [a for w, a in actors.items() if w.pool != "reward"]
-                stats = ray.get([a.warm_prompt_cache.remote(self.prompts + self.val_prompts) for a in encoders],
-                                timeout=cfg.task_timeout_s)
-                self.prompt_cache_stats = stats[0]
-            sampler = PromptSampler(self.prompts, seed=cfg.seed, shuffle=cfg.data.shuffle)
-            if self.resume_from is not None:
-                self.history = self.checkpoints.load(self.resume_from, actors, sampler)
-            if self.spec.placement == "disaggregated":
-                runtime.open_weight_channel(self.spec, actors, cfg, use_gpu)
-            tracker = Tracking(project_name=self.trainer_cfg.project_name, config=self.full_config,
-                               experiment_name=self.trainer_cfg.experiment_name,
-                               default_backend=list(self.trainer_cfg.logger))
-            try:
-                metrics = self._train(actors, sampler, tracker)
-            except BaseException as e:
-                raise self._stopped(e, actors) from e
-            extra = runtime.finish_weights(self.spec, actors, cfg, self.output_dir,
-                                           save=cfg.save_final_weights and not self.emulated)
-            tracker.finish()
-        finally:
-            runtime.release(groups, owns_ray)
-        print(f"[verl-digen] run output: {self.output_dir}")
-        return RunResult(output_dir=self.output_dir, metrics=metrics, strategy=self.spec.name,
-                         devices=self.spec.devices, wall_s=self._wall_s, extra=extra)
+            metrics = self._train(actors, sampler, tracker)
+        except BaseException as e:
+            raise self._stopped(e, actors) from e
+        extra = runtime.finish_weights(self.spec, actors, cfg, self.output_dir,
+                                       save=cfg.save_final_weights and not self.emulated)
+        tracker.finish()
+        return metrics, extra
 
     def _train(self, actors: dict[WorkerId, Any], sampler: Any, tracker: Any) -> list[dict[str, Any]]:
         from tqdm import tqdm
@@ -245,6 +261,8 @@ class DigenTrainer:
 
     def _stopped(self, error: BaseException, actors: dict[WorkerId, Any]) -> BaseException:
         """Turn a failure into a clean stop: checkpoint what completed, say how to resume."""
+        if isinstance(error, KeyboardInterrupt):
+            error = runtime.as_interrupt(error)
         message = self.checkpoints.on_stop(error, self._completed, actors, self._metrics_so_far())
         print(message, flush=True)
         return error if isinstance(error, KeyboardInterrupt) else RunStopped(message)

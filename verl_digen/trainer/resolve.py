@@ -22,17 +22,59 @@ def total_steps(trainer_cfg: Any) -> int:
 
 
 def resolve_model_path(cfg: DigenConfig) -> str:
+    """The model directory (the tiny model is built when none is given), checked before any
+    worker starts: its pipeline is supported, every safetensors file is whole, and the
+    configured sample size is one the architecture can take."""
     from verl_digen.models.registry import ADAPTERS, detect_arch
     from verl_digen.models.tiny import ensure_tiny
 
     if cfg.model.path is None:
-        return ensure_tiny(cfg.model.tiny_arch)
-    if not os.path.isdir(cfg.model.path):
-        raise FileNotFoundError(f"digen.model.path: model path '{cfg.model.path}' does not exist")
+        path = ensure_tiny(cfg.model.tiny_arch)
+    else:
+        if not os.path.isdir(cfg.model.path):
+            raise FileNotFoundError(f"digen.model.path: model path '{cfg.model.path}' does not exist")
+        path = os.path.abspath(cfg.model.path)
     if cfg.model.arch is not None and cfg.model.arch not in ADAPTERS:
         raise ConfigError(f"invalid config: digen.model.arch={cfg.model.arch!r}; known: {', '.join(sorted(ADAPTERS))}")
-    detect_arch(cfg.model.path)  # names a missing model_index.json or an unsupported pipeline
-    return os.path.abspath(cfg.model.path)
+    arch = cfg.model.arch or detect_arch(path)  # names a missing model_index.json or an unsupported pipeline
+    check_safetensors(path)
+    from verl_digen.models.base import SampleSpec
+
+    s = cfg.sampling
+    try:
+        ADAPTERS[arch].check_sample_size(path, SampleSpec(s.height, s.width, s.num_frames))
+    except ValueError as e:
+        raise ConfigError(
+            f"invalid config: digen.sampling.height={s.height}, width={s.width}, num_frames={s.num_frames}: {e}"
+        ) from None
+    return path
+
+
+def check_safetensors(path: str) -> None:
+    """Every ``*.safetensors`` file under a model directory has a readable header whose tensors
+    fit in the file: a truncated or damaged download stops here, naming the file, instead of
+    inside a worker's ``from_pretrained``. Reads headers only (a few KB per file)."""
+    import json
+    import struct
+
+    for root, _, files in os.walk(path):
+        for name in sorted(files):
+            if not name.endswith(".safetensors"):
+                continue
+            file = os.path.join(root, name)
+            size = os.path.getsize(file)
+            try:
+                with open(file, "rb") as f:
+                    (n,) = struct.unpack("<Q", f.read(8))
+                    if n > size - 8:
+                        raise ValueError(f"header length {n} exceeds the file")
+                    header = json.loads(f.read(n))
+                ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
+                need = 8 + n + max(ends, default=0)
+                if size < need:
+                    raise ValueError(f"{size} bytes, the header needs {need} (truncated)")
+            except (ValueError, KeyError, TypeError, struct.error) as e:
+                raise ConfigError(f"invalid model: {file} is not a whole safetensors file ({e})") from None
 
 
 def resolve_prompts(cfg: DigenConfig, source: str | None = None) -> list[str]:
@@ -41,13 +83,33 @@ def resolve_prompts(cfg: DigenConfig, source: str | None = None) -> list[str]:
     key = "digen.data.prompts" if source is None else "digen.validation.prompts"
     source = source or cfg.data.prompts
     try:
-        if source.startswith("builtin:"):
-            return builtin_prompts(source.split(":", 1)[1])
-        return load_prompts(source)
+        prompts = builtin_prompts(source.split(":", 1)[1]) if source.startswith("builtin:") else load_prompts(source)
     except FileNotFoundError as e:
         raise FileNotFoundError(f"{key}: {e}") from None
     except ValueError as e:
         raise ConfigError(f"invalid config: {key}={source!r}: {e}") from None
+    limit = cfg.data.max_prompt_chars
+    for i, p in enumerate(prompts):
+        if len(p) > limit:
+            raise ConfigError(
+                f"invalid data: {key}={source!r}: prompt {i} has {len(p)} characters, more than "
+                f"digen.data.max_prompt_chars={limit} (text encoders truncate far below this; fix the data or raise the limit)"
+            )
+    return prompts
+
+
+def check_loggers(trainer_cfg: Any) -> None:
+    """``trainer.logger`` names only backends veRL's ``Tracking`` knows."""
+    from verl.utils.tracking import Tracking
+
+    loggers = trainer_cfg.get("logger") or []
+    if isinstance(loggers, str):
+        loggers = [loggers]
+    unknown = [b for b in loggers if b not in Tracking.supported_backend]
+    if unknown:
+        raise ConfigError(
+            f"invalid config: trainer.logger={list(loggers)!r}: unknown {unknown}; valid: {', '.join(Tracking.supported_backend)}"
+        )
 
 
 def output_dir_for(cfg: DigenConfig, trainer_cfg: Any) -> str:

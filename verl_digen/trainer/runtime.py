@@ -8,8 +8,11 @@ cost model's seconds. The loop does not know which it drives.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, Callable
+import signal
+import threading
+from typing import Any, Callable, Iterator
 
 from verl_digen.config.schema import DigenConfig
 from verl_digen.placement.pools import PoolLayout, build_worker_groups
@@ -32,21 +35,104 @@ def quiet_logs() -> None:
         os.environ.setdefault(k, v)
 
 
+class RunInterrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM reached the driver: the run stops cleanly (checkpoint, message, exit
+    ``128 + signal``)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+    def __str__(self) -> str:
+        return f"{signal.Signals(self.signum).name} received"
+
+
+_received: list[int] = []  # signals caught by stop_signals' handler, latest last
+
+
+def as_interrupt(error: KeyboardInterrupt) -> RunInterrupted:
+    """The :class:`RunInterrupted` behind a ``KeyboardInterrupt``: Ray's blocking calls catch the
+    handler's exception and raise a plain ``KeyboardInterrupt`` of their own, so the signal is
+    looked up in what the handler recorded."""
+    if isinstance(error, RunInterrupted):
+        return error
+    return RunInterrupted(_received[-1] if _received else signal.SIGINT)
+
+
+@contextlib.contextmanager
+def stop_signals() -> Iterator[None]:
+    """Inside, SIGINT and SIGTERM raise :class:`RunInterrupted` in the driver's main thread.
+
+    The run installs its own handlers rather than relying on Python's default SIGINT handler:
+    a process started from a non-interactive shell's background job inherits SIGINT as
+    *ignored*, and Ray installs its own SIGTERM handler that exits without a checkpoint. The
+    previous handlers come back on exit. Outside the main thread (no handlers can be set) this
+    does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_interrupt(signum: int, _frame: Any) -> None:
+        _received.append(signum)
+        raise RunInterrupted(signum)
+
+    previous = {s: signal.signal(s, raise_interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    _received.clear()
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def init_ray(devices: int, cfg: DigenConfig) -> bool:
-    """Start a local Ray instance for the run unless one is up; return whether we own it."""
+    """Start a local Ray instance for the run unless one is up; return whether we own it.
+
+    The instance the job starts is a single node: every Ray process (GCS, raylet, workers,
+    dashboard agent) listens on 127.0.0.1 only, and no dashboard is started.
+    """
     import ray
 
     if ray.is_initialized():
         return False
     num_cpus = cfg.ray_num_cpus or max(devices + 2, os.cpu_count() or 1)
-    ray.init(
-        num_cpus=num_cpus,
-        include_dashboard=False,
-        ignore_reinit_error=True,
-        log_to_driver=True,
-        runtime_env={"env_vars": {**QUIET_ENV, "OMP_NUM_THREADS": "1"}},
-    )
+    with _loopback_node():
+        ray.init(
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            ignore_reinit_error=True,
+            log_to_driver=True,
+            runtime_env={"env_vars": {**QUIET_ENV, "OMP_NUM_THREADS": "1"}},
+        )
     return True
+
+
+@contextlib.contextmanager
+def _loopback_node() -> Iterator[None]:
+    """Make ``ray.init`` give a new local node the loopback address.
+
+    Ray picks the node's routable address on Linux and then binds its gRPC servers on every
+    interface; with the loopback address it binds 127.0.0.1 only. Ray has no public switch for
+    this: its own ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (read once, at import) sets the
+    constant below, which we flip for the duration of the call. Guarded: if a Ray version lacks
+    the constant, nothing is changed (tests/test_hardening.py checks the bound addresses).
+    """
+    from ray._private import ray_constants
+
+    if not isinstance(getattr(ray_constants, "ENABLE_RAY_CLUSTER", None), bool):
+        yield
+        return
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before
 
 
 def release(groups: dict[str, Any], owns_ray: bool) -> None:

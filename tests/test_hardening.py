@@ -1,0 +1,295 @@
+"""Hardening (issue 18): checkpoints are data, not code; one run per checkpoint directory;
+corrupt checkpoints are named and skipped; bad config fails before anything starts; the job's
+own sockets listen on loopback.
+
+Everything here is bounded in time and stays on 127.0.0.1. The signal tests (SIGINT/SIGTERM
+give a checkpoint and exit 130/143) are in test_checkpoint.py next to the other stop tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import threading
+
+import psutil
+import pytest
+import ray
+import torch
+
+from runs import QUIET, run_config
+from verl_digen.config.schema import ConfigError
+from verl_digen.trainer.checkpoint import (
+    CheckpointError,
+    RootLock,
+    checkpoint_at,
+    find_latest_intact,
+    save_checkpoint,
+    select_resume,
+)
+
+
+def _save(root, step):
+    return save_checkpoint(
+        str(root), step, weights={"w": torch.full((64,), float(step))},
+        trainer_state={"optimizer": {"state": {}, "param_groups": [{"lr": 0.1}]}, "rng": torch.get_rng_state(),
+                       "version": step},
+        controller_state={"step": step, "sampler": {"epoch": 0, "position": step}, "metrics": [{"step": step}]},
+        meta={"strategy": "colocated"},
+    )
+
+
+def _rewrite_checksums(ckpt) -> None:
+    """What an attacker who edits a checkpoint can also do: make meta.json match the files."""
+    import hashlib
+
+    meta = ckpt.meta()
+    for name in meta["files"]:
+        data = open(os.path.join(ckpt.path, name), "rb").read()
+        meta["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    with open(os.path.join(ckpt.path, "meta.json"), "w") as f:
+        json.dump(meta, f)
+
+
+class _Payload:
+    """A pickle that runs code when loaded: creates the marker file."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+# ----------------------------------------------------------------------------- safe loading
+
+
+def test_a_crafted_pickle_in_a_checkpoint_is_refused_and_never_runs(tmp_path):
+    ckpt = _save(tmp_path / "ck", 1)
+    marker = tmp_path / "pwned"
+    with open(os.path.join(ckpt.path, "controller.pt"), "wb") as f:
+        pickle.dump({"step": 1, "sampler": _Payload(str(marker))}, f)
+    _rewrite_checksums(ckpt)
+    ckpt.verify()  # the checksums match: only the safe loader stands between the file and the code
+    with pytest.raises(CheckpointError, match=r"controller\.pt: refused or unreadable"):
+        ckpt.controller_state()
+    assert not marker.exists()
+    # Plain checkpoints still load (tensors, numbers, strings, containers).
+    good = _save(tmp_path / "ok", 2)
+    assert good.controller_state()["sampler"]["position"] == 2
+    assert torch.equal(good.trainer_state()["rng"], torch.get_rng_state()) or good.trainer_state()["version"] == 2
+
+
+def test_resuming_from_a_crafted_checkpoint_stops_before_training(tmp_path, tiny_flux):
+    from verl_digen.trainer.loop import run_training
+
+    ck = tmp_path / "ck"
+    run_training(run_config(tmp_path, "a", "trainer.total_training_steps=1", "trainer.save_freq=1",
+                            f"trainer.default_local_dir={ck}"))
+    ckpt = checkpoint_at(str(ck / "global_step_1"))
+    marker = tmp_path / "pwned"
+    with open(os.path.join(ckpt.path, "trainer.pt"), "wb") as f:
+        pickle.dump({"version": 1, "optimizer": _Payload(str(marker))}, f)
+    _rewrite_checksums(ckpt)
+    with pytest.raises(CheckpointError, match=r"trainer\.pt"):
+        run_training(run_config(tmp_path, "b", "trainer.total_training_steps=2", f"trainer.default_local_dir={ck}"))
+    assert not marker.exists()
+    assert not ray.is_initialized()
+
+
+# ----------------------------------------------------------------------------- integrity
+
+
+def test_every_file_is_checksummed_in_the_completion_marker(tmp_path):
+    ckpt = _save(tmp_path, 1)
+    files = ckpt.meta()["files"]
+    assert set(files) == {"weights.safetensors", "trainer.pt", "controller.pt"}
+    for name, entry in files.items():
+        assert entry["bytes"] == os.path.getsize(os.path.join(ckpt.path, name))
+    ckpt.verify()
+
+
+def test_a_bit_flip_in_the_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, capsys):
+    _save(tmp_path, 1)
+    bad = _save(tmp_path, 2)
+    path = os.path.join(bad.path, "weights.safetensors")
+    data = bytearray(open(path, "rb").read())
+    data[-3] ^= 0x10  # same size, different bytes: safetensors would load it silently
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(CheckpointError, match=r"global_step_2/weights\.safetensors: SHA-256 does not match"):
+        bad.verify()
+    chosen = select_resume({"resume_mode": "auto"}, str(tmp_path))
+    assert chosen.step == 1
+    out = capsys.readouterr().out
+    assert "skipping corrupt checkpoint" in out and "global_step_2/weights.safetensors" in out
+    # Asked for by path, the corrupt one is refused with the file named.
+    with pytest.raises(CheckpointError, match=r"weights\.safetensors"):
+        select_resume({"resume_mode": "resume_path", "resume_from_path": bad.path}, str(tmp_path))
+
+
+def test_a_truncated_weights_file_is_named(tmp_path):
+    ckpt = _save(tmp_path, 1)
+    path = os.path.join(ckpt.path, "weights.safetensors")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    with pytest.raises(CheckpointError, match=r"weights\.safetensors: \d+ bytes, meta\.json says \d+"):
+        ckpt.verify()
+    with pytest.raises(CheckpointError, match=r"weights\.safetensors: cannot be read"):
+        ckpt.weights()
+    assert find_latest_intact(str(tmp_path)) is None
+
+
+# ----------------------------------------------------------------------------- one run per directory
+
+
+_HOLD = """
+import sys, time
+from verl_digen.trainer.checkpoint import RootLock
+RootLock(sys.argv[1]).acquire({"output_dir": "first-run"})
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_second_run_on_the_same_checkpoint_directory_is_refused_naming_the_first(tmp_path, tiny_flux):
+    from verl_digen.trainer.loop import run_training
+
+    ck = tmp_path / "ck"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(ck)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(CheckpointError, match=rf"in use by another run .*\"pid\": {holder.pid}.*first-run"):
+            RootLock(str(ck)).acquire({})
+        with pytest.raises(CheckpointError, match="trainer.default_local_dir"):
+            run_training(run_config(tmp_path, "b", "trainer.total_training_steps=1", f"trainer.default_local_dir={ck}"))
+        assert not ray.is_initialized()  # refused before Ray or any worker started
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    lock = RootLock(str(ck))
+    lock.acquire({})  # the OS released the dead holder's lock
+    lock.release()
+
+
+# ----------------------------------------------------------------------------- bad input, up front
+
+
+@pytest.mark.parametrize("override, key", [
+    ("digen.sampling.noise_level=nan", "digen.sampling.noise_level"),
+    ("digen.algo.lr=nan", "digen.algo.lr"),
+    ("digen.task_timeout_s=nan", "digen.task_timeout_s"),
+    ("digen.algo.max_grad_norm=inf", "digen.algo.max_grad_norm"),
+    ("digen.ema.decay=nan", "digen.ema.decay"),
+    ("digen.algo.clip_range=-inf", "digen.algo.clip_range"),
+])
+def test_nan_and_inf_are_refused_naming_the_key(tmp_path, override, key):
+    from verl_digen.trainer.loop import DigenTrainer
+
+    with pytest.raises(ConfigError, match=rf"{key}=(nan|inf|-inf)"):
+        DigenTrainer(run_config(tmp_path, "x", override))
+
+
+def test_unknown_logger_is_refused_with_verls_list(tmp_path):
+    from verl_digen.trainer.loop import DigenTrainer
+
+    with pytest.raises(ConfigError, match=r"trainer.logger=\['nonexistent'\].*valid: .*wandb.*console"):
+        DigenTrainer(run_config(tmp_path, "x", "trainer.logger=[nonexistent]"))
+
+
+def test_a_size_the_model_cannot_take_is_refused_at_config_time(tmp_path, tiny_flux):
+    from verl_digen.trainer.loop import DigenTrainer
+
+    with pytest.raises(ConfigError, match=r"digen.sampling.height=30.*FLUX needs height and width divisible by"):
+        DigenTrainer(run_config(tmp_path, "x", f"digen.model.path={tiny_flux}", "digen.sampling.height=30"))
+
+
+def test_a_truncated_model_file_is_named_before_workers_start(tmp_path, tiny_flux):
+    import shutil
+
+    from verl_digen.trainer.loop import DigenTrainer
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_flux, model)
+    weights = next((model / "transformer").glob("*.safetensors"))
+    with open(weights, "r+b") as f:
+        f.truncate(os.path.getsize(weights) - 100)
+    with pytest.raises(ConfigError, match=rf"{weights.name} is not a whole safetensors file .*truncated"):
+        DigenTrainer(run_config(tmp_path, "x", f"digen.model.path={model}"))
+
+
+def test_a_very_long_prompt_is_refused_naming_the_file_and_prompt(tmp_path):
+    from verl_digen.trainer.loop import DigenTrainer
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a cat\n" + "x" * 20000 + "\n")
+    with pytest.raises(ConfigError, match=r"prompt 1 has 20000 characters.*digen.data.max_prompt_chars=16384"):
+        DigenTrainer(run_config(tmp_path, "x", f"digen.data.prompts={prompts}"))
+
+
+def test_bad_config_exits_2_from_the_command_line_in_seconds(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "verl_digen.main", *QUIET, "trainer.logger=[nonexistent]",
+         f"digen.output_dir={tmp_path / 'x'}"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "trainer.logger" in out.stderr and "Traceback" not in out.stderr
+
+
+# ----------------------------------------------------------------------------- sockets
+
+
+def _listening(pid: int) -> list[str]:
+    try:
+        conns = psutil.Process(pid).net_connections(kind="tcp")
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return []
+    return [c.laddr.ip for c in conns if c.status == psutil.CONN_LISTEN]
+
+
+def _loopback(ip: str) -> bool:
+    return ip.startswith("127.") or ip in ("::1", "::ffff:127.0.0.1")
+
+
+def test_the_weight_channel_store_listens_on_its_address_only():
+    from verl_digen.sync import find_free_port
+    from verl_digen.sync.transport import WeightChannel
+
+    port = find_free_port("127.0.0.1")
+    channels: dict[int, WeightChannel] = {}
+
+    def join(rank: int) -> None:
+        channels[rank] = WeightChannel("gloo", rank, 2, "127.0.0.1", port, timeout_s=60)
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=90)
+    try:
+        assert set(channels) == {0, 1}
+        on_port = [c for c in psutil.Process().net_connections(kind="tcp")
+                   if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+        assert on_port and all(_loopback(c.laddr.ip) for c in on_port), on_port
+    finally:
+        for ch in channels.values():
+            ch.close()
+
+
+def test_ray_started_by_the_job_listens_on_loopback_only():
+    from verl_digen.config.schema import DigenConfig
+    from verl_digen.trainer.runtime import init_ray
+
+    assert not ray.is_initialized()
+    assert init_ray(1, DigenConfig(ray_num_cpus=1))
+    try:
+        ray.get(ray.remote(lambda: 1).remote(), timeout=120)  # a worker process too
+        procs = [psutil.Process()] + psutil.Process().children(recursive=True)
+        addrs = {(p.name(), ip) for p in procs for ip in _listening(p.pid)}
+        assert addrs, "no Ray process listens at all?"
+        assert all(_loopback(ip) for _, ip in addrs), sorted(addrs)
+    finally:
+        ray.shutdown()
