@@ -74,7 +74,8 @@ class DigenTrainer:
         self.total_steps = resolve.total_steps(self.trainer_cfg)
         self.layout = pool_layout(cfg, cluster_from_trainer_config(self.trainer_cfg))
         self.spec = self.layout.spec
-        self.prompts = resolve.resolve_prompts(cfg)
+        self.prompt_records = resolve.resolve_prompt_records(cfg)  # each prompt's record: its rewards' metadata
+        self.prompts = [record["prompt"] for record in self.prompt_records]
         self.emulated = cfg.emulate.model is not None
         self.test_freq = -1 if self.emulated else int(self.trainer_cfg.get("test_freq", -1) or -1)
         self.val_prompts = resolve.resolve_prompts(cfg, cfg.validation.prompts)[: cfg.validation.num_prompts]
@@ -179,6 +180,7 @@ class DigenTrainer:
                 ids = group_ids(prompts_until, self.spec.groups_per_step)
                 for g, (idx, prompt) in zip(ids, sampler.next(len(ids))):
                     executor.prompts[g] = (idx, prompt)
+                    executor.metadata[g] = self.prompt_records[idx]
             self.checkpoints.note_sampler(prompts_until + 1, sampler.state_dict())
 
         self.checkpoints.note_sampler(first, sampler.state_dict())

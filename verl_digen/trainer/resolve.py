@@ -36,14 +36,19 @@ def resolve_model_path(cfg: DigenConfig) -> str:
 
 
 def resolve_prompts(cfg: DigenConfig, source: str | None = None) -> list[str]:
-    from verl_digen.data import builtin_prompts, load_prompts
+    return [record["prompt"] for record in resolve_prompt_records(cfg, source)]
+
+
+def resolve_prompt_records(cfg: DigenConfig, source: str | None = None) -> list[dict[str, Any]]:
+    """The prompt records (``{"prompt": ..., <ground truth and other fields>}``) of the run."""
+    from verl_digen.data import builtin_prompt_records, load_prompt_records
 
     key = "digen.data.prompts" if source is None else "digen.validation.prompts"
     source = source or cfg.data.prompts
     try:
         if source.startswith("builtin:"):
-            return builtin_prompts(source.split(":", 1)[1])
-        return load_prompts(source)
+            return builtin_prompt_records(source.split(":", 1)[1])
+        return load_prompt_records(source)
     except FileNotFoundError as e:
         raise FileNotFoundError(f"{key}: {e}") from None
     except ValueError as e:

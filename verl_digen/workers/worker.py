@@ -154,7 +154,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
     def generate(self, request: dict[str, Any], state: GroupsInFlight | None = None) -> DataProto | GroupsInFlight:
         """Sample whole groups, or one TSP stage of them.
 
-        ``request``: group_ids, prompts, prompt_indices, step, version, and for a TSP stage
+        ``request``: group_ids, prompts, prompt_indices, metadata (each prompt's record), step, version, and for a TSP stage
         ``denoise`` = (start, end); a stage after the first receives the previous stage's
         ``state``. The last stage (or a plain call) returns the trajectory record.
         """
@@ -176,6 +176,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
                 training_step=request["step"],
                 seed=self.cfg.seed,
                 policy_version=self.policy_version,
+                metadata=request.get("metadata"),
             )
             state = begin_groups(self.adapter, groups, self.settings)
         elif state.policy_version != self.policy_version:
@@ -222,7 +223,10 @@ class DiffusionWorker(Worker, WeightSyncMixin):
 
     def compute_reward(self, data: DataProto) -> dict[str, Any]:
         prompts = [str(p) for p in data.non_tensor_batch["prompt"]]
-        rewards = self.reward_fn(data.batch["images"], prompts)
+        # Each sample's prompt record (ground truth, ...) when the data had one.
+        records = data.non_tensor_batch.get("metadata")
+        metadata = [dict(r) for r in records] if records is not None else None
+        rewards = self.reward_fn(data.batch["images"], prompts, metadata)
         return {
             "group_id": torch.tensor(data.non_tensor_batch["group_id"].astype(np.int64)),
             "rewards": rewards.detach().float().cpu(),
