@@ -298,7 +298,7 @@ class _Handler(JsonHandler):
         if state.mode == "not_json":
             return self.reply(200, b"<html>oops</html>")
         if state.mode == "no_rewards":
-            return self.reply(200, b'{"scores": [1.0]}')
+            return self.reply(200, b'{"scores_v2": [1.0]}')
         images = decode_images_png_b64(payload["images"])
         assert len(payload["prompts"]) == images.shape[0]
         with state.lock:
@@ -392,9 +392,9 @@ def test_http_reward_unreachable_port_raises_naming_url(loopback_no_proxy) -> No
     ("mode", "problem"),
     [
         ("not_json", "not JSON"),
-        ("no_rewards", "'rewards' key"),
-        ("wrong_length", "got 1 rewards for 2 images"),
-        ("nan", "reward 0 is not a finite number"),
+        ("no_rewards", "expected an object with a 'rewards' or 'scores' key, got keys ['scores_v2']"),
+        ("wrong_length", "got 1 rewards for 2 samples"),
+        ("nan", "score 0 is not a finite number"),
     ],
 )
 def test_http_reward_malformed_response(reward_server, mode: str, problem: str) -> None:

@@ -107,13 +107,13 @@ class RewardFn(abc.ABC):
             flat = images.permute(0, 2, 1, 3, 4).reshape(batch * frames, channels, height, width)
             frame_prompts = [p for p in prompts for _ in range(frames)]
             frame_records = [r for r in records for _ in range(frames)]
-            per_frame = self._checked_scores(self._score(flat, frame_prompts, frame_records), batch * frames)
+            per_frame = self._checked_scores(self._call_score_images(flat, frame_prompts, frame_records), batch * frames)
             scores = per_frame.view(batch, frames).mean(dim=1)
         else:
-            scores = self._checked_scores(self._score(images, prompts, records), batch)
+            scores = self._checked_scores(self._call_score_images(images, prompts, records), batch)
         return scores.to(device=images.device, dtype=torch.float32)
 
-    def _score(self, images: torch.Tensor, prompts: list[str], metadata: list[Mapping[str, Any]]) -> torch.Tensor:
+    def _call_score_images(self, images: torch.Tensor, prompts: list[str], metadata: list[Mapping[str, Any]]) -> torch.Tensor:
         if self.takes_metadata:
             return self.score_images(images, prompts, metadata=metadata)  # type: ignore[call-arg]
         return self.score_images(images, prompts)
