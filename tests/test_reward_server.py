@@ -55,7 +55,7 @@ def raw_request(
     path: str,
     body: bytes | None = None,
     headers: dict[str, str] | None = None,
-) -> tuple[int, dict[str, Any], dict[str, str]]:
+) -> tuple[int, dict[str, Any], Any]:
     """One request with http.client (full control over headers); returns (status, json, headers)."""
     url = srv_or_url.url if isinstance(srv_or_url, RewardServer) else srv_or_url
     host, port = url.removeprefix("http://").rsplit(":", 1)
@@ -64,7 +64,7 @@ def raw_request(
         conn.request(method, path, body=body, headers=headers or {})
         response = conn.getresponse()
         payload = response.read()
-        return response.status, json.loads(payload), dict(response.getheaders())
+        return response.status, json.loads(payload), response.msg  # header names case-insensitive
     finally:
         conn.close()
 
