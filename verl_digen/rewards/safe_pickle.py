@@ -23,15 +23,10 @@ __all__ = ["UnsafePickleError", "safe_loads", "safe_dumps"]
 
 # Globals a plain-data pickle may need. Protocol 2+ encodes dict/list/tuple/str/numbers with
 # opcodes (no global at all); older protocols and a few types go through these constructors.
+_BUILTINS = ("set", "frozenset", "bytearray", "complex")
 _ALLOWED_GLOBALS = {
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-    ("builtins", "bytearray"),
-    ("builtins", "complex"),
-    ("builtins", "slice"),
+    *((module, name) for module in ("builtins", "__builtin__") for name in _BUILTINS),  # __builtin__: protocols 0-2
     ("_codecs", "encode"),  # how protocol 2 spells a bytes object: _codecs.encode(str, "latin1")
-    ("__builtin__", "set"),  # Python 2 spellings, mapped by fix_imports
-    ("__builtin__", "frozenset"),
 }
 _PROTOCOL = 4  # what we send: readable by every Python 3.4+
 
