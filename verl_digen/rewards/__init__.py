@@ -33,6 +33,7 @@ from verl_digen.rewards.http_client import (
     encode_images_png_b64,
 )
 from verl_digen.rewards.ocr import OcrReward, ocr_score
+from verl_digen.rewards.preference import AestheticReward, HpsV2Reward, PickScoreReward
 from verl_digen.rewards.safe_pickle import UnsafePickleError, safe_dumps, safe_loads
 from verl_digen.rewards.image_stats import BrightnessReward, ColorfulnessReward, colorfulness
 from verl_digen.rewards.jpeg import JpegCompressibilityReward, JpegIncompressibilityReward, jpeg_size_kb
@@ -62,6 +63,9 @@ __all__ = [
     "encode_images_png_b64",
     "decode_images_png_b64",
     "OcrReward",
+    "PickScoreReward",
+    "HpsV2Reward",
+    "AestheticReward",
     "ocr_score",
     "UnsafePickleError",
     "safe_loads",
