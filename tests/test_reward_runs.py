@@ -4,7 +4,7 @@
   plain ``http.server`` handler because the point is to speak *their* protocol, not ours: it
   checks it receives JPEG images and each prompt's ground truth (both metadata spellings), and
   the run's rewards must be exactly the scores it returned.
-- The real OCR reward in a 2-step run with ground truths from a jsonl file.
+- The real OCR reward in a 2-step run with ground truths from a jsonl file, validation included.
 """
 
 from __future__ import annotations
@@ -95,8 +95,12 @@ def test_run_scored_by_a_pickle_server_gets_ground_truth_and_its_scores(tmp_path
 
 
 def test_two_step_run_with_the_real_ocr_reward(tmp_path, prompt_file):
+    # The prompts quote no text: without their records' ground truth the OCR reward would
+    # raise, in training and in validation (which scores the held-out prompts at step 2).
     result = run(tmp_path, "ocr", "trainer.total_training_steps=2", f"digen.data.prompts={prompt_file}",
-                 "digen.reward.name=ocr")
+                 "digen.reward.name=ocr", "trainer.test_freq=2", f"digen.validation.prompts={prompt_file}",
+                 "digen.validation.num_prompts=2")
     assert [m["step"] for m in result.metrics] == [1, 2]
     for m in result.metrics:
         assert 0.0 <= m["reward_mean"] <= 1.0  # tiny-model noise reads as (almost) no text
+    assert 0.0 <= result.metrics[-1]["val/reward_mean"] <= 1.0

@@ -78,7 +78,8 @@ class DigenTrainer:
         self.prompts = [record["prompt"] for record in self.prompt_records]
         self.emulated = cfg.emulate.model is not None
         self.test_freq = -1 if self.emulated else int(self.trainer_cfg.get("test_freq", -1) or -1)
-        self.val_prompts = resolve.resolve_prompts(cfg, cfg.validation.prompts)[: cfg.validation.num_prompts]
+        self.val_records = resolve.resolve_prompt_records(cfg, cfg.validation.prompts)[: cfg.validation.num_prompts]
+        self.val_prompts = [record["prompt"] for record in self.val_records]
         resolve.preflight_reward(cfg)
         # An emulated cluster has no model, no weights to save and nothing to resume.
         self.model_path = "<emulated>" if self.emulated else resolve.resolve_model_path(cfg)
@@ -233,7 +234,7 @@ class DigenTrainer:
 
         ranks = self.spec.trainers if self.spec.fsdp else self.spec.trainers[:1]  # FSDP: lockstep forwards
         val_dir = os.path.join(self.output_dir, "val")
-        out = ray.get([actors[w].validate.remote(self.val_prompts, step, val_dir) for w in ranks],
+        out = ray.get([actors[w].validate.remote(self.val_prompts, step, val_dir, self.val_records) for w in ranks],
                       timeout=self.cfg.task_timeout_s)[0]
         grid = np.asarray(Image.open(out["grid_path"]).convert("RGB"))
         loggers = list(self.trainer_cfg.logger)

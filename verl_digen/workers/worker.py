@@ -311,8 +311,12 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         self.prompt_cache = cache
         return {**cache.stats(), "bytes_freed": freed}
 
-    def validate(self, prompts: list[str], step: int, out_dir: str) -> dict[str, Any]:
-        """Deterministic samples of held-out prompts with the newest weights (EMA when on)."""
+    def validate(
+        self, prompts: list[str], step: int, out_dir: str, metadata: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
+        """Deterministic samples of held-out prompts with the newest weights (EMA when on).
+
+        ``metadata``: each prompt's record (ground truth, ...), for the reward."""
         from contextlib import nullcontext
 
         from verl_digen.workers.validation import run_validation
@@ -322,11 +326,14 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         import tempfile
 
         ema = getattr(self.trainer, "ema", None) if self.trainer is not None else None
+        reward = self.reward_fn
+        if metadata is not None:  # the held-out prompts' records reach the reward as in training
+            reward = lambda images, batch_prompts: self.reward_fn(images, batch_prompts, metadata)  # noqa: E731
         # Under FSDP every trainer rank samples (forwards are collectives); rank 0 writes.
         target = out_dir if self.rank == 0 else tempfile.mkdtemp(prefix="digen_val_")
         with ema.swapped_in() if ema is not None else nullcontext():
             result = run_validation(
-                self.adapter, prompts, self.settings, self.reward_fn, seed=self.cfg.validation.seed, step=step,
+                self.adapter, prompts, self.settings, reward, seed=self.cfg.validation.seed, step=step,
                 out_dir=target,
             )
         out = {"metrics": result.metrics(prefix="val"), "grid_path": result.grid_path}
