@@ -58,3 +58,34 @@ def test_real_ocr_right_text_high_wrong_and_blank_low(ocr) -> None:
 def test_missing_ground_truth_is_a_named_error(ocr) -> None:
     with pytest.raises(ValueError, match=r"sample 1 .*has no ground truth.*'ground_truth'"):
         ocr(torch.ones(2, 3, 32, 32), ['"A"', "no quotes"], [{}, {}])
+
+
+def test_vlm_engine_scores_the_transcript_and_never_sends_the_prompt(loopback_no_proxy) -> None:
+    """The VLM engine over the OpenAI protocol; a local server stands in for vLLM (no VLM runs
+    here) and transcribes by a fixed table."""
+    import base64
+    import io
+
+    from runs import JsonHandler, serve
+
+    seen: list[str] = []
+
+    class Transcriber(JsonHandler):
+        def do_POST(self) -> None:
+            request = self.read_json()
+            text, image = request["messages"][0]["content"]
+            seen.append(text["text"])
+            raw = base64.b64decode(image["image_url"]["url"].split(",", 1)[1])
+            with Image.open(io.BytesIO(raw)) as picture:
+                bright = np.asarray(picture).mean() > 128
+            self.reply(200, {"choices": [{"message": {"content": "Open 24 h" if bright else "Open 2 h"}}]})
+
+    with serve(Transcriber, None) as url:
+        reward = build_reward("ocr", engine="vlm", vlm={"base_url": url, "model": "qwen-vl", "timeout_s": 10})
+        images = torch.stack([torch.ones(3, 8, 8), torch.zeros(3, 8, 8)])
+        scores = reward(images, ['a sign "OPEN 24H"', 'a sign "OPEN 24H"'])
+    assert scores[0] == 1.0  # "open24h" == "open24h"
+    assert scores[1] == pytest.approx(1 - 1 / 7)  # "open2h" vs "open24h": one insertion
+    assert all("OPEN" not in q and "sign" not in q for q in seen)  # the answer never goes to the VLM
+    with pytest.raises(ValueError, match="engine='vlm' needs vlm="):
+        build_reward("ocr", engine="vlm")

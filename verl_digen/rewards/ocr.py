@@ -17,6 +17,11 @@ Score, exactly Flow-GRPO's definition (``flow_grpo/ocr.py``):
 
 An image in which nothing is recognised scores 0 (distance = the ground truth's length).
 
+``engine="vlm"`` reads the text with a VLM behind an OpenAI-compatible endpoint instead
+(``vllm serve Qwen/Qwen2.5-VL-7B-Instruct``, say; the transport of the ``vlm_judge`` reward,
+``vlm={"base_url": ..., "model": ..., ...}`` are its arguments): the VLM is asked to transcribe
+the image's text, and its reply is the recognised text of step 1.
+
 The ground truth of a sample is its prompt record's ``ground_truth_key`` field (default
 ``"ground_truth"``; see :func:`verl_digen.data.load_prompt_records`); without one, the text
 between the first pair of double quotes in the prompt (Flow-GRPO's prompts read
@@ -35,7 +40,13 @@ import torch
 from verl_digen.rewards.base import RewardFn, register_reward
 from verl_digen.rewards.jpeg import to_uint8_hwc
 
-__all__ = ["OcrReward", "ocr_score", "ground_truth_text"]
+__all__ = ["OcrReward", "ocr_score", "ground_truth_text", "VLM_OCR_QUESTION"]
+
+VLM_OCR_QUESTION = (
+    "Transcribe all the text visible in this image, exactly as written, in reading order. "
+    "Answer with the text only; answer with nothing if there is no text."
+)
+ENGINES = ("rapidocr", "vlm")
 
 _INSTALL_HINT = "pip install 'verl-digen[ocr]' (rapidocr-onnxruntime, rapidfuzz)"
 
@@ -67,6 +78,10 @@ class OcrReward(RewardFn):
 
     Args:
         ground_truth_key: the prompt record field holding the text to render.
+        engine: ``"rapidocr"`` (PP-OCRv4, offline, the default) or ``"vlm"``.
+        vlm: the VLM's arguments for ``engine="vlm"`` (those of ``vlm_judge``: ``base_url``,
+            ``model``, ``api_key``, ``timeout_s``, ...); the question defaults to
+            :data:`VLM_OCR_QUESTION`.
         det_model_path / rec_model_path: other PP-OCR ONNX models than the wheel's (optional).
         use_det: detect text boxes first (default; set False for images that are one text line).
         intra_op_threads: onnxruntime threads per model (default 1: rewards run next to training).
@@ -79,7 +94,26 @@ class OcrReward(RewardFn):
         rec_model_path: str | None = None,
         use_det: bool = True,
         intra_op_threads: int = 1,
+        engine: str = "rapidocr",
+        vlm: Mapping[str, Any] | None = None,
     ) -> None:
+        if engine not in ENGINES:
+            raise ValueError(f"reward 'ocr': engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+        self.engine_name = engine
+        self.ground_truth_key = ground_truth_key
+        self.use_det = use_det
+        if engine == "vlm":
+            from verl_digen.rewards.vlm_judge import VlmJudgeReward
+
+            # The prompt is never sent (it quotes the answer): "{prompt}" is filled with "".
+            options = {"question_template": VLM_OCR_QUESTION + "{prompt}", "max_tokens": 64, **dict(vlm or {})}
+            if "base_url" not in options or "model" not in options:
+                raise ValueError("reward 'ocr': engine='vlm' needs vlm={'base_url': ..., 'model': ...}")
+            self.vlm = VlmJudgeReward(**options)
+            self.engine = None
+            return
+        if vlm:
+            raise ValueError("reward 'ocr': vlm arguments are only used with engine='vlm'")
         try:
             from rapidocr_onnxruntime import RapidOCR
             import rapidfuzz  # noqa: F401
@@ -132,8 +166,11 @@ class OcrReward(RewardFn):
                     f"record a non-empty {self.ground_truth_key!r} field, or quote the text in the prompt"
                 )
             truths.append(truth)
-        arrays = to_uint8_hwc(images).numpy()
-        return torch.tensor([ocr_score(self.recognise(a), t) for a, t in zip(arrays, truths)], dtype=torch.float32)
+        if self.engine_name == "vlm":
+            texts = self.vlm.replies(images, [""] * len(truths))
+        else:
+            texts = [self.recognise(array) for array in to_uint8_hwc(images).numpy()]
+        return torch.tensor([ocr_score(text, truth) for text, truth in zip(texts, truths)], dtype=torch.float32)
 
     def __repr__(self) -> str:
-        return f"OcrReward(ground_truth_key={self.ground_truth_key!r}, use_det={self.use_det})"
+        return f"OcrReward(engine={self.engine_name!r}, ground_truth_key={self.ground_truth_key!r})"

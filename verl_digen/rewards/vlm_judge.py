@@ -237,13 +237,22 @@ class VlmJudgeReward(RewardFn):
                 flat, [p for p in prompts for _ in range(frames)], [r for r in records for _ in range(frames)]
             )
             return per_frame.view(batch, frames).mean(dim=1)
+        replies = self.replies(images, prompts, records)
+        return torch.tensor([self._judge_reply(reply, p) for reply, p in zip(replies, prompts)], dtype=torch.float32)
+
+    def replies(
+        self, images: torch.Tensor, prompts: list[str], metadata: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[str]:
+        """The judge's raw reply for each ``[N, 3, H, W]`` image (or ``[N, 3, F, H, W]`` clip, its
+        frames in one request), with the question filled in from each prompt and record."""
+        records = check_metadata(self.name, metadata, len(prompts))
+        images = images.detach().cpu()
         if images.dim() == 5:  # one request per clip, its frames as image parts in order
             parts = [encode_images_png_b64(clip.permute(1, 0, 2, 3)) for clip in images]
         else:
             parts = [[image] for image in encode_images_png_b64(images)]
         bodies = [self._request_body(self.question(p, r), frames) for p, r, frames in zip(prompts, records, parts)]
-        replies = [self._parse_reply(payload) for payload in self._endpoint().post_many(bodies, "application/json")]
-        return torch.tensor([self._judge_reply(reply, p) for reply, p in zip(replies, prompts)], dtype=torch.float32)
+        return [self._parse_reply(payload) for payload in self._endpoint().post_many(bodies, "application/json")]
 
     def question(self, prompt: str, record: Mapping[str, Any] | None = None) -> str:
         """The template with ``{prompt}`` and the record's ``{<field>}`` placeholders filled in
