@@ -173,3 +173,57 @@ def test_sampler_argument_errors() -> None:
         PromptSampler(PROMPTS, seed=-1)
     with pytest.raises(ValueError, match="non-negative"):
         PromptSampler(PROMPTS, seed=0).next(-1)
+
+
+# --------------------------------------------------------------------------- prompt records (metadata)
+
+
+def test_records_keep_every_jsonl_field(tmp_path: Path) -> None:
+    from verl_digen.data import load_prompt_records
+
+    rows = [
+        {"prompt": "a photo of a bench", "tag": "single_object", "include": [{"class": "bench", "count": 1}]},
+        {"prompt": 'a sign that says "OPEN"', "ground_truth": "OPEN"},
+    ]
+    path = tmp_path / "meta.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert load_prompt_records(path) == rows
+    assert load_prompts(path) == [r["prompt"] for r in rows]
+
+
+def test_records_of_txt_and_builtin_sets(tmp_path: Path) -> None:
+    from verl_digen.data import builtin_prompt_records, load_prompt_records
+
+    path = tmp_path / "p.txt"
+    path.write_text("one\n\ntwo\n")
+    assert load_prompt_records(path) == [{"prompt": "one"}, {"prompt": "two"}]
+    assert builtin_prompt_records("demo") == [{"prompt": p} for p in builtin_prompts("demo")]
+
+
+def test_records_of_parquet_plain_and_verl_format(tmp_path: Path) -> None:
+    from verl_digen.data import load_prompt_records
+
+    plain = tmp_path / "plain.parquet"
+    pd.DataFrame({"prompt": PROMPTS, "ground_truth": ["A", "B", "C"]}).to_parquet(plain)
+    assert load_prompt_records(plain)[1] == {"prompt": PROMPTS[1], "ground_truth": "B"}
+
+    # veRL's RL parquet: chat-format prompt, ground truth under reward_model, extra_info
+    verl_rows = pd.DataFrame({
+        "data_source": ["ocr", "ocr"],
+        "prompt": [[{"role": "system", "content": "be brief"}, {"role": "user", "content": 'a sign "HI"'}],
+                   [{"role": "user", "content": 'a mug "TEA"'}]],
+        "reward_model": [{"style": "rule", "ground_truth": "HI"}, {"style": "rule", "ground_truth": "TEA"}],
+        "extra_info": [{"index": 0}, {"index": 1}],
+    })
+    path = tmp_path / "verl.parquet"
+    verl_rows.to_parquet(path)
+    records = load_prompt_records(path)
+    assert [r["prompt"] for r in records] == ['a sign "HI"', 'a mug "TEA"']
+    assert [r["ground_truth"] for r in records] == ["HI", "TEA"]
+    assert records[0]["data_source"] == "ocr" and records[1]["extra_info"] == {"index": 1}
+    assert records[0]["raw_prompt"][0] == {"role": "system", "content": "be brief"}
+
+    bad = tmp_path / "bad.parquet"
+    pd.DataFrame({"prompt": [[{"role": "system", "content": "x"}]]}).to_parquet(bad)
+    with pytest.raises(ValueError, match=r"row 0: 'prompt' is a chat with no user message"):
+        load_prompt_records(bad)

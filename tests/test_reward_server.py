@@ -55,7 +55,7 @@ def raw_request(
     path: str,
     body: bytes | None = None,
     headers: dict[str, str] | None = None,
-) -> tuple[int, dict[str, Any], dict[str, str]]:
+) -> tuple[int, dict[str, Any], Any]:
     """One request with http.client (full control over headers); returns (status, json, headers)."""
     url = srv_or_url.url if isinstance(srv_or_url, RewardServer) else srv_or_url
     host, port = url.removeprefix("http://").rsplit(":", 1)
@@ -64,7 +64,7 @@ def raw_request(
         conn.request(method, path, body=body, headers=headers or {})
         response = conn.getresponse()
         payload = response.read()
-        return response.status, json.loads(payload), dict(response.getheaders())
+        return response.status, json.loads(payload), response.msg  # header names case-insensitive
     finally:
         conn.close()
 
@@ -385,3 +385,72 @@ def test_cli_rejects_bad_reward_kwargs() -> None:
     with pytest.raises(SystemExit):
         main(["--reward", "brightness", "--reward-kwargs", "[1]"])
     assert main(["--reward", "jpeg_compressibility", "--reward-kwargs", '{"qualty": 3}', "--port", "0"]) == 2
+
+
+# --------------------------------------------------------------------------- protocols, metadata, clips
+
+
+class _EchoGroundTruth(RewardFn):
+    name = "echo_gt"
+
+    def __init__(self) -> None:
+        self.seen: list = []
+
+    def score_images(self, images: torch.Tensor, prompts: list[str], metadata) -> torch.Tensor:
+        self.seen.append((tuple(images.shape), list(prompts), [dict(m) for m in metadata]))
+        return torch.tensor([float(m["ground_truth"]) for m in metadata]) + images.flatten(1).mean(dim=1)
+
+
+@pytest.mark.parametrize("protocol", ["json", "pickle"])
+def test_protocols_carry_metadata_to_the_served_reward(protocol: str) -> None:
+    echo = _EchoGroundTruth()
+    with RewardServer(echo, port=0) as srv:
+        images = quantised_rand(3, 3, 8, 8, seed=9)
+        records = [{"ground_truth": 1, "tag": "a"}, {"ground_truth": 2}, {"ground_truth": 3, "nested": {"k": [1]}}]
+        reward = HttpReward(srv.url, protocol=protocol, batch_size=2, timeout_s=TIMEOUT)
+        scores = reward(images, ["p0", "p1", "p2"], records)
+    expected = torch.tensor([1.0, 2.0, 3.0]) + images.mean(dim=(1, 2, 3))
+    # JSON sends lossless PNG; the pickle protocol sends JPEG (quality 95), as flow_grpo does
+    torch.testing.assert_close(scores, expected, atol=0 if protocol == "json" else 0.02, rtol=0)
+    assert [seen[2] for seen in echo.seen] == [records[:2], records[2:]]
+    assert [seen[1] for seen in echo.seen] == [["p0", "p1"], ["p2"]]
+
+
+def test_clip_level_video_reaches_a_clip_reward() -> None:
+    """temporal_smoothness needs whole clips: video='clip' sends them; frame by frame cannot work."""
+    with RewardServer("temporal_smoothness", port=0) as srv:
+        videos = quantised_rand(2, 3, 4, 8, 8, seed=10)
+        videos[0] = videos[0, :, :1]  # a still clip: smoothness 0
+        for protocol in ("json", "pickle"):
+            clip = HttpReward(srv.url, video="clip", fps=8, protocol=protocol, timeout_s=TIMEOUT)(videos, ["a", "b"])
+            if protocol == "json":  # lossless PNG frames: exactly the local score
+                torch.testing.assert_close(clip, build_reward("temporal_smoothness")(videos, ["a", "b"]), atol=0, rtol=0)
+            assert clip[0] == 0.0 and clip[1] < -0.05  # JPEG frames: the still clip is still still
+        with pytest.raises(RewardServerError, match=r"HTTP 500.*scores videos"):
+            HttpReward(srv.url, video="frames", timeout_s=TIMEOUT, max_retries=1)(videos, ["a", "b"])
+
+
+def test_clip_fps_reaches_the_reward_as_metadata() -> None:
+    echo = _EchoGroundTruth()
+    echo.supports_video = True
+    with RewardServer(echo, port=0) as srv:
+        videos = quantised_rand(1, 3, 2, 4, 4)
+        HttpReward(srv.url, video="clip", fps=12.5, timeout_s=TIMEOUT)(videos, ["a"], [{"ground_truth": 0}])
+    (shape, _, records), = echo.seen
+    assert shape == (1, 3, 2, 4, 4) and records == [{"ground_truth": 0, "fps": 12.5}]
+
+
+def test_pickle_can_be_switched_off_and_unsafe_pickles_are_refused() -> None:
+    import pickle
+
+    with RewardServer("brightness", port=0, allow_pickle=False) as srv:
+        with pytest.raises(RewardServerError, match=r"HTTP 415.*does not accept pickle"):
+            HttpReward(srv.url, protocol="pickle", timeout_s=TIMEOUT)(quantised_rand(1, 3, 4, 4), ["a"])
+    with RewardServer("brightness", port=0) as srv:
+        class Evil:
+            def __reduce__(self):
+                return (os.system, ("true",))
+
+        body = pickle.dumps({"prompts": ["a"], "images": [Evil()]})
+        status, data, _ = raw_request(srv, "POST", "/score", body, {"Content-Type": "application/octet-stream"})
+        assert status == 400 and "refusing to unpickle global 'posix.system'" in data["error"]

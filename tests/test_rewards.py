@@ -298,7 +298,7 @@ class _Handler(JsonHandler):
         if state.mode == "not_json":
             return self.reply(200, b"<html>oops</html>")
         if state.mode == "no_rewards":
-            return self.reply(200, b'{"scores": [1.0]}')
+            return self.reply(200, b'{"scores_v2": [1.0]}')
         images = decode_images_png_b64(payload["images"])
         assert len(payload["prompts"]) == images.shape[0]
         with state.lock:
@@ -392,9 +392,9 @@ def test_http_reward_unreachable_port_raises_naming_url(loopback_no_proxy) -> No
     ("mode", "problem"),
     [
         ("not_json", "not JSON"),
-        ("no_rewards", "'rewards' key"),
-        ("wrong_length", "got 1 rewards for 2 images"),
-        ("nan", "reward 0 is not a finite number"),
+        ("no_rewards", "expected an object with a 'rewards' or 'scores' key, got keys ['scores_v2']"),
+        ("wrong_length", "got 1 rewards for 2 samples"),
+        ("nan", "score 0 is not a finite number"),
     ],
 )
 def test_http_reward_malformed_response(reward_server, mode: str, problem: str) -> None:
@@ -412,3 +412,39 @@ def test_http_reward_4xx_not_retried(reward_server) -> None:
     with pytest.raises(RewardServerError, match=r"rejected the request: HTTP 403"):
         HttpReward(url, max_retries=3, backoff_s=0.01)(quantised_rand(1, 3, 8, 8), ["a"])
     assert state.requests == 1
+
+
+# --------------------------------------------------------------------------- metadata
+
+
+class _GroundTruthLength(RewardFn):
+    """Scores each sample by the length of its record's ground truth (and checks the prompt)."""
+
+    name = "gt_length"
+
+    def score_images(self, images: torch.Tensor, prompts: list[str], metadata) -> torch.Tensor:
+        return torch.tensor([float(len(m.get("ground_truth", ""))) for m in metadata])
+
+
+def test_metadata_reaches_rewards_that_ask_for_it() -> None:
+    reward = _GroundTruthLength()
+    assert reward.takes_metadata and not build_reward("brightness").takes_metadata
+    images = quantised_rand(3, 3, 4, 4)
+    records = [{"ground_truth": "ab"}, {"ground_truth": "abcd"}, None]
+    assert reward(images, ["x", "y", "z"], records).tolist() == [2.0, 4.0, 0.0]
+    assert reward(images, ["x", "y", "z"]).tolist() == [0.0, 0.0, 0.0]  # no metadata: empty records
+    # rewards that do not take metadata ignore it
+    torch.testing.assert_close(build_reward("brightness")(images, list("xyz"), records), images.mean(dim=(1, 2, 3)))
+    with pytest.raises(ValueError, match=r"'gt_length': got 3 samples but 2 metadata records"):
+        reward(images, list("xyz"), records[:2])
+    with pytest.raises(TypeError, match="metadata record 1 must be a mapping"):
+        reward(images, list("xyz"), [{}, "gt", {}])
+
+
+def test_metadata_on_video_frames_and_through_weighted() -> None:
+    videos = quantised_rand(2, 3, 3, 4, 4)
+    records = [{"ground_truth": "a"}, {"ground_truth": "abc"}]
+    assert _GroundTruthLength()(videos, ["x", "y"], records).tolist() == [1.0, 3.0]  # each frame, its sample's record
+    weighted = WeightedReward([(_GroundTruthLength(), 2.0), (build_reward("brightness"), 1.0)])
+    expected = 2.0 * torch.tensor([1.0, 3.0]) + build_reward("brightness")(videos, ["x", "y"])
+    torch.testing.assert_close(weighted(videos, ["x", "y"], records), expected)

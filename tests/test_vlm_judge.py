@@ -47,6 +47,7 @@ class JudgeState:
     questions: list[str] = field(default_factory=list)
     auth_headers: list[str | None] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)  # request-shape violations
+    images_per_request: list[int] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -60,15 +61,19 @@ class _JudgeHandler(JsonHandler):
         assert request["temperature"] == 0 and isinstance(request["max_tokens"], int)
         (message,) = request["messages"]
         assert message["role"] == "user"
-        text_part, image_part = message["content"]
+        text_part, *image_parts = message["content"]
         assert text_part["type"] == "text" and isinstance(text_part["text"], str)
-        assert image_part["type"] == "image_url"
-        url = image_part["image_url"]["url"]
-        prefix = "data:image/png;base64,"
-        assert url.startswith(prefix), url[:40]
-        with Image.open(io.BytesIO(base64.b64decode(url[len(prefix) :], validate=True))) as image:
-            assert image.format == "PNG" and image.mode == "RGB"
-            image.load()
+        assert image_parts  # one image, or the frames of a clip
+        with self.state.lock:
+            self.state.images_per_request.append(len(image_parts))
+        for image_part in image_parts:
+            assert image_part["type"] == "image_url"
+            url = image_part["image_url"]["url"]
+            prefix = "data:image/png;base64,"
+            assert url.startswith(prefix), url[:40]
+            with Image.open(io.BytesIO(base64.b64decode(url[len(prefix) :], validate=True))) as image:
+                assert image.format == "PNG" and image.mode == "RGB"
+                image.load()
         return text_part["text"]
 
     def do_POST(self) -> None:
@@ -276,3 +281,55 @@ def test_picklable(judge: tuple[str, JudgeState]) -> None:
     url, _ = judge
     clone = pickle.loads(pickle.dumps(make(url, score_regex=r"Score:\s*(\d+)")))
     assert clone(quantised_rand(1, 3, 8, 8), ["a"]).tolist() == pytest.approx([0.7])
+
+
+def test_clip_mode_sends_every_frame_in_one_request(judge: tuple[str, JudgeState]) -> None:
+    url, state = judge
+    videos = quantised_rand(2, 3, 3, 8, 8)
+    scores = make(url, video="clip")(videos, ["a", "b"])
+    assert scores.tolist() == pytest.approx([0.7, 0.7])
+    assert state.requests == 2 and state.images_per_request == [3, 3]
+    state.images_per_request.clear()
+    make(url)(videos, ["a", "b"])  # the default: frame by frame
+    assert state.images_per_request == [1] * 6
+
+
+def test_unified_reward_template_and_metadata_placeholders(judge: tuple[str, JudgeState]) -> None:
+    url, state = judge
+    state.reply = "bench (object): 1\nFinal Score: 4"
+    reward = make(url, template="unified_reward", max_tokens=512)
+    assert reward(quantised_rand(1, 3, 8, 8), ["a bench"]).tolist() == pytest.approx([0.8])  # 4 / 5
+    assert "Text Caption: [a bench]" in state.questions[-1]
+    state.reply = "Final Score: **3.5**"
+    assert reward(quantised_rand(1, 3, 8, 8), ["x"]).tolist() == pytest.approx([0.7])
+    # ground truth from the prompt record, by name, in a custom template
+    state.reply = "7"
+    custom = make(url, question_template="Does '{prompt}' show the text {ground_truth}? {unknown}")
+    custom(quantised_rand(2, 3, 8, 8), ["a sign", "a mug"], [{"ground_truth": "OPEN"}, {}])
+    assert sorted(state.questions[-2:]) == sorted(
+        ["Does 'a sign' show the text OPEN? {unknown}", "Does 'a mug' show the text {ground_truth}? {unknown}"]
+    )
+    with pytest.raises(ValueError, match="template must be one of default, unified_reward"):
+        make(url, template="nope")
+
+
+def test_the_api_key_never_follows_a_redirect(loopback_no_proxy) -> None:
+    seen: list = []
+
+    class Thief(JsonHandler):
+        def do_POST(self) -> None:
+            seen.append(self.headers.get("Authorization"))
+            self.reply(200, {"choices": [{"message": {"content": "10"}}]})
+
+    class Redirect(JsonHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(307)
+            self.send_header("Location", self.state + "/v1/chat/completions")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+    with serve(Thief, None) as thief, serve(Redirect, thief) as url:
+        with pytest.raises(RewardServerError, match="redirecting to .* not followed"):
+            make(url, api_key="sk-secret")(quantised_rand(1, 3, 8, 8), ["a"])
+    assert seen == []

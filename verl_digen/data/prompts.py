@@ -1,7 +1,11 @@
 """Prompt datasets: loading prompt files and sampling prompts deterministically.
 
-* :func:`load_prompts` reads ``.txt`` (one prompt per non-empty line), ``.jsonl`` (objects
-  with a ``"prompt"`` string) and ``.parquet`` (a ``"prompt"`` column) files.
+* :func:`load_prompt_records` reads ``.txt`` (one prompt per non-empty line), ``.jsonl``
+  (objects with a ``"prompt"`` string) and ``.parquet`` (a ``"prompt"`` column, plain strings
+  or veRL's chat format) files into one *record* per prompt: a dict with the prompt under
+  ``"prompt"`` and every other field of the line or row (ground truth, GenEval metadata, ...).
+  The record is what reaches every reward as the sample's ``metadata``.
+  :func:`load_prompts` gives just the prompt strings.
 * :func:`builtin_prompts` returns a small prompt set shipped with the package.
 * :class:`PromptSampler` hands out ``(index, prompt)`` pairs in a deterministic,
   epoch-shuffled order and can be checkpointed and resumed exactly.
@@ -18,7 +22,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["load_prompts", "builtin_prompts", "builtin_prompt_sets", "PromptSampler", "SUPPORTED_EXTENSIONS"]
+__all__ = [
+    "load_prompts",
+    "load_prompt_records",
+    "builtin_prompts",
+    "builtin_prompt_sets",
+    "PromptSampler",
+    "SUPPORTED_EXTENSIONS",
+]
 
 SUPPORTED_EXTENSIONS = (".txt", ".jsonl", ".parquet")
 
@@ -27,12 +38,25 @@ _BUILTIN_SETS = {"demo": "builtin_prompts.txt", "val": "builtin_val_prompts.txt"
 
 
 def load_prompts(path: str | os.PathLike[str]) -> list[str]:
-    """Load the prompts of a ``.txt``, ``.jsonl`` or ``.parquet`` file.
+    """The prompt strings of a prompt file (see :func:`load_prompt_records`)."""
+    return [record["prompt"] for record in load_prompt_records(path)]
 
-    ``.txt``: one prompt per line; surrounding whitespace is stripped and blank lines are
-    skipped. ``.jsonl``: one JSON object per non-blank line with a non-empty string under
-    ``"prompt"`` (other keys are ignored). ``.parquet``: a ``"prompt"`` column of
-    non-empty strings.
+
+def load_prompt_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Load the prompt records of a ``.txt``, ``.jsonl`` or ``.parquet`` file.
+
+    Every record is a dict with the prompt string under ``"prompt"``:
+
+    * ``.txt``: one prompt per line (``{"prompt": line}``); surrounding whitespace is stripped
+      and blank lines are skipped.
+    * ``.jsonl``: one JSON object per non-blank line with a non-empty string under
+      ``"prompt"``; the record is the whole object (``ground_truth``, GenEval's ``tag`` /
+      ``include``, ... are kept as they are).
+    * ``.parquet``: one record per row with every column. ``"prompt"`` is a string, or veRL's
+      chat format (a list of ``{"role", "content"}`` messages: the prompt is the last user
+      message's content and the list is kept under ``"raw_prompt"``). veRL's
+      ``reward_model.ground_truth`` is copied to a top-level ``"ground_truth"`` when the row
+      has none.
 
     Raises:
         FileNotFoundError: the file does not exist.
@@ -52,23 +76,23 @@ def load_prompts(path: str | os.PathLike[str]) -> list[str]:
         raise ValueError(f"prompt file {str(path)!r} is not a regular file")
 
     if suffix == ".txt":
-        prompts = _read_txt(file)
+        records = _read_txt(file)
     elif suffix == ".jsonl":
-        prompts = _read_jsonl(file)
+        records = _read_jsonl(file)
     else:
-        prompts = _read_parquet(file)
-    if not prompts:
+        records = _read_parquet(file)
+    if not records:
         raise ValueError(f"prompt file {str(path)!r} contains no prompts")
-    return prompts
+    return records
 
 
-def _read_txt(file: Path) -> list[str]:
+def _read_txt(file: Path) -> list[dict[str, Any]]:
     lines = file.read_text(encoding="utf-8").splitlines()
-    return [line.strip() for line in lines if line.strip()]
+    return [{"prompt": line.strip()} for line in lines if line.strip()]
 
 
-def _read_jsonl(file: Path) -> list[str]:
-    prompts = []
+def _read_jsonl(file: Path) -> list[dict[str, Any]]:
+    records = []
     with file.open(encoding="utf-8") as handle:
         for line_no, line in enumerate(handle, start=1):
             if not line.strip():
@@ -82,18 +106,36 @@ def _read_jsonl(file: Path) -> list[str]:
                 raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
             if "prompt" not in record:
                 raise ValueError(f"{where}: missing key 'prompt' (keys: {sorted(record)})")
-            prompts.append(_check_prompt(record["prompt"], where))
-    return prompts
+            _check_prompt(record["prompt"], where)
+            records.append(record)
+    return records
 
 
-def _read_parquet(file: Path) -> list[str]:
+def _read_parquet(file: Path) -> list[dict[str, Any]]:
     import pyarrow.parquet as pq
 
     columns = pq.read_schema(file).names
     if "prompt" not in columns:
         raise ValueError(f"prompt file {str(file)!r} has no 'prompt' column (columns: {columns})")
-    values = pq.read_table(file, columns=["prompt"]).column("prompt").to_pylist()
-    return [_check_prompt(value, f"prompt file {str(file)!r}, row {row}") for row, value in enumerate(values)]
+    rows = pq.read_table(file).to_pylist()
+    return [_parquet_record(row, f"prompt file {str(file)!r}, row {index}") for index, row in enumerate(rows)]
+
+
+def _parquet_record(row: dict[str, Any], where: str) -> dict[str, Any]:
+    record = dict(row)
+    prompt = record["prompt"]
+    if isinstance(prompt, list):  # veRL's chat format: [{"role": "user", "content": "..."}, ...]
+        users = [m for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
+        if not users:
+            raise ValueError(f"{where}: 'prompt' is a chat with no user message (veRL format expects "
+                             "[{'role': 'user', 'content': ...}])")
+        record["raw_prompt"] = prompt
+        prompt = users[-1].get("content")
+    record["prompt"] = _check_prompt(prompt, where)
+    reward_model = record.get("reward_model")
+    if "ground_truth" not in record and isinstance(reward_model, dict) and "ground_truth" in reward_model:
+        record["ground_truth"] = reward_model["ground_truth"]
+    return record
 
 
 def _check_prompt(value: Any, where: str) -> str:
@@ -107,6 +149,11 @@ def _check_prompt(value: Any, where: str) -> str:
 def builtin_prompt_sets() -> list[str]:
     """Names accepted by :func:`builtin_prompts`."""
     return sorted(_BUILTIN_SETS)
+
+
+def builtin_prompt_records(name: str = "demo") -> list[dict[str, Any]]:
+    """:func:`builtin_prompts` as records (``{"prompt": ...}``)."""
+    return [{"prompt": prompt} for prompt in builtin_prompts(name)]
 
 
 def builtin_prompts(name: str = "demo") -> list[str]:

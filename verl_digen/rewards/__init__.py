@@ -1,4 +1,5 @@
-"""Reward functions for diffusion RL: ``reward(images [B,3,H,W] | videos [B,3,F,H,W], prompts) -> [B]``.
+"""Reward functions for diffusion RL:
+``reward(images [B,3,H,W] | videos [B,3,F,H,W], prompts, metadata=None) -> [B]``.
 
 Importing this package registers the built-in rewards:
 
@@ -6,7 +7,10 @@ Importing this package registers the built-in rewards:
 * ``brightness`` / ``colorfulness`` (weight-free image statistics),
 * ``temporal_smoothness`` (weight-free, video only),
 * ``clip_score`` (local ``transformers`` CLIP checkpoint; transformers is imported lazily),
-* ``http`` (remote reward server),
+* ``http`` (remote reward server: our JSON protocol or the flow_grpo / veRL-Omni pickle one),
+* ``ocr`` (text rendering: 1 - normalised edit distance to the ground truth; ``[ocr]`` extra),
+* ``pickscore``, ``hpsv2``, ``aesthetic`` (preference models, local transformers checkpoints),
+* ``vlm_judge`` (a VLM behind an OpenAI-compatible endpoint; UnifiedReward template),
 * ``weighted`` (weighted sum of other rewards).
 
 Build one with :func:`build_reward` or :func:`build_reward_from_config`.
@@ -28,6 +32,9 @@ from verl_digen.rewards.http_client import (
     decode_images_png_b64,
     encode_images_png_b64,
 )
+from verl_digen.rewards.ocr import OcrReward, ocr_score
+from verl_digen.rewards.preference import AestheticReward, HpsV2Reward, PickScoreReward
+from verl_digen.rewards.safe_pickle import UnsafePickleError, safe_dumps, safe_loads
 from verl_digen.rewards.image_stats import BrightnessReward, ColorfulnessReward, colorfulness
 from verl_digen.rewards.jpeg import JpegCompressibilityReward, JpegIncompressibilityReward, jpeg_size_kb
 from verl_digen.rewards.video import TemporalSmoothnessReward, temporal_smoothness
@@ -55,5 +62,13 @@ __all__ = [
     "RewardServerError",
     "encode_images_png_b64",
     "decode_images_png_b64",
+    "OcrReward",
+    "PickScoreReward",
+    "HpsV2Reward",
+    "AestheticReward",
+    "ocr_score",
+    "UnsafePickleError",
+    "safe_loads",
+    "safe_dumps",
     "WeightedReward",
 ]

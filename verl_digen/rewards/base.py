@@ -1,9 +1,16 @@
 """The reward interface and the reward registry.
 
-A reward maps a batch of generated images (or videos) and their prompts to one scalar per
-sample::
+A reward maps a batch of generated images (or videos), their prompts and, optionally, each
+sample's prompt record (its *metadata*: ground truth and any other field of the prompt file)
+to one scalar per sample::
 
-    reward(images, prompts) -> Tensor[B] (float32)
+    reward(images, prompts, metadata=None) -> Tensor[B] (float32)
+
+``metadata`` is a list of ``B`` mappings, one per sample: the record of the sample's prompt as
+the data loader read it (``{"prompt": ..., "ground_truth": ..., ...}``, see
+:func:`verl_digen.data.load_prompt_records`). Rewards that need it (OCR, GenEval, anything
+scored against a reference) declare a ``metadata`` parameter on :meth:`RewardFn.score_images`;
+the others keep ``score_images(images, prompts)`` and never see it.
 
 ``images`` are float tensors with values in ``[0, 1]``:
 
@@ -12,9 +19,10 @@ sample::
 
 Concrete rewards subclass :class:`RewardFn` and implement :meth:`RewardFn.score_images`,
 which only ever sees ``[N, 3, H, W]`` images. :meth:`RewardFn.__call__` validates the
-input and, for video, scores every frame separately and averages over frames, so every
-image reward works on video unchanged. A reward that understands video natively sets
-``supports_video = True`` and receives the 5-D tensor as is.
+input and, for video, scores every frame separately and averages over frames (each frame
+gets its sample's prompt and metadata), so every image reward works on video unchanged. A
+reward that understands video natively sets ``supports_video = True`` and receives the 5-D
+tensor as is.
 
 Rewards are registered by name with :func:`register_reward` and built from code
 (:func:`build_reward`) or from a config (:func:`build_reward_from_config`)::
@@ -49,6 +57,7 @@ __all__ = [
     "build_reward_from_config",
     "registered_rewards",
     "reward_class",
+    "check_metadata",
 ]
 
 
@@ -65,27 +74,49 @@ class RewardFn(abc.ABC):
     #: False (the default), video is scored frame by frame and averaged over frames.
     supports_video: ClassVar[bool] = False
 
+    #: True when :meth:`score_images` takes a ``metadata`` argument (set automatically from
+    #: its signature when the subclass is defined).
+    takes_metadata: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.takes_metadata = "metadata" in inspect.signature(cls.score_images).parameters
+
     @abc.abstractmethod
     def score_images(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        """Score ``[N, 3, H, W]`` images in ``[0, 1]`` (``N == len(prompts)``); returns ``[N]``."""
+        """Score ``[N, 3, H, W]`` images in ``[0, 1]`` (``N == len(prompts)``); returns ``[N]``.
 
-    def __call__(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
+        A subclass that needs each sample's prompt record declares
+        ``score_images(self, images, prompts, metadata)``; ``metadata`` is then a list of ``N``
+        mappings (empty ones when the caller had none)."""
+
+    def __call__(
+        self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]] | None = None
+    ) -> torch.Tensor:
         """Score a batch of images ``[B, 3, H, W]`` or videos ``[B, 3, F, H, W]``.
 
+        ``metadata``: one mapping per sample (its prompt record), or None.
         Returns a float32 tensor ``[B]`` on the device of ``images``.
         """
         prompts = _check_inputs(self.name, images, prompts)
+        records = check_metadata(self.name, metadata, len(prompts))
         batch = images.shape[0]
         if images.dim() == 5 and not self.supports_video:
             _, channels, frames, height, width = images.shape
-            # [B, 3, F, H, W] -> [B, F, 3, H, W] -> [B*F, 3, H, W]; prompt repeated per frame.
+            # [B, 3, F, H, W] -> [B, F, 3, H, W] -> [B*F, 3, H, W]; prompt and record repeated per frame.
             flat = images.permute(0, 2, 1, 3, 4).reshape(batch * frames, channels, height, width)
             frame_prompts = [p for p in prompts for _ in range(frames)]
-            per_frame = self._checked_scores(self.score_images(flat, frame_prompts), batch * frames)
+            frame_records = [r for r in records for _ in range(frames)]
+            per_frame = self._checked_scores(self._call_score_images(flat, frame_prompts, frame_records), batch * frames)
             scores = per_frame.view(batch, frames).mean(dim=1)
         else:
-            scores = self._checked_scores(self.score_images(images, prompts), batch)
+            scores = self._checked_scores(self._call_score_images(images, prompts, records), batch)
         return scores.to(device=images.device, dtype=torch.float32)
+
+    def _call_score_images(self, images: torch.Tensor, prompts: list[str], metadata: list[Mapping[str, Any]]) -> torch.Tensor:
+        if self.takes_metadata:
+            return self.score_images(images, prompts, metadata=metadata)  # type: ignore[call-arg]
+        return self.score_images(images, prompts)
 
     def _checked_scores(self, scores: torch.Tensor, expected: int) -> torch.Tensor:
         if not isinstance(scores, torch.Tensor) or scores.shape != (expected,):
@@ -112,6 +143,24 @@ def _check_inputs(name: str, images: torch.Tensor, prompts: Sequence[str]) -> li
     if len(prompts) != images.shape[0]:
         raise ValueError(f"reward {name!r}: got {images.shape[0]} images but {len(prompts)} prompts")
     return prompts
+
+
+def check_metadata(name: str, metadata: Sequence[Mapping[str, Any]] | None, batch: int) -> list[Mapping[str, Any]]:
+    """``metadata`` as a list of ``batch`` mappings (``[{}] * batch`` for None); a ValueError naming
+    the reward otherwise."""
+    if metadata is None:
+        return [{} for _ in range(batch)]
+    if isinstance(metadata, (str, bytes, Mapping)):
+        raise TypeError(f"reward {name!r}: metadata must be a list with one mapping per sample, got a {type(metadata).__name__}")
+    records = list(metadata)
+    if len(records) != batch:
+        raise ValueError(f"reward {name!r}: got {batch} samples but {len(records)} metadata records")
+    for index, record in enumerate(records):
+        if record is None:
+            records[index] = {}
+        elif not isinstance(record, Mapping):
+            raise TypeError(f"reward {name!r}: metadata record {index} must be a mapping, got {type(record).__name__}")
+    return records
 
 
 # --------------------------------------------------------------------------- registry

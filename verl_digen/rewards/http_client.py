@@ -1,72 +1,98 @@
-"""A reward computed by a remote HTTP server.
+"""A reward computed by a remote HTTP server, in one of two protocols.
 
-Protocol (one POST per chunk of at most ``batch_size`` images)::
+``protocol="json"`` (ours, the default; :mod:`verl_digen.rewards.serve` speaks it)::
 
-    POST <url>
-    Content-Type: application/json
-    Authorization: Bearer <token>          (only if a token is given)
+    POST <url>   Content-Type: application/json   [Authorization: Bearer <token>]
+    {"prompts": ["...", ...],
+     "images": ["<base64 PNG>", ...],                         (images, or video frame by frame)
+     "videos": [{"frames": ["<base64 PNG>", ...], "fps": 16}, ...],   (video="clip")
+     "metadata": [{...prompt record...}, ...]}                (one per sample)
+    -> 200 {"rewards": [0.12, ...]}                           ("scores" is accepted too)
 
-    {"prompts": ["...", ...], "images": ["<base64 PNG>", ...]}
+``protocol="pickle"`` (the flow_grpo / ddpo ``reward-server`` and veRL-Omni HTTP scorer one)::
 
-    200 OK
-    {"rewards": [0.12, ...]}               (one finite number per image)
+    POST <url>   Content-Type: application/octet-stream
+    pickle.dumps({"images": [<JPEG bytes>, ...],              (or "videos": [{"frames": [...], "fps"}])
+                  "prompts": [...],
+                  "metadata": [...], "meta_datas": [...],     (both spellings, see metadata_keys)
+                  **extra_fields})                            (e.g. {"only_strict": False} for GenEval)
+    -> 200 pickle.dumps({"scores": [...], ...})               ("rewards" is accepted too)
 
-Images are sent as 8-bit RGB PNG (lossless after quantising ``[0, 1]`` floats to 0..255).
-Video is sent frame by frame (the base class averages the per-frame rewards).
+The answer of a pickle server is unpickled with :func:`~verl_digen.rewards.safe_pickle.safe_loads`:
+plain data only (anything else is a named error: unpickling can run code).
 
-Connection errors, timeouts and HTTP 5xx (and 429 Too Many Requests) are retried with
-exponential backoff (``backoff_s * 2**k`` seconds before retry ``k + 1``) up to
-``max_retries`` attempts in total; other 4xx answers and malformed responses are not
-retried. Every failure raises :class:`RewardServerError` naming the URL.
+Images are quantised from ``[0, 1]`` floats to 8-bit RGB. Video is sent frame by frame and
+the per-frame scores averaged (``video="frames"``, the default), or as whole clips
+(``video="clip"``) for servers that score clips.
 
-:func:`encode_images_png_b64` / :func:`decode_images_png_b64` are the (de)serialisers for
-both ends of the protocol. The transport helpers (:func:`post_with_retries`,
-:func:`retry_with_backoff`, :func:`check_tcp_reachable`, ...) serve the ``vlm_judge`` reward too.
+Transport (:mod:`verl_digen.rewards.transport`): a total deadline per attempt, no redirects
+(a token never reaches another host), a response size cap, retries of connection errors,
+timeouts, 5xx and 429 with exponential backoff; other 4xx answers and malformed responses
+are not retried. Every failure raises :class:`RewardServerError` naming the URL.
 """
 
 from __future__ import annotations
 
 import base64
-import http.client
 import io
 import json
 import math
-import socket
-import time
-import urllib.error
 import urllib.parse
-import urllib.request
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
 
-from verl_digen.rewards.base import RewardFn, register_reward
+from verl_digen.rewards.base import RewardFn, check_metadata, register_reward
 from verl_digen.rewards.jpeg import to_uint8_hwc
+from verl_digen.rewards.safe_pickle import UnsafePickleError, safe_dumps, safe_loads
+from verl_digen.rewards.transport import (
+    Endpoint,
+    RetryableError,
+    RewardServerError,
+    check_retry_settings,
+    check_tcp_reachable,
+    malformed_response,
+    parse_json_answer,
+    snippet,
+)
 
-__all__ = ["HttpReward", "RewardServerError", "encode_images_png_b64", "decode_images_png_b64"]
+__all__ = [
+    "HttpReward",
+    "RewardServerError",
+    "RetryableError",
+    "encode_images_png_b64",
+    "decode_images_png_b64",
+    "encode_images_bytes",
+    "parse_scores",
+    "snippet",
+]
 
-_RETRYABLE_STATUS = {429}  # plus every 5xx
-_T = TypeVar("_T")
+PROTOCOLS = ("json", "pickle")
+VIDEO_MODES = ("frames", "clip")
 
 
-class RewardServerError(RuntimeError):
-    """The reward server could not be reached or gave an unusable answer."""
+def encode_images_bytes(images: torch.Tensor, fmt: str = "PNG", quality: int = 95) -> list[bytes]:
+    """``[N, 3, H, W]`` floats in ``[0, 1]`` -> one encoded 8-bit RGB image (PNG or JPEG) per image."""
+    if not isinstance(images, torch.Tensor) or images.dim() != 4 or images.shape[1] != 3:
+        shape = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
+        raise ValueError(f"image encoding expects a [N, 3, H, W] tensor, got {shape}")
+    encoded = []
+    for array in to_uint8_hwc(images).numpy():
+        buffer = io.BytesIO()
+        if fmt == "JPEG":
+            Image.fromarray(array).save(buffer, format="JPEG", quality=quality)
+        else:
+            Image.fromarray(array).save(buffer, format=fmt)
+        encoded.append(buffer.getvalue())
+    return encoded
 
 
 def encode_images_png_b64(images: torch.Tensor) -> list[str]:
     """``[N, 3, H, W]`` floats in ``[0, 1]`` -> one base64-encoded 8-bit RGB PNG per image."""
-    if not isinstance(images, torch.Tensor) or images.dim() != 4 or images.shape[1] != 3:
-        shape = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
-        raise ValueError(f"encode_images_png_b64 expects a [N, 3, H, W] tensor, got {shape}")
-    encoded = []
-    for array in to_uint8_hwc(images).numpy():
-        buffer = io.BytesIO()
-        Image.fromarray(array).save(buffer, format="PNG")
-        encoded.append(base64.b64encode(buffer.getvalue()).decode("ascii"))
-    return encoded
+    return [base64.b64encode(raw).decode("ascii") for raw in encode_images_bytes(images, "PNG")]
 
 
 def decode_images_png_b64(encoded: Sequence[str]) -> torch.Tensor:
@@ -95,168 +121,135 @@ def decode_images_png_b64(encoded: Sequence[str]) -> torch.Tensor:
     return stacked.float() / 255.0
 
 
-# ---------------------------------------------------------------------- transport (shared with vlm_judge)
-#
-# ``name`` below is how errors name the endpoint, e.g. "reward server http://host:8000/score".
+def parse_scores(data: Any, expected: int, keys: Sequence[str], name: str) -> list[float]:
+    """The finite scores under the first of ``keys`` in the answer ``data``; a malformed-response
+    error naming the problem otherwise."""
 
+    def bad(problem: str) -> RewardServerError:
+        return malformed_response(name, problem)
 
-class RetryableError(Exception):
-    """An attempt failed in a way that is worth retrying (connection error, timeout, 5xx, 429).
-
-    ``answered`` is True when the server did answer (with a retryable HTTP status).
-    """
-
-    def __init__(self, message: str, *, answered: bool = False) -> None:
-        super().__init__(message)
-        self.answered = answered
-
-
-def check_retry_settings(reward: str, *, timeout_s: float, max_retries: int, backoff_s: float) -> None:
-    """Raise ``ValueError("reward '<reward>': ...")`` for a bad timeout, retry count or backoff."""
-    if not timeout_s > 0:
-        raise ValueError(f"reward '{reward}': timeout_s must be > 0, got {timeout_s!r}")
-    if not isinstance(max_retries, int) or max_retries < 1:
-        raise ValueError(f"reward '{reward}': max_retries must be an int >= 1, got {max_retries!r}")
-    if not backoff_s >= 0:
-        raise ValueError(f"reward '{reward}': backoff_s must be >= 0, got {backoff_s!r}")
-
-
-def retry_with_backoff(attempt: Callable[[], _T], *, max_retries: int, backoff_s: float, name: str) -> _T:
-    """``attempt()``, called again while it raises :class:`RetryableError`, up to ``max_retries``
-    calls in total with ``backoff_s * 2**k`` seconds of sleep before retry ``k + 1``. Any other
-    exception propagates at once. When every call failed, raises :class:`RewardServerError`:
-    ``"<name> failed|unreachable after <n> attempts: <last error>"`` ("failed" when the server
-    answered the last time)."""
-    last_error: RetryableError | None = None
-    for index in range(1, max_retries + 1):
-        if index > 1:
-            time.sleep(backoff_s * 2 ** (index - 2))
-        try:
-            return attempt()
-        except RetryableError as exc:
-            last_error = exc
-    assert last_error is not None
-    outcome = "failed" if last_error.answered else "unreachable"
-    raise RewardServerError(f"{name} {outcome} after {max_retries} attempts: {last_error}")
-
-
-def json_headers(token: str | None) -> dict[str, str]:
-    """Headers of a JSON POST, with ``Authorization: Bearer <token>`` when a token is given."""
-    headers = {"Content-Type": "application/json", "Accept": "application/json"}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    return headers
-
-
-def post_once(url: str, body: bytes, headers: dict[str, str], *, timeout_s: float, name: str) -> bytes:
-    """One POST; returns the 2xx body. Raises :class:`RetryableError` for connection errors,
-    timeouts, 5xx and 429, :class:`RewardServerError` for other HTTP errors."""
-    request = urllib.request.Request(url, data=body, headers=headers, method="POST")
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return response.read()
-    except urllib.error.HTTPError as exc:
-        detail = snippet(exc.read())
-        message = f"HTTP {exc.code} {exc.reason}" + (f": {detail}" if detail else "")
-        if exc.code >= 500 or exc.code in _RETRYABLE_STATUS:
-            raise RetryableError(message, answered=True) from exc
-        raise RewardServerError(f"{name} rejected the request: {message}") from exc
-    except urllib.error.URLError as exc:  # connection refused, DNS failure, timeout while connecting
-        reason = exc.reason
-        raise RetryableError(str(reason) if not isinstance(reason, socket.timeout) else "timed out") from exc
-    except (TimeoutError, socket.timeout) as exc:
-        raise RetryableError(f"timed out after {timeout_s:g} s") from exc
-    except (OSError, http.client.HTTPException) as exc:  # reset, aborted or truncated response
-        raise RetryableError(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc
-
-
-def post_with_retries(
-    url: str, body: bytes, token: str | None, *, timeout_s: float, max_retries: int, backoff_s: float, name: str
-) -> bytes:
-    """POST the JSON ``body`` (:func:`post_once`, :func:`json_headers`) with :func:`retry_with_backoff`;
-    returns the 2xx body."""
-    headers = json_headers(token)
-    return retry_with_backoff(
-        lambda: post_once(url, body, headers, timeout_s=timeout_s, name=name),
-        max_retries=max_retries,
-        backoff_s=backoff_s,
-        name=name,
-    )
-
-
-def check_tcp_reachable(
-    parsed: urllib.parse.SplitResult, name: str, *, timeout_s: float, max_retries: int, backoff_s: float
-) -> None:
-    """Open (and close) a TCP connection to the host of the URL ``parsed``, retried with backoff as
-    :func:`retry_with_backoff`; raises ``RewardServerError("<name> unreachable after ...")``."""
-    port = parsed.port or (443 if parsed.scheme == "https" else 80)
-
-    def connect() -> None:
-        try:
-            with socket.create_connection((parsed.hostname, port), timeout=timeout_s):
-                return
-        except OSError as exc:
-            raise RetryableError(str(exc)) from exc
-
-    retry_with_backoff(connect, max_retries=max_retries, backoff_s=backoff_s, name=name)
-
-
-def malformed_response(name: str, problem: str) -> RewardServerError:
-    return RewardServerError(f"{name} returned a malformed response: {problem}")
-
-
-def load_json_body(payload: bytes, name: str) -> Any:
-    """``json.loads(payload)``; :func:`malformed_response` naming the body's start if it is not JSON."""
-    try:
-        return json.loads(payload)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise malformed_response(name, f"not JSON ({exc}); body starts with {snippet(payload)!r}") from None
-
-
-def snippet(payload: bytes, limit: int = 200) -> str:
-    """The start of a response body, for error messages."""
-    text = payload.decode("utf-8", errors="replace").strip()
-    return text if len(text) <= limit else text[:limit] + "..."
+    if not isinstance(data, dict):
+        raise bad(f"expected an object with a {' or '.join(map(repr, keys))} key, got {type(data).__name__}")
+    key = next((k for k in keys if k in data), None)
+    if key is None:
+        shown = sorted(map(str, data))[:20]
+        raise bad(f"expected an object with a {' or '.join(map(repr, keys))} key, got keys {shown}")
+    scores = data[key]
+    if isinstance(scores, tuple):
+        scores = list(scores)
+    if not isinstance(scores, list):
+        raise bad(f"{key!r} must be a list, got {type(scores).__name__}")
+    if len(scores) != expected:
+        raise bad(f"got {len(scores)} {key} for {expected} samples")
+    for index, value in enumerate(scores):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise bad(f"score {index} is not a finite number: {value!r}")
+    return [float(value) for value in scores]
 
 
 @register_reward("http")
 class HttpReward(RewardFn):
-    """Reward from a remote server speaking the JSON protocol in the module docstring.
+    """Reward from a remote server speaking the JSON or the pickle protocol (module docstring).
 
     Args:
         url: endpoint to POST to, e.g. ``http://reward-host:8000/score``.
-        timeout_s: per-request timeout (connect and read), seconds.
+        protocol: ``"json"`` (ours) or ``"pickle"`` (flow_grpo / ddpo reward servers, veRL-Omni).
+        timeout_s: total deadline of one attempt (connect, send, and the whole answer), seconds.
         max_retries: attempts per request in total, the first one included (>= 1).
         backoff_s: sleep before the first retry; doubles for each further retry.
         token: sent as ``Authorization: Bearer <token>`` if given.
-        batch_size: images per request; larger batches are split into several requests.
+        batch_size: samples per request; larger batches are split into several requests.
+        concurrency: requests in flight at once (>= 1).
+        video: ``"frames"``: each frame is scored as an image and the scores averaged;
+            ``"clip"``: whole clips are sent (``videos`` with ``frames`` and ``fps``).
+        fps: frames per second sent with clips.
+        max_response_mb: largest answer accepted, MiB.
+        metadata_keys: the request fields that carry the per-sample metadata (pickle protocol;
+            flow_grpo's GenEval server reads ``meta_datas``, others ``metadata``).
+        extra_fields: more request fields, sent as they are (e.g. ``{"only_strict": false}``).
+        score_key: the answer's field with the scores (default: ``rewards`` then ``scores``
+            for JSON, ``scores`` then ``rewards`` for pickle).
+        jpeg_quality: JPEG quality of the pickle protocol's images.
     """
+
+    supports_video = True  # handled here: frame by frame or as clips
 
     def __init__(
         self,
         url: str,
+        protocol: str = "json",
         timeout_s: float = 30.0,
         max_retries: int = 3,
         backoff_s: float = 0.5,
         token: str | None = None,
         batch_size: int = 32,
+        concurrency: int = 1,
+        video: str = "frames",
+        fps: float = 16.0,
+        max_response_mb: float = 16.0,
+        metadata_keys: Sequence[str] = ("metadata", "meta_datas"),
+        extra_fields: Mapping[str, Any] | None = None,
+        score_key: str | None = None,
+        jpeg_quality: int = 95,
     ) -> None:
+        def bad(message: str) -> ValueError:
+            return ValueError(f"reward 'http': {message}")
+
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise ValueError(f"reward 'http': url must start with http:// or https://, got {url!r}")
-        check_retry_settings("http", timeout_s=timeout_s, max_retries=max_retries, backoff_s=backoff_s)
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"reward 'http': batch_size must be an int >= 1, got {batch_size!r}")
+            raise bad(f"url must start with http:// or https://, got {url!r}")
+        if protocol not in PROTOCOLS:
+            raise bad(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+        check_retry_settings(
+            "http", timeout_s=timeout_s, max_retries=max_retries, backoff_s=backoff_s, max_response_mb=max_response_mb
+        )
+        for key, value in (("batch_size", batch_size), ("concurrency", concurrency)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise bad(f"{key} must be an int >= 1, got {value!r}")
+        if video not in VIDEO_MODES:
+            raise bad(f"video must be one of {', '.join(VIDEO_MODES)}, got {video!r}")
+        if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps < float("inf"):
+            raise bad(f"fps must be a finite number > 0, got {fps!r}")
+        if isinstance(metadata_keys, str) or not all(isinstance(k, str) and k for k in metadata_keys):
+            raise bad(f"metadata_keys must be a list of field names, got {metadata_keys!r}")
+        extra = dict(extra_fields or {})
+        reserved = {"images", "videos", "prompts", "fps", *metadata_keys} & set(extra)
+        if reserved:
+            raise bad(f"extra_fields may not set {sorted(reserved)} (the protocol's own fields)")
+        if not isinstance(jpeg_quality, int) or not 1 <= jpeg_quality <= 100:
+            raise bad(f"jpeg_quality must be an int in [1, 100], got {jpeg_quality!r}")
         self.url = url
+        self.protocol = protocol
         self.timeout_s = float(timeout_s)
         self.max_retries = max_retries
         self.backoff_s = float(backoff_s)
         self.token = token
         self.batch_size = batch_size
+        self.concurrency = concurrency
+        self.video = video
+        self.fps = float(fps)
+        self.max_response_bytes = int(max_response_mb * 1024 * 1024)
+        self.metadata_keys = list(metadata_keys) if protocol == "pickle" else ["metadata"]
+        self.extra_fields = extra
+        default_keys = ["rewards", "scores"] if protocol == "json" else ["scores", "rewards"]
+        self.score_keys = [score_key] if score_key else default_keys
+        self.jpeg_quality = jpeg_quality
 
     @property
     def _server(self) -> str:
         """How errors name the server."""
         return f"reward server {self.url}"
+
+    def _endpoint(self) -> Endpoint:
+        return Endpoint(
+            self.url,
+            name=self._server,
+            token=self.token,
+            timeout_s=self.timeout_s,
+            max_retries=self.max_retries,
+            backoff_s=self.backoff_s,
+            max_response_bytes=self.max_response_bytes,
+            concurrency=self.concurrency,
+        )
 
     def check_reachable(self) -> None:
         """Open (and close) a TCP connection to the server, with the same retries and backoff.
@@ -271,38 +264,68 @@ class HttpReward(RewardFn):
             parsed, self._server, timeout_s=self.timeout_s, max_retries=self.max_retries, backoff_s=self.backoff_s
         )
 
-    def score_images(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        rewards: list[float] = []
-        for start in range(0, images.shape[0], self.batch_size):
-            stop = start + self.batch_size
-            rewards.extend(self._request(prompts[start:stop], images[start:stop]))
-        return torch.tensor(rewards, dtype=torch.float32)
+    # ------------------------------------------------------------------ scoring
 
-    # ------------------------------------------------------------------ transport
+    def score_images(
+        self, images: torch.Tensor, prompts: list[str], metadata: Sequence[Mapping[str, Any]] | None = None
+    ) -> torch.Tensor:
+        records = [dict(r) for r in check_metadata(self.name, metadata, len(prompts))]
+        images = images.detach().cpu()
+        if images.dim() == 5 and self.video == "frames":
+            batch, _, frames = images.shape[:3]
+            flat = images.permute(0, 2, 1, 3, 4).reshape(batch * frames, *images.shape[1:2], *images.shape[3:])
+            per_frame = self._request_scores(
+                flat, [p for p in prompts for _ in range(frames)], [r for r in records for _ in range(frames)]
+            )
+            return per_frame.view(batch, frames).mean(dim=1)
+        return self._request_scores(images, prompts, records)
 
-    def _request(self, prompts: list[str], images: torch.Tensor) -> list[float]:
-        body = json.dumps({"prompts": prompts, "images": encode_images_png_b64(images)}).encode("utf-8")
-        retries = {"timeout_s": self.timeout_s, "max_retries": self.max_retries, "backoff_s": self.backoff_s}
-        payload = post_with_retries(self.url, body, self.token, **retries, name=self._server)
-        return self._parse(payload, expected=len(prompts))
+    def _request_scores(self, images: torch.Tensor, prompts: list[str], records: list[dict[str, Any]]) -> torch.Tensor:
+        chunks = [(start, min(start + self.batch_size, len(prompts))) for start in range(0, len(prompts), self.batch_size)]
+        bodies = [self._body(images[a:b], prompts[a:b], records[a:b]) for a, b in chunks]
+        content_type = "application/json" if self.protocol == "json" else "application/octet-stream"
+        answers = self._endpoint().post_many(bodies, content_type)
+        scores: list[float] = []
+        for (a, b), payload in zip(chunks, answers, strict=True):
+            scores.extend(parse_scores(self._decode(payload), b - a, self.score_keys, self._server))
+        return torch.tensor(scores, dtype=torch.float32)
 
-    def _parse(self, payload: bytes, expected: int) -> list[float]:
-        def bad(problem: str) -> RewardServerError:
-            return malformed_response(self._server, problem)
+    def _body(self, images: torch.Tensor, prompts: list[str], records: list[dict[str, Any]]) -> bytes:
+        pickle = self.protocol == "pickle"
+        fmt = "JPEG" if pickle else "PNG"
 
-        data = load_json_body(payload, self._server)
-        if not isinstance(data, dict) or "rewards" not in data:
-            keys = sorted(data) if isinstance(data, dict) else type(data).__name__
-            raise bad(f"expected an object with a 'rewards' key, got {keys}")
-        rewards = data["rewards"]
-        if not isinstance(rewards, list):
-            raise bad(f"'rewards' must be a list, got {type(rewards).__name__}")
-        if len(rewards) != expected:
-            raise bad(f"got {len(rewards)} rewards for {expected} images")
-        for index, value in enumerate(rewards):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise bad(f"reward {index} is not a finite number: {value!r}")
-        return [float(value) for value in rewards]
+        def encode(batch: torch.Tensor) -> list[Any]:
+            raw = encode_images_bytes(batch, fmt, self.jpeg_quality)
+            return raw if pickle else [base64.b64encode(r).decode("ascii") for r in raw]
+
+        payload: dict[str, Any] = dict(self.extra_fields)
+        if images.dim() == 5:  # clips: [B, 3, F, H, W] -> one list of frames per clip
+            payload["videos"] = [{"frames": encode(clip.permute(1, 0, 2, 3)), "fps": self.fps} for clip in images]
+        else:
+            payload["images"] = encode(images)
+        payload["prompts"] = list(prompts)
+        for key in self.metadata_keys:
+            payload[key] = records
+        if pickle:
+            return safe_dumps(payload)
+        try:
+            return json.dumps(payload, allow_nan=False).encode("utf-8")
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"reward 'http': the request cannot be sent as JSON ({exc}); the prompt records (metadata) must hold "
+                "JSON values only, or use protocol='pickle'"
+            ) from None
+
+    def _decode(self, payload: bytes) -> Any:
+        if self.protocol == "json":
+            return parse_json_answer(payload, self._server)
+        try:
+            return safe_loads(payload)
+        except UnsafePickleError as exc:
+            raise malformed_response(self._server, f"{exc}; body starts with {payload[:40]!r}") from None
 
     def __repr__(self) -> str:
-        return f"HttpReward(url={self.url!r}, batch_size={self.batch_size}, max_retries={self.max_retries})"
+        return (
+            f"HttpReward(url={self.url!r}, protocol={self.protocol!r}, batch_size={self.batch_size}, "
+            f"video={self.video!r}, max_retries={self.max_retries})"
+        )

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from verl_digen.rewards.base import RewardFn, _check_inputs, build_reward, register_reward
+from verl_digen.rewards.base import RewardFn, _check_inputs, build_reward, check_metadata, register_reward
 
 __all__ = ["WeightedReward"]
 
@@ -55,18 +55,23 @@ class WeightedReward(RewardFn):
         return {label: weight for label, _, weight in self.components}
 
     def score_with_components(
-        self, images: torch.Tensor, prompts: Sequence[str]
+        self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]] | None = None
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The weighted sum ``[B]`` and each component's unweighted score ``[B]`` by label."""
+        """The weighted sum ``[B]`` and each component's unweighted score ``[B]`` by label.
+
+        ``metadata`` (one prompt record per sample) reaches every component."""
         prompts = _check_inputs(self.name, images, prompts)
-        parts = {label: reward(images, prompts) for label, reward, _ in self.components}
+        records = check_metadata(self.name, metadata, len(prompts))
+        parts = {label: reward(images, prompts, records) for label, reward, _ in self.components}
         total = torch.zeros(images.shape[0], dtype=torch.float32, device=images.device)
         for label, _, weight in self.components:
             total = total + weight * parts[label]
         return total, parts
 
-    def score_images(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        return self.score_with_components(images, prompts)[0]
+    def score_images(
+        self, images: torch.Tensor, prompts: list[str], metadata: Sequence[Mapping[str, Any]] | None = None
+    ) -> torch.Tensor:
+        return self.score_with_components(images, prompts, metadata)[0]
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{label}*{weight:g}" for label, _, weight in self.components)

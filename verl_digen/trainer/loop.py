@@ -75,10 +75,12 @@ class DigenTrainer:
         resolve.check_loggers(self.trainer_cfg)
         self.layout = pool_layout(cfg, cluster_from_trainer_config(self.trainer_cfg))
         self.spec = self.layout.spec
-        self.prompts = resolve.resolve_prompts(cfg)
+        self.prompt_records = resolve.resolve_prompt_records(cfg)  # each prompt's record: its rewards' metadata
+        self.prompts = [record["prompt"] for record in self.prompt_records]
         self.emulated = cfg.emulate.model is not None
         self.test_freq = -1 if self.emulated else int(self.trainer_cfg.get("test_freq", -1) or -1)
-        self.val_prompts = resolve.resolve_prompts(cfg, cfg.validation.prompts)[: cfg.validation.num_prompts]
+        self.val_records = resolve.resolve_prompt_records(cfg, cfg.validation.prompts)[: cfg.validation.num_prompts]
+        self.val_prompts = [record["prompt"] for record in self.val_records]
         resolve.preflight_reward(cfg)
         # An emulated cluster has no model, no weights to save and nothing to resume.
         self.model_path = "<emulated>" if self.emulated else resolve.resolve_model_path(cfg)
@@ -195,6 +197,7 @@ class DigenTrainer:
                 ids = group_ids(prompts_until, self.spec.groups_per_step)
                 for g, (idx, prompt) in zip(ids, sampler.next(len(ids))):
                     executor.prompts[g] = (idx, prompt)
+                    executor.metadata[g] = self.prompt_records[idx]
             self.checkpoints.note_sampler(prompts_until + 1, sampler.state_dict())
 
         self.checkpoints.note_sampler(first, sampler.state_dict())
@@ -247,7 +250,7 @@ class DigenTrainer:
 
         ranks = self.spec.trainers if self.spec.fsdp else self.spec.trainers[:1]  # FSDP: lockstep forwards
         val_dir = os.path.join(self.output_dir, "val")
-        out = ray.get([actors[w].validate.remote(self.val_prompts, step, val_dir) for w in ranks],
+        out = ray.get([actors[w].validate.remote(self.val_prompts, step, val_dir, self.val_records) for w in ranks],
                       timeout=self.cfg.task_timeout_s)[0]
         grid = np.asarray(Image.open(out["grid_path"]).convert("RGB"))
         loggers = list(self.trainer_cfg.logger)

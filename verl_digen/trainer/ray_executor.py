@@ -59,6 +59,7 @@ class RayPlanExecutor(PlanRunner):
         self.std_mode = std_mode
         self.timeout_s = timeout_s
         self.prompts: dict[int, tuple[int, str]] = {}  # group -> (prompt index, prompt)
+        self.metadata: dict[int, dict[str, Any]] = {}  # group -> its prompt's record (reaches the reward)
         self.outputs: dict[str, ray.ObjectRef] = {}  # generate task id -> DataProto ref
         self.gen_of_group: dict[int, str] = {}
         self.row_groups: dict[int, torch.Tensor] = {}
@@ -84,6 +85,7 @@ class RayPlanExecutor(PlanRunner):
             "group_ids": list(task.groups),
             "prompts": [self.prompts[g][1] for g in task.groups],
             "prompt_indices": [self.prompts[g][0] for g in task.groups],
+            "metadata": [self.metadata.get(g, {}) for g in task.groups],
             "step": task.step,
             "version": task.version,
         }

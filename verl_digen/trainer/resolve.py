@@ -78,24 +78,32 @@ def check_safetensors(path: str) -> None:
 
 
 def resolve_prompts(cfg: DigenConfig, source: str | None = None) -> list[str]:
-    from verl_digen.data import builtin_prompts, load_prompts
+    return [record["prompt"] for record in resolve_prompt_records(cfg, source)]
+
+
+def resolve_prompt_records(cfg: DigenConfig, source: str | None = None) -> list[dict[str, Any]]:
+    """The prompt records (``{"prompt": ..., <ground truth and other fields>}``) of the run."""
+    from verl_digen.data import builtin_prompt_records, load_prompt_records
 
     key = "digen.data.prompts" if source is None else "digen.validation.prompts"
     source = source or cfg.data.prompts
     try:
-        prompts = builtin_prompts(source.split(":", 1)[1]) if source.startswith("builtin:") else load_prompts(source)
+        if source.startswith("builtin:"):
+            records = builtin_prompt_records(source.split(":", 1)[1])
+        else:
+            records = load_prompt_records(source)
     except FileNotFoundError as e:
         raise FileNotFoundError(f"{key}: {e}") from None
     except ValueError as e:
         raise ConfigError(f"invalid config: {key}={source!r}: {e}") from None
     limit = cfg.data.max_prompt_chars
-    for i, p in enumerate(prompts):
-        if len(p) > limit:
+    for i, record in enumerate(records):
+        if len(record["prompt"]) > limit:
             raise ConfigError(
-                f"invalid data: {key}={source!r}: prompt {i} has {len(p)} characters, more than "
+                f"invalid data: {key}={source!r}: prompt {i} has {len(record['prompt'])} characters, more than "
                 f"digen.data.max_prompt_chars={limit} (text encoders truncate far below this; fix the data or raise the limit)"
             )
-    return prompts
+    return records
 
 
 def check_loggers(trainer_cfg: Any) -> None:

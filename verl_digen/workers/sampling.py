@@ -21,7 +21,7 @@ gives the images (``verl_digen.workers.validation`` is the caller).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -79,6 +79,8 @@ class GroupRequest:
     Group ``group_ids[k]`` (prompt ``prompts[k]``, dataset index ``prompt_indices[k]``) draws its
     noise from ``group_seed(seed, group_ids[k])``; ``training_step`` picks the SDE window and
     ``policy_version`` is the weights version the trajectories are recorded with.
+    ``metadata[k]`` is prompt ``k``'s record (ground truth, ...): every sample of the group
+    carries it to the reward.
     """
 
     prompts: list[str]
@@ -88,6 +90,7 @@ class GroupRequest:
     training_step: int
     seed: int
     policy_version: int
+    metadata: list[dict[str, Any]] | None = field(default=None, kw_only=True)
 
 
 @dataclass
@@ -152,6 +155,7 @@ def begin_groups(
         training_step=request.training_step,
         seed=request.seed,
         policy_version=request.policy_version,
+        metadata=request.metadata,
         window=window,
         trained=trained,
         cond={k: v.cpu() for k, v in cond.items()},
@@ -241,6 +245,10 @@ def finish_groups(adapter: DiffusionAdapter, state: GroupsInFlight, settings: Sa
         "prompt_index": np.array([p for p in state.prompt_indices for _ in range(g)], dtype=np.int64),
         "policy_version": np.full(batch, state.policy_version, dtype=np.int64),
     }
+    if state.metadata is not None:  # each sample carries its prompt's record to the reward
+        records = np.empty(batch, dtype=object)
+        records[:] = [record for record in state.metadata for _ in range(g)]
+        non_tensors["metadata"] = records
     return DataProto.from_dict(
         tensors=tensors,
         non_tensors=non_tensors,

@@ -154,7 +154,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
     def generate(self, request: dict[str, Any], state: GroupsInFlight | None = None) -> DataProto | GroupsInFlight:
         """Sample whole groups, or one TSP stage of them.
 
-        ``request``: group_ids, prompts, prompt_indices, step, version, and for a TSP stage
+        ``request``: group_ids, prompts, prompt_indices, metadata (each prompt's record), step, version, and for a TSP stage
         ``denoise`` = (start, end); a stage after the first receives the previous stage's
         ``state``. The last stage (or a plain call) returns the trajectory record.
         """
@@ -176,6 +176,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
                 training_step=request["step"],
                 seed=self.cfg.seed,
                 policy_version=self.policy_version,
+                metadata=request.get("metadata"),
             )
             state = begin_groups(self.adapter, groups, self.settings)
         elif state.policy_version != self.policy_version:
@@ -222,7 +223,10 @@ class DiffusionWorker(Worker, WeightSyncMixin):
 
     def compute_reward(self, data: DataProto) -> dict[str, Any]:
         prompts = [str(p) for p in data.non_tensor_batch["prompt"]]
-        rewards = self.reward_fn(data.batch["images"], prompts)
+        # Each sample's prompt record (ground truth, ...) when the data had one.
+        records = data.non_tensor_batch.get("metadata")
+        metadata = [dict(r) for r in records] if records is not None else None
+        rewards = self.reward_fn(data.batch["images"], prompts, metadata)
         return {
             "group_id": torch.tensor(data.non_tensor_batch["group_id"].astype(np.int64)),
             "rewards": rewards.detach().float().cpu(),
@@ -307,8 +311,12 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         self.prompt_cache = cache
         return {**cache.stats(), "bytes_freed": freed}
 
-    def validate(self, prompts: list[str], step: int, out_dir: str) -> dict[str, Any]:
-        """Deterministic samples of held-out prompts with the newest weights (EMA when on)."""
+    def validate(
+        self, prompts: list[str], step: int, out_dir: str, metadata: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
+        """Deterministic samples of held-out prompts with the newest weights (EMA when on).
+
+        ``metadata``: each prompt's record (ground truth, ...), for the reward."""
         from contextlib import nullcontext
 
         from verl_digen.workers.validation import run_validation
@@ -318,11 +326,14 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         import tempfile
 
         ema = getattr(self.trainer, "ema", None) if self.trainer is not None else None
+        reward = self.reward_fn
+        if metadata is not None:  # the held-out prompts' records reach the reward as in training
+            reward = lambda images, batch_prompts: self.reward_fn(images, batch_prompts, metadata)  # noqa: E731
         # Under FSDP every trainer rank samples (forwards are collectives); rank 0 writes.
         target = out_dir if self.rank == 0 else tempfile.mkdtemp(prefix="digen_val_")
         with ema.swapped_in() if ema is not None else nullcontext():
             result = run_validation(
-                self.adapter, prompts, self.settings, self.reward_fn, seed=self.cfg.validation.seed, step=step,
+                self.adapter, prompts, self.settings, reward, seed=self.cfg.validation.seed, step=step,
                 out_dir=target,
             )
         out = {"metrics": result.metrics(prefix="val"), "grid_path": result.grid_path}

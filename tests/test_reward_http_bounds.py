@@ -1,0 +1,393 @@
+"""Bounds of the HTTP reward client and of the reward server (issue 18, items 2 and 3), and the
+pickle protocol's restricted unpickler.
+
+Every server is real and on 127.0.0.1 (the test's own ``http.server`` handlers where a server
+must misbehave on purpose: redirect, oversize, drip; our FastAPI/uvicorn server otherwise);
+every request and every wait is bounded in time.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import pickle
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+
+from verl_digen.rewards import HttpReward, RewardFn, RewardServerError, UnsafePickleError, safe_dumps, safe_loads
+from verl_digen.rewards.serve import MAX_JSON_DEPTH, RewardServer
+
+from runs import JsonHandler, quantised_rand, serve
+
+pytestmark = pytest.mark.usefixtures("loopback_no_proxy")
+TIMEOUT = 10.0
+
+
+# --------------------------------------------------------------------------- restricted unpickler
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def test_safe_loads_accepts_plain_data() -> None:
+    value = {"scores": [0.5, 1, -2.0], "nested": ({"a": b"\xff\x00", "b": None, "c": True}, {1, 2}, frozenset({3})),
+             "text": "é", "big": 10**30, "c": 1 + 2j}
+    for protocol in range(0, pickle.HIGHEST_PROTOCOL + 1):
+        assert safe_loads(pickle.dumps(value, protocol=protocol)) == value
+    assert safe_loads(safe_dumps(value)) == value
+
+
+@pytest.mark.parametrize(
+    ("payload", "named"),
+    [
+        (_Evil(), "posix.system"),
+        (np.float64(0.5), "numpy"),
+        (np.zeros(2), "numpy"),
+        (threading.Lock, "_thread"),
+    ],
+    ids=["os.system", "numpy-scalar", "numpy-array", "a-class"],
+)
+def test_safe_loads_refuses_globals_by_name(payload, named: str) -> None:
+    data = pickle.dumps({"scores": [payload]})
+    with pytest.raises(UnsafePickleError, match=rf"refusing to unpickle global '{named}"):
+        safe_loads(data)
+
+
+def test_safe_loads_corrupt_is_named() -> None:
+    with pytest.raises(UnsafePickleError, match="not a valid pickle"):
+        safe_loads(pickle.dumps([1, 2, 3])[:-3])
+
+
+# --------------------------------------------------------------------------- misbehaving servers
+
+
+@dataclass
+class Seen:
+    requests: int = 0
+    auth: list = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class _Recorder(JsonHandler):
+    """Records every request (and its Authorization header), answers a valid score."""
+
+    state: Seen
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        with self.state.lock:
+            self.state.requests += 1
+            self.state.auth.append(self.headers.get("Authorization"))
+        self.reply(200, {"rewards": [1.0]})
+
+    do_GET = do_POST
+
+
+class _Redirector(JsonHandler):
+    state: dict
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(self.state["status"])
+        self.send_header("Location", self.state["to"])
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+def test_client_never_follows_redirects_nor_leaks_the_token(status: int) -> None:
+    thief = Seen()
+    with serve(_Recorder, thief) as thief_url, serve(_Redirector, {"status": status, "to": thief_url + "/steal"}) as url:
+        reward = HttpReward(url + "/score", token="s3cret", max_retries=3, backoff_s=0.01, timeout_s=TIMEOUT)
+        start = time.monotonic()
+        with pytest.raises(RewardServerError, match=rf"answered HTTP {status} redirecting to .*/steal.*not followed"):
+            reward(quantised_rand(1, 3, 4, 4), ["a"])
+        assert time.monotonic() - start < 2.0  # not retried
+    assert thief.requests == 0 and thief.auth == []  # the redirect target never heard from us
+
+
+class _Big(JsonHandler):
+    """Answers ``size`` bytes of a JSON-looking body, with or without a Content-Length."""
+
+    state: dict
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        size, declared = self.state["size"], self.state["declared"]
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        if declared:
+            self.send_header("Content-Length", str(size))
+        else:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        chunk = b" " * 65536
+        sent = 0
+        try:
+            while sent < size:
+                self.wfile.write(chunk)
+                sent += len(chunk)
+            with self.state["lock"]:
+                self.state["sent_all"] += 1
+        except (BrokenPipeError, ConnectionResetError):  # the client stopped reading: what we want
+            pass
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["content-length", "streamed"])
+def test_client_caps_the_response_size(declared: bool) -> None:
+    state = {"size": 64 * 1024 * 1024, "declared": declared, "sent_all": 0, "lock": threading.Lock()}
+    with serve(_Big, state) as url:
+        reward = HttpReward(url, max_response_mb=1, max_retries=2, backoff_s=0.01, timeout_s=TIMEOUT)
+        with pytest.raises(RewardServerError, match=r"answered with .*\d+ bytes, above the limit"):
+            reward(quantised_rand(1, 3, 4, 4), ["a"])
+    assert state["sent_all"] == 0  # the client hung up long before 64 MiB
+
+
+class _Drip(JsonHandler):
+    """Sends a valid header, then one byte of the body every 0.2 s for ~30 s."""
+
+    state: dict
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        body = b'{"rewards": [1.0]}'.rjust(150)
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        try:
+            for byte in body:
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+                time.sleep(0.2)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+
+def test_client_deadline_is_total_not_per_read() -> None:
+    with serve(_Drip, {}) as url:
+        # Each byte arrives well within 1 s (a per-read timeout would never fire), the whole
+        # answer would take 30 s: the 1 s deadline per attempt must cut both attempts short.
+        reward = HttpReward(url, timeout_s=1.0, max_retries=2, backoff_s=0.01)
+        start = time.monotonic()
+        with pytest.raises(RewardServerError, match=r"unreachable after 2 attempts: timed out.*timeout_s=1 s"):
+            reward(quantised_rand(1, 3, 4, 4), ["a"])
+        elapsed = time.monotonic() - start
+    assert elapsed < 5.0, elapsed  # 2 x 1 s (+ slack on a loaded machine), never 30 s
+
+
+class _EvilPickle(JsonHandler):
+    state: dict
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.reply(200, pickle.dumps({"scores": [_Evil()]}))
+
+
+def test_client_refuses_a_pickle_answer_that_is_not_plain_data() -> None:
+    with serve(_EvilPickle, {}) as url:
+        reward = HttpReward(url, protocol="pickle", timeout_s=TIMEOUT, backoff_s=0.01)
+        with pytest.raises(RewardServerError, match=r"malformed response: refusing to unpickle global 'posix.system'"):
+            reward(quantised_rand(1, 3, 4, 4), ["a"])
+
+
+# --------------------------------------------------------------------------- server limits
+
+
+def _raw(url: str, head: bytes, body: bytes = b"", timeout: float = TIMEOUT) -> tuple[int, dict]:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        sock.sendall(head + body)
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        assert response.getheader("Content-Type", "").startswith("application/json")
+        return response.status, json.loads(response.read())
+
+
+def _post_head(length: str | list[str], extra: str = "") -> bytes:
+    lengths = [length] if isinstance(length, str) else length
+    lines = "".join(f"Content-Length: {v}\r\n" for v in lengths)
+    return f"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{extra}{lines}\r\n".encode()
+
+
+def _score_body(n: int = 1, size: int = 4) -> bytes:
+    from verl_digen.rewards import encode_images_png_b64
+
+    return json.dumps({"prompts": ["p"] * n, "images": encode_images_png_b64(quantised_rand(n, 3, size, size))}).encode()
+
+
+def test_server_strict_content_length() -> None:
+    body = _score_body()
+    with RewardServer("brightness", port=0) as srv:
+        status, data = _raw(srv.url, _post_head("1_0"), body)
+        assert status == 400 and "invalid Content-Length '1_0'" in data["error"]
+        status, data = _raw(srv.url, _post_head([str(len(body))] * 2), body)
+        assert status == 400 and "2 Content-Length headers" in data["error"]
+        status, data = _raw(srv.url, _post_head([str(len(body)), "5"]), body)
+        assert status == 400 and "Content-Length" in data["error"]
+        status, data = _raw(srv.url, _post_head("+12"), body)
+        assert status == 400
+        status, data = _raw(srv.url, _post_head(str(len(body))), body)  # and it still serves
+        assert status == 200 and len(data["rewards"]) == 1
+
+
+def test_server_malformed_http_is_a_json_400() -> None:
+    with RewardServer("brightness", port=0) as srv:
+        status, data = _raw(srv.url, b"POST /score HTTP/1.1\r\nHost x\r\n\r\n")
+        assert status == 400 and "malformed HTTP request" in data["error"]
+
+
+def test_server_deep_json_is_400_not_500() -> None:
+    with RewardServer("brightness", port=0) as srv:
+        for depth in (MAX_JSON_DEPTH + 1, 100_000):
+            body = b"[" * depth + b"]" * depth
+            status, data = _raw(srv.url, _post_head(str(len(body))), body)
+            assert status == 400 and f"deeper than {MAX_JSON_DEPTH}" in data["error"]
+        # brackets inside strings do not count
+        body = json.dumps({"prompts": ["[" * 5000], "images": [], "metadata": None}).encode()
+        status, data = _raw(srv.url, _post_head(str(len(body))), body)
+        assert status == 400 and "got 1 prompts but 0 images" in data["error"]
+
+
+@pytest.mark.parametrize("method", ["GET", "PUT", "DELETE", "PATCH", "OPTIONS"])
+def test_server_json_error_for_every_method(method: str) -> None:
+    with RewardServer("brightness", port=0) as srv:
+        for path, status in (("/score", 405), ("/nowhere", 404)):
+            if method == "GET" and path == "/score":
+                status = 405
+            head = f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n".encode()
+            got, data = _raw(srv.url, head)
+            assert got == status and isinstance(data["error"], str) and data["error"]
+
+
+def test_server_per_request_pixel_budget_is_413() -> None:
+    with RewardServer("brightness", port=0, max_request_pixels=3 * 16 * 16, max_decode_pixels=3 * 16 * 16) as srv:
+        ok = HttpReward(srv.url, batch_size=3, timeout_s=TIMEOUT)(quantised_rand(3, 3, 16, 16), list("abc"))
+        assert ok.shape == (3,)
+        with pytest.raises(RewardServerError, match=r"HTTP 413.*1024 pixels, above the server's per-request budget of 768"):
+            HttpReward(srv.url, batch_size=4, timeout_s=TIMEOUT)(quantised_rand(4, 3, 16, 16), list("abcd"))
+
+
+class _Gate(RewardFn):
+    """A reward that blocks until released (so a request keeps its decode budget)."""
+
+    name = "gate"
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def score_images(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        self.entered.set()
+        assert self.release.wait(20)
+        return images.mean(dim=(1, 2, 3))
+
+
+def test_server_global_decode_budget_makes_concurrent_requests_wait_then_503() -> None:
+    gate = _Gate()
+    budget = 2 * 16 * 16  # one 2-image request fills it
+    with RewardServer(gate, port=0, max_request_pixels=budget, max_decode_pixels=budget, decode_wait_s=0.5) as srv:
+        images = quantised_rand(2, 3, 16, 16)
+        results: dict[str, object] = {}
+
+        def first() -> None:
+            results["first"] = HttpReward(srv.url, timeout_s=TIMEOUT)(images, ["a", "b"])
+
+        thread = threading.Thread(target=first)
+        thread.start()
+        assert gate.entered.wait(TIMEOUT)  # the first request holds the whole budget, inside the reward
+        body = _score_body(1, size=16)
+        start = time.monotonic()
+        status, data = _raw(srv.url, _post_head(str(len(body))), body)
+        waited = time.monotonic() - start
+        assert status == 503 and "decode budget of 512 pixels stayed full" in data["error"]
+        assert 0.4 < waited < 5.0  # it waited decode_wait_s for room, then gave up
+        # A waiting request gets its turn as soon as the budget frees up.
+        second: dict[str, object] = {}
+        waiter = threading.Thread(
+            target=lambda: second.update(r=HttpReward(srv.url, timeout_s=TIMEOUT, max_retries=5, backoff_s=0.2)(
+                images, ["c", "d"]))
+        )
+        waiter.start()
+        time.sleep(0.2)
+        gate.release.set()
+        thread.join(TIMEOUT)
+        waiter.join(TIMEOUT)
+        torch.testing.assert_close(results["first"], images.mean(dim=(1, 2, 3)))
+        torch.testing.assert_close(second["r"], images.mean(dim=(1, 2, 3)))
+
+
+def test_server_slow_client_does_not_block_another_and_is_cut_at_the_deadline() -> None:
+    with RewardServer("brightness", port=0, read_timeout_s=3.0, decode_threads=1) as srv:
+        host, port = srv.url.removeprefix("http://").rsplit(":", 1)
+        body = _score_body()
+        with socket.create_connection((host, int(port)), timeout=TIMEOUT) as slow:
+            slow.sendall(_post_head(str(len(body))) + body[:10])  # then drips: one byte per 0.3 s
+            start = time.monotonic()
+            # Meanwhile another client is served at once.
+            images = quantised_rand(2, 3, 8, 8)
+            torch.testing.assert_close(HttpReward(srv.url, timeout_s=TIMEOUT)(images, ["a", "b"]),
+                                       images.mean(dim=(1, 2, 3)))
+            assert time.monotonic() - start < 2.5  # long before the slow request's 3 s deadline
+            response = http.client.HTTPResponse(slow)
+            status = None
+            for byte in body[10:40]:
+                try:
+                    slow.sendall(bytes([byte]))
+                except OSError:
+                    break
+                time.sleep(0.3)
+                ready = __import__("select").select([slow], [], [], 0)[0]
+                if ready:
+                    break
+            response.begin()
+            status, data = response.status, json.loads(response.read())
+            held = time.monotonic() - start
+        assert status == 408 and "did not arrive within 3 s" in data["error"]
+        assert held < 6.0  # a total deadline, although every byte came within 0.3 s (30 bytes: 9 s)
+
+
+def test_server_dripping_head_is_cut_at_the_deadline() -> None:
+    with RewardServer("brightness", port=0, read_timeout_s=1.0) as srv:
+        host, port = srv.url.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=TIMEOUT) as sock:
+            start = time.monotonic()
+            answer = b""
+            for byte in b"POST /score HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100:
+                try:
+                    sock.sendall(bytes([byte]))
+                except OSError:
+                    break
+                time.sleep(0.1)
+                if __import__("select").select([sock], [], [], 0)[0]:
+                    answer = sock.recv(4096)
+                    break
+            held = time.monotonic() - start
+        assert answer.startswith(b"HTTP/1.1 408") and b"request head did not arrive within 1 s" in answer
+        assert held < 3.0
+
+
+def test_server_bounds_connections_with_a_json_503() -> None:
+    with RewardServer("brightness", port=0, max_connections=3) as srv:
+        host, port = srv.url.removeprefix("http://").rsplit(":", 1)
+        idle = [socket.create_connection((host, int(port)), timeout=TIMEOUT) for _ in range(3)]
+        try:
+            time.sleep(1.0)  # let the server accept them
+            body = _score_body()
+            status, data = _raw(srv.url, _post_head(str(len(body))), body)
+            assert status == 503 and "more than 3 connections" in data["error"]
+        finally:
+            for sock in idle:
+                sock.close()
+        time.sleep(0.3)
+        status, data = _raw(srv.url, _post_head(str(len(body))), body)
+        assert status == 200
