@@ -176,7 +176,7 @@ def open_clip_forward(state: dict, images: torch.Tensor, tokens: torch.Tensor, h
     return (F.normalize(image, dim=-1) * F.normalize(text, dim=-1)).sum(-1)
 
 
-def test_hpsv2_from_an_open_clip_checkpoint_matches_open_clip_maths(clip_dir: str, tmp_path) -> None:
+def test_hpsv2_from_an_open_clip_checkpoint_matches_open_clip_maths(clip_dir: str, tmp_path, monkeypatch) -> None:
     """The original HPS ``.pt`` layout ({"state_dict": open_clip tensors}) is converted on load;
     the score equals an independent plain-torch open_clip forward over the original tensors."""
     from transformers import CLIPTokenizer
@@ -195,6 +195,24 @@ def test_hpsv2_from_an_open_clip_checkpoint_matches_open_clip_maths(clip_dir: st
     scores = reward(images, PROMPTS)
     torch.testing.assert_close(scores, expected, atol=1e-5, rtol=1e-4)
     assert scores[0] != scores[1]
+
+    # the same file named inside a directory, or inside a hub id (through the huggingface_hub cache)
+    by_dir = build_reward("hpsv2", model_path=str(tmp_path), filename="HPS_tiny.pt", **kwargs)
+    torch.testing.assert_close(by_dir(images, PROMPTS), scores)
+    import huggingface_hub
+
+    calls = []
+
+    def fake_download(repo_id: str, filename: str, **_: object) -> str:
+        calls.append((repo_id, filename))
+        return str(tmp_path / filename)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
+    by_hub = build_reward("hpsv2", model_path="xswu/HPSv2", filename="HPS_tiny.pt", **kwargs)
+    assert calls == [("xswu/HPSv2", "HPS_tiny.pt")]
+    torch.testing.assert_close(by_hub(images, PROMPTS), scores)
+    with pytest.raises(FileNotFoundError, match="no HPS_v2.1_compressed.pt in"):
+        build_reward("hpsv2", model_path=str(tmp_path), filename="HPS_v2.1_compressed.pt", **kwargs)
 
     class Payload:
         def __reduce__(self):

@@ -36,7 +36,7 @@ from PIL import Image
 from verl_digen.rewards.base import RewardFn, register_reward
 from verl_digen.rewards.clip_score import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from verl_digen.rewards.jpeg import to_uint8_hwc
-from verl_digen.rewards.preference import AestheticMLP, _dtype
+from verl_digen.rewards.preference import AestheticMLP, _dtype, checkpoint_file
 
 __all__ = [
     "IMAGE_REWARD_MEAN",
@@ -191,25 +191,6 @@ def image_reward_preprocess(images: torch.Tensor, size: int = 224) -> torch.Tens
     return torch.stack(out)
 
 
-def _checkpoint_file(model_path: str) -> Path:
-    path = Path(model_path).expanduser()
-    if path.is_file():
-        return path
-    if path.is_dir():
-        if not (path / "ImageReward.pt").is_file():
-            raise FileNotFoundError(f"reward 'imagereward': no ImageReward.pt in {model_path!r}")
-        return path / "ImageReward.pt"
-    looks_local = path.is_absolute() or model_path.startswith((".", "~")) or model_path.count("/") != 1
-    if looks_local:
-        raise FileNotFoundError(f"reward 'imagereward': {model_path!r} is not a file, a directory or a hub id")
-    from huggingface_hub import hf_hub_download
-
-    try:
-        return Path(hf_hub_download(repo_id=model_path, filename="ImageReward.pt"))
-    except Exception as exc:  # offline / missing: name the path
-        raise FileNotFoundError(f"reward 'imagereward': cannot fetch ImageReward.pt from hub id {model_path!r}: {exc}") from None
-
-
 def _load_tokenizer(tokenizer_path: str):
     from transformers import BertTokenizer
 
@@ -250,7 +231,7 @@ class ImageRewardReward(RewardFn):
         self.dtype = _dtype(self.name, dtype)
         self.batch_size = batch_size
         self.model_path = model_path
-        path = _checkpoint_file(model_path)
+        path = checkpoint_file(self.name, model_path, "ImageReward.pt")
         text_eps = 1e-12
         med = path.parent / "med_config.json"
         if med.is_file():

@@ -72,18 +72,43 @@ def _load_clip(reward: str, model_path: str, processor_path: str | None, device:
     return model, processor
 
 
+def checkpoint_file(reward: str, model_path: str, filename: str | None) -> Path:
+    """``model_path`` itself when it is a file; else ``filename`` inside the directory
+    ``model_path`` or, for a hub id (``org/name``), fetched through the ``huggingface_hub`` cache."""
+    path = Path(model_path).expanduser()
+    if path.is_file():
+        return path
+    if not filename:
+        raise FileNotFoundError(f"reward {reward!r}: {model_path!r} is not a file (name the checkpoint file inside it)")
+    if path.is_dir():
+        if not (path / filename).is_file():
+            raise FileNotFoundError(f"reward {reward!r}: no {filename} in {model_path!r}")
+        return path / filename
+    if path.is_absolute() or model_path.startswith((".", "~")) or model_path.count("/") != 1:
+        raise FileNotFoundError(f"reward {reward!r}: {model_path!r} is not a file, a directory or a hub id")
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return Path(hf_hub_download(repo_id=model_path, filename=filename))
+    except Exception as exc:  # offline, missing repo or file: name what was asked for
+        raise FileNotFoundError(f"reward {reward!r}: cannot fetch {filename} from hub id {model_path!r}: {exc}") from None
+
+
 def _load_open_clip(
     reward: str, model_path: str, processor_path: str | None, device: str, dtype: torch.dtype, head_widths: tuple[int, int]
 ):
-    """An ``open_clip`` ``.pt`` checkpoint (tensors only), converted to a ``transformers`` CLIPModel;
-    the tokenizer and image preprocessing come from ``processor_path`` (a CLIP processor)."""
+    """An ``open_clip`` ``.pt`` checkpoint file (tensors only), converted to a ``transformers``
+    CLIPModel; the tokenizer and image preprocessing come from ``processor_path`` (a CLIP processor)."""
     from transformers import CLIPProcessor
 
     from verl_digen.rewards.open_clip_convert import open_clip_to_transformers
 
     if not processor_path:
-        raise ValueError(f"reward {reward!r}: an open_clip checkpoint needs processor_path (a CLIP processor)")
-    checkpoint = torch.load(str(Path(model_path).expanduser()), map_location="cpu", weights_only=True)
+        raise ValueError(
+            f"reward {reward!r}: an open_clip checkpoint needs processor_path (a CLIP processor, e.g. "
+            "laion/CLIP-ViT-H-14-laion2B-s32B-b79K for HPSv2.1)"
+        )
+    checkpoint = torch.load(str(model_path), map_location="cpu", weights_only=True)
     try:
         processor = CLIPProcessor.from_pretrained(processor_path)
     except OSError as exc:
@@ -184,7 +209,12 @@ class PickScoreReward(_ClipReward):
 
 @register_reward("hpsv2")
 class HpsV2Reward(_ClipReward):
-    """HPSv2.1: ``cos(image, text)`` of the HPS-fine-tuned CLIP (module docstring)."""
+    """HPSv2.1: ``cos(image, text)`` of the HPS-fine-tuned CLIP (module docstring).
+
+    ``model_path``: the open_clip checkpoint file; or, with ``filename``
+    (``HPS_v2.1_compressed.pt``), a directory or hub id (``xswu/HPSv2``) holding it; or, without,
+    a ``transformers`` CLIP directory / hub id.
+    """
 
     def __init__(
         self,
@@ -193,14 +223,17 @@ class HpsV2Reward(_ClipReward):
         device: str = "cpu",
         dtype: str = "float32",
         batch_size: int = 32,
+        filename: str | None = None,
         vision_head_width: int = 80,
         text_head_width: int = 64,
     ) -> None:
         self.head_widths = (vision_head_width, text_head_width)  # open_clip ViT-H-14's (checkpoint files only)
+        if filename is not None or Path(model_path).expanduser().is_file():
+            model_path = str(checkpoint_file(self.name, model_path, filename))
         self._setup(model_path, processor_path, device, dtype, batch_size)
 
     def _is_open_clip_file(self, model_path: str) -> bool:
-        return Path(model_path).expanduser().is_file()
+        return Path(model_path).is_file()
 
     def score_images(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         return self.cosine(images, prompts)
