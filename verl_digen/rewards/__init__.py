@@ -9,7 +9,8 @@ Importing this package registers the built-in rewards:
 * ``clip_score`` (local ``transformers`` CLIP checkpoint; transformers is imported lazily),
 * ``http`` (remote reward server: our JSON protocol or the flow_grpo / veRL-Omni pickle one),
 * ``ocr`` (text rendering: 1 - normalised edit distance to the ground truth; ``[ocr]`` extra),
-* ``pickscore``, ``hpsv2``, ``aesthetic`` (preference models, local transformers checkpoints),
+* ``pickscore``, ``hpsv2``, ``aesthetic`` (preference models, local transformers checkpoints; HPSv2.1
+  also from its open_clip ``.pt``), ``imagereward`` (ImageReward's ``.pt`` on transformers' BLIP),
 * ``vlm_judge`` (a VLM behind an OpenAI-compatible endpoint; UnifiedReward template),
 * ``weighted`` (weighted sum of other rewards).
 
@@ -34,6 +35,7 @@ from verl_digen.rewards.http_client import (
 )
 from verl_digen.rewards.ocr import OcrReward, ocr_score
 from verl_digen.rewards.preference import AestheticReward, HpsV2Reward, PickScoreReward
+from verl_digen.rewards.image_reward import ImageRewardReward
 from verl_digen.rewards.safe_pickle import UnsafePickleError, safe_dumps, safe_loads
 from verl_digen.rewards.image_stats import BrightnessReward, ColorfulnessReward, colorfulness
 from verl_digen.rewards.jpeg import JpegCompressibilityReward, JpegIncompressibilityReward, jpeg_size_kb
@@ -66,6 +68,7 @@ __all__ = [
     "PickScoreReward",
     "HpsV2Reward",
     "AestheticReward",
+    "ImageRewardReward",
     "ocr_score",
     "UnsafePickleError",
     "safe_loads",

@@ -11,10 +11,13 @@ crop; normalise), prompts tokenised with padding and truncation to the text towe
   processor ``laion/CLIP-ViT-H-14-laion2B-s32B-b79K`` (what PickScore's own code loads).
 * ``hpsv2`` (HPSv2 / v2.1, Wu et al., 2023): ``cos(image, text)`` of the fine-tuned OpenCLIP
   ViT-H-14 (HPSv2's ``image_features @ text_features.T`` diagonal, features L2-normalised; no
-  logit scale). The checkpoint must be in ``transformers`` CLIP format (a converted
-  ``HPS_v2.1_compressed.pt``): the ``hpsv2`` / ``open_clip`` packages need ``torchvision`` and
-  pin old ``pytest`` / ``protobuf`` versions, which do not install next to this package's pinned
-  CPU ``torch``.
+  logit scale). ``model_path``: the original open_clip checkpoint file (``HPS_v2.1_compressed.pt``,
+  read with ``torch.load(weights_only=True)`` and converted in memory by
+  :mod:`verl_digen.rewards.open_clip_convert`; ``processor_path`` then names the CLIP processor,
+  e.g. ``laion/CLIP-ViT-H-14-laion2B-s32B-b79K``, whose tokenizer and 224 px bicubic resize /
+  centre crop / OpenAI normalisation are open_clip's) or a ``transformers`` CLIP directory / hub
+  id. The ``hpsv2`` / ``open_clip`` packages need ``torchvision`` and pin old ``pytest`` /
+  ``protobuf`` versions, which do not install next to this package's pinned CPU ``torch``.
 * ``aesthetic`` (LAION improved aesthetic predictor, ``sac+logos+ava1-l14-linearMSE.pth``):
   the MLP ``Linear(768, 1024), Dropout, Linear(1024, 128), Dropout, Linear(128, 64), Dropout,
   Linear(64, 16), Linear(16, 1)`` on the L2-normalised CLIP ViT-L/14 image embedding (the
@@ -69,8 +72,64 @@ def _load_clip(reward: str, model_path: str, processor_path: str | None, device:
     return model, processor
 
 
+def checkpoint_file(reward: str, model_path: str, filename: str | None) -> Path:
+    """``model_path`` itself when it is a file; else ``filename`` inside the directory
+    ``model_path`` or, for a hub id (``org/name``), fetched through the ``huggingface_hub`` cache."""
+    path = Path(model_path).expanduser()
+    if path.is_file():
+        return path
+    if not filename:
+        raise FileNotFoundError(f"reward {reward!r}: {model_path!r} is not a file (name the checkpoint file inside it)")
+    if path.is_dir():
+        if not (path / filename).is_file():
+            raise FileNotFoundError(f"reward {reward!r}: no {filename} in {model_path!r}")
+        return path / filename
+    if path.is_absolute() or model_path.startswith((".", "~")) or model_path.count("/") != 1:
+        raise FileNotFoundError(f"reward {reward!r}: {model_path!r} is not a file, a directory or a hub id")
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return Path(hf_hub_download(repo_id=model_path, filename=filename))
+    except Exception as exc:  # offline, missing repo or file: name what was asked for
+        raise FileNotFoundError(f"reward {reward!r}: cannot fetch {filename} from hub id {model_path!r}: {exc}") from None
+
+
+def _load_open_clip(
+    reward: str, model_path: str, processor_path: str | None, device: str, dtype: torch.dtype, head_widths: tuple[int, int]
+):
+    """An ``open_clip`` ``.pt`` checkpoint file (tensors only), converted to a ``transformers``
+    CLIPModel; the tokenizer and image preprocessing come from ``processor_path`` (a CLIP processor)."""
+    from transformers import CLIPProcessor
+
+    from verl_digen.rewards.open_clip_convert import open_clip_to_transformers
+
+    if not processor_path:
+        raise ValueError(
+            f"reward {reward!r}: an open_clip checkpoint needs processor_path (a CLIP processor, e.g. "
+            "laion/CLIP-ViT-H-14-laion2B-s32B-b79K for HPSv2.1)"
+        )
+    checkpoint = torch.load(str(model_path), map_location="cpu", weights_only=True)
+    try:
+        processor = CLIPProcessor.from_pretrained(processor_path)
+    except OSError as exc:
+        raise FileNotFoundError(f"reward {reward!r}: cannot load the CLIP processor from {processor_path!r}: {exc}") from None
+    tokenizer = processor.tokenizer
+    model = open_clip_to_transformers(
+        checkpoint,
+        vision_head_width=head_widths[0],
+        text_head_width=head_widths[1],
+        bos_token_id=int(tokenizer.bos_token_id),
+        eos_token_id=int(tokenizer.eos_token_id),
+    )
+    model.to(device=torch.device(device), dtype=dtype).eval().requires_grad_(False)
+    return model, processor
+
+
 class _ClipReward(RewardFn):
     """Shared CLIP plumbing: the reference preprocessing and the L2-normalised embeddings."""
+
+    def _is_open_clip_file(self, model_path: str) -> bool:
+        return False
 
     def _setup(self, model_path: str, processor_path: str | None, device: str, dtype: str, batch_size: int) -> None:
         if not isinstance(batch_size, int) or batch_size < 1:
@@ -79,7 +138,12 @@ class _ClipReward(RewardFn):
         self.dtype = _dtype(self.name, dtype)
         self.batch_size = batch_size
         self.model_path = model_path
-        self.model, self.processor = _load_clip(self.name, model_path, processor_path, device, self.dtype)
+        if self._is_open_clip_file(model_path):
+            self.model, self.processor = _load_open_clip(
+                self.name, model_path, processor_path, device, self.dtype, self.head_widths
+            )
+        else:
+            self.model, self.processor = _load_clip(self.name, model_path, processor_path, device, self.dtype)
         self.max_text_length = int(self.model.config.text_config.max_position_embeddings)
 
     @torch.no_grad()
@@ -145,7 +209,12 @@ class PickScoreReward(_ClipReward):
 
 @register_reward("hpsv2")
 class HpsV2Reward(_ClipReward):
-    """HPSv2.1: ``cos(image, text)`` of the HPS-fine-tuned CLIP (module docstring)."""
+    """HPSv2.1: ``cos(image, text)`` of the HPS-fine-tuned CLIP (module docstring).
+
+    ``model_path``: the open_clip checkpoint file; or, with ``filename``
+    (``HPS_v2.1_compressed.pt``), a directory or hub id (``xswu/HPSv2``) holding it; or, without,
+    a ``transformers`` CLIP directory / hub id.
+    """
 
     def __init__(
         self,
@@ -154,8 +223,17 @@ class HpsV2Reward(_ClipReward):
         device: str = "cpu",
         dtype: str = "float32",
         batch_size: int = 32,
+        filename: str | None = None,
+        vision_head_width: int = 80,
+        text_head_width: int = 64,
     ) -> None:
+        self.head_widths = (vision_head_width, text_head_width)  # open_clip ViT-H-14's (checkpoint files only)
+        if filename is not None or Path(model_path).expanduser().is_file():
+            model_path = str(checkpoint_file(self.name, model_path, filename))
         self._setup(model_path, processor_path, device, dtype, batch_size)
+
+    def _is_open_clip_file(self, model_path: str) -> bool:
+        return Path(model_path).is_file()
 
     def score_images(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         return self.cosine(images, prompts)
