@@ -5,7 +5,7 @@ Layout (as veRL's trainers): ``<trainer.default_local_dir>/global_step_<k>/`` pl
 name and renamed into place only once every file is written and fsynced and ``meta.json``
 (the completion marker, written last) lists the SHA-256 and size of every file; a crash
 mid-save never leaves a directory that looks complete. :func:`find_latest` requires
-``meta.json`` with ``complete: true``; resuming verifies every checksum and, in ``auto``
+``meta.json`` with ``complete: true`` (the newest such directory wins, whatever the tracker says); resuming verifies every checksum and, in ``auto``
 mode, falls back to the newest intact checkpoint when the latest is corrupt (saying so).
 
 Contents of ``global_step_<k>``:
@@ -202,15 +202,12 @@ def _complete_steps(root: str) -> list[tuple[int, str]]:
 
 
 def find_latest(root: str) -> Checkpoint | None:
-    """The newest complete checkpoint under ``root`` (tracker first, then a scan); not verified."""
-    try:
-        with open(os.path.join(root, TRACKER)) as f:
-            step = int(f.read().strip())
-        path = os.path.join(root, f"global_step_{step}")
-        if is_complete(path):
-            return Checkpoint(path, step)
-    except (OSError, ValueError):
-        pass
+    """The newest complete checkpoint under ``root``; not verified.
+
+    The directory scan decides, not ``latest_checkpointed_iteration.txt``: the tracker is
+    written after a checkpoint is renamed into place (for veRL's tools), so a crash between the
+    two leaves it one step behind a complete checkpoint.
+    """
     steps = _complete_steps(root)
     if not steps:
         return None
@@ -221,11 +218,7 @@ def find_latest(root: str) -> Checkpoint | None:
 def find_latest_intact(root: str) -> Checkpoint | None:
     """The newest complete checkpoint whose files match their checksums; a corrupt newer one
     is skipped with a message naming the bad file."""
-    newest = find_latest(root)
-    candidates = sorted(_complete_steps(root), reverse=True)
-    if newest is not None and (newest.step, newest.path) not in candidates:
-        candidates.insert(0, (newest.step, newest.path))
-    for step, path in candidates:
+    for step, path in sorted(_complete_steps(root), reverse=True):
         ckpt = Checkpoint(path, step)
         try:
             ckpt.verify()
