@@ -29,6 +29,7 @@ from verl_digen.sim.cost_model import (
     TableCostModel,
     load_catalog,
 )
+from verl_digen.sim.bound import max_throughput
 from verl_digen.sim.simulator import SimulatedExecutor, simulate, simulate_plan
 
 PAPER_MODELS = ("flux-12b", "wan2.1-14b", "hunyuanvideo-13b", "qwen-image-20b")
@@ -335,6 +336,65 @@ def test_no_schedule_beats_the_bound_with_arbitrary_task_costs():
         costs = TableCostModel(seconds=fixed, per_image=per_image, switch=rng.choice([0.0, 0.3]), group_size=2)
         r = simulate(spec, costs, Cluster.for_spec(spec, "any"), steps=4, warmup=1)
         assert r.images_per_s <= r.bound_images_per_s * (1 + 1e-9), (spec, per_image, fixed)
+
+
+def test_the_bound_is_a_linear_program_exact_for_one_device_type():
+    one = {"a": {"generate": 1.0, "reward": 0.5, "train": 2.0}}
+    assert max_throughput({"a": 4}, one) == pytest.approx(4 / 3.5)
+    # two types: no split of the phases over them (checked on a grid) does better than the LP
+    rng = random.Random(2)
+    for _ in range(20):
+        sec = {d: {p: rng.uniform(0.1, 2.0) for p in ("g", "r", "t")} for d in ("a", "b")}
+        n = {"a": rng.randint(1, 8), "b": rng.randint(1, 8)}
+        lp = max_throughput(n, sec)
+        grid = 0.0
+        for fg in range(11):
+            for ft in range(11):
+                for fr in (0, 5, 10):
+                    f = {"g": fg / 10, "r": fr / 10, "t": ft / 10}
+                    la = sum(f[p] * sec["a"][p] for p in f) / n["a"]
+                    lb = sum((1 - f[p]) * sec["b"][p] for p in f) / n["b"]
+                    grid = max(grid, 1 / max(la, lb))
+        assert grid <= lp * (1 + 1e-9)
+        assert lp <= grid * 1.25  # and the grid gets near it
+
+
+def test_no_schedule_beats_the_bound_with_device_types_each_fastest_at_a_different_phase(catalog):
+    """Two synthetic device types: GEN generates 5x faster than TRN, TRN trains 5x faster than GEN.
+    Putting each phase on its best type beats the former bound (the fastest type's per-image sum
+    for every device); no simulated schedule beats the linear program's bound."""
+    h800 = catalog.devices["H800"]
+    gen = dataclasses.replace(h800, name="GEN", mfu_forward=0.5, mfu_train=0.08, mfu_half_tokens=0.0)
+    trn = dataclasses.replace(h800, name="TRN", mfu_forward=0.1, mfu_train=0.4, mfu_half_tokens=0.0)
+    base = _costs(catalog, "flux-12b")
+    costs = dataclasses.replace(base, devices={"GEN": gen, "TRN": trn})
+    rng = random.Random(3)
+    beat_old = 0.0
+    for _ in range(16):
+        groups = rng.choice([8, 16])
+        c = costs.with_workload(groups_per_step=groups, group_size=rng.choice([2, 4]), num_steps=rng.choice([4, 8]),
+                                sde_window=rng.choice([1, 2, 0]), train_device_batch=1)
+        r_n, t_n = rng.choice([2, 4, 6]), rng.choice([2, 4, 8])
+        r_dev, t_dev = ("GEN", "TRN") if rng.random() < 0.75 else ("TRN", "GEN")
+        spec = StrategySpec("disaggregated", r_n, t_n, groups, c.workload.group_size, gap=rng.random() < 0.8,
+                            max_staleness=int(rng.random() < 0.6), groups_per_task=rng.choice([1, 2]))
+        cluster = Cluster({"rollout": PoolPlacement(r_n, 1, r_dev), "trainer": PoolPlacement(t_n, 1, t_dev)})
+        res = simulate(spec, c, cluster, steps=4, warmup=1)
+        assert res.images_per_s <= res.bound_images_per_s * (1 + 1e-9), (spec.name, r_dev, res.summary())
+        names = [r_dev] * r_n + [t_dev] * t_n
+        old = min(len(names) / sum(c.device_seconds_per_image(c.device(d)).values()) for d in set(names))
+        beat_old = max(beat_old, res.images_per_s / old)
+    assert beat_old > 1.0  # the former bound was not a bound here
+
+
+def test_efficiency_grows_with_tokens_per_forward_up_to_the_device_asymptote(catalog):
+    dev = catalog.devices["H800"]
+    effs = [CostModel.efficiency(dev, t) for t in (256, 1024, 4096, 16384, 65536, 1e7)]
+    assert effs == sorted(effs) and effs[-1] <= dev.mfu_forward
+    assert CostModel.efficiency(dev, dev.mfu_half_tokens) == pytest.approx(dev.mfu_forward / 2)
+    c = _costs(catalog, "qwen-image-20b", height=512, width=512)
+    # the same images in forwards of one sample take longer than in one batched forward
+    assert c.denoise_seconds(32, dev, batch=1) > 1.5 * c.denoise_seconds(32, dev)
 
 
 def test_a_balanced_pipeline_gets_close_to_the_bound(catalog):
