@@ -482,9 +482,9 @@ class CostModel:
                 raise ProfileError(f"devices {', '.join(names)} use different system profiles {sorted(systems)}")
             system = systems.pop() if systems else None
         sys_profile = catalog.system(system) if system is not None else SystemProfile()
-        for key in ("reward_residency",):
-            if sys_profile.reward_residency not in (RESIDENT, SWAP):
-                raise ProfileError(f"system {sys_profile.name!r}: {key}={sys_profile.reward_residency!r}; valid: {RESIDENT}, {SWAP}")
+        if sys_profile.reward_residency not in (RESIDENT, SWAP):
+            raise ProfileError(f"system {sys_profile.name!r}: reward_residency={sys_profile.reward_residency!r}; "
+                               f"valid: {RESIDENT}, {SWAP}")
         reward_name = w.reward if w.reward is not None else m.reward
         reward = catalog.reward(reward_name) if reward_name else None
         return cls(model=m, workload=w, devices=devs, system=sys_profile, reward=reward)
