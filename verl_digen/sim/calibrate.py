@@ -22,6 +22,7 @@ ours alike (we have no measurement of our own per-step overhead at scale).
     python -m verl_digen.sim.calibrate                    # fit, print predicted vs published, leave-one-out
     python -m verl_digen.sim.calibrate --write            # also write profiles/calibrated.yaml and the doc table
     python -m verl_digen.sim.calibrate --check            # the shipped calibration: predicted vs published only
+    python -m verl_digen.sim.calibrate --all-params-per-token   # what the fit needs with 2P FLOPs per token
 """
 
 from __future__ import annotations
@@ -392,7 +393,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write", action="store_true", help="write profiles/calibrated.yaml and the table in docs/cost_model.md")
     p.add_argument("--check", action="store_true", help="only predict the published runs with the shipped profiles")
     p.add_argument("--doc", default=DOC, help="the markdown file whose calibration block --write fills")
+    p.add_argument("--all-params-per-token", action="store_true",
+                   help="counterfactual: charge every parameter to every token (2P FLOPs per token, the model before "
+                        "issue 12) and show what the fit would need; never written")
     args = p.parse_args(argv)
+    if args.all_params_per_token and (args.write or args.check):
+        p.error("--all-params-per-token is a counterfactual: it cannot be combined with --write or --check")
     runs = load_runs()
     if args.check:
         rows = check(runs)
@@ -402,15 +408,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"outside +-{100 * BAND:.0f}%: {', '.join(r['run'] for r in bad)}", file=sys.stderr)
             return 1
         return 0
-    cal = calibrate(runs)
+    base = load_catalog(overrides=False)
+    if args.all_params_per_token:
+        base.models = {n: replace(m, token_params=0.0) for n, m in base.models.items()}
+        print("counterfactual: 2 x params FLOPs per token (every parameter charged to every token)")
+    cal = calibrate(runs, base)
     c = cal.constants
     print_rows("calibrated (fitted constants applied):", cal.rows)
     print(f"fitted: mfu_forward {c.mfu_forward:.3f}, mfu_half_tokens {c.mfu_half_tokens:,.0f}, mfu_train {c.mfu_train:.3f}, "
           f"step_fixed_s {c.step_fixed_s:.1f}, judge decode_tail_s {c.decode_tail_s:.1f} (step RMS {100 * cal.rms:.1f}%)")
     print_rows("leave-one-out (step stage refitted without the run):", cal.loo)
-    high = [n for n, v in (("mfu_forward", c.mfu_forward), ("mfu_train", c.mfu_train)) if v > MFU_CAP - 1e-6]
+    high = [n for n, v in (("mfu_forward", c.mfu_forward), ("mfu_train", c.mfu_train)) if v > MFU_CAP + 1e-6]
     if high:
-        print(f"warning: {', '.join(high)} at the physical cap {MFU_CAP}: a FLOP count is likely wrong", file=sys.stderr)
+        print(f"warning: {', '.join(high)} above the physical cap {MFU_CAP}: a FLOP count is likely wrong", file=sys.stderr)
     if args.write:
         write_calibrated(cal)
         catalog = load_catalog()
