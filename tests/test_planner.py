@@ -121,3 +121,33 @@ def test_cli_prints_a_ranked_table_and_writes_json_rows(tmp_path, capsys):
 def test_cli_names_a_bad_argument(capsys):
     assert main(["--model", "flux-99b", "--devices", "8"]) == 2
     assert "unknown model profile 'flux-99b'" in capsys.readouterr().err
+
+
+def test_cli_predicts_verl_omni_on_the_same_cluster_with_step_time_and_cost(tmp_path, capsys):
+    """--system verl-omni: veRL-Omni's colocated run (its engine takes a worker's whole share of the
+    step), costed with the same hardware; rows carry the step time and the cost per 1,000 images."""
+    out = tmp_path / "omni.json"
+    assert main(["--model", "flux-12b", "--devices", "16", "--groups-per-step", "32", "--sim-steps", "3",
+                 "--system", "verl-omni", "--json", str(out)]) == 0
+    assert "system verl-omni" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["system"] == "verl-omni"
+    (row,) = doc["rows"]
+    assert row["strategy"] == "colocated" and row["system"] == "verl-omni"
+    assert row["groups_per_task"] == row["train_micro_batch_groups"] == 32 // 16
+    assert row["step_s"] == row["step_time_s"] == pytest.approx(32 * 12 / row["images_per_s"])
+    assert row["usd_per_hour"] == pytest.approx(16 * load_catalog().devices["H800"].usd_per_hour)
+    assert row["usd_per_1000_images"] == pytest.approx(row["usd_per_hour"] / 3600 * 1000 / row["images_per_s"])
+    # ours on the same cluster and workload: no recomputation, no parameter offload, no judge swap
+    ours = tmp_path / "ours.json"
+    assert main(["--model", "flux-12b", "--devices", "16", "--groups-per-step", "32", "--sim-steps", "3",
+                 "--mechanisms", "colocated", "--micro-batches", "2", "--json", str(ours)]) == 0
+    (mine,) = json.loads(ours.read_text())["rows"][:1]
+    assert mine["system"] == "verl-digen" and mine["step_s"] < row["step_s"]
+    assert mine["bound_images_per_s"] == pytest.approx(row["bound_images_per_s"])  # one bound for both systems
+
+
+def test_a_system_that_runs_only_colocated_is_refused_other_placements(catalog):
+    costs = CostModel.from_catalog(catalog, "flux-12b", devices=["H800"], system="verl-omni", groups_per_step=16)
+    with pytest.raises(ProfileError, match="runs only colocated"):
+        search(costs, Inventory({"H800": 8}), mechanisms=["disaggregated+gap"], steps=3, warmup=1)

@@ -151,15 +151,16 @@ class StrategySpec:
     @property
     def devices(self) -> int:
         if self.placement == "colocated":
-            return self.rollout_workers
+            return self.rollout_workers + self.reward_workers
         return self.rollout_workers + self.trainer_workers + self.reward_workers
 
     def workers(self) -> list[WorkerId]:
         if self.placement == "colocated":
-            return [WorkerId("fused", r) for r in range(self.rollout_workers)]
-        ws = [WorkerId("rollout", r) for r in range(self.rollout_workers)]
-        ws += [WorkerId("trainer", r) for r in range(self.trainer_workers)]
-        ws += [WorkerId("reward", r) for r in range(self.reward_workers)]
+            ws = [WorkerId("fused", r) for r in range(self.rollout_workers)]
+        else:
+            ws = [WorkerId("rollout", r) for r in range(self.rollout_workers)]
+            ws += [WorkerId("trainer", r) for r in range(self.trainer_workers)]
+        ws += [WorkerId("reward", r) for r in range(self.reward_workers)]  # colocated too: a reward pool beside fused workers
         return ws
 
     @property

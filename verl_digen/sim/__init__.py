@@ -4,7 +4,10 @@ It imports only :mod:`verl_digen.schedule` (plans, the step driver) and its own 
 the runtime (trainer, workers, sync, placement), so it runs anywhere without Ray or torch.
 
 - :mod:`~verl_digen.sim.cost_model`: seconds per task from FLOPs, bytes and bandwidths,
-  with profiles as data files (``verl_digen/sim/profiles/*.yaml``), and the zero-bubble bound;
+  with profiles as data files (``verl_digen/sim/profiles/*.yaml``: devices, systems, rewards,
+  models), and the zero-bubble bound (a linear program, :mod:`~verl_digen.sim.bound`);
+- :mod:`~verl_digen.sim.calibrate`: the free constants fitted to veRL-Omni's published runs
+  (``python -m verl_digen.sim.calibrate``);
 - :mod:`~verl_digen.sim.simulator`: the loop's step driver over plans in virtual time;
 - :mod:`~verl_digen.sim.planner`: the pool-split search and its CLI
   (``python -m verl_digen.sim.planner``).
@@ -22,6 +25,7 @@ from verl_digen.sim.cost_model import (  # noqa: F401
     ModelProfile,
     PoolPlacement,
     ProfileError,
+    RewardProfile,
     SystemProfile,
     TableCostModel,
     Workload,

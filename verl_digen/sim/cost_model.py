@@ -2,28 +2,30 @@
 
 Profiles are data (``verl_digen/sim/profiles/*.yaml``, every constant with its source); this
 module turns a *model* profile, a *workload* (resolution, frames, steps, CFG, SDE window,
-group size, LoRA or full fine-tuning) and *device* profiles into seconds per task:
+group size, LoRA or full fine-tuning, PPO mini-batches), *device* profiles (what the hardware
+costs), a *system* profile (what a training system does: what it recomputes, offloads and
+reloads, where its reward model lives, its per-step overhead) and a *reward* profile into
+seconds per task. ``docs/cost_model.md`` gives every formula with its source.
 
-- **generate** ``n`` images: prompt encoding (first step only) + ``steps x forward(n)``
-  (x2 with true CFG) + VAE decode (last step only). A forward on one sample costs
-  ``2 x params x tokens + 4 x layers x tokens^2 x hidden`` FLOPs (linear layers plus
-  attention scores and values), at ``peak x mfu_forward`` FLOP/s, plus a fixed launch
-  overhead per call.
-- **reward** ``n`` images: the reward model's FLOPs per image plus a per-call overhead.
-- **train** ``n`` images: every trained time step (SDE window x timestep fraction) is one
-  forward + backward (3x a forward, +1 forward for the KL reference) per device
-  micro-batch, at ``mfu_train``. With FSDP over ``N`` ranks each of those passes also
-  all-gathers the parameters twice (forward and backward) and reduce-scatters the trainable
-  gradients: ``(2 x param_bytes + grad_bytes) x (N-1)/N`` over the collective bandwidth
-  (NVLink inside a node, the NIC across nodes), of which a fraction ``comm_overlap`` of the
-  pass's compute time hides. This is what makes colocated training (``N`` = every device)
-  strong-scale poorly.
-- **optimizer_step**: an Adam update of the local shard (memory bound) plus a fixed cost.
-- **sync**: gather the trainable weights on trainer 0, broadcast them over the inter-pool
-  link (LoRA: megabytes; full: ``2 x params`` bytes).
-- **switch** (a worker changing between generating and training: colocated workers every
-  step, trainers that assist generation): onload/offload of the rollout weights and the
-  optimizer state over the host link, plus a fixed cost.
+- **generate** ``n`` images: prompt encoding (first step only) + ``steps`` denoiser forwards
+  (both CFG branches) + VAE decode (last step only). A forward on one sample costs
+  ``2 x token_params x tokens + 4 x layers x tokens^2 x hidden`` FLOPs: ``token_params`` are
+  the weights one token passes through (an MMDiT's image and text streams have separate
+  weights, so a token meets about a third of Qwen-Image's or half of FLUX's parameters). The
+  efficiency grows with the tokens of one forward, ``mfu x t / (t + mfu_half_tokens)``.
+- **reward** ``n`` images: the reward model's FLOPs, plus, for a generative judge, its decoding
+  tail; a reward model that shares the training devices and sleeps between steps (``swap``)
+  also pays its wake-up and sleep.
+- **train** ``n`` images: every trained time step is one forward + backward per device
+  micro-batch (the backward of frozen LoRA base weights skips their weight gradient; activation
+  checkpointing recomputes the forward) with FSDP collectives over the training ranks, of which a
+  fraction hides behind compute. A system that recomputes the behaviour log-probs adds one
+  forward per trained step.
+- **optimizer_step**: one Adam update per PPO mini-batch, plus the system's per-step overhead.
+- **sync**: gather the trainable weights on trainer 0, broadcast them to the rollout pool.
+- **switch** (a worker changing between generating and training): parameter and optimizer
+  offload over the host link as the system does it, reloading the new weights into the rollout
+  engine (gather + load), plus a fixed cost (the engines' sleep and wake).
 
 The interface is :meth:`CostModel.task_seconds` ``(task, worker, cluster, switch_from)``.
 It reads the optional task fields the strategies set, so new strategies are costed by data:
@@ -35,6 +37,9 @@ It reads the optional task fields the strategies set, so new strategies are cost
   from ``part`` (TSP training split by time step);
 - a GENERATE task on a ``trainer`` worker (TAG) is costed on that worker's device; the mode
   switch (train -> generate -> train) is charged through ``switch_from``.
+
+The zero-bubble bound (:meth:`CostModel.zero_bubble_bound`) is the optimum of a small linear
+program over the cluster's device types (:mod:`verl_digen.sim.bound`).
 """
 
 from __future__ import annotations
@@ -43,19 +48,25 @@ import glob
 import math
 import os
 import typing
+from collections import Counter
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Iterable, Mapping
 
 from verl_digen.schedule.plan import Task, TaskKind, WorkerId
 from verl_digen.schedule.strategies import StepCosts, StrategySpec
+from verl_digen.sim.bound import max_throughput
 
 PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 
 GB = 1e9
+GIB = 1024**3
 TFLOP = 1e12
 
 MODE_GENERATE = "generate"
 MODE_TRAIN = "train"
+RESIDENT = "resident"  # the reward model stays loaded where it runs (its calls stream)
+SWAP = "swap"  # the reward model shares the training devices: woken, run once on the step's batch, put to sleep
+OURS = "verl-digen"
 
 
 class ProfileError(ValueError):
@@ -73,6 +84,7 @@ class ModelProfile:
     params: float  # denoiser parameters
     layers: int  # transformer blocks attending over the whole (joint) sequence
     hidden: int  # attention width = heads x head_dim
+    token_params: float = 0.0  # weights one token passes through per forward (0: all of params)
     vae_spatial: int = 8  # pixels per latent pixel (each side)
     vae_temporal: int = 1  # frames per latent frame (video: 4, first frame kept)
     patch: int = 2  # latent pixels per token (each side)
@@ -82,7 +94,8 @@ class ModelProfile:
     text_encoder_params: float = 0.0
     text_encoder_tokens: int = 0
     decode_flops_per_pixel: float = 0.0  # VAE decoder FLOPs per output pixel (per frame)
-    reward_flops_per_image: float = 0.0  # reward model FLOPs per scored image / video
+    reward_flops_per_image: float = 0.0  # reward model FLOPs per scored image / video (without a reward profile)
+    reward: str = ""  # the reward profile (``rewards:``) this model's default workload is scored with
     lora_linears: int = 0  # linear layers LoRA adapts (attention projections)
     lora_params: float = 0.0  # measured LoRA parameters; overrides the lora_linears estimate
     gradient_checkpointing: bool = False  # default for this model's training (memory)
@@ -94,18 +107,26 @@ class ModelProfile:
 
 @dataclass(frozen=True)
 class DeviceProfile:
-    """One accelerator type (and the node it sits in)."""
+    """One accelerator type (and the node it sits in): what the hardware costs."""
 
     name: str
     peak_tflops: float  # dense bf16 tensor-core peak
-    mfu_forward: float  # achieved / peak on large-sequence DiT forwards
-    mfu_train: float  # achieved / peak on forward+backward
+    mfu_forward: float  # achieved / peak on large forwards (the asymptote of the efficiency curve)
+    mfu_train: float  # achieved / peak on forward+backward (asymptote)
     hbm_gb: float
     hbm_tbps: float  # memory bandwidth
     intra_node_gbps: float  # collective bandwidth per device inside a node, one direction
-    inter_node_gbps: float  # network bandwidth per device across nodes, one direction
+    inter_node_gbps: float  # network bandwidth per device (its NIC) across nodes, one direction
     host_link_gbps: float  # device <-> host (PCIe), one direction
     devices_per_node: int = 8
+    # Tokens per forward at which the efficiency is half its asymptote (0: flat): small forwards
+    # are launch- and memory-bound.
+    mfu_half_tokens: float = 0.0
+    # All NICs of a node together (0: devices_per_node x inter_node_gbps). A multi-node NCCL ring
+    # crosses nodes on every NIC at once (one channel per NIC), so a collective spanning nodes runs
+    # at min(intra_node_gbps, node_network_gbps) per device, not at one NIC's bandwidth.
+    node_network_gbps: float = 0.0
+    usd_per_hour: float = 0.0  # rental price of one device (docs/cost_model.md, "Prices")
     decode_mfu: float = 0.3  # convolutional VAE decoders reach less of the peak
     forward_overhead_s: float = 0.005  # per forward call (launches, Python)
     train_pass_overhead_s: float = 0.01  # per forward+backward pass
@@ -114,19 +135,42 @@ class DeviceProfile:
     # Devices that share one machine (CPU slots): extra fraction of a task's time per other busy
     # device on the machine when it starts (0: independent devices, as GPUs are).
     host_contention: float = 0.0
-    system: str = "default"  # the software-stack constants (``systems:``) this device runs with
+    system: str = OURS  # the software-stack profile (``systems:``) this device runs with by default
     sources: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def flops(self) -> float:
         return self.peak_tflops * TFLOP
 
+    @property
+    def cross_node_gbps(self) -> float:
+        """Per-device bandwidth of a ring collective that spans nodes (every NIC of a node in use)."""
+        node = self.node_network_gbps or self.devices_per_node * self.inter_node_gbps
+        return min(self.intra_node_gbps, node)
+
 
 @dataclass(frozen=True)
 class SystemProfile:
-    """Constants of the software stack rather than of a device."""
+    """What a training system does, and the constants of its software stack."""
 
-    name: str = "default"
+    name: str = OURS
+    description: str = ""
+    placements: str = "colocated,disaggregated"  # the placements this system runs
+    # -- behaviour (what the system does each step)
+    recompute_logprob: bool = False  # one extra forward per trained step: old log-probs under the behaviour policy
+    param_offload: bool = False  # training weights parked on the host while generating
+    param_offload_roundtrips: int = 1  # host <-> device trips of the parameter shard per step
+    optimizer_offload: bool = True  # optimizer state parked on the host while generating (colocated)
+    reload_bytes_per_param: float = 2.0  # bytes per changed parameter gathered for the rollout engine
+    engine_load_gbps: float = 0.0  # copying gathered weights into a separate rollout engine (0: in place)
+    reward_residency: str = RESIDENT  # where a colocated worker's reward model lives: resident | swap
+    engine_wake_s: float = 0.0  # one sleep or wake of a swapped reward engine (besides moving its weights)
+    rollout_batch: int = 0  # samples per rollout forward, batched across a worker's requests (0: one task's)
+    train_micro_batch: int = 0  # samples per forward+backward pass (0: as many as fit)
+    logprob_micro_batch: int = 0  # samples per log-prob recompute forward (0: the train micro-batch)
+    whole_step_tasks: bool = False  # one generate and one train call per worker and step (an engine batches)
+    step_fixed_s: float = 0.0  # per-step overhead that no device count shrinks (driver, engines, barriers)
+    # -- stack constants
     nccl_efficiency: float = 0.8  # achieved collective bandwidth / link bandwidth
     comm_overlap: float = 0.5  # fraction of a pass's compute that hides its FSDP collectives
     switch_fixed_s: float = 1.0  # per generate <-> train switch of one worker
@@ -140,6 +184,26 @@ class SystemProfile:
     hsdp_shard: int = 0  # 0: flat FSDP over all training ranks; k: shard over k, replicate
     task_overhead_s: float = 0.0  # the runtime's dispatch cost per task (driver -> worker -> driver)
     sources: Mapping[str, str] = field(default_factory=dict)
+
+    def runs(self, placement: str) -> bool:
+        return placement in {p.strip() for p in self.placements.split(",")}
+
+
+@dataclass(frozen=True)
+class RewardProfile:
+    """A reward model: a scorer (one forward per image) or a generative judge (prefill + decode)."""
+
+    name: str
+    params: float = 0.0  # weights (bf16 on the device; what a swap moves)
+    tokens_per_image: float = 0.0  # tokens of one image's forward / prefill (vision + prompt)
+    flops_per_image: float = 0.0  # 0: 2 x params x tokens_per_image
+    decode_tail_s: float = 0.0  # sequential decoding until the longest answer of a call ends
+    tp: int = 1  # devices one replica spans (its weights are split over them)
+    sources: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def flops(self) -> float:
+        return self.flops_per_image or 2.0 * self.params * self.tokens_per_image
 
 
 @dataclass(frozen=True)
@@ -160,6 +224,9 @@ class Workload:
     kl: bool = False  # KL to a frozen reference: one extra forward per trained step
     train_device_batch: int | None = None  # samples per forward+backward pass; None: as many as fit
     gradient_checkpointing: bool | None = None  # None: the model profile's default
+    mini_batches: int = 1  # PPO mini-batches (optimizer steps) per step
+    text_tokens: int | None = None  # prompt tokens in the sequence; None: the model profile's
+    reward: str | None = None  # reward profile; None: the model profile's
 
     @property
     def cfg_factor(self) -> int:
@@ -176,6 +243,8 @@ class Workload:
 
 
 WORKLOAD_KEYS = tuple(f.name for f in fields(Workload))
+SECTIONS = {"models": ModelProfile, "devices": DeviceProfile, "systems": SystemProfile, "rewards": RewardProfile}
+IGNORED_SECTIONS = {"measurements", "runs"}  # raw timings, published runs (read by their own tools)
 
 
 @dataclass
@@ -183,22 +252,41 @@ class Catalog:
     models: dict[str, ModelProfile] = field(default_factory=dict)
     devices: dict[str, DeviceProfile] = field(default_factory=dict)
     systems: dict[str, SystemProfile] = field(default_factory=dict)
+    rewards: dict[str, RewardProfile] = field(default_factory=dict)
     files: list[str] = field(default_factory=list)
+    overridden: list[str] = field(default_factory=list)  # "section.name.key" set by ``overrides:`` (calibration)
+
+    def _get(self, section: str, name: str) -> Any:
+        table = getattr(self, section)
+        if name not in table:
+            kind = section[:-1]
+            raise ProfileError(f"unknown {kind} profile {name!r}; known: {', '.join(sorted(table))}")
+        return table[name]
 
     def system(self, name: str) -> SystemProfile:
-        if name not in self.systems:
-            raise ProfileError(f"unknown system profile {name!r}; known: {', '.join(sorted(self.systems))}")
-        return self.systems[name]
+        return self._get("systems", name)
 
     def model(self, name: str) -> ModelProfile:
-        if name not in self.models:
-            raise ProfileError(f"unknown model profile {name!r}; known: {', '.join(sorted(self.models))}")
-        return self.models[name]
+        return self._get("models", name)
 
     def device(self, name: str) -> DeviceProfile:
-        if name not in self.devices:
-            raise ProfileError(f"unknown device profile {name!r}; known: {', '.join(sorted(self.devices))}")
-        return self.devices[name]
+        return self._get("devices", name)
+
+    def reward(self, name: str) -> RewardProfile:
+        return self._get("rewards", name)
+
+
+def _typed(cls: type, name: str, key: str, value: Any, path: str) -> Any:
+    tp = typing.get_type_hints(cls)[key]
+    try:
+        # YAML reads "11.9e9" (no sign in the exponent) as a string
+        if tp is float and not isinstance(value, bool):
+            return float(value)
+        if tp is int and not isinstance(value, bool) and float(value) == int(float(value)):
+            return int(float(value))
+    except (TypeError, ValueError):
+        raise ProfileError(f"{path}: {cls.__name__} {name!r}: {key}={value!r} is not a number") from None
+    return value
 
 
 def _build(cls: type, name: str, data: Mapping[str, Any], path: str) -> Any:
@@ -206,53 +294,68 @@ def _build(cls: type, name: str, data: Mapping[str, Any], path: str) -> Any:
     unknown = set(data) - known
     if unknown:
         raise ProfileError(f"{path}: {cls.__name__} {name!r} has unknown keys {sorted(unknown)}; valid: {sorted(known)}")
-    hints = typing.get_type_hints(cls)
-    values = {}
-    for key, value in data.items():
-        tp = hints[key]
-        try:
-            # YAML reads "11.9e9" (no sign in the exponent) as a string
-            if tp is float and not isinstance(value, bool):
-                value = float(value)
-            elif tp is int and not isinstance(value, bool) and float(value) == int(float(value)):
-                value = int(float(value))
-        except (TypeError, ValueError):
-            raise ProfileError(f"{path}: {cls.__name__} {name!r}: {key}={value!r} is not a number") from None
-        values[key] = value
+    values = {key: _typed(cls, name, key, value, path) for key, value in data.items()}
     try:
-        return cls(name=name, **values) if "name" in known else cls(**values)
+        return cls(name=name, **values)
     except TypeError as e:
         raise ProfileError(f"{path}: {cls.__name__} {name!r}: {e}") from None
 
 
-def load_catalog(extra: Iterable[str] = (), *, include_builtin: bool = True) -> Catalog:
+def _patch(obj: Any, data: Mapping[str, Any], path: str) -> Any:
+    """``obj`` with the fields of ``data`` replaced (``sources`` merged)."""
+    cls = type(obj)
+    known = {f.name for f in fields(cls)} - {"name"}
+    unknown = set(data) - known
+    if unknown:
+        raise ProfileError(f"{path}: overrides for {cls.__name__} {obj.name!r} have unknown keys {sorted(unknown)}")
+    values = {k: _typed(cls, obj.name, k, v, path) for k, v in data.items() if k != "sources"}
+    if "sources" in data:
+        values["sources"] = {**obj.sources, **data["sources"]}
+    return replace(obj, **values)
+
+
+def load_catalog(extra: Iterable[str] = (), *, include_builtin: bool = True, overrides: bool = True) -> Catalog:
     """Every profile in ``verl_digen/sim/profiles`` plus ``extra`` files (later files win).
 
-    A profile file holds any of ``models:``, ``devices:`` and ``systems:`` (name -> fields,
-    each with its ``sources``). A device names the system (software-stack constants) it uses.
+    A profile file holds any of ``models:``, ``devices:``, ``systems:`` and ``rewards:`` (name ->
+    fields, each with its ``sources``). ``overrides:`` (the calibration, written by
+    ``python -m verl_digen.sim.calibrate``) patches fields of profiles defined anywhere, after
+    every file is read; ``overrides=False`` loads the profiles without it.
     """
     import yaml
 
     paths = sorted(glob.glob(os.path.join(PROFILE_DIR, "*.yaml"))) if include_builtin else []
     paths += list(extra)
     cat = Catalog()
+    patches: list[tuple[str, Mapping[str, Any]]] = []
     for path in paths:
         if not os.path.isfile(path):
             raise ProfileError(f"profile file {path} does not exist")
         with open(path) as f:
             doc = yaml.safe_load(f) or {}
-        for name, data in (doc.get("models") or {}).items():
-            cat.models[name] = _build(ModelProfile, name, data, path)
-        for name, data in (doc.get("devices") or {}).items():
-            cat.devices[name] = _build(DeviceProfile, name, data, path)
-        for name, data in (doc.get("systems") or {}).items():
-            cat.systems[name] = _build(SystemProfile, name, data, path)
-        unknown = set(doc) - {"models", "devices", "systems", "measurements"}
+        unknown = set(doc) - set(SECTIONS) - IGNORED_SECTIONS - {"overrides"}
         if unknown:
             raise ProfileError(
-                f"{path}: unknown top-level keys {sorted(unknown)}; valid: models, devices, systems, measurements"
+                f"{path}: unknown top-level keys {sorted(unknown)}; valid: "
+                f"{', '.join([*SECTIONS, *sorted(IGNORED_SECTIONS), 'overrides'])}"
             )
+        for section, cls in SECTIONS.items():
+            for name, data in (doc.get(section) or {}).items():
+                getattr(cat, section)[name] = _build(cls, name, data, path)
+        if doc.get("overrides"):
+            patches.append((path, doc["overrides"]))
         cat.files.append(path)
+    if overrides:
+        for path, patch in patches:
+            for section, entries in patch.items():
+                if section not in SECTIONS:
+                    raise ProfileError(f"{path}: overrides.{section} is not one of {', '.join(SECTIONS)}")
+                table = getattr(cat, section)
+                for name, data in (entries or {}).items():
+                    if name not in table:
+                        raise ProfileError(f"{path}: overrides.{section}.{name}: no such profile")
+                    table[name] = _patch(table[name], data, path)
+                    cat.overridden += [f"{section}.{name}.{k}" for k in data if k != "sources"]
     return cat
 
 
@@ -286,6 +389,12 @@ class Cluster:
     def devices(self) -> int:
         return sum(p.size for p in self.pools.values())
 
+    def device_counts(self) -> dict[str, int]:
+        out: Counter[str] = Counter()
+        for p in self.pools.values():
+            out[p.device] += p.size
+        return dict(out)
+
     @classmethod
     def for_spec(cls, spec: StrategySpec, device: str, devices_per_node: int = 8) -> "Cluster":
         """Pack each pool onto as few nodes as possible (trainer first: it talks the most)."""
@@ -293,9 +402,8 @@ class Cluster:
         def packed(n: int) -> PoolPlacement:
             return PoolPlacement(size=n, nodes=math.ceil(n / devices_per_node), device=device)
 
-        if spec.placement == "colocated":
-            return cls({"fused": packed(spec.rollout_workers)})
-        pools = {"rollout": packed(spec.rollout_workers), "trainer": packed(spec.trainer_workers)}
+        pools = {"fused": packed(spec.rollout_workers)} if spec.placement == "colocated" else {
+            "rollout": packed(spec.rollout_workers), "trainer": packed(spec.trainer_workers)}
         if spec.reward_workers:
             pools["reward"] = packed(spec.reward_workers)
         return cls(pools)
@@ -303,6 +411,10 @@ class Cluster:
 
 def training_pool(cluster: Cluster) -> str:
     return "fused" if "fused" in cluster.pools else "trainer"
+
+
+def generating_pool(cluster: Cluster) -> str:
+    return "fused" if "fused" in cluster.pools else "rollout"
 
 
 # ---------------------------------------------------------------------------- the model
@@ -324,18 +436,32 @@ class TrainGroup:
         return max(1, self.ranks // self.shard)
 
 
+def _passes(images: int, batch: int) -> list[int]:
+    """Samples per pass when ``images`` are cut into passes of at most ``batch``."""
+    full, rest = divmod(images, batch)
+    return [batch] * full + ([rest] if rest else [])
+
+
 @dataclass
 class CostModel:
     model: ModelProfile
     workload: Workload
     devices: Mapping[str, DeviceProfile]
     system: SystemProfile = field(default_factory=SystemProfile)
+    reward: RewardProfile | None = None
 
     @classmethod
     def from_catalog(
-        cls, catalog: Catalog, model: str, devices: Iterable[str] | None = None, **workload: Any
+        cls,
+        catalog: Catalog,
+        model: str,
+        devices: Iterable[str] | None = None,
+        *,
+        system: str | None = None,
+        **workload: Any,
     ) -> "CostModel":
-        """``workload`` overrides the model profile's defaults (any :class:`Workload` field)."""
+        """``workload`` overrides the model profile's defaults (any :class:`Workload` field);
+        ``system`` names a system profile (default: the one the devices run with)."""
         m = catalog.model(model)
         unknown = set(workload) - set(WORKLOAD_KEYS)
         if unknown:
@@ -346,23 +472,40 @@ class CostModel:
             w = Workload(**wl)
         except TypeError as e:
             raise ProfileError(f"model {model!r} workload: {e}") from None
+        if w.mini_batches < 1:
+            raise ProfileError(f"workload mini_batches={w.mini_batches}; must be >= 1")
         names = list(devices) if devices is not None else list(catalog.devices)
         devs = {n: catalog.device(n) for n in names}
-        systems = {d.system for d in devs.values()}
-        if len(systems) > 1:
-            raise ProfileError(f"devices {', '.join(names)} use different system profiles {sorted(systems)}")
-        system = catalog.system(systems.pop()) if systems else SystemProfile()
-        return cls(model=m, workload=w, devices=devs, system=system)
+        if system is None:
+            systems = {d.system for d in devs.values()}
+            if len(systems) > 1:
+                raise ProfileError(f"devices {', '.join(names)} use different system profiles {sorted(systems)}")
+            system = systems.pop() if systems else None
+        sys_profile = catalog.system(system) if system is not None else SystemProfile()
+        if sys_profile.reward_residency not in (RESIDENT, SWAP):
+            raise ProfileError(f"system {sys_profile.name!r}: reward_residency={sys_profile.reward_residency!r}; "
+                               f"valid: {RESIDENT}, {SWAP}")
+        reward_name = w.reward if w.reward is not None else m.reward
+        reward = catalog.reward(reward_name) if reward_name else None
+        return cls(model=m, workload=w, devices=devs, system=sys_profile, reward=reward)
 
     def with_workload(self, **changes: Any) -> "CostModel":
         return replace(self, workload=replace(self.workload, **changes))
+
+    def with_system(self, system: SystemProfile) -> "CostModel":
+        return replace(self, system=system)
 
     def device(self, name: str) -> DeviceProfile:
         if name not in self.devices:
             raise ProfileError(f"device {name!r} is not in this cost model ({', '.join(self.devices)})")
         return self.devices[name]
 
-    # ------------------------------------------------------------------ shapes
+    # ------------------------------------------------------------------ shapes and FLOPs
+
+    @property
+    def text_tokens(self) -> int:
+        w = self.workload
+        return self.model.text_tokens if w.text_tokens is None else w.text_tokens
 
     def tokens(self) -> tuple[int, int]:
         """(image or video tokens, sequence length of the self-attention)."""
@@ -370,28 +513,53 @@ class CostModel:
         lat_f = (w.frames - 1) // m.vae_temporal + 1 if m.video else 1
         lat_h, lat_w = w.height // m.vae_spatial, w.width // m.vae_spatial
         image = max(1, lat_f // m.patch_t) * max(1, lat_h // m.patch) * max(1, lat_w // m.patch)
-        seq = image + (m.text_tokens if m.joint_text else 0)
+        seq = image + (self.text_tokens if m.joint_text else 0)
         return image, seq
+
+    @property
+    def token_params(self) -> float:
+        return self.model.token_params or self.model.params
+
+    def linear_flops(self) -> float:
+        """FLOPs of the linear layers of one forward on one sample (one CFG branch)."""
+        return 2.0 * self.token_params * self.tokens()[1]
+
+    def attention_flops(self) -> float:
+        """FLOPs of attention scores and values of one forward on one sample (one branch)."""
+        m = self.model
+        image, seq = self.tokens()
+        flops = 4.0 * m.layers * seq * seq * m.hidden
+        if not m.joint_text and self.text_tokens:
+            flops += 4.0 * m.layers * image * self.text_tokens * m.hidden  # cross-attention scores/values
+        return flops
 
     def forward_flops(self) -> float:
         """FLOPs of one denoiser forward on one sample (one CFG branch)."""
-        m = self.model
-        image, seq = self.tokens()
-        flops = 2.0 * m.params * seq + 4.0 * m.layers * seq * seq * m.hidden
-        if not m.joint_text and m.text_tokens:
-            flops += 4.0 * m.layers * image * m.text_tokens * m.hidden  # cross-attention scores/values
-        return flops
+        return self.linear_flops() + self.attention_flops()
 
     @property
     def gradient_checkpointing(self) -> bool:
         w = self.workload
         return self.model.gradient_checkpointing if w.gradient_checkpointing is None else w.gradient_checkpointing
 
+    def train_flops(self) -> float:
+        """FLOPs of one trained sample-step (one CFG branch): forward, backward (input gradients
+        of every linear layer, weight gradients of the trainable ones only: a frozen LoRA base
+        skips them; attention's backward is twice its forward), a recomputed forward with
+        activation checkpointing, a reference forward with KL."""
+        lin, att = self.linear_flops(), self.attention_flops()
+        backward_linear = 1.0 if self.workload.lora else 2.0
+        flops = lin * (1.0 + backward_linear) + 3.0 * att
+        if self.gradient_checkpointing:
+            flops += lin + att
+        if self.workload.kl:
+            flops += lin + att
+        return flops
+
     @property
     def train_flops_factor(self) -> float:
-        """Forward-equivalents per trained sample-step: forward + backward (2x), a recomputed
-        forward with activation checkpointing, a reference forward with KL."""
-        return 3.0 + (1.0 if self.gradient_checkpointing else 0.0) + (1.0 if self.workload.kl else 0.0)
+        """Forward-equivalents per trained sample-step (``train_flops / forward_flops``)."""
+        return self.train_flops() / self.forward_flops()
 
     @property
     def param_bytes(self) -> float:
@@ -408,6 +576,14 @@ class CostModel:
     def sync_bytes(self) -> float:
         return 2.0 * self.trainable_params  # bf16 weights (LoRA factors or the full model)
 
+    @staticmethod
+    def efficiency(dev: DeviceProfile, tokens: float, *, train: bool = False) -> float:
+        """Fraction of the peak a forward (or forward+backward) over ``tokens`` tokens reaches:
+        ``mfu x t / (t + mfu_half_tokens)``, never above the device's asymptote ``mfu``."""
+        m = dev.mfu_train if train else dev.mfu_forward
+        h = dev.mfu_half_tokens
+        return m * tokens / (tokens + h) if h > 0 and tokens > 0 else m
+
     # ------------------------------------------------------------------ the training pool
 
     def train_group(self, cluster: Cluster) -> TrainGroup:
@@ -420,6 +596,13 @@ class CostModel:
     def state_bytes_per_rank(self, group: TrainGroup) -> float:
         s = self.system
         return (self.param_bytes + (s.grad_bytes_per_param + s.optimizer_bytes_per_param) * self.trainable_params) / group.shard
+
+    def param_shard_bytes(self, group: TrainGroup) -> float:
+        """The training weights one rank holds: bf16 weights, fp32 for the trainable ones."""
+        return (self.param_bytes + 2.0 * self.trainable_params) / group.shard
+
+    def optimizer_shard_bytes(self, group: TrainGroup) -> float:
+        return self.system.optimizer_bytes_per_param * self.trainable_params / group.shard
 
     def activation_bytes_per_sample(self) -> float:
         """Activations one sample keeps for its backward (both CFG branches).
@@ -437,17 +620,28 @@ class CostModel:
 
     def device_batch(self, dev: DeviceProfile, group: TrainGroup) -> int:
         """Samples per forward+backward pass on one rank: the workload's value, or the most
-        that fit next to the sharded training state (0: not even one fits)."""
+        that fit next to the sharded training state, capped by the system's micro-batch
+        (0: not even one fits)."""
         if self.workload.train_device_batch:
             return self.workload.train_device_batch
         free = dev.hbm_gb * GB * self.system.memory_headroom - self.state_bytes_per_rank(group)
         fit = int(free // self.activation_bytes_per_sample()) if free > 0 else 0
-        cap = self.model.max_device_batch or self.workload.group_size
+        cap = self.system.train_micro_batch or self.model.max_device_batch or self.workload.group_size
         return min(fit, cap)
 
+    def pass_batch(self, dev: DeviceProfile, group: TrainGroup) -> int:
+        """Samples per pass: the device batch, but never more than one rank's share of a PPO
+        mini-batch (the optimizer steps between mini-batches)."""
+        w = self.workload
+        share = math.ceil(w.images_per_step / (w.mini_batches * max(1, group.ranks)))
+        return max(1, min(self.device_batch(dev, group), share))
+
     def collective_bw(self, device: DeviceProfile, nodes: int) -> float:
-        link = device.inter_node_gbps if nodes > 1 else device.intra_node_gbps
+        link = device.cross_node_gbps if nodes > 1 else device.intra_node_gbps
         return link * GB * self.system.nccl_efficiency
+
+    def _ring_latency(self, k: int, collectives: int) -> float:
+        return collectives * self.model.layers * (k - 1) * self.system.collective_step_latency_s
 
     def fsdp_comm_seconds(self, dev: DeviceProfile, group: TrainGroup) -> float:
         """FSDP collectives of one forward+backward pass on one rank: all-gather the
@@ -458,8 +652,14 @@ class CostModel:
             return 0.0
         s = self.system
         nbytes = 2.0 * self.param_bytes + s.grad_bytes_per_param * self.trainable_params
-        latency = 3 * self.model.layers * (k - 1) * s.collective_step_latency_s
-        return nbytes * (k - 1) / k / self.collective_bw(dev, group.shard_nodes) + latency
+        return nbytes * (k - 1) / k / self.collective_bw(dev, group.shard_nodes) + self._ring_latency(k, 3)
+
+    def fsdp_gather_seconds(self, dev: DeviceProfile, group: TrainGroup) -> float:
+        """One forward-only pass's FSDP all-gather (log-prob recomputation)."""
+        k = group.shard
+        if k <= 1:
+            return 0.0
+        return self.param_bytes * (k - 1) / k / self.collective_bw(dev, group.shard_nodes) + self._ring_latency(k, 1)
 
     # ------------------------------------------------------------------ per kind
 
@@ -468,10 +668,18 @@ class CostModel:
         flops = 2.0 * m.text_encoder_params * m.text_encoder_tokens * prompts * self.workload.cfg_factor
         return flops / (dev.flops * dev.mfu_forward)
 
+    def denoise_seconds(self, samples: int, dev: DeviceProfile, batch: int | None = None) -> float:
+        """One denoising step of ``samples`` samples (both CFG branches), run as forwards of at
+        most ``batch`` samples (default: one forward over all of them)."""
+        b = max(1, min(samples, batch or samples))
+        calls = math.ceil(samples / b)
+        eff = self.efficiency(dev, b * self.workload.cfg_factor * self.tokens()[1])
+        flops = samples * self.workload.cfg_factor * self.forward_flops()
+        return calls * dev.forward_overhead_s + flops / (dev.flops * eff)
+
     def forward_seconds(self, samples: int, dev: DeviceProfile) -> float:
         """One denoiser call on ``samples`` samples (both CFG branches)."""
-        flops = samples * self.workload.cfg_factor * self.forward_flops()
-        return dev.forward_overhead_s + flops / (dev.flops * dev.mfu_forward)
+        return self.denoise_seconds(samples, dev)
 
     def decode_seconds(self, images: int, dev: DeviceProfile) -> float:
         w = self.workload
@@ -479,42 +687,84 @@ class CostModel:
         return flops / (dev.flops * dev.decode_mfu)
 
     def generate_seconds(
-        self, images: int, dev: DeviceProfile, steps: tuple[int, int] | None = None, *, final: bool = True
+        self,
+        images: int,
+        dev: DeviceProfile,
+        steps: tuple[int, int] | None = None,
+        *,
+        final: bool = True,
+        batch: int | None = None,
     ) -> float:
-        """Denoising steps ``[start, end)`` (all by default) of ``images`` samples; prompts are
-        encoded by the stage that starts at step 0, latents decoded by the ``final`` one."""
+        """Denoising steps ``[start, end)`` (all by default) of ``images`` samples in forwards of
+        at most ``batch`` samples; prompts are encoded by the stage that starts at step 0,
+        latents decoded by the ``final`` one."""
         w = self.workload
         start, end = steps if steps is not None else (0, w.num_steps)
         if not 0 <= start < end <= w.num_steps:
             raise ValueError(f"denoise steps {(start, end)} outside [0, {w.num_steps}] (workload num_steps)")
-        t = dev.generate_overhead_s + (end - start) * self.forward_seconds(images, dev)
+        t = dev.generate_overhead_s + (end - start) * self.denoise_seconds(images, dev, batch)
         if start == 0:
             t += self.encode_seconds(math.ceil(images / w.group_size), dev)
         if final:
             t += self.decode_seconds(images, dev)
         return t
 
-    def reward_seconds(self, images: int, dev: DeviceProfile) -> float:
-        return dev.reward_overhead_s + images * self.model.reward_flops_per_image / (dev.flops * dev.mfu_forward)
+    def reward_flops_per_image(self) -> float:
+        return self.reward.flops if self.reward is not None else self.model.reward_flops_per_image
+
+    def reward_seconds(
+        self, images: int, dev: DeviceProfile, *, residency: str = RESIDENT, per_worker: int | None = None
+    ) -> float:
+        """Scoring ``images`` images on a worker that scores ``per_worker`` images per step
+        (default: the whole step's). A judge decodes until its longest answer ends, and each
+        judge instance meets that tail once per step: a call carries its images' share of it
+        (a swapped judge scores a worker's whole share in one call, so it pays all of it)."""
+        t = dev.reward_overhead_s + images * self.reward_flops_per_image() / (dev.flops * dev.mfu_forward)
+        r = self.reward
+        if r is not None and r.decode_tail_s:
+            t += r.decode_tail_s * min(1.0, images / (per_worker or self.workload.images_per_step))
+        if residency == SWAP:
+            t += self.reward_swap_seconds(dev)
+        return t
+
+    def reward_swap_seconds(self, dev: DeviceProfile) -> float:
+        """Waking a reward model that shares the training devices and putting it back to sleep:
+        its weights (split over its tensor-parallel devices) over the host link, both ways."""
+        weights = 2.0 * self.reward.params / max(1, self.reward.tp) if self.reward is not None else 0.0
+        return 2.0 * self.system.engine_wake_s + 2.0 * weights / (dev.host_link_gbps * GB)
+
+    def _pass_seconds(self, compute: float, comm: float) -> float:
+        return compute + max(0.0, comm - self.system.comm_overlap * compute)
 
     def train_pass_seconds(self, samples: int, dev: DeviceProfile, group: TrainGroup) -> float:
         w = self.workload
-        compute = dev.train_pass_overhead_s + self.train_flops_factor * samples * w.cfg_factor * self.forward_flops() / (
-            dev.flops * dev.mfu_train
+        tokens = samples * w.cfg_factor * self.tokens()[1]
+        compute = dev.train_pass_overhead_s + samples * w.cfg_factor * self.train_flops() / (
+            dev.flops * self.efficiency(dev, tokens, train=True)
         )
-        comm = self.fsdp_comm_seconds(dev, group)
-        return compute + max(0.0, comm - self.system.comm_overlap * compute)
+        return self._pass_seconds(compute, self.fsdp_comm_seconds(dev, group))
+
+    def logprob_pass_seconds(self, samples: int, dev: DeviceProfile, group: TrainGroup) -> float:
+        """A forward-only pass that recomputes the behaviour log-probs of one trained step."""
+        w = self.workload
+        tokens = samples * w.cfg_factor * self.tokens()[1]
+        compute = dev.forward_overhead_s + samples * w.cfg_factor * self.forward_flops() / (
+            dev.flops * self.efficiency(dev, tokens)
+        )
+        return self._pass_seconds(compute, self.fsdp_gather_seconds(dev, group))
 
     def train_seconds(self, images: int, dev: DeviceProfile, group: TrainGroup, trained_steps: int | None = None) -> float:
         k = self.workload.trained_steps if trained_steps is None else trained_steps
-        b = max(1, self.device_batch(dev, group))  # an infeasible batch is reported by memory_problems
-        full, rest = divmod(images, b)
-        per_step = full * self.train_pass_seconds(b, dev, group)
-        if rest:
-            per_step += self.train_pass_seconds(rest, dev, group)
-        return k * per_step
+        b = self.pass_batch(dev, group)  # an infeasible batch is reported by memory_problems
+        t = k * sum(self.train_pass_seconds(n, dev, group) for n in _passes(images, b))
+        if self.system.recompute_logprob:
+            bl = self.system.logprob_micro_batch or b
+            t += k * sum(self.logprob_pass_seconds(n, dev, group) for n in _passes(images, bl))
+        return t
 
     def optimizer_seconds(self, dev: DeviceProfile, group: TrainGroup) -> float:
+        """The step's optimizer work: one Adam update per PPO mini-batch, plus the system's
+        per-step overhead (charged here: every training rank waits for it)."""
         s = self.system
         shard = self.trainable_params / group.shard
         # read + write fp32 master, m, v and the gradient of the local shard
@@ -522,7 +772,7 @@ class CostModel:
         if group.replicas > 1:  # HSDP: all-reduce the gradient shards across replicas once per step
             r = group.replicas
             t += 2.0 * (r - 1) / r * s.grad_bytes_per_param * shard / self.collective_bw(dev, 2)
-        return t
+        return self.workload.mini_batches * t + s.step_fixed_s
 
     def sync_seconds(self, cluster: Cluster) -> float:
         tp = cluster.placement("trainer")
@@ -536,21 +786,36 @@ class CostModel:
         # one node holds both pools only when they fit in it together
         same_node = tp.nodes == 1 and rollout.nodes == 1 and tp.size + rollout.size <= dev.devices_per_node
         link = min(d.intra_node_gbps if same_node else d.inter_node_gbps for d in ends)
-        # a pipelined broadcast costs about bytes / bandwidth whatever the number of receivers
+        # a pipelined broadcast from trainer 0 costs about bytes / bandwidth whatever the number of
+        # receivers; the sender is one device, so one NIC
         return self.system.sync_fixed_s + gather + self.sync_bytes / (link * GB * self.system.nccl_efficiency)
+
+    def reload_seconds(self, dev: DeviceProfile, group: TrainGroup) -> float:
+        """Bringing the new weights to a worker's generation copy: gather the changed weights
+        (the full model, or LoRA's factors: a frozen base does not change) from the FSDP shards,
+        then copy them into the rollout engine when it is a separate one."""
+        s = self.system
+        changed = self.trainable_params
+        k = group.shard
+        gather = s.reload_bytes_per_param * changed * (k - 1) / k / self.collective_bw(dev, group.shard_nodes) if k > 1 else 0.0
+        load = 2.0 * changed / (s.engine_load_gbps * GB) if s.engine_load_gbps else 0.0
+        return gather + load
+
+    def offload_seconds(self, dev: DeviceProfile, group: TrainGroup) -> float:
+        """One direction of the system's host offload per step: the optimizer state and the
+        parameter shard (as many round trips as the system makes) over the host link."""
+        s = self.system
+        moved = self.optimizer_shard_bytes(group) if s.optimizer_offload else 0.0
+        if s.param_offload:
+            moved += s.param_offload_roundtrips * self.param_shard_bytes(group)
+        return moved / (dev.host_link_gbps * GB)
 
     def switch_seconds(self, to_mode: str, dev: DeviceProfile, group: TrainGroup) -> float:
         """A worker turning from generating into training (or back)."""
-        s = self.system
-        opt_state = s.optimizer_bytes_per_param * self.trainable_params / group.shard
-        host = dev.host_link_gbps * GB
+        t = self.system.switch_fixed_s + self.offload_seconds(dev, group)
         if to_mode == MODE_GENERATE:
-            # gather the new full weights for the rollout engine, park the optimizer state
-            k = group.shard
-            gather = self.param_bytes * (k - 1) / k / self.collective_bw(dev, group.shard_nodes) if k > 1 else 0.0
-            return s.switch_fixed_s + gather + opt_state / host
-        # free the rollout weights, bring the optimizer state back
-        return s.switch_fixed_s + opt_state / host
+            t += self.reload_seconds(dev, group)
+        return t
 
     # ------------------------------------------------------------------ tasks
 
@@ -584,6 +849,23 @@ class CostModel:
         p, parts = part
         return len(range(p, k, parts))
 
+    def rollout_batch(self, cluster: Cluster, pool: str) -> int | None:
+        """Samples per rollout forward for a worker of ``pool``: an engine that batches all of a
+        worker's requests (``system.rollout_batch``) forms batches up to that size from the
+        worker's share of the step; otherwise a task's images form one batch."""
+        cap = self.system.rollout_batch
+        if not cap:
+            return None
+        share = math.ceil(self.workload.images_per_step / max(1, cluster.placement(pool).size))
+        return min(cap, share)
+
+    def images_per_worker(self, cluster: Cluster, pool: str) -> int:
+        """A worker of ``pool``'s share of the step's images."""
+        return math.ceil(self.workload.images_per_step / max(1, cluster.placement(pool).size))
+
+    def reward_residency(self, worker: WorkerId) -> str:
+        return self.system.reward_residency if worker.pool == "fused" else RESIDENT
+
     def step_profile(self, dev: DeviceProfile, images: int) -> dict[str, Any]:
         """Per-denoising-step seconds of a generate call and its head and tail (what TSP's
         stage balancing measures on a real rollout worker)."""
@@ -602,11 +884,17 @@ class CostModel:
         dev = self.device(cluster.device_of(worker))
         images = task.images or len(task.groups) * self.workload.group_size
         if task.kind == TaskKind.GENERATE:
-            t = self.generate_seconds(images, dev, getattr(task, "denoise", None), final=getattr(task, "final", True))
+            t = self.generate_seconds(
+                images, dev, getattr(task, "denoise", None), final=getattr(task, "final", True),
+                batch=self.rollout_batch(cluster, worker.pool),
+            )
         elif task.kind == TaskKind.REWARD:
-            t = self.reward_seconds(images, dev)
+            t = self.reward_seconds(images, dev, residency=self.reward_residency(worker),
+                                    per_worker=self.images_per_worker(cluster, worker.pool))
         elif task.kind == TaskKind.TRAIN:
-            t = self.train_seconds(images, dev, self.train_group(cluster), self.trained_steps_of(task))
+            # a gang (lockstep FSDP) micro-batch: every rank takes its share of the samples
+            share = math.ceil(images / len(task.workers))
+            t = self.train_seconds(share, dev, self.train_group(cluster), self.trained_steps_of(task))
         elif task.kind == TaskKind.OPTIMIZER_STEP:
             t = self.optimizer_seconds(dev, self.train_group(cluster))
         elif task.kind == TaskKind.SYNC:
@@ -623,12 +911,16 @@ class CostModel:
     def step_costs(self, spec: StrategySpec, cluster: Cluster) -> StepCosts:
         """Per-group costs for the planner's look-ahead decisions (no switches)."""
         G = spec.group_size
-        gen_dev = self.device(cluster.device_of(spec.generators[0]))
+        gen_worker = spec.generators[0]
+        gen_dev = self.device(cluster.device_of(gen_worker))
         tr_dev = self.device(cluster.device_of(spec.trainers[0]))
         group = self.train_group(cluster)
         return StepCosts(
-            generate_per_group=self.generate_seconds(G * spec.groups_per_task, gen_dev) / spec.groups_per_task,
-            reward_per_group=self.reward_seconds(G, gen_dev),
+            generate_per_group=self.generate_seconds(
+                G * spec.groups_per_task, gen_dev, batch=self.rollout_batch(cluster, gen_worker.pool)
+            ) / spec.groups_per_task,
+            reward_per_group=self.reward_seconds(G, gen_dev, residency=self.reward_residency(gen_worker),
+                                                 per_worker=self.images_per_worker(cluster, gen_worker.pool)),
             train_per_group=self.train_seconds(G * spec.train_micro_batch_groups, tr_dev, group)
             / spec.train_micro_batch_groups,
             optimizer_step=self.optimizer_seconds(tr_dev, group),
@@ -636,41 +928,63 @@ class CostModel:
         )
 
     def device_seconds_per_image(self, dev: DeviceProfile) -> dict[str, float]:
-        """The least device time one image can take on ``dev``: its FLOPs at the device's
-        efficiency, without overheads, collectives or switches (what the bound charges)."""
+        """The least device time one image can take on ``dev``: its FLOPs at the device's best
+        efficiency, without overheads, collectives, switches, recomputation or a judge's
+        decoding tail (what the bound charges)."""
         w = self.workload
-        fwd = w.cfg_factor * self.forward_flops()
-        generate = w.num_steps * fwd / (dev.flops * dev.mfu_forward)
+        generate = w.num_steps * w.cfg_factor * self.forward_flops() / (dev.flops * dev.mfu_forward)
         generate += self.encode_seconds(1, dev) / w.group_size + self.decode_seconds(1, dev)
-        reward = self.model.reward_flops_per_image / (dev.flops * dev.mfu_forward)
-        train = w.trained_steps * self.train_flops_factor * fwd / (dev.flops * dev.mfu_train)
+        reward = self.reward_flops_per_image() / (dev.flops * dev.mfu_forward)
+        train = w.trained_steps * w.cfg_factor * self.train_flops() / (dev.flops * dev.mfu_train)
         return {"generate": generate, "reward": reward, "train": train}
 
     def zero_bubble_bound(self, devices: Iterable[str]) -> float:
-        """Images/s no schedule on ``devices`` can beat: devices / device-seconds per image.
+        """Images/s no schedule on ``devices`` (one name per device) can beat.
 
-        Every image must be generated, rewarded and trained; with several device types the
-        fastest one's per-image time is charged for all (still an upper bound)."""
-        names = list(devices)
-        if not names:
+        Every image must be generated, rewarded and trained; each phase may run on any device
+        type, at that type's cost. The best split of the phases over the types is a small linear
+        program (:func:`verl_digen.sim.bound.max_throughput`); with one type it is
+        ``devices / device-seconds per image``."""
+        counts = Counter(devices)
+        if not counts:
             return 0.0
-        per_image = min(sum(self.device_seconds_per_image(self.device(n)).values()) for n in set(names))
-        return len(names) / per_image
+        return max_throughput(dict(counts), {n: self.device_seconds_per_image(self.device(n)) for n in counts})
+
+    def usd_per_hour(self, cluster: Cluster) -> float:
+        """What the cluster's devices rent for (``usd_per_hour`` of each device profile)."""
+        return sum(p.size * self.device(p.device).usd_per_hour for p in cluster.pools.values())
 
     # ------------------------------------------------------------------ memory
+
+    def reward_weight_bytes(self) -> float:
+        return 2.0 * self.reward.params / max(1, self.reward.tp) if self.reward is not None else 0.0
 
     def memory_problems(self, cluster: Cluster, *, trainers_generate: bool = False) -> list[str]:
         """Why this placement does not fit in device memory (empty: it fits).
 
-        ``trainers_generate`` (TAG): a trainer also holds the full weights while it generates."""
+        ``trainers_generate`` (TAG): a trainer also holds the full weights while it generates.
+        A fused (colocated) worker generates with a full copy of the weights next to whatever
+        training state the system does not offload, and a resident reward model."""
         problems = []
+        s = self.system
         train_pool = training_pool(cluster)
         group = self.train_group(cluster)
         for pool, p in cluster.pools.items():
             dev = self.device(p.device)
-            cap = dev.hbm_gb * GB * self.system.memory_headroom
-            if pool in ("rollout", "fused") and self.param_bytes > cap:
-                problems.append(f"{pool}: {self.param_bytes / GB:.0f} GB of weights exceed {cap / GB:.0f} GB on {dev.name}")
+            cap = dev.hbm_gb * GB * s.memory_headroom
+            if pool in ("rollout", "fused"):
+                held = self.param_bytes + (self.reward_weight_bytes() if self.reward_residency(WorkerId(pool, 0)) == RESIDENT else 0.0)
+                if pool == "fused":
+                    if not s.param_offload:
+                        held += self.param_shard_bytes(group)
+                    if not s.optimizer_offload:
+                        held += (s.grad_bytes_per_param + s.optimizer_bytes_per_param) * self.trainable_params / group.shard
+                if held > cap:
+                    problems.append(
+                        f"{pool}: generating holds {held / GB:.0f} GB (weights {self.param_bytes / GB:.0f} GB"
+                        f"{', training state' if pool == 'fused' else ''}{', reward model' if self.reward_weight_bytes() else ''})"
+                        f", more than {cap / GB:.0f} GB on {dev.name}"
+                    )
             if pool == "trainer" and trainers_generate and self.param_bytes + self.state_bytes_per_rank(group) > cap:
                 problems.append(
                     f"trainer: generating (TAG) needs the full {self.param_bytes / GB:.0f} GB of weights next to "
@@ -689,10 +1003,14 @@ class CostModel:
         image, seq = self.tokens()
         out = {
             "model": self.model.name,
+            "system": self.system.name,
+            "reward": self.reward.name if self.reward else None,
             "workload": asdict(self.workload),
             "image_tokens": image,
             "sequence_tokens": seq,
+            "token_params": self.token_params,
             "forward_tflops_per_sample": self.forward_flops() / TFLOP,
+            "train_flops_factor": self.train_flops_factor,
             "gradient_checkpointing": self.gradient_checkpointing,
             "trainable_params": self.trainable_params,
             "sync_gb": self.sync_bytes / GB,
@@ -703,6 +1021,7 @@ class CostModel:
             dev = self.device(cluster.placement(training_pool(cluster)).device)
             out["train_device_batch"] = self.device_batch(dev, group)
             out["state_gb_per_rank"] = self.state_bytes_per_rank(group) / GB
+            out["usd_per_hour"] = self.usd_per_hour(cluster)
         return out
 
 

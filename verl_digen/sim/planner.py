@@ -4,11 +4,20 @@ The planner enumerates configurations (colocated; disaggregated pool splits that
 placed on whole nodes; micro-batch sizes; GAP and TCSS on or off), drops the ones that do
 not fit in device memory, simulates each with the cost model (the same plans the Ray
 executor would run) and ranks them by images/s. It prints the ranked table, the zero-bubble
-bound next to every row, and the hydra overrides that run the best configuration::
+bound and the cost per 1,000 images next to every row, and the hydra overrides that run the
+best configuration::
 
     python -m verl_digen.sim.planner --model flux-12b --devices 32 --device-type H800
     python -m verl_digen.sim.planner --model wan2.1-14b --mix H800:16,A100:16 --json plan.json
-    python -m verl_digen.sim.planner --list            # the model and device profiles it knows
+    python -m verl_digen.sim.planner --model flux-12b --devices 16 --system verl-omni   # veRL-Omni's colocated run
+    python -m verl_digen.sim.planner --list            # the model, device, system and reward profiles it knows
+
+``--system`` predicts another system (a profile in ``profiles/systems.yaml``) on the same
+workload and cluster: ``verl-omni`` is veRL-Omni's colocated FlowGRPO as calibrated on its
+published runs (``python -m verl_digen.sim.calibrate``). Each JSON row has ``step_s`` (seconds per
+training step) and ``usd_per_1000_images`` (the devices' ``usd_per_hour``). A per-role
+``peak_memory_gib`` is not reported yet: it needs the memory planner of the real-scale work
+(DESIGN.md sec. 8), which does not exist; the planner only drops configurations that do not fit.
 """
 
 from __future__ import annotations
@@ -36,6 +45,9 @@ MECHANISMS: dict[str, dict[str, Any]] = {
     "disaggregated+gap+tsp+tag+tcss": {
         "placement": "disaggregated", "gap": True, "tsp_stages": (2, 4), "tag": True, "max_staleness": 1,
     },
+    # FSDP in lockstep (digen.fsdp.enable): every micro-batch runs on all trainer ranks at once
+    "disaggregated+gap+fsdp": {"placement": "disaggregated", "gap": True, "fsdp": True},
+    "disaggregated+gap+fsdp+tcss": {"placement": "disaggregated", "gap": True, "fsdp": True, "max_staleness": 1},
 }
 
 
@@ -95,13 +107,15 @@ class Evaluation:
     def images_per_s(self) -> float:
         return self.result.images_per_s if self.result else 0.0
 
-    def row(self, colocated_images_per_s: float | None) -> dict[str, Any]:
+    def row(self, colocated_images_per_s: float | None, costs: CostModel | None = None) -> dict[str, Any]:
         spec = self.candidate.spec
         pools = self.candidate.pools
         disagg = spec.placement == "disaggregated"
         r = self.result
+        usd_per_hour = costs.usd_per_hour(self.candidate.cluster) if costs is not None else None
         row: dict[str, Any] = {
             "strategy": spec.name,
+            "system": costs.system.name if costs is not None else None,
             "rollout_devices": spec.rollout_workers if disagg else spec.devices,
             "trainer_devices": spec.trainer_workers if disagg else spec.devices,
             "rollout_device_type": pools["rollout" if disagg else "fused"].device,
@@ -110,10 +124,13 @@ class Evaluation:
             "train_micro_batch_groups": spec.train_micro_batch_groups,
             "images_per_s": r.images_per_s if r else None,
             "step_time_s": r.step_time_s if r else None,
+            "step_s": r.step_time_s if r else None,
             "bubble_fraction": r.bubble_fraction if r else None,
             "bound_images_per_s": r.bound_images_per_s if r else None,
             "fraction_of_bound": r.fraction_of_bound if r else None,
             "speedup_vs_colocated": (r.images_per_s / colocated_images_per_s) if (r and colocated_images_per_s) else None,
+            "usd_per_hour": usd_per_hour,
+            "usd_per_1000_images": (usd_per_hour / 3.6 / r.images_per_s) if (r and usd_per_hour) else None,
             "feasible": r is not None,
         }
         if self.problems:
@@ -152,7 +169,7 @@ class Search:
 
     def rows(self) -> list[dict[str, Any]]:
         base = self.colocated_images_per_s
-        return [e.row(base) for e in self.ranked()]
+        return [e.row(base, self.costs) for e in self.ranked()]
 
 
 # ---------------------------------------------------------------------------- enumeration
@@ -188,8 +205,10 @@ def candidates(
     micro_batches: Iterable[int] = (1, 2),
     splits: Iterable[int] | None = None,
     num_steps: int = 8,
+    whole_step: bool = False,
 ) -> list[Candidate]:
-    """Every configuration the planner evaluates."""
+    """Every configuration the planner evaluates. ``whole_step``: a system whose engine takes a
+    worker's whole share of the step at once (one generate and one train task per worker)."""
     micro = _divisors(groups_per_step, micro_batches)
     types = sorted(inventory.devices, key=lambda t: -inventory.devices[t])
     if len(types) > 2:
@@ -229,8 +248,15 @@ def candidates(
                     }
                 )
         for pools in layouts:
-            for gpt in micro:
-                for mb in micro:
+            sizes = micro
+            if whole_step:
+                n = pools["fused" if "fused" in pools else "rollout"].size
+                if groups_per_step % n:
+                    raise ProfileError(f"{groups_per_step} groups per step do not divide over {n} workers, which a "
+                                       f"whole-step system needs (change --groups-per-step)")
+                sizes = [groups_per_step // n]
+            for gpt in sizes:
+                for mb in sizes:
                     if "fused" in pools:
                         spec = StrategySpec(
                             "colocated", pools["fused"].size, pools["fused"].size, groups_per_step, group_size,
@@ -244,6 +270,8 @@ def candidates(
                     )
                     if "tag" in switches:
                         common["tag"] = True
+                    if "fsdp" in switches:
+                        common["fsdp"] = True
                     stages = [1]
                     if "tsp_stages" in switches:
                         common["num_steps"] = num_steps
@@ -276,9 +304,13 @@ def search(
     warmup: int = 2,
 ) -> Search:
     w = costs.workload
+    runnable = [m for m in mechanisms if m not in MECHANISMS or costs.system.runs(MECHANISMS[m]["placement"])]
+    if not runnable:
+        raise ProfileError(f"system {costs.system.name!r} runs only {costs.system.placements}; none of "
+                           f"{', '.join(mechanisms)} applies")
     cands = candidates(
-        inventory, groups_per_step=w.groups_per_step, group_size=w.group_size, mechanisms=mechanisms,
-        micro_batches=micro_batches, num_steps=w.num_steps,
+        inventory, groups_per_step=w.groups_per_step, group_size=w.group_size, mechanisms=runnable,
+        micro_batches=micro_batches, num_steps=w.num_steps, whole_step=costs.system.whole_step_tasks,
     )
     return Search([evaluate(c, costs, steps=steps, warmup=warmup) for c in cands], costs, inventory)
 
@@ -312,6 +344,7 @@ def hydra_overrides(candidate: Candidate, costs: CostModel, inventory: Inventory
         f"digen.tsp.stages={getattr(spec, 'tsp_stages', 1)}",
         f"digen.tsp.train_split={getattr(spec, 'train_split', 'sample')}",
         f"digen.tag.enable={'true' if getattr(spec, 'tag', False) else 'false'}",
+        f"digen.fsdp.enable={'true' if getattr(spec, 'fsdp', False) else 'false'}",
         f"digen.sampling.height={w.height}",
         f"digen.sampling.width={w.width}",
         f"digen.sampling.num_frames={w.frames}",
@@ -325,7 +358,8 @@ def hydra_overrides(candidate: Candidate, costs: CostModel, inventory: Inventory
 
 
 def format_table(rows: list[dict[str, Any]], top: int | None = None) -> str:
-    head = f"{'#':>3} {'strategy':<24} {'rollout':>8} {'trainer':>8} {'g/task':>6} {'g/mb':>5} {'img/s':>9} {'bubble':>7} {'bound':>9} {'%bound':>7} {'vs coloc':>8}"
+    head = (f"{'#':>3} {'strategy':<24} {'rollout':>8} {'trainer':>8} {'g/task':>6} {'g/mb':>5} {'img/s':>9} {'step s':>8} "
+            f"{'bubble':>7} {'bound':>9} {'%bound':>7} {'vs coloc':>8} {'$/1k img':>9}")
     lines = [head, "-" * len(head)]
     for i, r in enumerate(rows[:top] if top else rows, 1):
         ro = f"{r['rollout_devices']}"
@@ -334,10 +368,11 @@ def format_table(rows: list[dict[str, Any]], top: int | None = None) -> str:
             ro += f"x{r['rollout_device_type']}"
             tr += f"x{r['trainer_device_type']}"
         speed = f"{r['speedup_vs_colocated']:.2f}x" if r["speedup_vs_colocated"] else "-"
+        usd = f"{r['usd_per_1000_images']:.2f}" if r.get("usd_per_1000_images") else "-"
         lines.append(
             f"{i:>3} {r['strategy']:<24} {ro:>8} {tr:>8} {r['groups_per_task']:>6} {r['train_micro_batch_groups']:>5} "
-            f"{r['images_per_s']:>9.3f} {r['bubble_fraction']:>7.3f} {r['bound_images_per_s']:>9.3f} "
-            f"{100 * r['fraction_of_bound']:>6.1f}% {speed:>8}"
+            f"{r['images_per_s']:>9.3f} {r['step_s']:>8.1f} {r['bubble_fraction']:>7.3f} {r['bound_images_per_s']:>9.3f} "
+            f"{100 * r['fraction_of_bound']:>6.1f}% {speed:>8} {usd:>9}"
         )
     return "\n".join(lines)
 
@@ -360,6 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mix", default=None, help="heterogeneous cluster, e.g. H800:16,A100:16 (replaces --devices)")
     p.add_argument("--devices-per-node", type=int, default=8)
     p.add_argument("--profile", action="append", default=[], help="extra profile YAML file (repeatable)")
+    p.add_argument("--system", default=None,
+                   help="system profile to predict (default: the devices' own, verl-digen); verl-omni = veRL-Omni's colocated run")
     p.add_argument("--groups-per-step", type=int, default=None)
     p.add_argument("--group-size", type=int, default=None)
     p.add_argument("--height", type=int, default=None)
@@ -385,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.list:
             print("models: " + ", ".join(sorted(catalog.models)))
             print("devices: " + ", ".join(sorted(catalog.devices)))
+            print("systems: " + ", ".join(sorted(catalog.systems)))
+            print("rewards: " + ", ".join(sorted(catalog.rewards)))
             return 0
         if args.mix:
             inventory = Inventory(parse_mix(args.mix), args.devices_per_node)
@@ -396,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
             if n > inventory.per_node and n % inventory.per_node:
                 raise ProfileError(f"{n} {t} devices do not fill whole nodes of --devices-per-node={inventory.per_node}")
         costs = CostModel.from_catalog(
-            catalog, args.model, devices=list(inventory.devices), groups_per_step=args.groups_per_step,
+            catalog, args.model, devices=list(inventory.devices), system=args.system, groups_per_step=args.groups_per_step,
             group_size=args.group_size, height=args.height, width=args.width, frames=args.frames,
             num_steps=args.steps, sde_window=args.sde_window, lora=args.lora,
         )
@@ -411,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = result.rows()
     d = costs.describe(best.candidate.cluster)
     print(
-        f"{args.model} on {' + '.join(f'{n} x {t}' for t, n in inventory.devices.items())}: "
+        f"{args.model} on {' + '.join(f'{n} x {t}' for t, n in inventory.devices.items())}, system {costs.system.name}: "
         f"{d['sequence_tokens']} tokens/sample, {d['forward_tflops_per_sample']:.1f} TFLOP/forward, "
         f"{costs.workload.images_per_step} images/step ({costs.workload.groups_per_step} groups of {costs.workload.group_size}), "
         f"{'LoRA' if costs.workload.lora else 'full fine-tuning'}"
@@ -424,7 +463,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "inventory": inventory.devices, "rows": rows,
-                       "skipped": [{**e.row(None), "problems": e.problems} for e in result.evaluations if not e.feasible],
+                       "system": costs.system.name,
+                       "skipped": [{**e.row(None, costs), "problems": e.problems} for e in result.evaluations if not e.feasible],
                        "best_overrides": hydra_overrides(best.candidate, costs, inventory)}, f, indent=1)
         print(f"wrote {args.json}")
     return 0
