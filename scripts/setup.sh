@@ -19,10 +19,13 @@ if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
         "$VPY" -m pip install -q "torch==2.13.0" ${TORCH_INDEX:+--index-url "$TORCH_INDEX"}
     fi
 fi
-# Keep the torch installed above whatever an extra asks for (a dependency that wants a newer
-# torch would otherwise pull a CUDA build onto a CPU machine).
+# Constraints: the versions the suite is known to work with (scripts/constraints.txt, so pip
+# does not backtrack for tens of minutes), and the torch installed above whatever an extra asks
+# for (a dependency that wants a newer torch would otherwise pull a CUDA build onto a CPU
+# machine; on a GPU machine, the CUDA torch you installed stays).
 CONSTRAINTS=$(mktemp)
 trap 'rm -f "$CONSTRAINTS"' EXIT
-"$VPY" -c "import torch; print('torch==' + torch.__version__)" > "$CONSTRAINTS"
+grep -v '^torch==' scripts/constraints.txt > "$CONSTRAINTS"
+"$VPY" -c "import torch; print('torch==' + torch.__version__)" >> "$CONSTRAINTS"
 "$VPY" -m pip install -q -c "$CONSTRAINTS" -e ".[test]"
 "$VPY" -c "import verl_digen, verl, torch; print('verl-digen', verl_digen.__version__, '| verl', verl.__version__, '| torch', torch.__version__)"
