@@ -26,6 +26,10 @@ def resolve_model_path(cfg: DigenConfig) -> str:
     from verl_digen.models.tiny import ensure_tiny
 
     if cfg.model.path is None:
+        if cfg.model.tiny_arch == "digits":  # pretrained once, then cached
+            from verl_digen.models.toy import ensure_toy
+
+            return ensure_toy(cfg.model.tiny_arch)
         return ensure_tiny(cfg.model.tiny_arch)
     if not os.path.isdir(cfg.model.path):
         raise FileNotFoundError(f"digen.model.path: model path '{cfg.model.path}' does not exist")
