@@ -118,3 +118,73 @@ def test_bad_argument_names_it(bad):
 def test_unknown_reward_name_in_config_lists_it():
     with pytest.raises(ConfigError, match="digen.reward.name='digits'; unknown reward; registered: .*digit_classifier"):
         digen_config_from_dict({"reward": {"name": "digits"}})
+
+
+# ---------------------------------------------------------------------------- digits_check
+
+
+def _fake_run(tmp_path, digits, *, noisy_last: bool) -> str:
+    """A run directory with validation grids at steps 0 and 10 (real digits, then noise or the
+    same digits) and the metrics of 10 steps, written as the loop writes them."""
+    import json
+
+    from verl_digen.trainer.validation import save_grid_png
+
+    images, labels = digits
+    prompts = [f"the number {d}" for d in labels]
+    last = torch.rand(images.shape, generator=torch.Generator().manual_seed(0)) if noisy_last else images
+    (tmp_path / "run" / "val").mkdir(parents=True)
+    save_grid_png(images, str(tmp_path / "run" / "val" / "val_step000000.png"), prompts)
+    save_grid_png(last, str(tmp_path / "run" / "val" / "val_step000010.png"), prompts)
+    with open(tmp_path / "run" / "metrics.jsonl", "w") as f:
+        for step in range(1, 11):
+            f.write(json.dumps({"step": step, "reward_mean": step / 10}) + "\n")
+    return str(tmp_path / "run")
+
+
+def test_grid_cells_read_back_the_images_and_prompts(tmp_path, digits):
+    from verl_digen.rewards.digits_check import grid_cells
+
+    run_dir = _fake_run(tmp_path, digits, noisy_last=False)
+    images, prompts = grid_cells(f"{run_dir}/val/val_step000000.png")
+    assert prompts == [f"the number {d}" for d in digits[1]]
+    torch.testing.assert_close(images, digits[0], atol=1 / 255, rtol=0)  # uint8 PNG
+
+
+def test_check_images_agrees_on_real_digits_and_flags_noise(digits):
+    from verl_digen.rewards.digits_check import check_images
+
+    images, labels = digits
+    prompts = [f"a handwritten digit {d}" for d in labels]
+    real = check_images(images, prompts)
+    assert min(real["reward"], real["knn"], real["svc"]) > 0.8
+    assert real["nearest_real"] < 1e-6  # they are in the data
+    noise = check_images(torch.rand(images.shape, generator=torch.Generator().manual_seed(1)), prompts)
+    assert max(noise["knn"], noise["svc"]) < 0.5 and noise["nearest_real"] > 1.0
+
+
+def test_digits_check_cli_prints_every_validation_and_the_sheet(tmp_path, digits, capsys):
+    from verl_digen.rewards.digits_check import main
+
+    run_dir = _fake_run(tmp_path, digits, noisy_last=True)
+    assert main([run_dir, "--png", str(tmp_path / "sheet.png")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["step", "reward", "knn", "svc", "nearest_real", "train_ma10"]
+    step0, step10 = lines[1].split(), lines[2].split()
+    assert step0[0] == "0" and step0[-1] == "-"  # no training reward before training
+    assert step10[0] == "10" and float(step10[-1]) == pytest.approx(0.55)  # mean of 0.1 .. 1.0
+    assert float(step10[1]) < float(step0[1]) and float(step10[4]) > float(step0[4])
+    assert (tmp_path / "sheet.png").stat().st_size > 0
+
+
+def test_digits_check_errors_name_the_problem(tmp_path, capsys):
+    from PIL import Image
+
+    from verl_digen.rewards.digits_check import grid_cells, main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path)])
+    assert exit_info.value.code == 2 and "no validation grids in" in capsys.readouterr().err
+    Image.new("RGB", (12, 12)).save(tmp_path / "plain.png")
+    with pytest.raises(ValueError, match="plain.png' has no 'prompts' metadata"):
+        grid_cells(str(tmp_path / "plain.png"))
