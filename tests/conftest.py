@@ -51,6 +51,15 @@ def tiny_dirs(tiny_cache) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
+def toy_digits(tiny_cache) -> str:
+    """The pretrained toy digits model (``verl_digen.models.toy``) in the session's cache, built on
+    first use (a couple of minutes on a CPU), where Ray workers and ``resolve_model_path`` look."""
+    from verl_digen.models.toy import ensure_toy
+
+    return ensure_toy("digits", os.path.join(tiny_cache, "toy"), log=lambda message: None)
+
+
+@pytest.fixture(scope="session")
 def tiny_flux(tiny_dirs) -> str:
     return tiny_dirs["flux"]
 

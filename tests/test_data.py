@@ -93,8 +93,8 @@ def test_builtin_prompts() -> None:
     assert 16 <= len(prompts) <= 64
     assert len(set(prompts)) == len(prompts)
     assert all(p and p == p.strip() for p in prompts)
-    assert builtin_prompt_sets() == ["demo", "val"]
-    with pytest.raises(ValueError, match=r"unknown built-in prompt set 'nope'; available: demo, val"):
+    assert builtin_prompt_sets() == ["demo", "digits", "digits_val", "val"]
+    with pytest.raises(ValueError, match=r"unknown built-in prompt set 'nope'; available: demo, digits, digits_val, val"):
         builtin_prompts("nope")
 
 

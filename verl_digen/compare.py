@@ -19,12 +19,31 @@ Writes ``DIR/summary.json`` (rows: mode, devices, images_per_s, bubble_fraction,
 reward_mean_last, wall_s, ...), ``DIR/compare.png``, each mode's run directory (metrics,
 timeline, Gantt chart) under ``DIR/<mode>``, and prints a table. Throughput and bubble
 fraction are steady-state figures: the first step (warm-up) is excluded.
+
+**Time to target** (``--target-reward T``): users pick a system by how fast it reaches a
+reward, not by images/s alone (one-step staleness may buy throughput and cost learning). For
+each mode the table then gains, for two readings of "the reward":
+
+- ``val``: the validation reward (``val/reward_mean``: held-out prompts, deterministic ODE
+  samples, every ``trainer.test_freq`` steps, and before training with
+  ``trainer.val_before_train=true``);
+- ``ma``: the moving average of the training reward (``reward_mean``) over the last
+  ``--target-window`` steps (a full window only);
+
+the wall seconds and the images trained on until it first reaches ``T`` (empty when it never
+does). Wall seconds count from the start of the first training step (model loading and Ray
+start-up excluded, validation included) to the end of the optimizer step where the target is
+first met, read from the run's timeline; images = steps x images per step. Also writes
+``DIR/reward_vs_time.png`` (both readings against wall seconds, per mode, with the target).
+A preset other than the default is picked as for the main job: ``--config-name digits``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -60,6 +79,15 @@ def mode_overrides(mode: str, rollout_devices: int, trainer_devices: int) -> lis
 
 
 @dataclass
+class TargetResult:
+    """When a run first reached the target reward (None: never), by one reading of the reward."""
+
+    step: int | None
+    wall_s: float | None
+    images: int | None
+
+
+@dataclass
 class Row:
     mode: str
     devices: int
@@ -75,14 +103,82 @@ class Row:
     drain_bubble: float
     overrides: list[str]
     output_dir: str
+    images_per_step: int = 0
+    reward_ma_last: float | None = None  # moving average of reward_mean over the last --target-window steps
+    val_reward_first: float | None = None  # before training (trainer.val_before_train) or at the first validation
+    val_reward_last: float | None = None
+    target_reward: float | None = None
+    target_val: TargetResult | None = None
+    target_ma: TargetResult | None = None
+    # Per step: [step, wall_s, reward_mean, moving average or None, val/reward_mean or None]; step 0 = before training.
+    curve: list[list] | None = None
 
 
-def _pool_split(overrides: list[str], devices: int) -> tuple[list[str], int, int]:
+# ---------------------------------------------------------------------------- time to target
+
+
+def step_end_times(timeline: list[dict]) -> dict[int, float]:
+    """Training step (1-based, as in metrics.jsonl) -> seconds from the run's start to the end of
+    its optimizer step, from ``timeline.jsonl`` records (the last rank to finish, under FSDP)."""
+    ends: dict[int, float] = {}
+    for r in timeline:
+        if r["kind"] == "optimizer_step":
+            step = int(r["step"]) + 1
+            ends[step] = max(ends.get(step, 0.0), float(r["end"]))
+    return ends
+
+
+def moving_average(values: list[float], window: int) -> list[float | None]:
+    """Trailing mean over ``window`` values; None until a full window is in."""
+    if window < 1:
+        raise ValueError(f"--target-window must be >= 1, got {window}")
+    out: list[float | None] = []
+    for i in range(len(values)):
+        out.append(sum(values[i + 1 - window : i + 1]) / window if i + 1 >= window else None)
+    return out
+
+
+def first_reaching(points: list[tuple[int, float | None]], target: float) -> int | None:
+    """The first step of ``(step, value)`` points (in step order) whose value is >= ``target``."""
+    for step, value in points:
+        if value is not None and value >= target:
+            return step
+    return None
+
+
+def reward_curve(
+    metrics: list[dict], ends: dict[int, float], window: int, val_before: float | None = None
+) -> list[list]:
+    """``[step, wall_s, reward_mean, moving average, val]`` rows (see :attr:`Row.curve`)."""
+    ma = moving_average([m["reward_mean"] for m in metrics], window)
+    rows: list[list] = [[0, 0.0, None, None, val_before]] if val_before is not None else []
+    for m, avg in zip(metrics, ma):
+        step = int(m["step"])
+        if step not in ends:
+            raise ValueError(f"the timeline has no optimizer step for step {step}")
+        rows.append([step, ends[step], m["reward_mean"], avg, m.get("val/reward_mean")])
+    return rows
+
+
+def time_to_target(curve: list[list], target: float, images_per_step: int) -> tuple[TargetResult, TargetResult]:
+    """``(by validation reward, by moving-average reward)`` for a :func:`reward_curve`."""
+    wall = {row[0]: row[1] for row in curve}
+    results = []
+    for column in (4, 3):
+        step = first_reaching([(row[0], row[column]) for row in curve], target)
+        if step is None:
+            results.append(TargetResult(None, None, None))
+        else:
+            results.append(TargetResult(step, wall[step], step * images_per_step))
+    return results[0], results[1]
+
+
+def _pool_split(overrides: list[str], devices: int, base=None) -> tuple[list[str], int, int]:
     """Pool sizes for the disaggregated modes: the user's, or half and half."""
     from verl_digen.config.compose import compose_config
 
     if any(o.startswith("digen.pools.") for o in overrides):
-        cfg = compose_config(overrides)
+        cfg = base if base is not None else compose_config(overrides)
         r, t = cfg.digen.pools.rollout, cfg.digen.pools.trainer
         return [], r.devices * r.nodes, t.devices * t.nodes
     rollout = max(1, devices // 2)
@@ -90,14 +186,29 @@ def _pool_split(overrides: list[str], devices: int) -> tuple[list[str], int, int
     return [f"digen.pools.rollout.devices={rollout}", f"digen.pools.trainer.devices={trainer}"], rollout, trainer
 
 
-def run_modes(out: str, overrides: list[str], modes: list[str]) -> list[Row]:
-    from verl_digen.config.compose import compose_config
+def run_modes(
+    out: str,
+    overrides: list[str],
+    modes: list[str],
+    *,
+    config_name: str | None = None,
+    config_dir: str | None = None,
+    target_reward: float | None = None,
+    target_window: int = 10,
+) -> list[Row]:
+    from verl_digen.config.compose import CONFIG_DIR, CONFIG_NAME
+    from verl_digen.config.compose import compose_config as _compose
     from verl_digen.trainer.loop import run_training
 
+    def compose_config(ovr: list[str]):
+        return _compose(ovr, config_name=config_name or CONFIG_NAME, config_dir=config_dir or CONFIG_DIR)
+
+    if target_window < 1:
+        raise SystemExit(f"--target-window must be >= 1, got {target_window}")
     rows: list[Row] = []
     base = compose_config(overrides)
     devices = int(base.trainer.n_gpus_per_node) * int(base.trainer.nnodes)
-    split, n_roll, n_train = _pool_split(overrides, devices)
+    split, n_roll, n_train = _pool_split(overrides, devices, base)
     for mode in modes:
         mode_ovr = mode_overrides(mode, n_roll, n_train)
         if mode_ovr is None:
@@ -114,6 +225,15 @@ def run_modes(out: str, overrides: list[str], modes: list[str]) -> list[Row]:
         def weighted(key: str) -> float:
             return sum(m[key] * m["step_time_s"] for m in steady) / step_time
 
+        with open(os.path.join(result.output_dir, "timeline.jsonl")) as f:
+            timeline = [json.loads(line) for line in f if line.strip()]
+        val_before = (result.extra.get("val_before_train") or {}).get("val/reward_mean")
+        curve = reward_curve(result.metrics, step_end_times(timeline), target_window, val_before)
+        vals = [row[4] for row in curve if row[4] is not None]
+        images_per_step = int(cfg.digen.batch.groups_per_step) * int(cfg.digen.batch.group_size)
+        target_val = target_ma = None
+        if target_reward is not None:
+            target_val, target_ma = time_to_target(curve, target_reward, images_per_step)
         rows.append(
             Row(
                 mode=mode,
@@ -130,25 +250,86 @@ def run_modes(out: str, overrides: list[str], modes: list[str]) -> list[Row]:
                 drain_bubble=weighted("bubble/drain_rollout"),
                 overrides=mode_ovr + (split if mode != "colocated" else []),
                 output_dir=result.output_dir,
+                images_per_step=images_per_step,
+                reward_ma_last=curve[-1][3],
+                val_reward_first=vals[0] if vals else None,
+                val_reward_last=vals[-1] if vals else None,
+                target_reward=target_reward,
+                target_val=target_val,
+                target_ma=target_ma,
+                curve=curve,
             )
         )
     return rows
 
 
+def _fmt(value: float | int | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
 def format_table(rows: list[Row]) -> str:
     base = next((r for r in rows if r.mode == "colocated"), rows[0])
-    lines = [
+    targets = any(r.target_reward is not None for r in rows)
+    header = (
         f"{'mode':<14} {'devices':>7} {'images/s':>9} {'vs coloc':>8} {'bubble':>7} {'head':>6} {'drain':>6} "
         f"{'step s':>7} {'sync s':>7} {'stale':>5} {'reward(last)':>12} {'wall s':>7}"
-    ]
+    )
+    if targets:
+        header += f" {'ma(last)':>8} {'val(last)':>9} {'val: s':>7} {'images':>7} {'ma: s':>7} {'images':>7}"
+    lines = [header]
     for r in rows:
-        lines.append(
+        line = (
             f"{r.mode:<14} {r.devices:>7} {r.images_per_s:>9.2f} {r.images_per_s / base.images_per_s:>7.2f}x "
             f"{r.bubble_fraction:>7.3f} {r.head_bubble:>6.3f} {r.drain_bubble:>6.3f} "
             f"{r.step_time_s:>7.3f} {r.weight_sync_s:>7.4f} {r.max_staleness_seen:>5} "
             f"{r.reward_mean_last:>12.4f} {r.wall_s:>7.1f}"
         )
+        if targets:
+            tv = r.target_val or TargetResult(None, None, None)
+            tm = r.target_ma or TargetResult(None, None, None)
+            line += (
+                f" {_fmt(r.reward_ma_last, '.4f'):>8} {_fmt(r.val_reward_last, '.4f'):>9}"
+                f" {_fmt(tv.wall_s, '.1f'):>7} {_fmt(tv.images, 'd'):>7}"
+                f" {_fmt(tm.wall_s, '.1f'):>7} {_fmt(tm.images, 'd'):>7}"
+            )
+        lines.append(line)
+    if targets:
+        window = next((r for r in rows if r.target_reward is not None))
+        lines.append(
+            f"time to target reward {window.target_reward}: 'val: s' / 'images' = wall seconds / images trained on "
+            "until the validation reward first reaches it, 'ma: s' / 'images' the same for the moving average of "
+            "the training reward ('-': not reached)"
+        )
     return "\n".join(lines)
+
+
+def save_reward_plot(rows: list[Row], path: str, target: float | None = None) -> None:
+    """Reward against wall seconds per mode: the training reward's moving average (line) and the
+    validation reward (markers), with the target as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    for i, r in enumerate(rows):
+        color = f"C{i}"
+        curve = r.curve or []
+        ma = [(row[1], row[3]) for row in curve if row[3] is not None]
+        val = [(row[1], row[4]) for row in curve if row[4] is not None]
+        if ma:
+            ax.plot(*zip(*ma), color=color, label=f"{r.mode} (moving avg)")
+        if val:
+            ax.plot(*zip(*val), color=color, marker="o", linestyle="--", alpha=0.7, label=f"{r.mode} (validation)")
+    if target is not None:
+        ax.axhline(target, color="black", linestyle=":", label=f"target {target}")
+    ax.set_xlabel("wall seconds (training)")
+    ax.set_ylabel("reward")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def save_chart(rows: list[Row], path: str) -> None:
@@ -175,18 +356,34 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="directory for summary.json, charts and per-mode runs")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of: {', '.join(MODES)}")
+    parser.add_argument("--config-name", default=None, help="preset to run (as for the main job), e.g. digits")
+    parser.add_argument("--config-dir", default=None, help="directory of --config-name (default: the packaged presets)")
+    parser.add_argument("--target-reward", type=float, default=None,
+                        help="add time-to-target columns: seconds and images until the reward first reaches this")
+    parser.add_argument("--target-window", type=int, default=10,
+                        help="steps in the moving average of the training reward (default 10)")
     args, overrides = parser.parse_known_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        parser.error(f"--modes: unknown mode(s) {', '.join(unknown)}; valid: {', '.join(MODES)}")
+    if args.target_window < 1:
+        parser.error(f"--target-window must be >= 1, got {args.target_window}")
+    if args.target_reward is not None and not math.isfinite(args.target_reward):
+        parser.error(f"--target-reward must be a finite number, got {args.target_reward}")
     os.makedirs(args.out, exist_ok=True)
     from verl_digen.config.schema import ConfigError
 
     try:
-        rows = run_modes(args.out, overrides, [m for m in args.modes.split(",") if m])
+        rows = run_modes(args.out, overrides, modes, config_name=args.config_name, config_dir=args.config_dir,
+                         target_reward=args.target_reward, target_window=args.target_window)
     except (ConfigError, FileNotFoundError) as e:
         print(f"[verl-digen] error: {e}", file=sys.stderr)
         return 2
     with open(os.path.join(args.out, "summary.json"), "w") as f:
-        json.dump([r.__dict__ for r in rows], f, indent=2)
+        json.dump([dataclasses.asdict(r) for r in rows], f, indent=2)
     save_chart(rows, os.path.join(args.out, "compare.png"))
+    save_reward_plot(rows, os.path.join(args.out, "reward_vs_time.png"), args.target_reward)
     print(format_table(rows))
     print(f"[verl-digen] summary: {os.path.abspath(os.path.join(args.out, 'summary.json'))}")
     return 0

@@ -69,6 +69,7 @@ class LoraConfigSpec:
 class ModelConfig:
     path: Optional[str] = None  # local diffusers directory; None builds and uses a tiny model of tiny_arch
     arch: Optional[str] = None  # flux | sd3 | qwen_image | wan | hunyuan_video; None: read from model_index.json
+    # Random-init tiny model of a family, or "digits": the pretrained toy FLUX of verl_digen.models.toy.
     tiny_arch: str = "flux"
     dtype: str = "fp32"  # fp32 | bf16 (bf16: autocast for the denoiser, SDE maths stay fp32)
     lora: LoraConfigSpec = field(default_factory=LoraConfigSpec)
@@ -76,7 +77,8 @@ class ModelConfig:
     def validate(self, key: str) -> None:
         if self.dtype not in ("fp32", "bf16"):
             _fail(f"{key}.dtype", self.dtype, "valid: fp32, bf16")
-        tiny_archs = ("flux", "sd3", "qwen_image", "wan", "hunyuan_video")  # verl_digen.models.tiny.TINY_ARCHS
+        # verl_digen.models.tiny.TINY_ARCHS + verl_digen.models.toy.TOY_MODELS
+        tiny_archs = ("flux", "sd3", "qwen_image", "wan", "hunyuan_video", "digits")
         if self.tiny_arch not in tiny_archs:
             _fail(f"{key}.tiny_arch", self.tiny_arch, f"valid: {', '.join(tiny_archs)}")
         self.lora.validate(f"{key}.lora")

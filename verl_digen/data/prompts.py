@@ -34,7 +34,13 @@ __all__ = [
 SUPPORTED_EXTENSIONS = (".txt", ".jsonl", ".parquet")
 
 # Built-in prompt set name -> package data file in verl_digen/data/.
-_BUILTIN_SETS = {"demo": "builtin_prompts.txt", "val": "builtin_val_prompts.txt"}  # val: held out from demo
+_BUILTIN_SETS = {
+    "demo": "builtin_prompts.txt",
+    "val": "builtin_val_prompts.txt",  # held out from demo
+    # The toy digits model (verl_digen.models.toy): RL prompts, and held-out phrasings for validation.
+    "digits": "builtin_digits_prompts.txt",
+    "digits_val": "builtin_digits_val_prompts.txt",
+}
 
 
 def load_prompts(path: str | os.PathLike[str]) -> list[str]:

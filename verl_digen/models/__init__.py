@@ -1,4 +1,5 @@
-"""Diffusion model adapters (one module per diffusers architecture) and tiny test models.
+"""Diffusion model adapters (one module per diffusers architecture), tiny test models and the
+pretrained toy digits model (``toy``).
 
 Importing this package is light (torch only): the adapters and the tiny builders, which pull
 in diffusers and transformers, are imported on first attribute access.
@@ -19,6 +20,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .sd3 import SD3Adapter
     from .wan import WanAdapter
     from .tiny import build_tiny, ensure_tiny
+    from .toy import build_toy, ensure_toy
 
 _LAZY = {
     "FluxAdapter": "verl_digen.models.flux",
@@ -28,6 +30,8 @@ _LAZY = {
     "HunyuanVideoAdapter": "verl_digen.models.hunyuan_video",
     "build_tiny": "verl_digen.models.tiny",
     "ensure_tiny": "verl_digen.models.tiny",
+    "build_toy": "verl_digen.models.toy",
+    "ensure_toy": "verl_digen.models.toy",
 }
 
 __all__ = [
@@ -42,8 +46,10 @@ __all__ = [
     "WanAdapter",
     "SampleSpec",
     "build_tiny",
+    "build_toy",
     "detect_arch",
     "ensure_tiny",
+    "ensure_toy",
     "load_adapter",
     "register_adapter",
 ]

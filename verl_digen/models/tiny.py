@@ -71,16 +71,17 @@ _WORDS = (
 ).split()
 
 
-def build_clip_tokenizer(max_length: int = _PROMPT_TOKENS):
+def build_clip_tokenizer(max_length: int = _PROMPT_TOKENS, words: tuple[str, ...] | list[str] = _WORDS):
     """A CLIP byte-level BPE tokenizer: all 256 byte symbols (alone and word-final), plus merges
-    that assemble each word of ``_WORDS`` into one token. Any text tokenizes; nothing is unknown."""
+    that assemble each word of ``words`` (default ``_WORDS``) into one token. Any text tokenizes;
+    nothing is unknown."""
     from transformers import CLIPTokenizer
 
     alphabet = _byte_level_alphabet()
     vocab = {ch: i for i, ch in enumerate(alphabet)}
     vocab.update({ch + "</w>": len(alphabet) + i for i, ch in enumerate(alphabet)})
     merges: list[tuple[str, str]] = []
-    for word in _WORDS:
+    for word in words:
         # Merge from the end of the word: "t</w>" <- "a" + "t</w>" ... "cat</w>" <- "c" + "at</w>".
         # Every merge then has a word-final right side, so the only mergeable pair in a word is
         # its last one and the chains of different words cannot interfere: each listed word
@@ -95,15 +96,16 @@ def build_clip_tokenizer(max_length: int = _PROMPT_TOKENS):
     return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=max_length)
 
 
-def build_t5_tokenizer(max_length: int = _PROMPT_TOKENS):
-    """A T5 (Unigram, SentencePiece-style) tokenizer: whole words of ``_WORDS`` plus printable
-    ASCII characters, each with and without the word-start marker. Other characters are ``<unk>``."""
+def build_t5_tokenizer(max_length: int = _PROMPT_TOKENS, words: tuple[str, ...] | list[str] = _WORDS):
+    """A T5 (Unigram, SentencePiece-style) tokenizer: whole words of ``words`` (default ``_WORDS``)
+    plus printable ASCII characters, each with and without the word-start marker. Other characters
+    are ``<unk>``."""
     from transformers import T5TokenizerFast
 
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -3.0)]
     # Unigram picks the segmentation with the highest total score: a whole word (-0.5) beats
     # spelling it out (at least -1 per character).
-    pieces += [("\u2581" + word, -0.5) for word in _WORDS]
+    pieces += [("\u2581" + word, -0.5) for word in words]
     for ch in string.ascii_letters + string.digits + string.punctuation:
         # Prefer the word-initial piece, so "cot" -> "_c o t" like a real SentencePiece model.
         pieces += [("\u2581" + ch, -1.0), (ch, -2.0)]

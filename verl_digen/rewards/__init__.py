@@ -6,6 +6,7 @@ Importing this package registers the built-in rewards:
 * ``jpeg_compressibility`` / ``jpeg_incompressibility`` (DDPO),
 * ``brightness`` / ``colorfulness`` (weight-free image statistics),
 * ``temporal_smoothness`` (weight-free, video only),
+* ``digit_classifier`` (probability of the prompt's digit; the toy digits model's reward),
 * ``clip_score`` (local ``transformers`` CLIP checkpoint; transformers is imported lazily),
 * ``http`` (remote reward server: our JSON protocol or the flow_grpo / veRL-Omni pickle one),
 * ``ocr`` (text rendering: 1 - normalised edit distance to the ground truth; ``[ocr]`` extra),
@@ -27,6 +28,7 @@ from verl_digen.rewards.base import (
     reward_class,
 )
 from verl_digen.rewards.clip_score import ClipScoreReward, build_tiny_clip
+from verl_digen.rewards.digits import DigitClassifierReward, requested_digit
 from verl_digen.rewards.http_client import (
     HttpReward,
     RewardServerError,
@@ -59,6 +61,8 @@ __all__ = [
     "TemporalSmoothnessReward",
     "temporal_smoothness",
     "ClipScoreReward",
+    "DigitClassifierReward",
+    "requested_digit",
     "build_tiny_clip",
     "HttpReward",
     "RewardServerError",

@@ -101,6 +101,7 @@ class DigenTrainer:
         self.checkpoints = RunCheckpoints(root, self.spec, meta=meta, timeout_s=cfg.task_timeout_s,
                                           max_to_keep=self.trainer_cfg.get("max_actor_ckpt_to_keep"))
         self.history: list[dict[str, Any]] = []
+        self.val_before_train: dict[str, float] | None = None
         self._completed = self.start_step
 
     def _default_worker_groups(self, use_gpu: bool) -> runtime.WorkerGroupFactory:
@@ -169,6 +170,8 @@ class DigenTrainer:
             raise self._stopped(e, actors) from e
         extra = runtime.finish_weights(self.spec, actors, cfg, self.output_dir,
                                        save=cfg.save_final_weights and not self.emulated)
+        if self.val_before_train is not None:
+            extra["val_before_train"] = self.val_before_train
         tracker.finish()
         return metrics, extra
 
@@ -201,6 +204,12 @@ class DigenTrainer:
             self.checkpoints.note_sampler(prompts_until + 1, sampler.state_dict())
 
         self.checkpoints.note_sampler(first, sampler.state_dict())
+        if self.test_freq > 0 and first == 0 and self.trainer_cfg.get("val_before_train", False):
+            # veRL's key: validate the initial weights too (grid val_step000000.png; not a step's metrics).
+            self.val_before_train = self._validate(actors, 0)
+            tracker.log(data=self.val_before_train, step=0)
+            with open(os.path.join(self.output_dir, "val_before_train.json"), "w") as f:
+                json.dump(self.val_before_train, f, indent=2)
         all_metrics = list(self.history)
         nonfinite = sum(int(m.get("actor/skipped_nonfinite", 0)) for m in all_metrics)
         t_run0 = time.time()

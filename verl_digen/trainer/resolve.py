@@ -29,7 +29,12 @@ def resolve_model_path(cfg: DigenConfig) -> str:
     from verl_digen.models.tiny import ensure_tiny
 
     if cfg.model.path is None:
-        path = ensure_tiny(cfg.model.tiny_arch)
+        if cfg.model.tiny_arch == "digits":  # pretrained once, then cached
+            from verl_digen.models.toy import ensure_toy
+
+            path = ensure_toy(cfg.model.tiny_arch)
+        else:
+            path = ensure_tiny(cfg.model.tiny_arch)
     else:
         if not os.path.isdir(cfg.model.path):
             raise FileNotFoundError(f"digen.model.path: model path '{cfg.model.path}' does not exist")
