@@ -128,7 +128,7 @@ def _fake_run(tmp_path, digits, *, noisy_last: bool) -> str:
     same digits) and the metrics of 10 steps, written as the loop writes them."""
     import json
 
-    from verl_digen.trainer.validation import save_grid_png
+    from verl_digen.workers.validation import save_grid_png
 
     images, labels = digits
     prompts = [f"the number {d}" for d in labels]

@@ -117,7 +117,7 @@ def test_on_policy_ratio_is_one_with_the_preset_settings(toy_digits):
     """With the weights that sampled them, the trainer's recomputed log-probs equal the behaviour
     log-probs (LoRA r=32 as in the digits preset; SDE window = its first 3 steps)."""
     from verl_digen.workers.sampling import SamplingSettings, sample_groups
-    from verl_digen.workers.training import PolicyTrainer, TrainSettings, add_lora
+    from verl_digen.workers.training import PolicyUpdater, TrainSettings, add_lora
 
     adapter = load_adapter(toy_digits)
     add_lora(adapter, LoraConfigSpec(rank=32, alpha=64))
@@ -125,7 +125,7 @@ def test_on_policy_ratio_is_one_with_the_preset_settings(toy_digits):
                                 window=SdeWindowConfig(mode="fixed", start=0, size=3), timestep_fraction=1.0)
     data = sample_groups(adapter, PROMPTS, [0, 1], [0, 1], group_size=4, settings=settings, training_step=0,
                          seed=42, policy_version=0)
-    trainer = PolicyTrainer(adapter, TrainSettings(algo=AlgoConfig(lr=3e-4), sampling=settings, lora_only=True,
+    trainer = PolicyUpdater(adapter, TrainSettings(algo=AlgoConfig(lr=3e-4), sampling=settings, lora_only=True,
                                                    images_per_step=len(data)))
     recomputed = trainer.recompute_log_probs(data)
     window = data.batch["sde_mask"][0]

@@ -26,7 +26,7 @@ __all__ = ["grid_cells", "check_images", "main"]
 
 def grid_cells(path: str) -> tuple[torch.Tensor, list[str]]:
     """The images ``[N, 3, 8, 8]`` in [0, 1] and prompts of a validation grid PNG of 8x8 images
-    (``verl_digen.trainer.validation.save_grid_png``: 2-pixel padding, prompts in the metadata)."""
+    (``verl_digen.workers.validation.save_grid_png``: 2-pixel padding, prompts in the metadata)."""
     import json
     import math
 
