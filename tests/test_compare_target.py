@@ -4,6 +4,7 @@ from a run's metrics and timeline; the CLI's checks; and a small end-to-end comp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -120,3 +121,23 @@ def test_compare_on_digits_reports_time_to_target(ray_cluster, tmp_path, capsys)
     assert (out / "reward_vs_time.png").stat().st_size > 0
     printed = capsys.readouterr().out
     assert "val: s" in printed and "time to target reward 0.0" in printed
+
+    # --resume reads the finished modes back instead of running them (a different target is
+    # recomputed from their curves); changed overrides run again.
+    import verl_digen.trainer.loop as loop
+
+    def no_run(cfg, *args, **kwargs):
+        raise AssertionError("--resume ran a finished mode again")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loop, "run_training", no_run)
+        assert main([*argv[:7], "0.3", *argv[8:], "--resume"]) == 0
+        again = json.loads((out / "summary.json").read_text())
+        assert "reusing +tcss" in capsys.readouterr().out
+        assert [r["curve"] for r in again] == [r["curve"] for r in rows]
+        for r in again:
+            expected = time_to_target(r["curve"], 0.3, 8)
+            assert r["target_reward"] == 0.3
+            assert (r["target_val"], r["target_ma"]) == tuple(dataclasses.asdict(t) for t in expected)
+        with pytest.raises(AssertionError, match="ran a finished mode again"):
+            main([*argv, "digen.seed=7", "--resume"])

@@ -36,6 +36,10 @@ start-up excluded, validation included) to the end of the optimizer step where t
 first met, read from the run's timeline; images = steps x images per step. Also writes
 ``DIR/reward_vs_time.png`` (both readings against wall seconds, per mode, with the target).
 A preset other than the default is picked as for the main job: ``--config-name digits``.
+
+Every mode starts fresh (``trainer.resume_mode=disable``, checkpoints under its own run
+directory). ``--resume`` reuses the modes that an earlier, stopped compare with the same
+arguments finished (their ``compare_row.json``), and runs the rest.
 """
 
 from __future__ import annotations
@@ -195,7 +199,12 @@ def run_modes(
     config_dir: str | None = None,
     target_reward: float | None = None,
     target_window: int = 10,
+    resume: bool = False,
 ) -> list[Row]:
+    """Run every mode (see the module docstring). Each finished mode writes its row to
+    ``<run dir>/compare_row.json``; with ``resume``, a mode whose row was written by a run of the
+    same config, overrides and ``target_window`` is read back instead of run again (a compare that
+    was stopped part-way continues where it stopped; the reused rows keep their own timings)."""
     from verl_digen.config.compose import CONFIG_DIR, CONFIG_NAME
     from verl_digen.config.compose import compose_config as _compose
     from verl_digen.trainer.loop import run_training
@@ -215,7 +224,22 @@ def run_modes(
             print(f"[verl-digen] compare: skipping {mode}: TSP needs >= 2 rollout devices (have {n_roll})")
             continue
         run_dir = os.path.join(out, mode.replace("+", "plus_"))
-        extra = mode_ovr + (split if mode != "colocated" else []) + [f"digen.output_dir={run_dir}"]
+        # Each mode checkpoints into its own run directory: with trainer.resume_mode=auto, a shared
+        # default_local_dir would let one mode resume from another's (e.g. a stopped run's) checkpoint.
+        # A compare always starts each mode fresh (never resumes a checkpoint).
+        extra = mode_ovr + (split if mode != "colocated" else []) + [
+            f"digen.output_dir={run_dir}", f"trainer.default_local_dir={os.path.join(run_dir, 'checkpoints')}",
+            "trainer.resume_mode=disable"]
+        key = {"config_name": config_name, "config_dir": config_dir, "overrides": list(overrides),
+               "mode_overrides": mode_ovr + (split if mode != "colocated" else []), "target_window": target_window}
+        row_file = os.path.join(run_dir, "compare_row.json")
+        if resume and os.path.isfile(row_file):
+            with open(row_file) as f:
+                saved = json.load(f)
+            if saved.get("key") == key:
+                print(f"[verl-digen] compare: reusing {mode} from {row_file}")
+                rows.append(_row_from_dict(saved["row"], target_reward))
+                continue
         cfg = compose_config(overrides + extra)
         result = run_training(cfg)
         steady = result.metrics[1:] or result.metrics
@@ -260,7 +284,18 @@ def run_modes(
                 curve=curve,
             )
         )
+        with open(row_file, "w") as f:
+            json.dump({"key": key, "row": dataclasses.asdict(rows[-1])}, f)
     return rows
+
+
+def _row_from_dict(data: dict, target_reward: float | None) -> Row:
+    """A :class:`Row` read back from ``compare_row.json``, its time to target recomputed for
+    ``target_reward`` from its curve."""
+    row = Row(**{**data, "target_val": None, "target_ma": None, "target_reward": target_reward})
+    if target_reward is not None and row.curve:
+        row.target_val, row.target_ma = time_to_target(row.curve, target_reward, row.images_per_step)
+    return row
 
 
 def _fmt(value: float | int | None, spec: str) -> str:
@@ -362,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="add time-to-target columns: seconds and images until the reward first reaches this")
     parser.add_argument("--target-window", type=int, default=10,
                         help="steps in the moving average of the training reward (default 10)")
+    parser.add_argument("--resume", action="store_true",
+                        help="reuse the modes a stopped compare with the same arguments already finished in --out")
     args, overrides = parser.parse_known_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     unknown = [m for m in modes if m not in MODES]
@@ -376,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         rows = run_modes(args.out, overrides, modes, config_name=args.config_name, config_dir=args.config_dir,
-                         target_reward=args.target_reward, target_window=args.target_window)
+                         target_reward=args.target_reward, target_window=args.target_window, resume=args.resume)
     except (ConfigError, FileNotFoundError) as e:
         print(f"[verl-digen] error: {e}", file=sys.stderr)
         return 2
