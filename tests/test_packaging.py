@@ -4,6 +4,7 @@ directory once installed into a fresh virtual environment."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import shutil
@@ -72,6 +73,32 @@ def _fresh_venv(path: str) -> str:
     return python
 
 
+def _fake_installed(site: str, name: str, version: str) -> None:
+    """Installed-package metadata only: pip's resolver reads nothing else."""
+    info = os.path.join(site, f"{name}-{version}.dist-info")
+    os.makedirs(info)
+    with open(os.path.join(info, "METADATA"), "w") as f:
+        f.write(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    open(os.path.join(info, "RECORD"), "w").close()
+
+
+def test_wheel_installs_next_to_verl_omnis_veRL_and_TransferQueue_changing_nothing(wheel, tmp_path):
+    """An environment as verl-omni leaves it: veRL from its pinned git commit (0.9.0.dev0, no
+    verl-core extra) and TransferQueue 0.1.8. Stand-ins, because neither can be installed here:
+    their metadata in the venv's own site-packages, ahead of the running environment's packages.
+    pip, offline, must find nothing to change but verl-digen itself."""
+    python = _fresh_venv(str(tmp_path / "venv"))
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    _fake_installed(site, "verl", "0.9.0.dev0")
+    _fake_installed(site, "TransferQueue", "0.1.8")
+    proc = subprocess.run([sys.executable, "-m", "pip", "--python", python, "install", "--dry-run", "--no-index", wheel],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (would,) = [line for line in proc.stdout.splitlines() if line.startswith("Would install")]
+    assert would == "Would install verl-digen-0.1.0"
+
+
 @pytest.mark.slow
 def test_installed_wheel_runs_a_shipped_preset_from_outside_the_checkout(wheel, tmp_path, tiny_cache):
     python = _fresh_venv(str(tmp_path / "venv"))
@@ -95,3 +122,38 @@ def test_installed_wheel_runs_a_shipped_preset_from_outside_the_checkout(wheel, 
         steps = [json.loads(line) for line in f]
     assert [m["step"] for m in steps] == [1, 2]
     assert all(m["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-4) for m in steps)  # disaggregated, on-policy
+
+
+def _pyproject() -> dict:
+    import tomllib
+
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)["project"]
+
+
+def test_verl_requirement_admits_the_tested_veRL_and_the_one_verl_omni_pins():
+    """verl-omni pins veRL to a git commit reporting 0.9.0.dev and TransferQueue==0.1.8: our
+    requirements must leave both as they are (patches/README.md, "Supported veRL versions")."""
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    import verl_digen
+
+    reqs = [Requirement(r) for r in _pyproject()["dependencies"]]
+    (verl,) = [r for r in reqs if r.name == "verl"]
+    assert verl.extras == {"verl-core"} and verl.specifier == SpecifierSet(verl_digen.VERL_VERSIONS_SUPPORTED)
+    assert verl.specifier.contains(verl_digen.VERL_VERSION_PINNED) and verl.specifier.contains("0.9.0.dev0")
+    assert not verl.specifier.contains("0.10.0")
+    assert not [r for r in reqs if r.name.lower() == "transferqueue"]  # veRL's own extra decides it
+
+
+def test_vllm_extra_pins_what_veRL_0_9_1s_vllm_extra_pins():
+    from packaging.requirements import Requirement
+
+    def pins(requirements) -> dict[str, str]:
+        return {r.name: str(r.specifier) for r in requirements if str(r.specifier).startswith("==")}
+
+    verl_vllm = [Requirement(r) for r in importlib.metadata.requires("verl")]
+    verl_vllm = [r for r in verl_vllm if r.marker and r.marker.evaluate({"extra": "vllm"}) and not r.marker.evaluate({"extra": ""})]
+    assert importlib.metadata.version("verl") == "0.9.1" and pins(verl_vllm)["vllm"] == "==0.24.0"
+    assert pins(Requirement(r) for r in _pyproject()["optional-dependencies"]["vllm"]) == pins(verl_vllm)
