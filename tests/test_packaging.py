@@ -124,22 +124,34 @@ def test_installed_wheel_runs_a_shipped_preset_from_outside_the_checkout(wheel, 
     assert all(m["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-4) for m in steps)  # disaggregated, on-policy
 
 
-def _pyproject() -> dict:
-    import tomllib
+def _requirements(requires_dist: list[str], extra: str = "") -> list:
+    """The requirements (``Requires-Dist`` lines) that apply without any extra, or with
+    ``extra`` only."""
+    from packaging.requirements import Requirement
 
-    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
-        return tomllib.load(f)["project"]
+    reqs = [Requirement(r) for r in requires_dist]
+    if not extra:
+        return [r for r in reqs if r.marker is None]
+    return [r for r in reqs if r.marker and r.marker.evaluate({"extra": extra}) and not r.marker.evaluate({"extra": ""})]
 
 
-def test_verl_requirement_admits_the_tested_veRL_and_the_one_verl_omni_pins():
+def _wheel_requires(wheel: str) -> list[str]:
+    """The wheel's ``Requires-Dist`` (its METADATA: what pip reads)."""
+    from email.parser import Parser
+
+    with zipfile.ZipFile(wheel) as z:
+        (name,) = [n for n in z.namelist() if n.endswith(".dist-info/METADATA")]
+        return Parser().parsestr(z.read(name).decode()).get_all("Requires-Dist")
+
+
+def test_verl_requirement_admits_the_tested_veRL_and_the_one_verl_omni_pins(wheel):
     """verl-omni pins veRL to a git commit reporting 0.9.0.dev and TransferQueue==0.1.8: our
     requirements must leave both as they are (patches/README.md, "Supported veRL versions")."""
-    from packaging.requirements import Requirement
     from packaging.specifiers import SpecifierSet
 
     import verl_digen
 
-    reqs = [Requirement(r) for r in _pyproject()["dependencies"]]
+    reqs = _requirements(_wheel_requires(wheel))
     (verl,) = [r for r in reqs if r.name == "verl"]
     assert verl.extras == {"verl-core"} and verl.specifier == SpecifierSet(verl_digen.VERL_VERSIONS_SUPPORTED)
     assert verl.specifier.contains(verl_digen.VERL_VERSION_PINNED) and verl.specifier.contains("0.9.0.dev0")
@@ -147,13 +159,11 @@ def test_verl_requirement_admits_the_tested_veRL_and_the_one_verl_omni_pins():
     assert not [r for r in reqs if r.name.lower() == "transferqueue"]  # veRL's own extra decides it
 
 
-def test_vllm_extra_pins_what_veRL_0_9_1s_vllm_extra_pins():
-    from packaging.requirements import Requirement
-
+def test_vllm_extra_pins_what_veRL_0_9_1s_vllm_extra_pins(wheel):
     def pins(requirements) -> dict[str, str]:
         return {r.name: str(r.specifier) for r in requirements if str(r.specifier).startswith("==")}
 
-    verl_vllm = [Requirement(r) for r in importlib.metadata.requires("verl")]
-    verl_vllm = [r for r in verl_vllm if r.marker and r.marker.evaluate({"extra": "vllm"}) and not r.marker.evaluate({"extra": ""})]
-    assert importlib.metadata.version("verl") == "0.9.1" and pins(verl_vllm)["vllm"] == "==0.24.0"
-    assert pins(Requirement(r) for r in _pyproject()["optional-dependencies"]["vllm"]) == pins(verl_vllm)
+    assert importlib.metadata.version("verl") == "0.9.1"
+    verl_vllm = pins(_requirements(importlib.metadata.requires("verl"), "vllm"))
+    assert verl_vllm["vllm"] == "==0.24.0" and verl_vllm["torch"] == "==2.11.0"
+    assert pins(_requirements(_wheel_requires(wheel), "vllm")) == verl_vllm
