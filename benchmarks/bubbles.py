@@ -7,10 +7,10 @@ steady-state bubble fraction, the trainers' head bubble (idle before their first
 of a step), the rollout's drain bubble (idle after its last group of a step) and images/s:
 
 - dp2:      2 rollout workers, data parallel            (baseline for TSP)
-- tsp2:     2 rollout workers as one 2-stage TSP pipeline (DESIGN: smaller drain: the last
+- tsp2:     2 rollout workers as one 2-stage TSP pipeline (docs/design.md: smaller drain: the last
             group arrives alone instead of in a burst of 2)
 - notag:    1 rollout, 1 trainer, a 2-step SDE window (training is cheap: trainers idle)
-- tag:      the same with TAG on (DESIGN: smaller trainer head bubble)
+- tag:      the same with TAG on (docs/design.md: smaller trainer head bubble)
 
 Every number comes from the run's own timeline (timeline.jsonl, metrics.jsonl).
 """

@@ -17,16 +17,17 @@ from verl_digen.config.schema import ConfigError, DigenConfig, digen_config_from
 from verl_digen.schedule.strategies import StrategySpec, strategy_violations
 
 PACKAGED = os.path.dirname(verl_digen.config.__file__)
-PRESETS = os.path.join(os.path.dirname(__file__), "..", "configs")
 
 
 def _composed_digen(*overrides: str, **kw) -> dict:
     return OmegaConf.to_container(compose_config(list(overrides), **kw).digen, resolve=True)
 
 
-# Presets shipped inside the package (python -m verl_digen.main --config-name NAME): like configs/,
-# they override the defaults rather than define them.
-PACKAGED_PRESETS = {"digits.yaml"}
+# Presets shipped inside the package (python -m verl_digen.main --config-name NAME): they override
+# the defaults rather than define them.
+FAMILY_PRESETS = {f"{family}_{placement}.yaml" for family in ("flux", "sd3", "qwen_image", "wan", "hunyuan_video")
+                  for placement in ("colocated", "disaggregated")}
+PACKAGED_PRESETS = {"digits.yaml"} | FAMILY_PRESETS
 
 
 def test_packaged_yaml_defines_no_digen_default():
@@ -51,9 +52,9 @@ def test_defaults_in_effect_before_the_single_source_are_kept():
 
 @pytest.mark.parametrize("preset", ["flux_colocated", "qwen_image_disaggregated"])
 def test_presets_hold_the_full_tree_and_override_only_known_keys(preset):
-    digen = _composed_digen(config_name=preset, config_dir=PRESETS)
+    digen = _composed_digen(config_name=preset)
     assert set(digen) == set(_composed_digen())
-    with open(os.path.join(PRESETS, f"{preset}.yaml")) as f:
+    with open(os.path.join(PACKAGED, f"{preset}.yaml")) as f:
         lr = yaml.safe_load(f)["digen"]["algo"]["lr"]
     assert lr != DigenConfig().algo.lr and digen_config_from_dict(digen).algo.lr == lr  # the preset wins
 

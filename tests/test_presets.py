@@ -1,8 +1,6 @@
-"""The presets in configs/: every family x placement composes, validates, and (tiny) runs."""
+"""The presets packaged in verl_digen/config/: every family x placement composes, validates, and (tiny) runs."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import ray
@@ -12,7 +10,6 @@ from verl_digen.config.compose import compose_config
 from verl_digen.config.schema import digen_config_from_dict
 from verl_digen.trainer.loop import run_training
 
-CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
 FAMILIES = ("flux", "sd3", "qwen_image", "wan", "hunyuan_video")
 PLACEMENTS = ("colocated", "disaggregated")
 
@@ -20,11 +17,11 @@ PLACEMENTS = ("colocated", "disaggregated")
 @pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_preset_composes_and_validates(family, placement):
-    cfg = compose_config([], config_name=f"{family}_{placement}", config_dir=CONFIGS)
+    cfg = compose_config([], config_name=f"{family}_{placement}")
     digen = digen_config_from_dict(OmegaConf.to_container(cfg.digen, resolve=True))
     assert digen.placement == placement and digen.model.arch == family
     assert cfg.trainer.n_gpus_per_node == 8 and cfg.trainer.save_freq > 0  # real-model settings
-    smoke = compose_config(["+smoke=tiny"], config_name=f"{family}_{placement}", config_dir=CONFIGS)
+    smoke = compose_config(["+smoke=tiny"], config_name=f"{family}_{placement}")
     assert smoke.digen.sampling.height == 32 and smoke.trainer.total_training_steps == 2
 
 
@@ -41,7 +38,7 @@ def test_two_step_tiny_run_of_each_new_family(ray_cluster, tmp_path, family, pla
     overrides = ["+smoke=tiny", "digen.progress_bar=false", f"digen.output_dir={tmp_path / 'run'}"]
     if family in ("wan", "hunyuan_video"):
         overrides.append("digen.sampling.num_frames=5")  # video latents [B, C, F, H, W]
-    cfg = compose_config(overrides, config_name=f"{family}_{placement}", config_dir=CONFIGS)
+    cfg = compose_config(overrides, config_name=f"{family}_{placement}")
     result = run_training(cfg)
     assert [m["step"] for m in result.metrics] == [1, 2]
     for m in result.metrics:

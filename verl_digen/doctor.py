@@ -42,10 +42,14 @@ def report() -> tuple[bool, list[str]]:
             return "not installed"
 
     lines.append(f"verl-digen {verl_digen.__version__}")
-    pinned = verl_digen.VERL_VERSION_PINNED
+    from packaging.specifiers import SpecifierSet
+
+    pinned, supported = verl_digen.VERL_VERSION_PINNED, SpecifierSet(verl_digen.VERL_VERSIONS_SUPPORTED)
     verl_v = version("verl")
-    lines.append(f"verl {verl_v} (pinned {pinned})" + ("" if verl_v == pinned else "  <-- MISMATCH"))
-    ok &= verl_v == pinned
+    in_range = verl_v != "not installed" and supported.contains(verl_v, prereleases=True)
+    note = "" if verl_v == pinned else "  (untested: run scripts/verl_contract.sh)" if in_range else "  <-- UNSUPPORTED"
+    lines.append(f"verl {verl_v} (tested {pinned}, supported {supported})" + note)
+    ok &= in_range
     for pkg in ("torch", "ray", "diffusers", "transformers", "peft", "hydra-core"):
         lines.append(f"{pkg} {version(pkg)}")
 

@@ -17,7 +17,7 @@ workload and cluster: ``verl-omni`` is veRL-Omni's colocated FlowGRPO as calibra
 published runs (``python -m verl_digen.sim.calibrate``). Each JSON row has ``step_s`` (seconds per
 training step) and ``usd_per_1000_images`` (the devices' ``usd_per_hour``). A per-role
 ``peak_memory_gib`` is not reported yet: it needs the memory planner of the real-scale work
-(DESIGN.md sec. 8), which does not exist; the planner only drops configurations that do not fit.
+(docs/design.md sec. 8), which does not exist; the planner only drops configurations that do not fit.
 """
 
 from __future__ import annotations

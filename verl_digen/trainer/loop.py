@@ -172,7 +172,7 @@ class DigenTrainer:
                                        save=cfg.save_final_weights and not self.emulated)
         if self.val_before_train is not None:
             extra["val_before_train"] = self.val_before_train
-        tracker.finish()
+        runtime.finish_tracking(tracker)
         return metrics, extra
 
     def _train(self, actors: dict[WorkerId, Any], sampler: Any, tracker: Any) -> list[dict[str, Any]]:

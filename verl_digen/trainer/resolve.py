@@ -1,8 +1,8 @@
 """Turn a composed config into what a run needs, failing before any worker starts.
 
-Each function names the config key at fault: the number of steps, the model directory (or the
-tiny model built in its place), the prompt sets, the output directory, and a reachable remote
-reward.
+Each function names the config key at fault: the number of steps, the model directory (a local
+directory, a hub id resolved to its snapshot in the Hugging Face cache, or the tiny model built in
+its place), the prompt sets, the output directory, and a reachable remote reward.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ def total_steps(trainer_cfg: Any) -> int:
 
 
 def resolve_model_path(cfg: DigenConfig) -> str:
-    """The model directory (the tiny model is built when none is given), checked before any
-    worker starts: its pipeline is supported, every safetensors file is whole, and the
-    configured sample size is one the architecture can take."""
+    """The model directory (the tiny model is built when none is given; a hub id becomes its
+    snapshot directory, see :func:`model_directory`), checked before any worker starts: its
+    pipeline is supported, every safetensors file is whole, and the configured sample size is one
+    the architecture can take. Workers receive this directory, never the hub id."""
     from verl_digen.models.registry import ADAPTERS, detect_arch
     from verl_digen.models.tiny import ensure_tiny
 
@@ -36,9 +37,7 @@ def resolve_model_path(cfg: DigenConfig) -> str:
         else:
             path = ensure_tiny(cfg.model.tiny_arch)
     else:
-        if not os.path.isdir(cfg.model.path):
-            raise FileNotFoundError(f"digen.model.path: model path '{cfg.model.path}' does not exist")
-        path = os.path.abspath(cfg.model.path)
+        path = model_directory(cfg.model.path)
     if cfg.model.arch is not None and cfg.model.arch not in ADAPTERS:
         raise ConfigError(f"invalid config: digen.model.arch={cfg.model.arch!r}; known: {', '.join(sorted(ADAPTERS))}")
     arch = cfg.model.arch or detect_arch(path)  # names a missing model_index.json or an unsupported pipeline
@@ -53,6 +52,45 @@ def resolve_model_path(cfg: DigenConfig) -> str:
             f"invalid config: digen.sampling.height={s.height}, width={s.width}, num_frames={s.num_frames}: {e}"
         ) from None
     return path
+
+
+def is_hub_id(path: str) -> bool:
+    """``name`` or ``org/name`` as the Hugging Face hub spells repository ids; a path that is
+    absolute, relative to ``.`` or ``~``, or deeper than one ``/`` is a local path only."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if path.startswith(("/", ".", "~")) or path.count("/") > 1:
+        return False
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        return False
+    return True
+
+
+def model_directory(path: str, key: str = "digen.model.path") -> str:
+    """``path`` as an absolute directory when it is a local directory; else, when it reads as a
+    hub id, its snapshot directory from diffusers' own ``DiffusionPipeline.download`` (the files
+    ``from_pretrained`` would fetch, through the Hugging Face cache: ``HF_HOME`` /
+    ``HF_HUB_CACHE``; with ``HF_HUB_OFFLINE=1`` only the cache is read). The error names ``key``."""
+    local = os.path.expanduser(path)
+    if os.path.isdir(local):
+        return os.path.abspath(local)
+    if not is_hub_id(path):
+        raise FileNotFoundError(f"{key}: model path '{path}' does not exist")
+    from diffusers import DiffusionPipeline
+    from huggingface_hub import constants
+
+    offline = bool(constants.HF_HUB_OFFLINE)
+    try:
+        # local_files_only offline: read the cache without first trying (and warning about) the network
+        return str(DiffusionPipeline.download(path, local_files_only=offline))
+    except (OSError, ValueError) as e:  # not cached offline, unknown repo, no model_index.json, network
+        where = f"not in the hub cache {constants.HF_HUB_CACHE} and HF_HUB_OFFLINE=1" if offline else "download failed"
+        raise FileNotFoundError(
+            f"{key}: model path '{path}' is not a local directory, and as a hub id it cannot be resolved "
+            f"({where}): {e}"
+        ) from None
 
 
 def check_safetensors(path: str) -> None:

@@ -149,6 +149,15 @@ def release(groups: dict[str, Any], owns_ray: bool) -> None:
         ray.shutdown()
 
 
+def finish_tracking(tracker: Any) -> None:
+    """Flush and close veRL's loggers. ``Tracking.finish`` exists from veRL 0.9.0; the 0.9.0.dev
+    builds before it (verl-omni's pinned veRL commit among them) close them in ``__del__`` only, so
+    there is nothing to call (patches/README.md: supported veRL versions)."""
+    finish = getattr(tracker, "finish", None)
+    if finish is not None:
+        finish()
+
+
 def real_worker_groups(cfg: DigenConfig, model_path: str, *, use_gpu: bool, devices: int) -> WorkerGroupFactory:
     """The factory of ``DiffusionWorker`` groups, one Ray resource pool per role."""
     threads = max(1, (os.cpu_count() or 1) // max(devices, 1)) if not use_gpu else 4
