@@ -2,6 +2,7 @@
 
     python -m verl_digen.memory --preset flux_colocated [hydra overrides ...]
     python -m verl_digen.memory --all-presets [--json FILE] [--configs-dir configs]
+    python -m verl_digen.memory --all-presets --trace   # activations per row, with / without checkpointing
 
 A preset whose ``digen.model.path`` does not exist on this machine (or is unset: the presets
 name none) is planned with its family's shipped real configs. Prints a markdown table; ``--json``
@@ -28,6 +29,12 @@ COLUMNS = (
     ("sync_buffers_gib", "sync"), ("overhead_gib", "overhead"),
 )
 
+TRACE_COLUMNS = (
+    ("preset", "preset"), ("size", "HxWxframes"), ("tokens", "tokens"), ("text_tokens", "text tokens"),
+    ("train_gib", "train GiB/row"), ("train_checkpointed_gib", "train GiB/row, checkpointed"),
+    ("rollout_gib", "rollout GiB/row"),
+)
+
 
 def preset_names(configs_dir: str) -> list[str]:
     return sorted(f[:-5] for f in os.listdir(configs_dir) if f.endswith(".yaml"))
@@ -45,7 +52,29 @@ def plan_preset(name: str, overrides: list[str], configs_dir: str) -> list[dict[
     return [p.row(name) for p in plans]
 
 
-def markdown(rows: list[dict[str, Any]]) -> str:
+def trace_preset(name: str, overrides: list[str], configs_dir: str) -> dict[str, Any]:
+    """The activation trace of the preset's transformer at its sample size, per forward row."""
+    from omegaconf import OmegaConf
+
+    from verl_digen.config.compose import compose_config
+    from verl_digen.config.schema import digen_config_from_dict
+    from verl_digen.memory.plan import GIB, job_shape
+    from verl_digen.memory.trace import TraceShape, trace_transformer
+
+    cfg = compose_config(list(overrides), config_name=name, config_dir=configs_dir)
+    digen = digen_config_from_dict(OmegaConf.to_container(cfg.digen, resolve=True))
+    job = job_shape(digen, devices_per_node=int(cfg.trainer.n_gpus_per_node), nnodes=int(cfg.trainer.nnodes))
+    t = trace_transformer(TraceShape(job.family, job.config_path, job.dtype, job.height, job.width, job.num_frames))
+    return {
+        "preset": name, "size": f"{job.height}x{job.width}x{job.num_frames}", "tokens": t.tokens,
+        "text_tokens": t.text_tokens,
+        "train_gib": round(t.training_bytes(1, checkpointing=False) / GIB, 2),
+        "train_checkpointed_gib": round(t.training_bytes(1, checkpointing=True) / GIB, 2),
+        "rollout_gib": round(t.inference_bytes(1) / GIB, 3),
+    }
+
+
+def markdown(rows: list[dict[str, Any]], columns=COLUMNS) -> str:
     def cell(key: str, value: Any) -> str:
         if key == "headroom":
             return f"{100 * value:.0f}%"
@@ -53,9 +82,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             return f"{value:.1f}"
         return str(value)
 
-    lines = ["| " + " | ".join(title for _, title in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines = ["| " + " | ".join(title for _, title in columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
-        lines.append("| " + " | ".join(cell(key, row[key]) for key, _ in COLUMNS) + " |")
+        lines.append("| " + " | ".join(cell(key, row[key]) for key, _ in columns) + " |")
     return "\n".join(lines)
 
 
@@ -66,12 +95,17 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--all-presets", action="store_true", help="every preset of --configs-dir")
     parser.add_argument("--configs-dir", default=DEFAULT_CONFIGS, help="the presets' directory (default: configs/)")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    parser.add_argument("--trace", action="store_true",
+                        help="print each preset's transformer activations per forward row instead of the plan")
     parser.add_argument("overrides", nargs="*", help="hydra overrides (with --preset)")
     args = parser.parse_args(argv)
     if args.all_presets and args.overrides:
         parser.error("overrides apply to --preset only")
     logging.disable(logging.WARNING)  # diffusers' dtype notes while building the meta models
     names = preset_names(args.configs_dir) if args.all_presets else [args.preset]
+    if args.trace:
+        print(markdown([trace_preset(name, args.overrides, args.configs_dir) for name in names], TRACE_COLUMNS))
+        return 0
     rows = [row for name in names for row in plan_preset(name, args.overrides, args.configs_dir)]
     print(markdown(rows))
     if args.json:
