@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from verl_digen.config.schema import ConfigError, DigenConfig
@@ -346,8 +346,11 @@ class _RoleBuilder:
             bytes_[k] += int(v)
         self.phases[phase] = bytes_
 
-    def plan(self, knobs: list[str]) -> RolePlan:
+    def plan(self, train_knobs: list[str], rollout_knobs: list[str]) -> RolePlan:
+        """The peak phase; its knobs first (generation's for generate/decode, training's else)."""
         phase, bytes_ = max(self.phases.items(), key=lambda kv: sum(kv[1].values()))
+        first, then = (rollout_knobs, train_knobs) if phase in ("generate", "decode") else (train_knobs, rollout_knobs)
+        knobs = list(dict.fromkeys(first + then))
         return RolePlan(role=self.role, devices=self.devices, phase=phase, bytes=bytes_, device_gib=self.gib,
                         knobs=knobs)
 
@@ -403,7 +406,7 @@ def plan_roles(job: JobShape, gib: float) -> list[RolePlan]:
         b.add("generate", activations=rollout_acts, **resident)
         b.add("decode", activations=decode, **resident)
         b.add("train", gradients=grads, activations=train_acts, **resident)
-        plans.append(b.plan(train_knobs + rollout_knobs))
+        plans.append(b.plan(train_knobs, rollout_knobs))
         return plans
 
     reward_on_rollout = reward if job.reward_devices == 0 else 0
@@ -413,7 +416,7 @@ def plan_roles(job: JobShape, gib: float) -> list[RolePlan]:
     r.add("generate", activations=rollout_acts, **r_resident)
     r.add("decode", activations=decode, **r_resident)
     r.add("sync", sync_buffers=sync, **r_resident)
-    plans.append(r.plan(rollout_knobs))
+    plans.append(r.plan([], rollout_knobs))
 
     t = _RoleBuilder(job, "trainer", job.trainer_devices, gib)
     t_resident = dict(weights=train_weights + ema + kl_ref, optimizer=optimizer, encoders_vae=encoders_resident + vae)
@@ -423,12 +426,12 @@ def plan_roles(job: JobShape, gib: float) -> list[RolePlan]:
     if job.trainers_generate:
         t.add("generate", activations=rollout_acts, **t_resident)
         t.add("decode", activations=decode, **t_resident)
-    plans.append(t.plan(train_knobs + (rollout_knobs if job.trainers_generate else [])))
+    plans.append(t.plan(train_knobs, rollout_knobs if job.trainers_generate else []))
 
     if job.reward_devices > 0:
         w = _RoleBuilder(job, "reward", job.reward_devices, gib)
         w.add("score", encoders_vae=reward)
-        plans.append(w.plan(["a smaller reward model"]))
+        plans.append(w.plan(["a smaller reward model"], []))
     return plans
 
 
@@ -492,6 +495,3 @@ def check_job_memory(cfg: DigenConfig, *, devices_per_node: int, nnodes: int = 1
                               + " (plan it with python -m verl_digen.memory; digen.memory.check=false skips this check)")
     return plans
 
-
-def plan_as_dict(plan: RolePlan) -> dict[str, Any]:
-    return asdict(plan)
