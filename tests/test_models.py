@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from verl_digen.models import ADAPTERS, SampleSpec, detect_arch, load_adapter
-from verl_digen.models.tiny import TINY_ARCHS, build_tiny, ensure_tiny
+from verl_digen.models.tiny import TINY_ARCHS, TINY_VERSION, build_tiny, ensure_tiny
 
 from runs import PIXEL_SHAPE, PROMPTS, SPECS, euler_sample
 
@@ -153,7 +153,8 @@ def test_sigmas(arch, num_steps, adapters):
     sigmas = adapters[arch].sigmas(num_steps, SPECS[arch])
     assert sigmas.shape == (num_steps + 1,) and sigmas.dtype == torch.float32
     assert torch.all(sigmas[1:] < sigmas[:-1])
-    assert sigmas[0].item() == pytest.approx(1.0, abs=1e-6)
+    # 1, or 1 - 1e-6 for Wan2.1's UniPC multistep scheduler (diffusers keeps its log(alpha) finite)
+    assert sigmas[0].item() == pytest.approx(1.0, abs=2e-6)
     assert sigmas[-1].item() == 0.0
 
 
@@ -289,9 +290,9 @@ def test_ensure_tiny_builds_once(tmp_path, monkeypatch):
 
     monkeypatch.setenv("VERL_DIGEN_CACHE", str(tmp_path))
     path = ensure_tiny("sd3")
-    assert path == str(tmp_path / "tiny" / "sd3-v1")
+    assert path == str(tmp_path / "tiny" / f"sd3-{TINY_VERSION}")
     assert os.path.isfile(os.path.join(path, "model_index.json"))
-    assert [p for p in os.listdir(tmp_path / "tiny")] == ["sd3-v1"]  # no temp dirs left behind
+    assert [p for p in os.listdir(tmp_path / "tiny")] == [f"sd3-{TINY_VERSION}"]  # no temp dirs left behind
 
     def no_rebuild(*args, **kwargs):
         raise AssertionError("ensure_tiny rebuilt a cached model")

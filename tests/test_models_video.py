@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from verl_digen.models import SampleSpec, detect_arch, load_adapter
-from verl_digen.models.tiny import ensure_tiny
+from verl_digen.models.tiny import TINY_VERSION, ensure_tiny
 
 from runs import PIXEL_SHAPE, PROMPTS, SPECS, euler_sample
 
@@ -104,13 +104,19 @@ def test_sigmas_are_the_pipeline_schedulers(arch, tiny_dirs, adapters):
     from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
-    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(tiny_dirs[arch], subfolder="scheduler")
+    if arch == "wan":  # the real UniPC multistep scheduler, set_timesteps(N) with flow_shift 3
+        from diffusers import UniPCMultistepScheduler
+
+        scheduler = UniPCMultistepScheduler.from_pretrained(tiny_dirs[arch], subfolder="scheduler")
+    else:
+        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(tiny_dirs[arch], subfolder="scheduler")
     if arch == "qwen_image":  # linspace(1, 1/N), mu from the 64 image tokens
         c = scheduler.config
         mu = calculate_shift(64, c.base_image_seq_len, c.max_image_seq_len, c.base_shift, c.max_shift)
         scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / 6, 6), mu=mu)
-    elif arch == "wan":  # set_timesteps(N) with the fixed shift
+    elif arch == "wan":
         scheduler.set_timesteps(6)
+        assert 1 - 1e-5 < scheduler.sigmas[0] < 1  # diffusers moves the first sigma 1e-6 below 1
     else:  # linspace(1, 0, N + 1)[:-1] with the fixed shift 7
         scheduler.set_timesteps(sigmas=np.linspace(1.0, 0.0, 7)[:-1])
     torch.testing.assert_close(adapters[arch].sigmas(6, SPECS[arch]), scheduler.sigmas.float(), atol=0, rtol=0)
@@ -224,7 +230,8 @@ def test_matches_diffusers_pipeline(arch, guided, tiny_dirs, adapters):
     Guided: Qwen-Image true CFG (``true_cfg_scale``, norm-preserving rescale) against the empty
     prompt; Wan CFG (``guidance_scale``) against the empty prompt; HunyuanVideo distilled guidance
     3.0 plus true CFG. Plain: no CFG (HunyuanVideo still with its default distilled guidance 6.0).
-    The pipelines run their own scheduler (FlowMatchEulerDiscreteScheduler in the tiny models)."""
+    The pipelines run their own scheduler with the family's real config (FlowMatchEuler for
+    Qwen-Image and HunyuanVideo; Wan2.1's UniPC, as its first-order predictor)."""
     from diffusers import HunyuanVideoPipeline, QwenImagePipeline, WanPipeline
 
     adapter = adapters[arch]
@@ -242,6 +249,14 @@ def test_matches_diffusers_pipeline(arch, guided, tiny_dirs, adapters):
         spec = SampleSpec(32, 32, guidance_scale=scale)
     elif arch == "wan":
         pipe = WanPipeline.from_pretrained(tiny_dirs[arch])
+        assert type(pipe.scheduler).__name__ == "UniPCMultistepScheduler"  # the real Wan2.1 config
+        # UniPC's first-order predictor without corrector is exactly the Euler step (in x0
+        # prediction: x' = (s'/s) x - (1 - s')(s'(1 - s)/((1 - s')s) - 1) x0 = x + (s' - s) v);
+        # the default bh2 order-2 solver with corrector is another integrator than the RL
+        # sampler's Euler steps, so only the sigmas and timesteps can match it (tested above).
+        pipe.scheduler = type(pipe.scheduler).from_config(
+            pipe.scheduler.config, solver_order=1, disable_corrector=list(range(4))
+        )
         kwargs = dict(num_frames=5, guidance_scale=scale, negative_prompt=negative, max_sequence_length=16)
         spec = SampleSpec(32, 32, num_frames=5, guidance_scale=scale)
     else:
@@ -270,8 +285,10 @@ def test_wan_expand_timesteps_matches_pipeline(tiny_dirs, adapters):
         scheduler_config=base.scheduler_config, expand_timesteps=True,
     )
     loaded = WanPipeline.from_pretrained(tiny_dirs["wan"])
+    # UniPC as its first-order predictor (the Euler step; see test_matches_diffusers_pipeline).
+    euler_unipc = type(loaded.scheduler).from_config(loaded.scheduler.config, solver_order=1, disable_corrector=[0, 1])
     pipe = WanPipeline(
-        tokenizer=loaded.tokenizer, text_encoder=loaded.text_encoder, vae=loaded.vae, scheduler=loaded.scheduler,
+        tokenizer=loaded.tokenizer, text_encoder=loaded.text_encoder, vae=loaded.vae, scheduler=euler_unipc,
         transformer=loaded.transformer, expand_timesteps=True,
     )
     pipe.set_progress_bar_config(disable=True)
@@ -341,7 +358,7 @@ def test_recomputed_log_probs_equal_behaviour_log_probs(arch, guidance, distille
 def test_ensure_tiny_video_arch(tmp_path, monkeypatch):
     monkeypatch.setenv("VERL_DIGEN_CACHE", str(tmp_path))
     path = ensure_tiny("hunyuan_video")
-    assert path == str(tmp_path / "tiny" / "hunyuan_video-v1")
+    assert path == str(tmp_path / "tiny" / f"hunyuan_video-{TINY_VERSION}")
     assert detect_arch(path) == "hunyuan_video"
 
 

@@ -22,11 +22,17 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["SDE_TYPES", "SdeStepOutput", "sde_step_with_logprob", "ode_step"]
+__all__ = ["SDE_TYPES", "SIGMA_ONE_ATOL", "SdeStepOutput", "sde_step_with_logprob", "ode_step"]
 
 SDE_TYPES: tuple[str, ...] = ("sde", "cps", "dance_sde")
 
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
+
+# A sigma within this of 1 is the schedule's pure-noise start. Real first sigmas are 1 (flow-match
+# Euler) or 1 - 1e-6 (multistep flow schedulers, float32: 0.99999899); a later sigma this close
+# to 1 would mean a step of < 1e-4 from the start (shift 17 at 100 steps still gives 1 - 6e-4),
+# and sigma / (1 - sigma) > 1e4 there is never a usable noise scale.
+SIGMA_ONE_ATOL = 1e-4
 
 
 @dataclass
@@ -151,9 +157,11 @@ def sde_step_with_logprob(
     dt = s_next - s  # < 0
 
     if sde_type == "sde":
-        # At sigma == 1 the SDE coefficient sigma/(1-sigma) is infinite; Flow-GRPO substitutes
-        # sigmas[1], which is the first step's sigma_next.
-        s_safe = torch.where(s == 1, s_next, s)
+        # At sigma = 1 the SDE coefficient sigma / (1 - sigma) is infinite; Flow-GRPO puts
+        # sigmas[1] (the first step's sigma_next) in the denominator. Schedules that start just
+        # below 1 (diffusers' multistep flow schedulers, Wan2.1's UniPC: 1 - 1e-6) need the same
+        # treatment, or the first step's noise is ~100x the intended one.
+        s_safe = torch.where(s > 1 - SIGMA_ONE_ATOL, s_next, s)
         std_dev_t = torch.sqrt(s / (1 - s_safe)) * noise_level
         var_t = std_dev_t**2
         mean = x * (1 + var_t / (2 * s) * dt) + v * (1 + var_t * (1 - s) / (2 * s)) * dt

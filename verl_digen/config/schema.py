@@ -4,7 +4,7 @@ The dataclasses below are the single source of the ``digen`` defaults (each fiel
 comment documenting its key). :func:`register_configs` puts them into Hydra's ConfigStore as
 the node ``digen_defaults`` (package ``digen``), which ``digen_base.yaml`` lists in its
 defaults, so every composed config (``python -m verl_digen.main``, ``compose_config``, the
-presets in ``configs/``) holds the full ``digen`` tree; YAML files only override it.
+presets in ``verl_digen/config/``) holds the full ``digen`` tree; YAML files only override it.
 
 :func:`digen_config_from_dict` turns the composed ``cfg.digen`` mapping into a
 :class:`DigenConfig` through OmegaConf's structured-config merge (unknown keys and values of
@@ -72,11 +72,18 @@ class ModelConfig:
     # Random-init tiny model of a family, or "digits": the pretrained toy FLUX of verl_digen.models.toy.
     tiny_arch: str = "flux"
     dtype: str = "fp32"  # fp32 | bf16 (bf16: autocast for the denoiser, SDE maths stay fp32)
+    trainable_dtype: str = "fp32"  # fp32 | bf16: trainable parameters (LoRA or full) and optimizer states
+    gradient_checkpointing: bool = False  # activation checkpointing of every transformer block when training
+    vae_decode_chunk: int = 0  # samples per VAE decode call (0: the whole batch); video decodes tiled
     lora: LoraConfigSpec = field(default_factory=LoraConfigSpec)
 
     def validate(self, key: str) -> None:
         if self.dtype not in ("fp32", "bf16"):
             _fail(f"{key}.dtype", self.dtype, "valid: fp32, bf16")
+        if self.trainable_dtype not in ("fp32", "bf16"):
+            _fail(f"{key}.trainable_dtype", self.trainable_dtype, "valid: fp32, bf16")
+        if self.vae_decode_chunk < 0:
+            _fail(f"{key}.vae_decode_chunk", self.vae_decode_chunk, "must be >= 0 (0: the whole batch)")
         # verl_digen.models.tiny.TINY_ARCHS + verl_digen.models.toy.TOY_MODELS
         tiny_archs = ("flux", "sd3", "qwen_image", "wan", "hunyuan_video", "digits")
         if self.tiny_arch not in tiny_archs:
@@ -154,7 +161,7 @@ class AlgoConfig:
     adv_clip_max: float = 5.0
     kl_beta: float = 0.0
     std_mode: str = "group"  # group | global | none
-    lr: float = 3e-2  # tiny demo; Flow-GRPO uses 3e-4 for LoRA on real models (see configs/)
+    lr: float = 3e-2  # tiny demo; Flow-GRPO uses 3e-4 for LoRA on real models (see the presets in verl_digen/config/)
     weight_decay: float = 1e-4
     max_grad_norm: float = 1.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -301,7 +308,6 @@ class FsdpConfig:
     """FSDP2 (fully_shard) over the trainer pool (GPU); each micro-batch runs on every trainer rank in lockstep."""
 
     enable: bool = False
-    gradient_checkpointing: bool = False
     reshard_after_forward: bool = True
 
 
@@ -324,10 +330,30 @@ class EmaConfig:
 
     enable: bool = False
     decay: float = 0.999
+    offload: bool = True  # EMA weights kept on CPU
 
     def validate(self, key: str) -> None:
         if not 0.0 < self.decay < 1.0:
             _fail(f"{key}.decay", self.decay, "must be in (0, 1)")
+
+
+@dataclass
+class MemoryConfig:
+    """The per-GPU memory check run before any worker starts (``python -m verl_digen.memory``)."""
+
+    check: bool = True  # plan every role's peak memory and refuse a job that cannot fit
+    device_type: str = "H100"  # a device of verl_digen/sim/profiles/devices.yaml (its memory)
+    device_gib: Optional[float] = None  # override the device type's memory (GiB per GPU)
+
+    def validate(self, key: str) -> None:
+        if self.device_gib is not None:
+            _positive(f"{key}.device_gib", self.device_gib)
+            return
+        from verl_digen.memory.plan import device_types
+
+        known = device_types()
+        if self.device_type not in known:
+            _fail(f"{key}.device_type", self.device_type, f"valid: {', '.join(known)} (or set {key}.device_gib)")
 
 
 @dataclass
@@ -377,6 +403,7 @@ class DigenConfig:
     emulate: EmulateConfig = field(default_factory=EmulateConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     ema: EmaConfig = field(default_factory=EmaConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     progress_bar: bool = True
     ray_num_cpus: Optional[int] = None
     task_timeout_s: float = 600.0
@@ -421,6 +448,7 @@ class DigenConfig:
         self.validation.validate("digen.validation")
         self.emulate.validate("digen.emulate")
         self.ema.validate("digen.ema")
+        self.memory.validate("digen.memory")
         # Placement, TCSS/TSP/TAG/FSDP and batch divisibility: the planner's own rules.
         fields = self.strategy_fields()
         for name, valid in strategy_violations(**fields, name=_STRATEGY_KEYS.__getitem__):

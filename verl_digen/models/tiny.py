@@ -33,7 +33,7 @@ import tempfile
 
 import torch
 
-TINY_VERSION = "v1"  # bump when the builders change, so stale caches are not reused
+TINY_VERSION = "v2"  # bump when the builders change, so stale caches are not reused
 TINY_ARCHS = ("flux", "sd3", "qwen_image", "wan", "hunyuan_video")
 
 # Shared toy sizes. Text widths are small but distinct where the pipeline pads or concatenates,
@@ -185,22 +185,12 @@ def _vae(*, scaling_factor: float, shift_factor: float):
     )
 
 
-def _flow_match_scheduler(shift: float, *, max_shift: float | None = None, max_image_seq_len: int = 4096, **extra):
-    """The flow-matching Euler scheduler every tiny model uses (1000 training timesteps). With
-    ``max_shift``: the resolution-dependent dynamic shift of FLUX.1 / Qwen-Image (mu grows from 0.5
-    at 256 image tokens to ``max_shift`` at ``max_image_seq_len``)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
+def _real_scheduler(family: str):
+    """The family's real scheduler, from its shipped ``scheduler_config.json``
+    (:mod:`verl_digen.models.real_configs`): every tiny model samples on its real schedule."""
+    from verl_digen.models.real_configs import build_scheduler
 
-    if max_shift is not None:
-        extra = dict(
-            use_dynamic_shifting=True,
-            base_shift=0.5,
-            max_shift=max_shift,
-            base_image_seq_len=256,
-            max_image_seq_len=max_image_seq_len,
-            **extra,
-        )
-    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift, **extra)
+    return build_scheduler(family)
 
 
 def _pipeline(pipeline_cls, text: list[tuple], transformer, vae, scheduler):
@@ -237,7 +227,7 @@ def _flux_pipeline():
         axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim
     )
     vae = _vae(scaling_factor=0.3611, shift_factor=0.1159)  # FLUX.1 VAE's values
-    scheduler = _flow_match_scheduler(3.0, max_shift=1.15)  # FLUX.1-dev's config
+    scheduler = _real_scheduler("flux")  # FLUX.1-dev: dynamic shift (mu 0.5 .. 1.15)
     return _pipeline(FluxPipeline, text, transformer, vae, scheduler)
 
 
@@ -268,7 +258,7 @@ def _sd3_pipeline():
         pos_embed_max_size=32,  # room for up to 128x128-pixel images
     )
     vae = _vae(scaling_factor=1.5305, shift_factor=0.0609)  # SD3 VAE's values
-    scheduler = _flow_match_scheduler(3.0)  # SD3.5's config
+    scheduler = _real_scheduler("sd3")  # SD3.5 Large: shift 3
     return _pipeline(StableDiffusion3Pipeline, text, transformer, vae, scheduler)
 
 
@@ -470,9 +460,7 @@ def _qwen_image_pipeline():
     )
     vae = _wan_style_vae(AutoencoderKLQwenImage, temporal_downsample=False)  # a one-frame video VAE
     # Qwen-Image's scheduler config (dynamic exponential shift, terminal sigma 0.02).
-    scheduler = _flow_match_scheduler(
-        1.0, max_shift=0.9, max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential"
-    )
+    scheduler = _real_scheduler("qwen_image")
     return _pipeline(QwenImagePipeline, text, transformer, vae, scheduler)
 
 
@@ -496,10 +484,9 @@ def _wan_pipeline():
         rope_max_seq_len=64,
     )
     vae = _wan_style_vae(AutoencoderKLWan, temporal_downsample=True, scale_factor_temporal=2, scale_factor_spatial=2)
-    # Wan2.1 ships a UniPC scheduler with flow_shift=3.0; the tiny model uses the flow-matching
-    # Euler scheduler with the same shift, so that the pipeline's own loop is the Euler loop
-    # the RL sampler runs (and the two can be compared step for step).
-    scheduler = _flow_match_scheduler(3.0)
+    # Wan2.1's UniPC multistep scheduler with flow sigmas (flow_shift 3): its first sigma is
+    # 1 - 1e-6, not 1. The RL sampler steps these sigmas with its own Euler / SDE steps.
+    scheduler = _real_scheduler("wan")
     return _pipeline(WanPipeline, text, transformer, vae, scheduler)
 
 
@@ -554,7 +541,7 @@ def _hunyuan_video_pipeline():
         temporal_compression_ratio=4,
         mid_block_add_attention=True,
     )
-    scheduler = _flow_match_scheduler(7.0)  # HunyuanVideo's config
+    scheduler = _real_scheduler("hunyuan_video")  # shift 7
     return _pipeline(HunyuanVideoPipeline, text, transformer, vae, scheduler)
 
 
@@ -593,7 +580,7 @@ def default_cache_dir() -> str:
 
 
 def ensure_tiny(arch: str, cache_dir: str | None = None) -> str:
-    """Path of the cached tiny ``arch`` model (``<cache>/<arch>-v1``), building it on first use.
+    """Path of the cached tiny ``arch`` model (``<cache>/<arch>-<TINY_VERSION>``), building it on first use.
 
     The build goes to a temporary sibling directory that is renamed into place, so concurrent
     callers (e.g. several Ray workers) never see a half-written model: the first rename wins

@@ -121,7 +121,7 @@ def _components():
     """Untrained components, created in a fixed order from the current torch RNG."""
     from diffusers import AutoencoderKL, FluxTransformer2DModel
 
-    from .tiny import _clip_encoder, _flow_match_scheduler, _t5_encoder, build_clip_tokenizer, build_t5_tokenizer
+    from .tiny import _clip_encoder, _real_scheduler, _t5_encoder, build_clip_tokenizer, build_t5_tokenizer
 
     tokenizer = build_clip_tokenizer(_PROMPT_TOKENS, words=TOY_WORDS)
     tokenizer_2 = build_t5_tokenizer(_PROMPT_TOKENS, words=TOY_WORDS)
@@ -152,7 +152,7 @@ def _components():
         use_quant_conv=False,  # like FLUX.1's VAE
         use_post_quant_conv=False,
     )
-    scheduler = _flow_match_scheduler(3.0, max_shift=1.15)  # FLUX.1-dev's config
+    scheduler = _real_scheduler("flux")  # FLUX.1-dev's config
     return dict(
         tokenizer=tokenizer,
         tokenizer_2=tokenizer_2,

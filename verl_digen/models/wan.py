@@ -9,9 +9,11 @@ masked: Wan attends to the zero rows, as the pipeline feeds them), so conditioni
 Guidance is ordinary CFG against a negative prompt: ``v_neg + s * (v_pos - v_neg)``.
 
 The schedule is the one the pipeline's scheduler computes: Wan2.1 checkpoints ship a UniPC
-scheduler with flow sigmas (``flow_shift``); the RL loop steps those sigmas with its own
-Euler / SDE steps. With a ``FlowMatchEulerDiscreteScheduler`` config (as the tiny model has) the
-pipeline's loop *is* an Euler loop and a rollout with this adapter reproduces its videos.
+scheduler with flow sigmas (``flow_shift``; the tiny model ships the same config); the RL loop
+steps those sigmas with its own Euler / SDE steps, and feeds the transformer the scheduler's
+integer timesteps. UniPC's first-order predictor without corrector *is* the Euler step, so with
+``solver_order=1`` and the corrector disabled the pipeline reproduces an ODE rollout; with a
+``FlowMatchEulerDiscreteScheduler`` config the pipeline's loop is the Euler loop as it stands.
 """
 
 from __future__ import annotations
@@ -108,6 +110,11 @@ class WanAdapter(DiffusionAdapter):
     ) -> None:
         self.register_modules(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
         self.scheduler_config = dict(scheduler_config)
+        # Multistep flow schedulers (Wan2.1's UniPC) hand the transformer integer timesteps,
+        # int64(sigma * N), truncated; FlowMatchEuler hands it sigma * N as is. Feeding what the
+        # pipeline feeds keeps the velocity the pretrained model was sampled with.
+        scheduler_name = self.scheduler_config.get("_class_name", "FlowMatchEulerDiscreteScheduler")
+        self.integer_timesteps = scheduler_name != "FlowMatchEulerDiscreteScheduler"
         # Wan2.2 TI2V-5B takes one timestep per latent token (all equal for text-to-video).
         self.expand_timesteps = bool(expand_timesteps)
 
@@ -183,6 +190,10 @@ class WanAdapter(DiffusionAdapter):
 
     def _timestep(self, sigma: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
         t = sigma * self.scheduler_config.get("num_train_timesteps", 1000)  # [B], fp32 as in the pipeline
+        if self.integer_timesteps:
+            # The scheduler truncates its float64 sigmas * N; from the float32 sigma this differs
+            # only when sigma * N lies within ~1e-4 of an integer (then by one timestep).
+            t = torch.floor(t)
         if not self.expand_timesteps:
             return t
         # Wan2.2 TI2V: one timestep per latent token, [B, F * h/p * w/p].

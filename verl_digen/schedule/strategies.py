@@ -60,7 +60,6 @@ def strategy_violations(
             ("tsp_stages", tsp_stages > 1, "TSP"),
             ("train_split", train_split == "timestep", "the TSP training split"),
             ("tag", tag, "TAG"),
-            ("fsdp", fsdp, "FSDP shards the trainer pool:"),
         ):
             if used:
                 out.append((field, f"{what} {needs}"))

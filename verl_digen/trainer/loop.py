@@ -84,6 +84,14 @@ class DigenTrainer:
         resolve.preflight_reward(cfg)
         # An emulated cluster has no model, no weights to save and nothing to resume.
         self.model_path = "<emulated>" if self.emulated else resolve.resolve_model_path(cfg)
+        if not self.emulated and cfg.model.path is not None and cfg.memory.check:
+            # Before any worker (or Ray) starts: every role's per-GPU peak at this model's size
+            # must fit the GPU (MemoryPlanError names the knob). The built-in tiny models
+            # (no model.path) are kilobytes: nothing to check.
+            from verl_digen.memory import check_job_memory
+
+            check_job_memory(cfg, devices_per_node=int(self.trainer_cfg.n_gpus_per_node),
+                             nnodes=int(self.trainer_cfg.get("nnodes", 1) or 1), model_path=self.model_path)
         self.output_dir = resolve.output_dir_for(cfg, self.trainer_cfg)
         self.worker_groups = worker_groups
         root = str(self.trainer_cfg.default_local_dir)

@@ -115,7 +115,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
             # Parallelism applied in one place; the optimizer must be built after sharding.
             from verl_digen.workers.fsdp import apply_fsdp2, enable_gradient_checkpointing
 
-            if cfg.fsdp.gradient_checkpointing:
+            if cfg.model.gradient_checkpointing:
                 info["gradient_checkpointing"] = enable_gradient_checkpointing(self.adapter.transformer)
             apply_fsdp2(
                 self.adapter.transformer,

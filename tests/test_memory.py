@@ -1,0 +1,176 @@
+"""The memory planner (python -m verl_digen.memory): real-size per-GPU peaks from the meta device,
+every shipped preset fits with 10% headroom, the knobs move the plan the way they should, and the
+main job refuses a configuration that cannot fit before Ray starts."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from verl_digen.config.compose import compose_config
+from verl_digen.config.schema import ConfigError, digen_config_from_dict
+from verl_digen.memory import MemoryPlanError, plan_job
+from verl_digen.memory.__main__ import main as memory_main
+from verl_digen.memory.__main__ import plan_preset, preset_names
+from verl_digen.memory.plan import GIB
+from verl_digen.memory.trace import _measure, _patched_sdpa, _storage_bytes, _storage_key
+
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "verl_digen", "config")
+
+
+def _digen(name: str, *overrides: str):
+    cfg = compose_config(list(overrides), config_name=name, config_dir=CONFIGS)
+    return digen_config_from_dict(OmegaConf.to_container(cfg.digen, resolve=True)), cfg
+
+
+def _roles(name: str, *overrides: str) -> dict:
+    digen, cfg = _digen(name, *overrides)
+    return {p.role: p for p in plan_job(digen, devices_per_node=cfg.trainer.n_gpus_per_node, nnodes=1)}
+
+
+def test_every_shipped_preset_fits_with_ten_percent_headroom():
+    names = preset_names(CONFIGS)
+    families = ("flux", "sd3", "qwen_image", "wan", "hunyuan_video")
+    for family in families:  # a LoRA and a full fine-tuning preset for every family
+        assert f"{family}_colocated" in names and f"{family}_full_disaggregated" in names
+    rows = [row for name in names for row in plan_preset(name, [], CONFIGS)]
+    assert {row["role"] for row in rows} == {"colocated", "rollout", "trainer"}
+    tight = [(r["preset"], r["role"], r["peak_gib"], r["device_gib"]) for r in rows if r["headroom"] < 0.10]
+    assert not tight, tight
+    for row in rows:  # the breakdown adds up to the peak
+        parts = sum(row[f"{k}_gib"] for k in ("weights", "gradients", "optimizer", "activations", "encoders_vae",
+                                             "sync_buffers", "overhead"))
+        assert parts == pytest.approx(row["peak_gib"], abs=0.05)
+
+
+def test_cli_json_rows_and_exit_status(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert memory_main(["--preset", "sd3_disaggregated", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["role"] for r in rows] == ["rollout", "trainer"]
+    for r in rows:
+        assert r["preset"] == "sd3_disaggregated" and r["device_gib"] == 80.0 and 0 < r["peak_gib"] < 80
+    assert "| sd3_disaggregated | trainer |" in capsys.readouterr().out
+    # Without activation checkpointing, FSDP or the prompt cache, Wan's trainer does not fit: exit 1.
+    off = ["digen.model.gradient_checkpointing=false", "digen.fsdp.enable=false", "digen.prompt_cache.enable=false"]
+    assert memory_main(["--preset", "wan_disaggregated", "--json", str(out), *off]) == 1
+    trainer = [r for r in json.loads(out.read_text())["rows"] if r["role"] == "trainer"][0]
+    assert not trainer["fits"] and trainer["activations_gib"] > 80
+
+
+def test_plan_follows_the_knobs():
+    base = _roles("flux_disaggregated")
+    # Checkpointing off: the trainer keeps every block's activations (8 samples of 1536 tokens).
+    ckpt = _roles("flux_disaggregated", "digen.model.gradient_checkpointing=false")["trainer"]
+    assert ckpt.phase == "train" and ckpt.bytes["activations"] > 8 * 10 * GIB
+    # The prompt cache frees the text encoders after warm-up: the warm-up (weights + encoders) is
+    # the rollout's peak; without the cache the encoders (T5-XXL: ~9 GiB bf16) stay in every phase.
+    assert base["rollout"].phase == "load"
+    no_cache = _roles("flux_disaggregated", "digen.prompt_cache.enable=false")["rollout"]
+    assert no_cache.phase != "load" and no_cache.bytes["encoders_vae"] > 9 * GIB
+    # Full fine-tuning with FSDP over 4 trainers: fp32 gradients and two AdamW states, sharded 4 ways.
+    full = _roles("flux_full_disaggregated")["trainer"]
+    params = 11.90e9
+    assert full.bytes["gradients"] == pytest.approx(params * 4 / 4, rel=0.01)
+    assert full.bytes["optimizer"] == pytest.approx(params * 8 / 4, rel=0.01)
+    unsharded = _roles("flux_full_disaggregated", "digen.fsdp.enable=false")["trainer"]
+    assert unsharded.bytes["optimizer"] == pytest.approx(4 * full.bytes["optimizer"], rel=1e-6)
+    assert base["trainer"].bytes["optimizer"] < 0.5 * GIB  # LoRA: rank-32 adapters only
+    # True CFG doubles the rows of every forward (Qwen-Image's [cond; uncond] batch).
+    off = "digen.model.gradient_checkpointing=false"
+    cfg_on = _roles("qwen_image_disaggregated", off)["trainer"]
+    cfg_off = _roles("qwen_image_disaggregated", off, "digen.sampling.guidance_scale=1.0")["trainer"]
+    assert cfg_on.bytes["activations"] == pytest.approx(2 * cfg_off.bytes["activations"], rel=1e-6)
+
+
+def test_device_memory_from_type_or_override():
+    assert _roles("sd3_colocated", "digen.memory.device_type=H200")["colocated"].device_gib == 141.0
+    assert _roles("sd3_colocated", "digen.memory.device_gib=40")["colocated"].device_gib == 40.0
+    with pytest.raises(ConfigError, match=r"digen\.memory\.device_type='B300'.*valid: .*H100"):
+        _digen("sd3_colocated", "digen.memory.device_type=B300")
+
+
+def test_saved_tensor_count_is_what_the_autograd_graph_holds():
+    """The pack-hook count equals the bytes of the distinct storages the backward graph keeps
+    (every node's saved tensors, found by walking the graph), at real width on the meta device."""
+    from diffusers import FluxTransformer2DModel
+
+    with torch.device("meta"):
+        model = FluxTransformer2DModel(num_layers=1, num_single_layers=1, attention_head_dim=128,
+                                       num_attention_heads=24, joint_attention_dim=4096, in_channels=64,
+                                       pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56))
+    model = model.to(torch.bfloat16)
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    inputs = dict(hidden_states=torch.empty(1, 256, 64, **meta), timestep=torch.empty(1, **meta),
+                  guidance=torch.empty(1, device="meta"), pooled_projections=torch.empty(1, 768, **meta),
+                  encoder_hidden_states=torch.empty(1, 64, 4096, **meta), txt_ids=torch.empty(64, 3, device="meta"),
+                  img_ids=torch.empty(256, 3, device="meta"), return_dict=False)
+    counted, _ = _measure(model, inputs)
+    frozen = {_storage_key(p) for p in model.parameters()}
+    with _patched_sdpa():
+        out = model(**inputs)[0]
+    held: dict[int, int] = {}
+    seen, stack = set(), [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        tensors = [getattr(node, a) for a in dir(node) if a.startswith("_saved_")]
+        if hasattr(node, "saved_tensors"):
+            tensors += list(node.saved_tensors)
+        for t in tensors:
+            for x in (t if isinstance(t, (tuple, list)) else [t]):
+                if isinstance(x, torch.Tensor) and _storage_key(x) not in frozen:
+                    held[_storage_key(x)] = _storage_bytes(x)
+        stack.extend(fn for fn, _ in node.next_functions)
+    assert counted["saved_bytes"] == sum(held.values())
+    assert counted["max_block_bytes"] < counted["saved_bytes"]
+
+
+def test_main_job_refuses_a_job_that_cannot_fit_before_ray_starts(tmp_path):
+    import ray
+
+    from verl_digen.models.real_configs import write_config_dir
+    from verl_digen.trainer.loop import DigenTrainer
+
+    model = write_config_dir("wan", str(tmp_path / "Wan2.1-T2V-14B"))  # the real configs, no weights
+    overrides = [f"digen.model.path={model}", f"digen.output_dir={tmp_path / 'run'}",
+                 f"trainer.default_local_dir={tmp_path / 'ckpt'}", "digen.fsdp.enable=false"]
+    cfg = compose_config(overrides, config_name="wan_disaggregated", config_dir=CONFIGS)
+    assert not ray.is_initialized()
+    with pytest.raises(MemoryPlanError) as err:
+        DigenTrainer(cfg)
+    message = str(err.value)
+    assert "trainer (4 GPU(s)) peaks at" in message and "train phase" in message
+    assert "digen.fsdp.enable=true" in message and "digen.memory.device_type=H100" in message
+    assert not ray.is_initialized()
+    # The same job with FSDP (as the preset ships) passes the check.
+    fits = compose_config(overrides[:-1], config_name="wan_disaggregated", config_dir=CONFIGS)
+    digen = digen_config_from_dict(OmegaConf.to_container(fits.digen, resolve=True))
+    roles = plan_job(digen, devices_per_node=8, nnodes=1, model_path=model)
+    assert all(p.headroom >= 0.10 for p in roles)
+
+
+@pytest.mark.parametrize("family", ["flux", "wan", "hunyuan_video"])
+def test_two_kept_blocks_extrapolate_to_the_full_stack_exactly(family):
+    """Tracing the first 2 blocks of each stack and extrapolating gives what tracing all of them
+    gives (here 5 per stack, real width, small sample)."""
+    from verl_digen.memory.trace import TraceShape, _inputs
+    from verl_digen.models.real_configs import build_on_meta, component_config
+
+    model = build_on_meta(family, "transformer")
+    for name, child in list(model.named_children()):
+        if isinstance(child, torch.nn.ModuleList):
+            setattr(model, name, torch.nn.ModuleList(list(child)[:5]))
+    frames = 1 if family == "flux" else 9
+    inputs = lambda: _inputs(TraceShape(family, None, "bf16", 128, 192, frames), component_config(family, "transformer"),  # noqa: E731
+                             torch.bfloat16)
+    full, full_peak = _measure(model, inputs(), keep_blocks=None)
+    kept, kept_peak = _measure(model, inputs(), keep_blocks=2)
+    assert kept == full and full["saved_bytes"] > 3 * full["max_block_bytes"]
+    assert kept_peak == full_peak

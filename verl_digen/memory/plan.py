@@ -1,0 +1,497 @@
+"""Per-GPU peak memory of every role of a job, at real size, before anything is loaded.
+
+A role (``rollout``, ``trainer``, ``reward``, or ``colocated``: rollout and trainer on the same
+GPUs) goes through phases; its peak is the largest phase, broken into
+
+* ``weights``: the transformer (sharded with FSDP, plus FSDP's all-gather buffers), LoRA
+  adapters, a full fine-tune's KL reference and an on-GPU EMA;
+* ``gradients`` and ``optimizer``: the trainable parameters' gradients and AdamW's two states;
+* ``activations``: training (saved for backward, measured on the meta device, see
+  :mod:`verl_digen.memory.trace`), or rollout (the no-grad working set, the trajectory's latents,
+  the VAE's decode);
+* ``encoders_vae``: text encoders (only while the prompt cache warms up when it releases them)
+  and the VAE weights, plus a model reward's weights;
+* ``sync_buffers``: weight-sync buckets in flight (disaggregated);
+* ``overhead``: CUDA context, cuBLAS workspaces and NCCL buffers (a fixed allowance).
+
+Parameter bytes come from the family's configs built on the meta device (the model directory's
+own configs when it has them, else the shipped real ones). Every assumption about what the
+workers keep is stated where it is computed; docs/memory.md collects them with the expected error.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from verl_digen.config.schema import ConfigError, DigenConfig
+
+GIB = 1 << 30
+OVERHEAD_BYTES = int(1.5 * GIB)  # CUDA context (~0.5), cuBLAS workspaces, NCCL buffers (~1): an allowance
+SYNC_BUCKET_BYTES = 1 << 30  # verl_digen.sync.transport.DEFAULT_BUCKET_BYTES: one bucket in flight, one filling
+VAE_WORKING_SET = 4  # live full-resolution feature maps in a VAE decoder (conv in/out, norm, residual)
+VIDEO_TILE = 256  # diffusers' video VAE tiling: 256x256-pixel tiles (tile_sample_min_height/width)
+HUNYUAN_TILE_FRAMES = 16  # AutoencoderKLHunyuanVideo's tile_sample_min_num_frames
+# Model-backed rewards: parameters (fp32 on the GPU). Rule-based and remote (http, vlm_judge)
+# rewards hold no GPU memory.
+REWARD_MODEL_PARAMS = {
+    "pickscore": 0.99e9,  # CLIP ViT-H/14
+    "hpsv2": 0.99e9,  # CLIP ViT-H/14
+    "clip_score": 0.43e9,  # CLIP ViT-L/14
+    "aesthetic": 0.43e9,  # CLIP ViT-L/14 + MLP head
+    "imagereward": 0.45e9,  # BLIP
+}
+CATEGORIES = ("weights", "gradients", "optimizer", "activations", "encoders_vae", "sync_buffers", "overhead")
+
+
+class MemoryPlanError(ConfigError):
+    """A role of the job would not fit in its GPUs' memory; the message says which knob to turn."""
+
+
+# ---------------------------------------------------------------------- devices
+
+
+@functools.lru_cache(maxsize=1)
+def _device_memory() -> dict[str, float]:
+    """GiB per device type, from verl_digen/sim/profiles/devices.yaml (``hbm_gb``: the HBM
+    capacity, which the datasheets' "80 GB" states in binary units: 5 stacks of 16 GiB)."""
+    import yaml
+
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "sim", "profiles", "devices.yaml")
+    with open(path, encoding="utf-8") as f:
+        devices = yaml.safe_load(f)["devices"]
+    return {name: float(spec["hbm_gb"]) for name, spec in devices.items()}
+
+
+def device_types() -> list[str]:
+    return sorted(_device_memory())
+
+
+def device_gib(cfg: DigenConfig) -> float:
+    """The memory of one GPU of the job: ``digen.memory.device_gib``, else its device type's."""
+    if cfg.memory.device_gib is not None:
+        return float(cfg.memory.device_gib)
+    return _device_memory()[cfg.memory.device_type]
+
+
+# ---------------------------------------------------------------------- model sizes
+
+
+def _dtype_name(name: str) -> str:
+    """``auto`` plans for the GPU (bf16)."""
+    return "fp32" if name == "fp32" else "bf16"
+
+
+def _bytes_per(name: str) -> int:
+    return 4 if _dtype_name(name) == "fp32" else 2
+
+
+@functools.lru_cache(maxsize=128)
+def _component_bytes(family: str, config_path: str | None, name: str, dtype: str) -> int:
+    from verl_digen.memory.trace import module_bytes, torch_dtype
+    from verl_digen.models.real_configs import build_on_meta
+
+    return module_bytes(build_on_meta(family, name, path=config_path, dtype=torch_dtype(dtype)))
+
+
+@functools.lru_cache(maxsize=32)
+def _transformer_facts(family: str, config_path: str | None, dtype: str, lora_targets: tuple[str, ...], rank: int):
+    """(parameters, bytes at ``dtype``, largest block's bytes, LoRA parameters)."""
+    import torch
+
+    from verl_digen.memory.trace import largest_block_bytes, module_bytes, torch_dtype
+    from verl_digen.models.real_configs import build_on_meta
+
+    model = build_on_meta(family, "transformer", path=config_path, dtype=torch_dtype(dtype))
+    params = sum(p.numel() for p in model.parameters())
+    lora = 0
+    for name, module in model.named_modules():
+        # peft's matching: a target names the module or the tail of its dotted name
+        if isinstance(module, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in lora_targets):
+            lora += rank * (module.in_features + module.out_features)
+    return params, module_bytes(model), largest_block_bytes(model), lora
+
+
+def _reward_params(spec: dict[str, Any]) -> float:
+    if spec.get("name") == "weighted":
+        return sum(_reward_params(c) for c in spec.get("components", []))
+    return REWARD_MODEL_PARAMS.get(str(spec.get("name")), 0.0)
+
+
+# ---------------------------------------------------------------------- the job
+
+
+@dataclass
+class RolePlan:
+    """One role's peak per GPU: its phase and the bytes of each category at that phase."""
+
+    role: str
+    devices: int
+    phase: str
+    bytes: dict[str, int]
+    device_gib: float
+    knobs: list[str] = field(default_factory=list)  # what to turn when it does not fit
+
+    @property
+    def peak_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak_bytes / GIB
+
+    @property
+    def headroom(self) -> float:
+        """Fraction of the device left free at the peak (negative: does not fit)."""
+        return 1.0 - self.peak_gib / self.device_gib
+
+    def row(self, preset: str | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {"preset": preset, "role": self.role, "devices": self.devices, "phase": self.phase,
+                               "peak_gib": round(self.peak_gib, 2), "device_gib": self.device_gib,
+                               "headroom": round(self.headroom, 3), "fits": self.peak_gib <= self.device_gib}
+        out.update({f"{k}_gib": round(v / GIB, 2) for k, v in self.bytes.items()})
+        return out
+
+
+@dataclass(frozen=True)
+class JobShape:
+    """Everything of a job the planner reads, resolved (sizes in bytes, counts per GPU)."""
+
+    family: str
+    config_path: str | None
+    dtype: str
+    trainable_bytes: int
+    lora: bool
+    lora_targets: tuple[str, ...]
+    lora_rank: int
+    height: int
+    width: int
+    num_frames: int
+    num_steps: int
+    cfg_rows: int  # forward rows per sample: 2 with true CFG ([cond; uncond] in one forward)
+    group_size: int
+    groups_per_task: int
+    micro_batch_samples: int
+    placement: str
+    devices: int  # colocated: all GPUs; else unused
+    rollout_devices: int
+    trainer_devices: int
+    reward_devices: int
+    fsdp: int  # FSDP degree (1: none)
+    checkpointing: bool
+    prompt_cache_releases: bool
+    optimizer_states: int  # AdamW: 2, SGD: 0
+    ema_on_gpu: bool
+    kl_reference: bool  # a full fine-tune with a KL term keeps a frozen copy
+    vae_decode_chunk: int
+    trainers_generate: bool
+    reward_params: float
+
+
+def model_config_path(path: str | None) -> str | None:
+    """The model directory whose configs to plan with, or None for the family's shipped ones
+    (no path, or a path that does not exist on this machine)."""
+    if path and os.path.isfile(os.path.join(path, "model_index.json")) and os.path.isfile(
+        os.path.join(path, "transformer", "config.json")
+    ):
+        return os.path.abspath(path)
+    return None
+
+
+def job_shape(cfg: DigenConfig, *, devices_per_node: int, nnodes: int, model_path: str | None = None) -> JobShape:
+    """Resolve ``cfg`` on a cluster of ``nnodes`` x ``devices_per_node`` GPUs."""
+    config_path = model_config_path(model_path if model_path is not None else cfg.model.path)
+    family = cfg.model.arch
+    if family is None and config_path is not None:
+        from verl_digen.models.registry import detect_arch
+
+        family = detect_arch(config_path)
+    if family is None:
+        raise ConfigError("invalid config: digen.model.arch=None; the memory plan needs the model family "
+                          "(set digen.model.arch or a digen.model.path with a model_index.json)")
+    devices = devices_per_node * nnodes
+    disaggregated = cfg.placement == "disaggregated"
+    trainer_devices = cfg.pools.trainer.world_size if disaggregated else devices
+    fsdp = trainer_devices if cfg.fsdp.enable else 1
+    lora = cfg.model.lora.enable
+    return JobShape(
+        family=family,
+        config_path=config_path,
+        dtype=_dtype_name(cfg.model.dtype),
+        trainable_bytes=_bytes_per(cfg.model.trainable_dtype),
+        lora=lora,
+        lora_targets=tuple(cfg.model.lora.target_modules),
+        lora_rank=cfg.model.lora.rank,
+        height=cfg.sampling.height,
+        width=cfg.sampling.width,
+        num_frames=cfg.sampling.num_frames,
+        num_steps=cfg.sampling.num_steps,
+        cfg_rows=2 if cfg.sampling.guidance_scale > 1.0 else 1,
+        group_size=cfg.batch.group_size,
+        groups_per_task=cfg.batch.groups_per_task,
+        micro_batch_samples=cfg.batch.train_micro_batch_groups * cfg.batch.group_size,
+        placement=cfg.placement,
+        devices=devices,
+        rollout_devices=cfg.pools.rollout.world_size if disaggregated else devices,
+        trainer_devices=trainer_devices,
+        reward_devices=cfg.pools.reward.world_size if disaggregated else 0,
+        fsdp=fsdp,
+        checkpointing=cfg.model.gradient_checkpointing,
+        prompt_cache_releases=cfg.prompt_cache.enable and cfg.prompt_cache.release_encoders,
+        optimizer_states=2 if cfg.algo.optimizer == "adamw" else 0,
+        ema_on_gpu=cfg.ema.enable and not cfg.ema.offload,
+        kl_reference=cfg.algo.kl_beta > 0 and not lora,
+        vae_decode_chunk=cfg.model.vae_decode_chunk,
+        trainers_generate=disaggregated and cfg.tag.enable,
+        reward_params=_reward_params(cfg.reward.as_spec()),
+    )
+
+
+# ---------------------------------------------------------------------- components of a role
+
+
+def _encoder_and_vae_bytes(job: JobShape) -> tuple[int, int]:
+    """(text encoders, VAE) weight bytes, in the dtypes the adapter loads them in."""
+    from verl_digen.models.real_configs import model_components
+    from verl_digen.models.registry import ADAPTERS
+
+    fp32_parts = ADAPTERS[job.family].fp32_components
+    encoders = vae = 0
+    for name in model_components(job.family, job.config_path):
+        if name == "transformer":
+            continue
+        dtype = "fp32" if name in fp32_parts else job.dtype
+        size = _component_bytes(job.family, job.config_path, name, dtype)
+        if name == "vae":
+            vae += size
+        else:
+            encoders += size
+    return encoders, vae
+
+
+def _encoder_activation_bytes(job: JobShape) -> int:
+    """One encode call (a task's prompts and the negative one): batch x tokens x the widest
+    layer's width, twice (input and output of the layer), at the encoders' dtype. Small next to
+    the weights; an estimate."""
+    from verl_digen.memory.trace import text_tokens
+    from verl_digen.models.real_configs import component_config, model_components
+
+    widest = 0
+    for name in model_components(job.family, job.config_path):
+        if not name.startswith("text_encoder"):
+            continue
+        c = component_config(job.family, name, job.config_path)
+        c = c.get("text_config", c)
+        widest = max(widest, int(c.get("intermediate_size") or c.get("d_ff") or 0), 4 * int(c.get("hidden_size") or c.get("d_model") or 0))
+    prompts = job.groups_per_task + 1
+    return 2 * prompts * text_tokens(job.family) * widest * _bytes_per(job.dtype)
+
+
+def _vae_decode_bytes(job: JobShape, samples: int) -> int:
+    """Peak of one VAE decode call of ``samples`` samples (``vae_decode_chunk`` of them at a
+    time): ``VAE_WORKING_SET`` full-resolution feature maps of the decoder's widest
+    full-resolution layer, over the frames decoded together (a video VAE decodes in 256-pixel
+    tiles; Wan / Qwen-Image's causal VAE one latent frame, i.e. 4 frames, at a time), plus the
+    decoded fp32 pixels of the call."""
+    from verl_digen.models.real_configs import component_config
+    from verl_digen.models.registry import ADAPTERS
+
+    chunk = samples if job.vae_decode_chunk <= 0 else min(job.vae_decode_chunk, samples)
+    vae = component_config(job.family, "vae", job.config_path)
+    vae_bytes = 4 if "vae" in ADAPTERS[job.family].fp32_components or job.dtype == "fp32" else 2
+    if "block_out_channels" in vae:
+        channels = int(vae["block_out_channels"][0])
+    else:  # Wan-style VAE
+        channels = int(vae["base_dim"]) * int(vae["dim_mult"][0])
+    h, w, frames = job.height, job.width, job.num_frames
+    if frames > 1:
+        h, w = min(h, VIDEO_TILE), min(w, VIDEO_TILE)
+        if job.family == "hunyuan_video":
+            frames = min(frames, HUNYUAN_TILE_FRAMES + 1)
+        else:
+            frames = min(frames, int(vae.get("scale_factor_temporal", 4)))
+    features = VAE_WORKING_SET * chunk * channels * h * w * frames * vae_bytes
+    pixels = chunk * 3 * job.num_frames * job.height * job.width * 4
+    return features + pixels
+
+
+def _trace(job: JobShape):
+    from verl_digen.memory.trace import TraceShape, trace_transformer
+
+    return trace_transformer(TraceShape(job.family, job.config_path, job.dtype, job.height, job.width, job.num_frames))
+
+
+def _latent_bytes(job: JobShape) -> int:
+    """fp32 latents of one sample."""
+    from verl_digen.memory.trace import latent_layout, TraceShape
+
+    lay = latent_layout(TraceShape(job.family, job.config_path, job.dtype, job.height, job.width, job.num_frames))
+    return 4 * lay["channels"] * lay["frames"] * lay["h"] * lay["w"]
+
+
+class _RoleBuilder:
+    """The phases of one role, as dicts of category -> bytes."""
+
+    def __init__(self, job: JobShape, role: str, devices: int, gib: float) -> None:
+        self.job, self.role, self.devices, self.gib = job, role, devices, gib
+        self.phases: dict[str, dict[str, int]] = {}
+
+    def add(self, phase: str, **parts: int) -> None:
+        bytes_ = {k: 0 for k in CATEGORIES}
+        bytes_["overhead"] = OVERHEAD_BYTES
+        for k, v in parts.items():
+            bytes_[k] += int(v)
+        self.phases[phase] = bytes_
+
+    def plan(self, train_knobs: list[str], rollout_knobs: list[str]) -> RolePlan:
+        """The peak phase; its knobs first (generation's for generate/decode, training's else)."""
+        phase, bytes_ = max(self.phases.items(), key=lambda kv: sum(kv[1].values()))
+        first, then = (rollout_knobs, train_knobs) if phase in ("generate", "decode") else (train_knobs, rollout_knobs)
+        knobs = list(dict.fromkeys(first + then))
+        return RolePlan(role=self.role, devices=self.devices, phase=phase, bytes=bytes_, device_gib=self.gib,
+                        knobs=knobs)
+
+
+def plan_roles(job: JobShape, gib: float) -> list[RolePlan]:
+    """Every role's peak per GPU for ``job`` on GPUs of ``gib`` GiB."""
+    params, dense_bytes, block_bytes, lora_params = _transformer_facts(
+        job.family, job.config_path, job.dtype, job.lora_targets, job.lora_rank
+    )
+    encoders, vae = _encoder_and_vae_bytes(job)
+    trace = _trace(job)
+    tb = job.trainable_bytes
+    f = job.fsdp
+    reward = int(job.reward_params * 4)
+
+    # Trainable state per trainer GPU (FSDP shards it f ways).
+    trainable = lora_params if job.lora else params
+    grads = trainable * tb / f
+    optimizer = job.optimizer_states * trainable * tb / f
+    ema = trainable * 4 / f if job.ema_on_gpu else 0
+    # Trainer weights: with FSDP the frozen/compute weights are sharded too, and each rank
+    # all-gathers one block ahead of the one it computes (2 blocks unsharded).
+    gather = 2 * block_bytes if f > 1 else 0
+    if job.lora:
+        train_weights = dense_bytes / f + gather + lora_params * tb
+    else:
+        # Full fine-tune: the parameters are the trainable ones (trainable dtype); without FSDP
+        # the compute casts keep a dense-dtype copy of every weight for backward.
+        cast_copy = dense_bytes if (f == 1 and tb != _bytes_per(job.dtype)) else 0
+        train_weights = params * tb / f + gather + cast_copy
+    kl_ref = dense_bytes / f if (job.kl_reference and f > 1) else 0  # without FSDP the copy stays on CPU
+    encoders_resident = 0 if job.prompt_cache_releases else encoders
+    train_rows = job.cfg_rows * math.ceil(job.micro_batch_samples / f)
+    train_acts = trace.training_bytes(train_rows, checkpointing=job.checkpointing)
+
+    # Rollout: one generate call of groups_per_task groups.
+    samples = job.groups_per_task * job.group_size
+    rollout_acts = trace.inference_bytes(samples * job.cfg_rows) + samples * (job.num_steps + 1) * _latent_bytes(job)
+    decode = _vae_decode_bytes(job, samples)
+    rollout_weights = dense_bytes + (lora_params * tb if job.lora else 0)
+    sync_state = lora_params * tb if job.lora else dense_bytes
+    sync = min(sync_state, 2 * SYNC_BUCKET_BYTES)
+    load_encoders = _encoder_activation_bytes(job)
+
+    train_knobs = _training_knobs(job)
+    rollout_knobs = _rollout_knobs(job)
+    plans = []
+    if job.placement == "colocated":
+        b = _RoleBuilder(job, "colocated", job.devices, gib)
+        resident = dict(weights=train_weights + ema + kl_ref, optimizer=optimizer, encoders_vae=encoders_resident + vae + reward)
+        # Loading: the dense model in its dtype on every GPU before FSDP shards it.
+        b.add("load", weights=dense_bytes, encoders_vae=encoders + vae + reward, activations=load_encoders)
+        b.add("generate", activations=rollout_acts, **resident)
+        b.add("decode", activations=decode, **resident)
+        b.add("train", gradients=grads, activations=train_acts, **resident)
+        plans.append(b.plan(train_knobs, rollout_knobs))
+        return plans
+
+    reward_on_rollout = reward if job.reward_devices == 0 else 0
+    r = _RoleBuilder(job, "rollout", job.rollout_devices, gib)
+    r_resident = dict(weights=rollout_weights, encoders_vae=encoders_resident + vae + reward_on_rollout)
+    r.add("load", weights=rollout_weights, encoders_vae=encoders + vae + reward_on_rollout, activations=load_encoders)
+    r.add("generate", activations=rollout_acts, **r_resident)
+    r.add("decode", activations=decode, **r_resident)
+    r.add("sync", sync_buffers=sync, **r_resident)
+    plans.append(r.plan([], rollout_knobs))
+
+    t = _RoleBuilder(job, "trainer", job.trainer_devices, gib)
+    t_resident = dict(weights=train_weights + ema + kl_ref, optimizer=optimizer, encoders_vae=encoders_resident + vae)
+    t.add("load", weights=dense_bytes, encoders_vae=encoders + vae, activations=load_encoders)
+    t.add("train", gradients=grads, activations=train_acts, **t_resident)
+    t.add("sync", sync_buffers=sync, **t_resident)
+    if job.trainers_generate:
+        t.add("generate", activations=rollout_acts, **t_resident)
+        t.add("decode", activations=decode, **t_resident)
+    plans.append(t.plan(train_knobs, rollout_knobs if job.trainers_generate else []))
+
+    if job.reward_devices > 0:
+        w = _RoleBuilder(job, "reward", job.reward_devices, gib)
+        w.add("score", encoders_vae=reward)
+        plans.append(w.plan(["a smaller reward model"], []))
+    return plans
+
+
+def _training_knobs(job: JobShape) -> list[str]:
+    knobs = []
+    if not job.checkpointing:
+        knobs.append("digen.model.gradient_checkpointing=true")
+    if job.micro_batch_samples > job.group_size:
+        knobs.append("a smaller digen.batch.train_micro_batch_groups")
+    if job.fsdp == 1:
+        knobs.append("digen.fsdp.enable=true (shards weights, gradients and optimizer; splits micro-batches)")
+    else:
+        knobs.append("more trainer GPUs (digen.pools.trainer.devices) for a larger FSDP degree")
+    if not job.lora:
+        knobs.append("digen.model.lora.enable=true")
+    if job.dtype == "fp32":
+        knobs.append("digen.model.dtype=bf16")
+    if not job.prompt_cache_releases:
+        knobs.append("digen.prompt_cache.enable=true (frees the text encoders)")
+    return knobs
+
+
+def _rollout_knobs(job: JobShape) -> list[str]:
+    knobs = []
+    if job.groups_per_task > 1:
+        knobs.append("a smaller digen.batch.groups_per_task")
+    if job.vae_decode_chunk == 0 or job.vae_decode_chunk > 1:
+        knobs.append("digen.model.vae_decode_chunk (decode fewer samples at a time)")
+    if job.num_frames > 1 or job.height * job.width > 1024 * 1024:
+        knobs.append("smaller digen.sampling.height / width / num_frames")
+    if not job.prompt_cache_releases:
+        knobs.append("digen.prompt_cache.enable=true")
+    return knobs
+
+
+# ---------------------------------------------------------------------- entry points
+
+
+def plan_job(cfg: DigenConfig, *, devices_per_node: int, nnodes: int = 1, model_path: str | None = None) -> list[RolePlan]:
+    """Every role's per-GPU peak for the validated config ``cfg`` on its cluster."""
+    job = job_shape(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path)
+    return plan_roles(job, device_gib(cfg))
+
+
+def describe(plan: RolePlan) -> str:
+    parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in plan.bytes.items() if v)
+    return f"{plan.role} ({plan.devices} GPU(s)) peaks at {plan.peak_gib:.1f} GiB in its {plan.phase} phase ({parts})"
+
+
+def check_job_memory(cfg: DigenConfig, *, devices_per_node: int, nnodes: int = 1, model_path: str | None = None,
+                     ) -> list[RolePlan]:
+    """:func:`plan_job`, raising :class:`MemoryPlanError` naming the knobs to turn when a role's
+    peak exceeds its GPU's memory (``digen.memory.device_type`` / ``device_gib``)."""
+    plans = plan_job(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path)
+    bad = [p for p in plans if p.peak_gib > p.device_gib]
+    if bad:
+        where = "digen.memory.device_gib" if cfg.memory.device_gib is not None else f"digen.memory.device_type={cfg.memory.device_type}"
+        lines = [f"{describe(p)}, more than the {p.device_gib:g} GiB of a GPU ({where}); "
+                 f"turn: {'; '.join(p.knobs) or 'a larger GPU'}" for p in bad]
+        raise MemoryPlanError("the job does not fit in GPU memory: " + " | ".join(lines)
+                              + " (plan it with python -m verl_digen.memory; digen.memory.check=false skips this check)")
+    return plans
+

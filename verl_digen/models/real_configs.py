@@ -1,0 +1,125 @@
+"""The real models' configs, shipped as package data (no weights).
+
+``verl_digen/models/configs/<family>/`` mirrors a diffusers pipeline directory without its
+weights and tokenizers: ``model_index.json``, ``scheduler/scheduler_config.json`` and one
+``config.json`` per model component (transformer, VAE, text encoders), as published for
+
+* ``flux``: FLUX.1-dev (FlowMatchEuler, resolution-dependent dynamic shift);
+* ``sd3``: Stable Diffusion 3.5 Large (FlowMatchEuler, shift 3);
+* ``qwen_image``: Qwen-Image (FlowMatchEuler, exponential dynamic shift, terminal sigma 0.02);
+* ``wan``: Wan2.1-T2V-14B (UniPCMultistep with flow sigmas, flow_shift 3: starts at 0.999999);
+* ``hunyuan_video``: HunyuanVideo (FlowMatchEuler, shift 7).
+
+Two users: the tiny builders (:mod:`verl_digen.models.tiny`) save each family's real scheduler
+config, so every tiny test runs the real schedule; the memory planner (:mod:`verl_digen.memory`)
+builds the real-size modules on the meta device (:func:`build_on_meta`) to count parameters and
+trace activations without any weight.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+import torch
+
+FAMILIES = ("flux", "sd3", "qwen_image", "wan", "hunyuan_video")
+CONFIG_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+
+
+def _check_family(family: str) -> None:
+    if family not in FAMILIES:
+        raise ValueError(f"no shipped configs for model family '{family}'; known: {', '.join(FAMILIES)}")
+
+
+def config_dir(family: str) -> str:
+    """The shipped config directory of ``family`` (a diffusers pipeline layout without weights)."""
+    _check_family(family)
+    return os.path.join(CONFIG_ROOT, family)
+
+
+def model_index(family: str) -> dict[str, Any]:
+    with open(os.path.join(config_dir(family), "model_index.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def scheduler_config(family: str) -> dict[str, Any]:
+    """The family's real ``scheduler_config.json`` as a dict (``_class_name`` included)."""
+    with open(os.path.join(config_dir(family), "scheduler", "scheduler_config.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def build_scheduler(family: str):
+    """The family's real scheduler (the diffusers class its config names)."""
+    import diffusers
+
+    config = scheduler_config(family)
+    return getattr(diffusers, config["_class_name"]).from_config(config)
+
+
+def model_components(family: str, path: str | None = None) -> dict[str, tuple[str, str]]:
+    """``{subfolder: (library, class name)}`` of the model components (not tokenizers or the
+    scheduler) in ``model_index.json`` of ``path`` (default: the shipped configs)."""
+    if path is None:
+        index = model_index(family)
+    else:
+        with open(os.path.join(path, "model_index.json"), encoding="utf-8") as f:
+            index = json.load(f)
+    out = {}
+    for name, entry in index.items():
+        if name.startswith("_") or not isinstance(entry, list) or entry[0] is None:
+            continue
+        if name.startswith("tokenizer") or name == "scheduler":
+            continue
+        out[name] = (entry[0], entry[1])
+    return out
+
+
+def component_config(family: str, name: str, path: str | None = None) -> dict[str, Any]:
+    """The ``<name>/config.json`` of ``path`` (default: the family's shipped configs)."""
+    root = config_dir(family) if path is None else path
+    file = os.path.join(root, name, "config.json")
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"no config for component '{name}' at {file}")
+    with open(file, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def build_on_meta(family: str, name: str, *, path: str | None = None, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    """Component ``name`` of ``family`` at real size on the meta device (no memory, no weights),
+    in ``dtype``, from the configs of ``path`` (default: the shipped ones)."""
+    import diffusers
+    import transformers
+
+    library, class_name = model_components(family, path)[name]
+    config = component_config(family, name, path)
+    with torch.device("meta"):
+        if library == "diffusers":
+            module = getattr(diffusers, class_name).from_config(config)
+        else:
+            config_cls = transformers.AutoConfig.for_model(config["model_type"]).__class__
+            hf_config = config_cls.from_dict({k: v for k, v in config.items() if k != "model_type"})
+            module = getattr(transformers, class_name)(hf_config)
+    # As from_pretrained(torch_dtype=dtype) does: cast, but keep the modules the class names in
+    # _keep_in_fp32_modules (Wan's time embedder, norms and modulation tables) in float32.
+    keep = tuple(getattr(module, "_keep_in_fp32_modules", None) or ())
+    for param in module.parameters():
+        param.data = param.data.to(dtype)
+    for buffer_name, buffer in module.named_buffers():
+        if buffer.is_floating_point():
+            buffer.data = buffer.data.to(dtype)
+    if keep and dtype != torch.float32:
+        for module_name, sub in module.named_modules():
+            if any(part in keep for part in module_name.split(".")):
+                for param in sub.parameters(recurse=False):
+                    param.data = param.data.float()
+    return module
+
+
+def write_config_dir(family: str, out_dir: str) -> str:
+    """Copy the family's shipped configs to ``out_dir`` (a weight-less pipeline directory, e.g.
+    for planning memory as if the real model were at ``out_dir``). Returns ``out_dir``."""
+    shutil.copytree(config_dir(family), out_dir, dirs_exist_ok=True)
+    return out_dir
