@@ -1,4 +1,4 @@
-"""The presets packaged in verl_digen/config/: every family x placement composes, validates, and (tiny) runs."""
+"""The presets packaged in verl_digen/config/: every family x placement (LoRA colocated and\ndisaggregated, full fine-tuning disaggregated) composes, validates, and (tiny) runs."""
 
 from __future__ import annotations
 
@@ -14,12 +14,13 @@ FAMILIES = ("flux", "sd3", "qwen_image", "wan", "hunyuan_video")
 PLACEMENTS = ("colocated", "disaggregated")
 
 
-@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("placement", PLACEMENTS + ("full_disaggregated",))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_preset_composes_and_validates(family, placement):
     cfg = compose_config([], config_name=f"{family}_{placement}")
     digen = digen_config_from_dict(OmegaConf.to_container(cfg.digen, resolve=True))
-    assert digen.placement == placement and digen.model.arch == family
+    assert digen.placement == placement.removeprefix("full_") and digen.model.arch == family
+    assert digen.model.lora.enable is not placement.startswith("full_")
     assert cfg.trainer.n_gpus_per_node == 8 and cfg.trainer.save_freq > 0  # real-model settings
     smoke = compose_config(["+smoke=tiny"], config_name=f"{family}_{placement}")
     assert smoke.digen.sampling.height == 32 and smoke.trainer.total_training_steps == 2
