@@ -89,7 +89,10 @@ class DiffusionWorker(Worker, WeightSyncMixin):
     def init_model(self) -> dict[str, Any]:
         torch.set_num_threads(self.num_threads)
         cfg = self.cfg
-        info: dict[str, Any] = {"role": self.role, "rank": self.rank, "pid": os.getpid()}
+        import ray
+
+        info: dict[str, Any] = {"role": self.role, "rank": self.rank, "pid": os.getpid(),
+                                "node_id": ray.get_runtime_context().get_node_id()}
         if self.role in ("fused", "rollout", "trainer"):
             from verl_digen.models.registry import load_adapter
 
