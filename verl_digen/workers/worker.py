@@ -180,6 +180,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
                 seed=self.cfg.seed,
                 policy_version=self.policy_version,
                 metadata=request.get("metadata"),
+                samples=tuple(request["samples"]) if request.get("samples") else None,
             )
             state = begin_groups(self.adapter, groups, self.settings)
         elif state.policy_version != self.policy_version:
@@ -224,7 +225,10 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         tail, _ = timed(lambda: finish_groups(self.adapter, state, self.settings))
         return {"head_s": head, "step_s": steps, "tail_s": tail}
 
-    def compute_reward(self, data: DataProto) -> dict[str, Any]:
+    def compute_reward(self, *slices: DataProto) -> dict[str, Any]:
+        """Score whole groups: ``slices`` are the trajectories of their generate tasks (one, or a
+        group's sample slices, reassembled here in sample order)."""
+        data = slices[0] if len(slices) == 1 else _in_sample_order(list(slices))
         prompts = [str(p) for p in data.non_tensor_batch["prompt"]]
         # Each sample's prompt record (ground truth, ...) when the data had one.
         records = data.non_tensor_batch.get("metadata")
@@ -435,16 +439,35 @@ def _no_trainer(role: str):
 
 
 def select_groups(trajectories: tuple[DataProto, ...], groups: list[int]) -> DataProto:
-    """Rows of the given groups, in the order of ``groups``, from one or more generate outputs."""
-    parts = []
-    for g in groups:
-        for data in trajectories:
-            idx = [i for i, gid in enumerate(data.non_tensor_batch["group_id"]) if int(gid) == g]
-            if idx:
-                part = data.select_idxs(idx)
-                part.meta_info = {}  # per-task timings differ; concat requires equal meta
-                parts.append(part)
-                break
-        else:
-            raise KeyError(f"group {g} is in none of the trajectories passed to the trainer")
+    """Rows of the given groups, in the order of ``groups`` and of each group's samples, from one
+    or more generate outputs (a group split over several rollout workers is in several)."""
+    rows: list[tuple[int, int, int, int]] = []  # (group position, sample index, trajectory, row)
+    order = {g: k for k, g in enumerate(groups)}
+    for t, data in enumerate(trajectories):
+        gids = data.non_tensor_batch["group_id"]
+        samples = data.non_tensor_batch.get("sample_index")
+        for i, gid in enumerate(gids):
+            if int(gid) in order:
+                rows.append((order[int(gid)], int(samples[i]) if samples is not None else i, t, i))
+    missing = set(groups) - {groups[r[0]] for r in rows}
+    if missing:
+        raise KeyError(f"groups {sorted(missing)} are in none of the trajectories passed to the trainer")
+    rows.sort()
+    parts = []  # one per run of consecutive rows from the same trajectory
+    start = 0
+    while start < len(rows):
+        t = rows[start][2]
+        end = start
+        while end < len(rows) and rows[end][2] == t:
+            end += 1
+        part = trajectories[t].select_idxs([r[3] for r in rows[start:end]])
+        part.meta_info = {}  # per-task timings differ; concat requires equal meta
+        parts.append(part)
+        start = end
     return DataProto.concat(parts) if len(parts) > 1 else parts[0]
+
+
+def _in_sample_order(slices: list[DataProto]) -> DataProto:
+    """A group's sample slices as one batch, rows ordered by (group, sample index)."""
+    groups = list(dict.fromkeys(int(g) for data in slices for g in data.non_tensor_batch["group_id"]))
+    return select_groups(tuple(slices), groups)
