@@ -87,21 +87,20 @@ def check_cluster(nodes: list[RayNode], cluster: ClusterSpec, device_kind: str) 
     return [big_enough[i] for i in order[: cluster.nnodes]]
 
 
-def assign_nodes(pool_sizes: dict[str, int], nodes: list[RayNode], per_node: int) -> dict[str, list[str]]:
+def assign_nodes(pool_sizes: dict[str, int], nodes: list[RayNode], per_node: int | None) -> dict[str, list[str]]:
     """The node of every worker of every pool: ``{pool: [node_id of rank 0, rank 1, ...]}``.
 
     ``pool_sizes``: workers per pool; the ``trainer`` (or ``fused``) pool is placed first, on as
     few nodes as possible (fill one node, then the next), so that its collectives stay on a
     node's fast links where they can; the other pools, in the order given, go one worker at a
     time to the node with the most free devices (ties: the earlier node). Each node offers
-    ``per_node`` devices (``trainer.n_gpus_per_node``).
+    ``per_node`` devices (``trainer.n_gpus_per_node``; None: what each node has).
     """
-    free = {n.node_id: per_node for n in nodes}
+    free = {n.node_id: n.devices if per_node is None else per_node for n in nodes}
     order = [n.node_id for n in nodes]
     total = sum(pool_sizes.values())
-    if total > per_node * len(nodes):
-        raise ConfigError(f"invalid config: the pools need {total} devices but the cluster declares "
-                          f"{len(nodes)} x {per_node}")
+    if total > sum(free.values()):
+        raise ConfigError(f"invalid config: the pools need {total} devices but the nodes offer {sum(free.values())}")
     out: dict[str, list[str]] = {}
     packed = [p for p in ("trainer", "fused") if p in pool_sizes]
     for pool in packed + [p for p in pool_sizes if p not in packed]:
@@ -156,11 +155,12 @@ def build_worker_groups(
     model_path: str,
     use_gpu: bool,
     num_threads: int,
-    placement: dict[str, list[str]],
+    placement: dict[str, list[str]] | None = None,
 ) -> tuple[dict[str, Any], dict[WorkerId, Any]]:
     """Create one ``RayWorkerGroup`` per pool; return them and the actor of every WorkerId.
 
-    ``placement``: the node of every worker (:func:`assign_nodes`). Each pool gets one
+    ``placement``: the node of every worker (:func:`assign_nodes`; None: over the live nodes'
+    own devices, for callers that declare no cluster). Each pool gets one
     placement group whose bundle ``r`` is pinned to rank ``r``'s node; veRL's resource pool
     takes it as its own (it creates placement groups only when it has none), so veRL still
     sets ranks, the master address and the device of every worker.
@@ -171,6 +171,9 @@ def build_worker_groups(
 
     from verl_digen.workers.worker import DiffusionWorker
 
+    if placement is None:
+        sizes = {name: sum(counts) for name, (counts, _accel) in layout.pools.items()}
+        placement = assign_nodes(sizes, cluster_nodes(ray.nodes(), "cuda" if use_gpu else "cpu"), None)
     groups: dict[str, Any] = {}
     actors: dict[WorkerId, Any] = {}
     remote_cls = ray.remote(DiffusionWorker)

@@ -272,11 +272,7 @@ def finish_weights(spec: Any, actors: dict[WorkerId, Any], cfg: DigenConfig, out
         extra["weights_in_sync"] = all(d == digests[0] for d in digests[1:])
         if not extra["weights_in_sync"]:
             raise RuntimeError("after the final sync, rollout weights differ from the trainer's")
-    if save:
-        from safetensors.torch import save_file
-
-        state = ray.get(source.trainable_state_cpu.remote(), timeout=300)
+    if save:  # written by the first trainer rank itself: the weights never pass through the driver
         path = os.path.join(output_dir, "final_weights.safetensors")
-        save_file(state, path)
-        extra["final_weights"] = path
+        extra["final_weights"] = ray.get(source.save_final_weights.remote(path), timeout=cfg.task_timeout_s)
     return extra

@@ -294,9 +294,6 @@ class DiffusionWorker(Worker, WeightSyncMixin):
     def weights_digest(self) -> str:
         return state_digest(self._full_state())
 
-    def trainable_state_cpu(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu().clone() for k, v in self._full_state().items()}
-
     def warm_prompt_cache(self, prompts: list[str]) -> dict[str, Any]:
         """Encode every prompt this worker may need once, then free the text encoders.
 
@@ -347,91 +344,46 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         out["metrics"]["val/ema"] = float(ema is not None)
         return out
 
-    def checkpoint_state(self) -> dict[str, Any]:
-        """Everything this worker needs to continue as if never stopped (CPU tensors)."""
-        state: dict[str, Any] = {
-            "weights": self.trainable_state_cpu(),
-            "version": self.policy_version,
-            "rng": torch.get_rng_state(),
-        }
-        if self.trainer is not None:
-            state["optimizer"] = _optimizer_state_to_local(self.trainer.optimizer.state_dict())
-            if getattr(self.trainer, "ema", None) is not None:
-                state["ema"] = self.trainer.ema.state_dict()
-        return state
+    def save_checkpoint_shard(self, directory: str) -> dict[str, Any]:
+        """Write this trainer rank's part of a checkpoint into ``directory`` (DCP, every trainer
+        rank together); return the files written and their checksums, and the weights version."""
+        from verl_digen.workers.sharded_state import save_rank_state
 
-    def load_checkpoint_state(
-        self, weights: dict[str, torch.Tensor], trainer_state: dict[str, Any] | None, version: int
-    ) -> str:
-        from verl_digen.sync.state import load_trainable_state
+        files = save_rank_state(
+            directory, module=self.adapter.transformer, optimizer=self.trainer.optimizer,
+            ema=getattr(self.trainer, "ema", None), lora_only=self.cfg.model.lora.enable,
+            version=self.policy_version, rank=self.rank, group=self._pg,
+        )
+        return {"files": files, "version": self.policy_version}
 
-        if self.fsdp:
-            _load_full_state_into_sharded(self.adapter.transformer, weights)
-        else:
-            load_trainable_state(self.adapter.transformer, weights, lora_only=self.cfg.model.lora.enable)
+    def load_checkpoint_shard(self, directory: str, version: int) -> str:
+        """Load a checkpoint written by any number of trainer ranks (DCP reshards); trainers take
+        the optimizer, EMA and RNG too, others the weights only. Returns the weights' digest."""
+        from verl_digen.workers.sharded_state import load_rank_state
+
+        trains = self.trainer is not None
+        load_rank_state(
+            directory, module=self.adapter.transformer, optimizer=self.trainer.optimizer if trains else None,
+            ema=getattr(self.trainer, "ema", None) if trains else None, lora_only=self.cfg.model.lora.enable,
+            rank=self.rank, group=self._pg if trains else None,
+        )
         self.policy_version = version
-        if self.trainer is not None and trainer_state is not None:
-            if "optimizer_per_rank" in trainer_state:  # FSDP: each rank holds its own shard
-                opt_state = _optimizer_state_from_local(self.trainer.optimizer, trainer_state["optimizer_per_rank"][self.rank])
-            else:
-                opt_state = trainer_state["optimizer"]
-            self.trainer.optimizer.load_state_dict(opt_state)
-            if trainer_state.get("ema") is not None and getattr(self.trainer, "ema", None) is not None:
-                self.trainer.ema.load_state_dict(trainer_state["ema"])
-            torch.set_rng_state(trainer_state["rng"])
         self._refresh_sync_cache()
         return self.weights_digest()
+
+    def save_final_weights(self, path: str) -> str:
+        """The trained weights as one safetensors file, written here (the full state this rank
+        already holds for the weight sync), not through the driver; returns ``path``."""
+        from safetensors.torch import save_file
+
+        save_file({k: v.detach().cpu().contiguous() for k, v in self._full_state().items()}, path)
+        return path
 
     def get_policy_version(self) -> int:
         return self.policy_version
 
     def ping(self) -> str:
         return f"{self.role}{self.rank}"
-
-
-def _optimizer_state_to_local(state: dict[str, Any]) -> dict[str, Any]:
-    """Optimizer state with FSDP's DTensors replaced by this rank's local shards (picklable)."""
-    from torch.distributed.tensor import DTensor
-
-    out = {"param_groups": state["param_groups"], "state": {}}
-    for idx, st in state["state"].items():
-        out["state"][idx] = {k: (v.to_local().cpu() if isinstance(v, DTensor) else v) for k, v in st.items()}
-    return out
-
-
-def _optimizer_state_from_local(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
-    """Re-wrap local shards as DTensors laid out like their parameters."""
-    from torch.distributed.tensor import DTensor
-
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    out = {"param_groups": state["param_groups"], "state": {}}
-    for idx, st in state["state"].items():
-        param = params[int(idx)]
-        out["state"][idx] = {
-            k: (DTensor.from_local(v.to(param.device), param.device_mesh, param.placements)
-                if isinstance(param, DTensor) and isinstance(v, torch.Tensor) and v.dim() > 0 else v)
-            for k, v in st.items()
-        }
-    return out
-
-
-def _load_full_state_into_sharded(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy full tensors into FSDP2-sharded parameters (every rank passes the same state)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    params = dict(module.named_parameters())
-    buffers = dict(module.named_buffers())
-    missing = [k for k in state if k not in params and k not in buffers]
-    if missing:
-        raise ValueError(f"checkpoint tensors not in the model: {missing[:5]}")
-    with torch.no_grad():
-        for name, full in state.items():
-            target = params.get(name, buffers.get(name))
-            if isinstance(target, DTensor):
-                local = distribute_tensor(full.to(target.device, target.dtype), target.device_mesh, target.placements)
-                target.to_local().copy_(local.to_local())
-            else:
-                target.copy_(full.to(target.device, target.dtype))
 
 
 def _no_trainer(role: str):
