@@ -47,15 +47,15 @@ from typing import Any, Callable
 
 import torch
 
+# The rank side reads checkpoint files too (workers/ may not import trainer/): its error and
+# safe loader are the ones used here.
+from verl_digen.workers.sharded_state import CheckpointError, load_pt
+
 TRACKER = "latest_checkpointed_iteration.txt"
 LOCK_FILE = ".digen.lock"
 CONTROLLER_FILE = "controller.pt"
 LEGACY_WEIGHTS = "weights.safetensors"  # the driver-written layout before sharded checkpoints
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint asked for cannot be used; the message names it and why."""
 
 
 def _sha256(path: str) -> str:
@@ -79,17 +79,6 @@ def _fsync_dir(path: str) -> None:
         _fsync_file(path)
     except OSError:  # some filesystems cannot fsync a directory; the data files are synced
         pass
-
-
-def load_pt(path: str) -> dict[str, Any]:
-    """A checkpoint ``.pt`` file, unpickling only tensors and plain containers."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # UnpicklingError for refused globals, RuntimeError/EOFError for damage
-        raise CheckpointError(
-            f"{path}: refused or unreadable ({e.__class__.__name__}: {str(e).splitlines()[0][:300]}); "
-            "checkpoint files hold only tensors and plain containers"
-        ) from None
 
 
 @dataclass

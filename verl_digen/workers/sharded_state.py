@@ -37,6 +37,21 @@ LORA_MARKER = "lora_"  # same marker as verl_digen.sync.state
 _DATA_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint asked for cannot be used; the message names it and why."""
+
+
+def load_pt(path: str) -> dict[str, Any]:
+    """A checkpoint ``.pt`` file, unpickling only tensors and plain containers."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # UnpicklingError for refused globals, RuntimeError/EOFError for damage
+        raise CheckpointError(
+            f"{path}: refused or unreadable ({e.__class__.__name__}: {str(e).splitlines()[0][:300]}); "
+            "checkpoint files hold only tensors and plain containers"
+        ) from None
+
+
 def rank_file(rank: int) -> str:
     return f"trainer_rank{rank}.pt"
 
@@ -114,8 +129,6 @@ def load_rank_state(
     The RNG comes from ``trainer_rank<rank>.pt``, or rank 0's when the checkpoint was written by
     fewer ranks.
     """
-    from verl_digen.trainer.checkpoint import CheckpointError, load_pt
-
     state: dict[str, Any] = {MODEL_KEY: _model_state(module, lora_only=lora_only)}
     if optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(module, optimizer)  # allocates Adam's state to fill
