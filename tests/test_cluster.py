@@ -101,7 +101,7 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             v.send_signal(signal.SIGTERM)
         except psutil.NoSuchProcess:
             pass
-    _, alive = psutil.wait_procs(victims, timeout=15)
+    _, alive = psutil.wait_procs(victims, timeout=3)
     for v in alive:
         try:
             v.kill()

@@ -414,13 +414,17 @@ def measure_costs(records: list, step: int, spec: StrategySpec, fallback: StepCo
     ``records`` may be the whole timeline or just ``Timeline.of_step(step)``.
     """
 
+    def groups_of(r) -> float:
+        samples = r.extra.get("samples")  # a slice of each group's samples: that fraction of a group
+        return len(r.groups) * ((samples[1] - samples[0]) / spec.group_size if samples else 1.0)
+
     def mean(kind: str, per_group: bool) -> float | None:
         rs = [r for r in records if r.kind == kind and r.step == step]
         if not rs:
             return None
         total = sum(r.end - r.start for r in rs)
-        units = sum(len(r.groups) for r in rs) if per_group else len(rs)
-        return total / max(units, 1)
+        units = sum(groups_of(r) for r in rs) if per_group else len(rs)
+        return total / max(units, 1e-9)
 
     return StepCosts(
         generate_per_group=mean("generate", True) or fallback.generate_per_group,
