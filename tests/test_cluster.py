@@ -194,3 +194,25 @@ def test_a_cluster_smaller_than_declared_is_named(two_node_cluster, tmp_path, ti
     with pytest.raises(ConfigError, match=r"trainer.nnodes=3 x trainer.n_gpus_per_node=1 needs 3 node"):
         run(tmp_path, "too_big", "trainer.nnodes=3", "trainer.n_gpus_per_node=1", "trainer.total_training_steps=1")
     assert not ray.is_initialized()
+
+
+# ----------------------------------------------------------------------------- device kind
+
+
+def test_the_device_kind_comes_from_the_cluster_not_the_driver():
+    from verl_digen.trainer.runtime import device_kind
+
+    assert device_kind("cuda", 16.0) == "cuda"  # a GPU cluster, whatever the driver's node has
+    assert device_kind("cuda", 0.0) == "cpu"  # no GPU anywhere: CPU slots, said once
+    assert device_kind("cpu", 16.0) == "cpu"
+    with pytest.raises(ConfigError, match=r"trainer.device='tpu'; valid: cuda, cpu"):
+        device_kind("tpu", 0.0)
+
+
+def test_an_unknown_trainer_device_is_refused_before_ray_starts(tmp_path):
+    from runs import run_config
+    from verl_digen.trainer.loop import DigenTrainer
+
+    with pytest.raises(ConfigError, match=r"trainer.device='npu'"):
+        DigenTrainer(run_config(tmp_path, "npu", "trainer.device=npu"))
+    assert not ray.is_initialized()

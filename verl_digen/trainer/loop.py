@@ -76,7 +76,7 @@ class DigenTrainer:
         self.cluster = cluster_from_trainer_config(self.trainer_cfg)
         self.layout = pool_layout(cfg, self.cluster)
         self.trainer_device = str(self.trainer_cfg.get("device", "cuda"))
-        if self.trainer_device not in runtime.DEVICES:
+        if self.trainer_device not in runtime.DEVICES:  # checked before anything starts
             raise ConfigError(f"invalid config: trainer.device={self.trainer_device!r}; valid: {', '.join(runtime.DEVICES)}")
         ray_init = (container.get("ray_kwargs") or {}).get("ray_init") or {}
         self.ray_address, self.ray_num_cpus = ray_init.get("address"), ray_init.get("num_cpus")
@@ -123,6 +123,8 @@ class DigenTrainer:
     # ------------------------------------------------------------------ run
 
     def run(self) -> RunResult:
+        import ray
+
         cfg = self.cfg
         runtime.quiet_logs()
         lock = RootLock(self.checkpoints.root)
@@ -132,7 +134,7 @@ class DigenTrainer:
         try:
             owns_ray = runtime.init_ray(max(self.spec.devices, self.cluster.devices), cfg,
                                         address=self.ray_address, num_cpus=self.ray_num_cpus)
-            use_gpu = runtime.device_kind(self.trainer_device) == "cuda"
+            use_gpu = runtime.device_kind(self.trainer_device, ray.cluster_resources().get("GPU", 0)) == "cuda"
             with runtime.stop_signals():
                 try:
                     metrics, extra = self._run_on_ray(use_gpu)

@@ -154,21 +154,20 @@ def init_ray(devices: int, cfg: DigenConfig, *, address: str | None = None, num_
     return True
 
 
-def device_kind(trainer_device: str) -> str:
-    """``cuda`` or ``cpu``: what the job's devices are, from the Ray cluster and ``trainer.device``.
+def device_kind(trainer_device: str, cluster_gpus: float) -> str:
+    """``cuda`` or ``cpu``: what the job's devices are, from ``trainer.device`` and the GPUs the
+    Ray cluster offers (``ray.cluster_resources()["GPU"]``).
 
     Decided from the cluster's resources, not the driver's own CUDA (a driver on a CPU-only
     head node still runs a GPU cluster's job on its GPUs). ``trainer.device=cpu`` always runs
     on CPU slots; ``cuda`` (veRL's default) runs on GPUs when the cluster has any, and on CPU
     slots, saying so, when it has none.
     """
-    import ray
-
     if trainer_device not in DEVICES:
         raise ConfigError(f"invalid config: trainer.device={trainer_device!r}; valid: {', '.join(DEVICES)}")
     if trainer_device == "cpu":
         return "cpu"
-    if ray.cluster_resources().get("GPU", 0) > 0:
+    if cluster_gpus > 0:
         return "cuda"
     print("[verl-digen] the Ray cluster has no GPU: trainer.device=cuda runs on CPU slots", flush=True)
     return "cpu"
