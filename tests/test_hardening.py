@@ -91,10 +91,11 @@ def test_resuming_from_a_crafted_checkpoint_stops_before_training(tmp_path, tiny
                             f"trainer.default_local_dir={ck}"))
     ckpt = checkpoint_at(str(ck / "global_step_1"))
     marker = tmp_path / "pwned"
-    with open(os.path.join(ckpt.path, "trainer.pt"), "wb") as f:
-        pickle.dump({"version": 1, "optimizer": _Payload(str(marker))}, f)
+    # The trainer rank's own file (sharded checkpoints): the rank refuses it, the driver names it.
+    with open(os.path.join(ckpt.path, "trainer_rank0.pt"), "wb") as f:
+        pickle.dump({"version": 1, "rng": _Payload(str(marker))}, f)
     _rewrite_checksums(ckpt)
-    with pytest.raises(CheckpointError, match=r"trainer\.pt"):
+    with pytest.raises(CheckpointError, match=r"trainer_rank0\.pt: refused"):
         run_training(run_config(tmp_path, "b", "trainer.total_training_steps=2", f"trainer.default_local_dir={ck}"))
     assert not marker.exists()
     assert not ray.is_initialized()

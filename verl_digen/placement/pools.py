@@ -8,6 +8,13 @@ clusters: e.g. rollout on L40S, training on H800). On CPU machines a device is a
 Everything is validated against the declared cluster (``trainer.n_gpus_per_node`` x
 ``trainer.nnodes``) before Ray is touched; the rules live with the config
 (``PoolsConfig.validate_cluster``) and the strategy (``strategy_violations``).
+
+Then the declared cluster is checked against the Ray cluster the job runs on
+(:func:`cluster_nodes`, :func:`check_cluster`), and every worker gets a node
+(:func:`assign_nodes`): the trainer (or fused) pool packed on as few nodes as possible, since
+its collectives prefer NVLink to the network; rollout and reward anywhere, spread over what is
+left. Each worker's placement-group bundle is pinned to its node by Ray's ``ray.io/node-id``
+label.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from typing import Any
 from verl_digen.config.schema import ConfigError, DigenConfig
 from verl_digen.schedule.plan import WorkerId
 from verl_digen.schedule.strategies import StrategySpec
+
+NODE_ID_LABEL = "ray.io/node-id"  # the label Ray gives every node (ray.util.placement_group)
 
 
 @dataclass(frozen=True)
@@ -37,6 +46,74 @@ def cluster_from_trainer_config(trainer_cfg: Any) -> ClusterSpec:
         if not isinstance(val, int) or isinstance(val, bool) or val < 1:
             raise ConfigError(f"invalid config: {key}={val!r}; must be a positive integer")
     return ClusterSpec(n_devices_per_node=n, nnodes=nodes)
+
+
+@dataclass(frozen=True)
+class RayNode:
+    """One node of the Ray cluster: its id and how many devices (GPUs, or CPU slots) it offers."""
+
+    node_id: str
+    devices: int
+
+
+def cluster_nodes(nodes: list[dict[str, Any]], device_kind: str) -> list[RayNode]:
+    """The alive nodes of ``ray.nodes()`` with their device counts, in Ray's order.
+
+    ``device_kind``: ``"cuda"`` counts GPUs, ``"cpu"`` counts logical CPUs (a CPU slot is a
+    device on a CPU-only cluster).
+    """
+    resource = "GPU" if device_kind == "cuda" else "CPU"
+    return [RayNode(n["NodeID"], int(n.get("Resources", {}).get(resource, 0))) for n in nodes if n.get("Alive")]
+
+
+def check_cluster(nodes: list[RayNode], cluster: ClusterSpec, device_kind: str) -> list[RayNode]:
+    """The ``cluster.nnodes`` nodes the job uses, each offering ``n_devices_per_node`` devices.
+
+    Raises ``ConfigError`` naming ``trainer.nnodes`` / ``trainer.n_gpus_per_node`` and what the
+    Ray cluster has when it cannot give them. Nodes with the most devices come first (the head
+    node first among equals, as Ray lists it).
+    """
+    unit = "GPUs" if device_kind == "cuda" else "CPU slots"
+    big_enough = [n for n in nodes if n.devices >= cluster.n_devices_per_node]
+    if len(big_enough) < cluster.nnodes:
+        offered = ", ".join(f"{n.node_id[:8]}: {n.devices}" for n in nodes) or "no alive node"
+        raise ConfigError(
+            f"invalid config: trainer.nnodes={cluster.nnodes} x trainer.n_gpus_per_node={cluster.n_devices_per_node} "
+            f"needs {cluster.nnodes} node(s) with at least {cluster.n_devices_per_node} {unit} each, but the Ray "
+            f"cluster has {len(big_enough)} such node(s) ({unit} per node: {offered}); add nodes with "
+            "`ray start --address=<head>:<port>` or lower trainer.nnodes / trainer.n_gpus_per_node"
+        )
+    order = sorted(range(len(big_enough)), key=lambda i: (-big_enough[i].devices, i))
+    return [big_enough[i] for i in order[: cluster.nnodes]]
+
+
+def assign_nodes(pool_sizes: dict[str, int], nodes: list[RayNode], per_node: int | None) -> dict[str, list[str]]:
+    """The node of every worker of every pool: ``{pool: [node_id of rank 0, rank 1, ...]}``.
+
+    ``pool_sizes``: workers per pool; the ``trainer`` (or ``fused``) pool is placed first, on as
+    few nodes as possible (fill one node, then the next), so that its collectives stay on a
+    node's fast links where they can; the other pools, in the order given, go one worker at a
+    time to the node with the most free devices (ties: the earlier node). Each node offers
+    ``per_node`` devices (``trainer.n_gpus_per_node``; None: what each node has).
+    """
+    free = {n.node_id: n.devices if per_node is None else per_node for n in nodes}
+    order = [n.node_id for n in nodes]
+    total = sum(pool_sizes.values())
+    if total > sum(free.values()):
+        raise ConfigError(f"invalid config: the pools need {total} devices but the nodes offer {sum(free.values())}")
+    out: dict[str, list[str]] = {}
+    packed = [p for p in ("trainer", "fused") if p in pool_sizes]
+    for pool in packed + [p for p in pool_sizes if p not in packed]:
+        ranks: list[str] = []
+        for _ in range(pool_sizes[pool]):
+            if pool in packed:  # fill the fullest-free node first, then keep filling it
+                node = ranks[-1] if ranks and free[ranks[-1]] else max(order, key=lambda n: (free[n], -order.index(n)))
+            else:
+                node = max(order, key=lambda n: (free[n], -order.index(n)))
+            free[node] -= 1
+            ranks.append(node)
+        out[pool] = ranks
+    return out
 
 
 @dataclass(frozen=True)
@@ -78,27 +155,56 @@ def build_worker_groups(
     model_path: str,
     use_gpu: bool,
     num_threads: int,
+    placement: dict[str, list[str]] | None = None,
 ) -> tuple[dict[str, Any], dict[WorkerId, Any]]:
-    """Create one ``RayWorkerGroup`` per pool; return them and the actor of every WorkerId."""
+    """Create one ``RayWorkerGroup`` per pool; return them and the actor of every WorkerId.
+
+    ``placement``: the node of every worker (:func:`assign_nodes`; None: over the live nodes'
+    own devices, for callers that declare no cluster). Each pool gets one
+    placement group whose bundle ``r`` is pinned to rank ``r``'s node; veRL's resource pool
+    takes it as its own (it creates placement groups only when it has none), so veRL still
+    sets ranks, the master address and the device of every worker.
+    """
     import ray
+    from ray.util.placement_group import placement_group
     from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
     from verl_digen.workers.worker import DiffusionWorker
 
+    if placement is None:
+        sizes = {name: sum(counts) for name, (counts, _accel) in layout.pools.items()}
+        placement = assign_nodes(sizes, cluster_nodes(ray.nodes(), "cuda" if use_gpu else "cpu"), None)
     groups: dict[str, Any] = {}
     actors: dict[WorkerId, Any] = {}
     remote_cls = ray.remote(DiffusionWorker)
     for pool_name, (process_on_nodes, accel) in layout.pools.items():
+        nodes = placement[pool_name]
+        if len(nodes) != sum(process_on_nodes):
+            raise ValueError(f"pool {pool_name}: {sum(process_on_nodes)} workers but {len(nodes)} placed")
+        bundle: dict[str, float] = {"CPU": 1}
+        if use_gpu:
+            bundle["GPU"] = 1
+            if accel is not None:
+                bundle[accel] = 1e-4  # as veRL's RayResourcePool asks for it
+        pg = placement_group(
+            [dict(bundle) for _ in nodes], strategy="PACK", name=f"digen_{pool_name}_pg",
+            bundle_label_selector=[{NODE_ID_LABEL: n} for n in nodes],
+        )
+        ray.get(pg.ready(), timeout=config.task_timeout_s)
         pool = RayResourcePool(
-            process_on_nodes=process_on_nodes,
+            process_on_nodes=[len(nodes)],
             use_gpu=use_gpu,
             max_colocate_count=1,
             name_prefix=f"digen_{pool_name}_",
             accelerator_type=accel,
         )
+        pool.pgs = [pg]
         cls = RayClassWithInitArgs(
             remote_cls, role=layout.role_of_pool[pool_name], config=config, model_path=model_path, num_threads=num_threads
         )
+        if use_gpu:
+            # The driver may sit on a node without GPUs, where veRL's platform would ask for none.
+            cls.update_options({"num_gpus": 1})
         wg = RayWorkerGroup(pool, cls, name_prefix=f"digen_{pool_name}_", device_name="cuda" if use_gpu else "cpu")
         groups[pool_name] = wg
         for rank, actor in enumerate(wg.workers):

@@ -115,7 +115,8 @@ class PlanRunner(abc.ABC):
                     step=task.step,
                     version=task.version,
                     groups=list(task.groups),
-                    extra=self._record_extra(task, result),
+                    extra={**self._record_extra(task, result),
+                           **({"samples": list(task.samples)} if task.samples is not None else {})},
                     stage=task.stage,
                 )
             )

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from verl_digen.schedule.plan import Plan, Task, TaskKind, WorkerId, chunk, group_ids
+from verl_digen.schedule.plan import Plan, Task, TaskKind, WorkerId, chunk, group_ids, sample_slices
 
 
 PLACEMENTS = ("colocated", "disaggregated")
@@ -127,6 +127,17 @@ class StrategySpec:
     @property
     def pipelines(self) -> int:
         return self.rollout_workers // self.tsp_stages
+
+    @property
+    def sample_split(self) -> int:
+        """Generate tasks per unit of ``groups_per_task`` groups: 1 when the step has at least as
+        many units as rollout lanes (workers, or TSP pipelines); otherwise each unit is cut into
+        that many sample slices (at most ``group_size``), so that every lane generates every step."""
+        lanes = self.pipelines if self.tsp_stages > 1 else self.rollout_workers
+        units = self.groups_per_step // self.groups_per_task
+        if units >= lanes:
+            return 1
+        return min(self.group_size, lanes // units)
 
     @property
     def name(self) -> str:
@@ -250,56 +261,64 @@ class StepPlanner:
         tsp = not on_trainers and spec.tsp_stages > 1
         generators = spec.trainers if on_trainers else spec.generators
         lanes = spec.pipelines if tsp else len(generators)
+        split = 1 if on_trainers else spec.sample_split
         for task_groups in chunk(groups, spec.groups_per_task):
-            if on_trainers:
-                lane = self._next_tag_slot % lanes
-                self._next_tag_slot += 1
-            else:
-                lane = self._next_gen_slot % lanes
-                self._next_gen_slot += 1
             tag = "-".join(str(g) for g in task_groups)
             deps = tuple(d for d in extra_deps if d)
-            if tsp:  # one chained task per stage, each on its own worker of the pipeline
-                workers = [WorkerId("rollout", lane * spec.tsp_stages + k) for k in range(spec.tsp_stages)]
-                stages: list[tuple[WorkerId, int | None]] = list(zip(workers, range(spec.tsp_stages)))
-            else:
-                stages = [(generators[lane], None)]
-            version = self._version[stages[0][0]]
-            gen: Task | None = None
-            for worker, k in stages:
-                gen = self.plan.add(
-                    Task(
-                        id=f"gen:{tag}" if k is None else f"gen:{tag}:s{k}",
-                        kind=TaskKind.GENERATE,
-                        workers=(worker,),
-                        step=step,
-                        deps=deps + ((gen.id,) if gen else ()),
-                        groups=task_groups,
-                        version=version,
-                        images=len(task_groups) * spec.group_size,
-                        denoise=None if k is None else (spec.bounds[k], spec.bounds[k + 1]),
-                        final=k is None or k == spec.tsp_stages - 1,
-                        stage=k,
+            finals: list[Task] = []
+            for part, samples in enumerate(sample_slices(spec.group_size, split)):
+                if on_trainers:
+                    lane = self._next_tag_slot % lanes
+                    self._next_tag_slot += 1
+                else:
+                    lane = self._next_gen_slot % lanes
+                    self._next_gen_slot += 1
+                if tsp:  # one chained task per stage, each on its own worker of the pipeline
+                    workers = [WorkerId("rollout", lane * spec.tsp_stages + k) for k in range(spec.tsp_stages)]
+                    stages: list[tuple[WorkerId, int | None]] = list(zip(workers, range(spec.tsp_stages)))
+                else:
+                    stages = [(generators[lane], None)]
+                version = self._version[stages[0][0]]
+                base = f"gen:{tag}" if samples is None else f"gen:{tag}:k{part}"
+                per_group = spec.group_size if samples is None else samples[1] - samples[0]
+                gen: Task | None = None
+                for worker, k in stages:
+                    gen = self.plan.add(
+                        Task(
+                            id=base if k is None else f"{base}:s{k}",
+                            kind=TaskKind.GENERATE,
+                            workers=(worker,),
+                            step=step,
+                            deps=deps + ((gen.id,) if gen else ()),
+                            groups=task_groups,
+                            version=version,
+                            images=len(task_groups) * per_group,
+                            denoise=None if k is None else (spec.bounds[k], spec.bounds[k + 1]),
+                            final=k is None or k == spec.tsp_stages - 1,
+                            stage=k,
+                            samples=samples,
+                        )
                     )
-                )
-            assert gen is not None
+                assert gen is not None
+                finals.append(gen)
             if spec.reward_workers:
                 self._next_reward_slot += 1
                 rw = WorkerId("reward", (self._next_reward_slot - 1) % spec.reward_workers)
             else:
-                rw = gen.worker
+                rw = finals[-1].worker
+            # The reward scores whole groups: it waits for every sample slice (reassembly).
             rew = self.plan.add(
                 Task(
                     id=f"reward:{tag}",
                     kind=TaskKind.REWARD,
                     workers=(rw,),
                     step=step,
-                    deps=(gen.id,),
+                    deps=tuple(g.id for g in finals),
                     groups=task_groups,
-                    images=gen.images,
+                    images=sum(g.images for g in finals),
                 )
             )
-            self._gen_of[task_groups[0]] = gen
+            self._gen_of[task_groups[0]] = finals[0]
             self._position[rew.id] = len(self.plan.tasks)
             for g in task_groups:
                 self._reward_of[g] = rew
@@ -394,13 +413,17 @@ def measure_costs(records: list, step: int, spec: StrategySpec, fallback: StepCo
     ``records`` may be the whole timeline or just ``Timeline.of_step(step)``.
     """
 
+    def groups_of(r) -> float:
+        samples = r.extra.get("samples")  # a slice of each group's samples: that fraction of a group
+        return len(r.groups) * ((samples[1] - samples[0]) / spec.group_size if samples else 1.0)
+
     def mean(kind: str, per_group: bool) -> float | None:
         rs = [r for r in records if r.kind == kind and r.step == step]
         if not rs:
             return None
         total = sum(r.end - r.start for r in rs)
-        units = sum(len(r.groups) for r in rs) if per_group else len(rs)
-        return total / max(units, 1)
+        units = sum(groups_of(r) for r in rs) if per_group else len(rs)
+        return total / max(units, 1e-9)
 
     return StepCosts(
         generate_per_group=mean("generate", True) or fallback.generate_per_group,

@@ -8,12 +8,20 @@ mid-save never leaves a directory that looks complete. :func:`find_latest` requi
 ``meta.json`` with ``complete: true`` (the newest such directory wins, whatever the tracker says); resuming verifies every checksum and, in ``auto``
 mode, falls back to the newest intact checkpoint when the latest is corrupt (saying so).
 
-Contents of ``global_step_<k>``:
+Contents of ``global_step_<k>`` (policy version k):
 
-- ``weights.safetensors``  the trained state (LoRA-only when LoRA is on), policy version k
-- ``trainer.pt``           optimizer state, EMA state, trainer RNG state
-- ``controller.pt``        data position (prompt sampler state), metrics history, step
+- ``state/``               torch.distributed.checkpoint: the trained state (LoRA-only when LoRA
+  is on), the optimizer and the EMA, written by every trainer rank from its own shards
+  (:mod:`verl_digen.workers.sharded_state`); it loads onto any number of trainer ranks
+- ``trainer_rank<r>.pt``   trainer rank ``r``'s RNG state, written by that rank
+- ``controller.pt``        data position (prompt sampler state), metrics history, step: the
+  only file the driver writes besides the marker
 - ``meta.json``            step, strategy, model path, file checksums, ``complete: true`` (last)
+
+The driver never holds tensor state: it creates the temporary directory, asks the trainer ranks
+to write into it, receives the names and checksums of their files, writes its own small files
+and the marker, and renames. (Checkpoints of the earlier layout, ``weights.safetensors`` +
+``trainer.pt`` written by the driver, are still read by :meth:`Checkpoint.weights` for export.)
 
 Checkpoint files come from outside (they are shared between people and machines): the
 ``.pt`` files are read with ``torch.load(weights_only=True)``, which unpickles only tensors
@@ -35,18 +43,19 @@ import socket
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+# The rank side reads checkpoint files too (workers/ may not import trainer/): its error and
+# safe loader are the ones used here.
+from verl_digen.workers.sharded_state import CheckpointError, load_pt
+
 TRACKER = "latest_checkpointed_iteration.txt"
 LOCK_FILE = ".digen.lock"
-DATA_FILES = ("weights.safetensors", "trainer.pt", "controller.pt")
+CONTROLLER_FILE = "controller.pt"
+LEGACY_WEIGHTS = "weights.safetensors"  # the driver-written layout before sharded checkpoints
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint asked for cannot be used; the message names it and why."""
 
 
 def _sha256(path: str) -> str:
@@ -80,29 +89,39 @@ class Checkpoint:
     def _file(self, name: str) -> str:
         return os.path.join(self.path, name)
 
+    @property
+    def sharded(self) -> bool:
+        """Written by the trainer ranks (``state/``), not in the earlier driver-written layout."""
+        from verl_digen.workers.sharded_state import STATE_DIR
+
+        return os.path.isdir(self._file(STATE_DIR))
+
     def weights(self) -> dict[str, torch.Tensor]:
+        """The trained tensors, full, by name (read in this process: export, inspection)."""
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
+        if self.sharded:
+            from verl_digen.workers.sharded_state import read_full_weights
+
+            try:
+                return read_full_weights(self.path)
+            except Exception as e:
+                raise CheckpointError(f"{self._file('state')}: cannot be read ({e.__class__.__name__}: {e})") from None
         try:
-            return load_file(self._file("weights.safetensors"))
+            return load_file(self._file(LEGACY_WEIGHTS))
         except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"{self._file('weights.safetensors')}: cannot be read ({e})") from None
+            raise CheckpointError(f"{self._file(LEGACY_WEIGHTS)}: cannot be read ({e})") from None
 
     def _load_pt(self, name: str) -> dict[str, Any]:
-        try:
-            return torch.load(self._file(name), map_location="cpu", weights_only=True)
-        except Exception as e:  # UnpicklingError for refused globals, RuntimeError/EOFError for damage
-            raise CheckpointError(
-                f"{self._file(name)}: refused or unreadable ({e.__class__.__name__}: {str(e).splitlines()[0][:300]}); "
-                "checkpoint files hold only tensors and plain containers"
-            ) from None
+        return load_pt(self._file(name))
 
     def trainer_state(self) -> dict[str, Any]:
+        """The earlier layout's ``trainer.pt`` (optimizer, EMA, RNG as one file)."""
         return self._load_pt("trainer.pt")
 
     def controller_state(self) -> dict[str, Any]:
-        return self._load_pt("controller.pt")
+        return self._load_pt(CONTROLLER_FILE)
 
     def meta(self) -> dict[str, Any]:
         with open(self._file("meta.json")) as f:
@@ -149,27 +168,44 @@ def save_checkpoint(
     root: str,
     step: int,
     *,
-    weights: dict[str, torch.Tensor],
-    trainer_state: dict[str, Any],
     controller_state: dict[str, Any],
     meta: dict[str, Any],
+    write_state: Callable[[str], dict[str, dict[str, Any]]] | None = None,
+    weights: dict[str, torch.Tensor] | None = None,
+    trainer_state: dict[str, Any] | None = None,
     max_to_keep: int | None = None,
 ) -> Checkpoint:
-    """Write ``global_step_<step>`` atomically, update the tracker, prune old checkpoints."""
+    """Write ``global_step_<step>`` atomically, update the tracker, prune old checkpoints.
+
+    ``write_state(tmp_dir)``: has the trainer ranks write their files into the temporary
+    directory and returns ``{relative path: {"sha256", "bytes"}}`` of what they wrote (fsynced).
+    ``weights`` / ``trainer_state``: the earlier single-file layout, written here.
+    ``controller.pt`` and the marker ``meta.json`` (last) are written here either way.
+    """
     from safetensors.torch import save_file
 
     os.makedirs(root, exist_ok=True)
     final = os.path.join(root, f"global_step_{step}")
     tmp = tempfile.mkdtemp(dir=root, prefix=f".tmp-global_step_{step}-")
     try:
-        save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(tmp, "weights.safetensors"))
-        torch.save(trainer_state, os.path.join(tmp, "trainer.pt"))
-        torch.save(controller_state, os.path.join(tmp, "controller.pt"))
-        files = {}
-        for name in DATA_FILES:
+        files: dict[str, dict[str, Any]] = dict(write_state(tmp)) if write_state is not None else {}
+        own = [CONTROLLER_FILE]
+        if weights is not None:
+            save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(tmp, LEGACY_WEIGHTS))
+            own.append(LEGACY_WEIGHTS)
+        if trainer_state is not None:
+            torch.save(trainer_state, os.path.join(tmp, "trainer.pt"))
+            own.append("trainer.pt")
+        torch.save(controller_state, os.path.join(tmp, CONTROLLER_FILE))
+        for name in own:
             path = os.path.join(tmp, name)
             _fsync_file(path)
             files[name] = {"sha256": _sha256(path), "bytes": os.path.getsize(path)}
+        missing = [name for name in files if not os.path.isfile(os.path.join(tmp, name))]
+        if missing:
+            raise CheckpointError(f"files reported written but absent from {tmp}: {missing[:5]}")
+        if os.path.isdir(os.path.join(tmp, "state")):
+            _fsync_dir(os.path.join(tmp, "state"))
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump({**meta, "step": step, "files": files, "complete": True}, f, indent=2)
             f.flush()
@@ -321,41 +357,50 @@ class RunCheckpoints:
         self.sampler_before.setdefault(step, state)
 
     def save(self, actors: dict[Any, Any], step: int, metrics: list[dict[str, Any]]) -> str:
+        """Checkpoint after ``step``: every trainer rank writes its own shards (DCP) into the
+        checkpoint's temporary directory; the driver receives their file names and checksums."""
         import ray
 
         trainer_actors = [actors[w] for w in self.spec.trainers]
-        if self.spec.fsdp:  # sharded optimizer state: every rank saves its own shard
-            states = ray.get([a.checkpoint_state.remote() for a in trainer_actors], timeout=self.timeout_s)
-            state = states[0]
-            state["optimizer_per_rank"] = [st.pop("optimizer") for st in states]
-        else:
-            state = ray.get(trainer_actors[0].checkpoint_state.remote(), timeout=self.timeout_s)
-        if state["version"] != step:
-            raise RuntimeError(f"trainer holds version {state['version']} at the end of step {step}")
+
+        def write_state(tmp: str) -> dict[str, dict[str, Any]]:
+            replies = ray.get([a.save_checkpoint_shard.remote(tmp) for a in trainer_actors], timeout=self.timeout_s)
+            versions = {r["version"] for r in replies}
+            if versions != {step}:
+                raise RuntimeError(f"trainer ranks hold versions {sorted(versions)} at the end of step {step}")
+            return {name: entry for r in replies for name, entry in r["files"].items()}
+
         ckpt = save_checkpoint(
             self.root,
             step,
-            weights=state.pop("weights"),
-            trainer_state=state,
+            write_state=write_state,
             controller_state={"step": step, "sampler": self.sampler_before[step], "metrics": metrics[:step]},
-            meta={**self.meta, "strategy": self.spec.name, "max_staleness": self.spec.max_staleness},
+            meta={**self.meta, "strategy": self.spec.name, "max_staleness": self.spec.max_staleness,
+                  "trainer_ranks": len(trainer_actors), "layout": "sharded"},
             max_to_keep=self.max_to_keep,
         )
         self.last_saved = step
         return ckpt.path
 
     def load(self, ckpt: Checkpoint, actors: dict[Any, Any], sampler: Any) -> list[dict[str, Any]]:
-        """Load ``ckpt`` into every model-holding worker and the sampler; return the metrics so far."""
+        """Every model-holding worker loads ``ckpt`` itself (trainer ranks together, resharded to
+        their count); the driver reads only the controller state. Returns the metrics so far."""
         import ray
 
-        weights, trainer_state, ctrl = ckpt.weights(), ckpt.trainer_state(), ckpt.controller_state()
-        refs = []
-        for w, a in actors.items():
-            if w.pool == "reward":
-                continue
-            is_trainer = w in self.spec.trainers
-            refs.append(a.load_checkpoint_state.remote(weights, trainer_state if is_trainer else None, ckpt.step))
-        digests = ray.get(refs, timeout=self.timeout_s)
+        if not ckpt.sharded:
+            raise CheckpointError(
+                f"{ckpt.path} has the earlier layout ({LEGACY_WEIGHTS} + trainer.pt, written by the driver), "
+                "which this version does not resume; export its weights with `python -m verl_digen.export`"
+            )
+        ctrl = ckpt.controller_state()
+        loaders = [a for w, a in actors.items() if w.pool != "reward"]
+        try:
+            digests = ray.get([a.load_checkpoint_shard.remote(ckpt.path, ckpt.step) for a in loaders],
+                              timeout=self.timeout_s)
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, CheckpointError):  # a refused or damaged file, named by the worker
+                raise CheckpointError(str(e.cause)) from None
+            raise
         if len(set(digests)) != 1:
             raise RuntimeError(f"workers disagree on the weights loaded from {ckpt.path}")
         sampler.load_state_dict(ctrl["sampler"])

@@ -73,7 +73,13 @@ class DigenTrainer:
         self.cfg = cfg = digen_config_from_dict(container.get("digen"))
         self.total_steps = resolve.total_steps(self.trainer_cfg)
         resolve.check_loggers(self.trainer_cfg)
-        self.layout = pool_layout(cfg, cluster_from_trainer_config(self.trainer_cfg))
+        self.cluster = cluster_from_trainer_config(self.trainer_cfg)
+        self.layout = pool_layout(cfg, self.cluster)
+        self.trainer_device = str(self.trainer_cfg.get("device", "cuda"))
+        if self.trainer_device not in runtime.DEVICES:  # checked before anything starts
+            raise ConfigError(f"invalid config: trainer.device={self.trainer_device!r}; valid: {', '.join(runtime.DEVICES)}")
+        ray_init = (container.get("ray_kwargs") or {}).get("ray_init") or {}
+        self.ray_address, self.ray_num_cpus = ray_init.get("address"), ray_init.get("num_cpus")
         self.spec = self.layout.spec
         self.prompt_records = resolve.resolve_prompt_records(cfg)  # each prompt's record: its rewards' metadata
         self.prompts = [record["prompt"] for record in self.prompt_records]
@@ -120,22 +126,23 @@ class DigenTrainer:
             return emulated_worker_groups(emulation_costs(em.model, em.device_type), device=em.device_type,
                                           time_scale=em.time_scale, group_size=self.cfg.batch.group_size)
         return runtime.real_worker_groups(self.cfg, self.model_path, use_gpu=use_gpu,
-                                          devices=self.spec.devices)
+                                          devices=self.spec.devices, cluster=self.cluster)
 
     # ------------------------------------------------------------------ run
 
     def run(self) -> RunResult:
-        import torch
+        import ray
 
         cfg = self.cfg
         runtime.quiet_logs()
-        use_gpu = torch.cuda.is_available()
         lock = RootLock(self.checkpoints.root)
         if not self.emulated:  # emulated runs write no checkpoints
             lock.acquire({"output_dir": self.output_dir})
         owns_ray, self._groups = False, {}
         try:
-            owns_ray = runtime.init_ray(self.spec.devices, cfg)
+            owns_ray = runtime.init_ray(max(self.spec.devices, self.cluster.devices), cfg,
+                                        address=self.ray_address, num_cpus=self.ray_num_cpus)
+            use_gpu = runtime.device_kind(self.trainer_device, ray.cluster_resources().get("GPU", 0)) == "cuda"
             with runtime.stop_signals():
                 try:
                     metrics, extra = self._run_on_ray(use_gpu)

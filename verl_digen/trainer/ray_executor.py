@@ -61,7 +61,7 @@ class RayPlanExecutor(PlanRunner):
         self.prompts: dict[int, tuple[int, str]] = {}  # group -> (prompt index, prompt)
         self.metadata: dict[int, dict[str, Any]] = {}  # group -> its prompt's record (reaches the reward)
         self.outputs: dict[str, ray.ObjectRef] = {}  # generate task id -> DataProto ref
-        self.gen_of_group: dict[int, str] = {}
+        self.gen_of_group: dict[int, list[str]] = {}  # group -> its final generate tasks (sample slices)
         self.row_groups: dict[int, torch.Tensor] = {}
         self.results: dict[int, StepResults] = defaultdict(StepResults)
         self._refs: dict[str, list[ray.ObjectRef]] = {}
@@ -91,6 +91,8 @@ class RayPlanExecutor(PlanRunner):
         }
         if task.denoise is not None:
             request["denoise"] = task.denoise
+        if task.samples is not None:
+            request["samples"] = task.samples
         # A TSP stage after the first takes the previous stage's in-flight state.
         prev = [d for d in task.deps if self.plan[d].kind == TaskKind.GENERATE]
         args = [self.outputs.pop(prev[0])] if prev else []
@@ -98,13 +100,13 @@ class RayPlanExecutor(PlanRunner):
         self.outputs[task.id] = ref
         if task.final:
             for g in task.groups:
-                self.gen_of_group[g] = task.id
+                self.gen_of_group.setdefault(g, []).append(task.id)
         return [ref]
 
     def reward(self, task: Task) -> list[ray.ObjectRef]:
-        """Score the images of the generate task that completed these groups."""
-        gen_id = self.gen_of_group[task.groups[0]]
-        return [self.actors[task.worker].compute_reward.remote(self.outputs[gen_id])]
+        """Score the groups once all their samples are in (every slice's trajectories, reassembled)."""
+        gen_ids = self.gen_of_group[task.groups[0]]
+        return [self.actors[task.worker].compute_reward.remote(*[self.outputs[i] for i in gen_ids])]
 
     def advantages(self, task: Task) -> torch.Tensor:
         """GRPO: rewards normalised within each group (or over the step, ``std_mode=global``)."""
@@ -122,7 +124,7 @@ class RayPlanExecutor(PlanRunner):
 
     def train(self, task: Task) -> list[ray.ObjectRef]:
         """One micro-batch: recompute log-probs, clipped surrogate (+KL), accumulate gradients."""
-        gen_ids = sorted({self.gen_of_group[g] for g in task.groups})
+        gen_ids = sorted({i for g in task.groups for i in self.gen_of_group[g]})
         request = {"groups": list(task.groups), "advantages": self.advantages(task), "train_part": task.train_part}
         inputs = [self.outputs[i] for i in gen_ids]
         if len(task.workers) == 1:
@@ -201,8 +203,9 @@ class RayPlanExecutor(PlanRunner):
         elif task.kind == TaskKind.OPTIMIZER_STEP:
             res.optimizer = result[0]
             # The step's trajectories are trained: free them from the object store.
-            for g in [g for g, tid in self.gen_of_group.items() if self.plan[tid].step == task.step]:
-                self.outputs.pop(self.gen_of_group.pop(g), None)
+            for g in [g for g, tids in self.gen_of_group.items() if self.plan[tids[0]].step == task.step]:
+                for tid in self.gen_of_group.pop(g):
+                    self.outputs.pop(tid, None)
         elif task.kind == TaskKind.SYNC:
             res.sync.append(result[0])
 

@@ -14,8 +14,15 @@ import signal
 import threading
 from typing import Any, Callable, Iterator
 
-from verl_digen.config.schema import DigenConfig
-from verl_digen.placement.pools import PoolLayout, build_worker_groups
+from verl_digen.config.schema import ConfigError, DigenConfig
+from verl_digen.placement.pools import (
+    ClusterSpec,
+    PoolLayout,
+    assign_nodes,
+    build_worker_groups,
+    check_cluster,
+    cluster_nodes,
+)
 from verl_digen.schedule.plan import WorkerId
 
 WorkerGroupFactory = Callable[[PoolLayout], "tuple[dict[str, Any], dict[WorkerId, Any]]"]
@@ -90,26 +97,83 @@ def stop_signals() -> Iterator[None]:
             signal.signal(s, handler)
 
 
-def init_ray(devices: int, cfg: DigenConfig) -> bool:
-    """Start a local Ray instance for the run unless one is up; return whether we own it.
+def ray_address(explicit: str | None) -> str | None:
+    """The Ray cluster to connect to, or None to start a local instance.
+
+    In order: ``explicit`` (``ray_kwargs.ray_init.address``), ``RAY_ADDRESS``, then the cluster
+    that ``ray start`` last started on this machine (the address file Ray itself reads:
+    ``ray.init()`` with no address connects to it too). Ray's own lookup is used so that the
+    job finds exactly the cluster ``ray.init()`` would.
+    """
+    from ray._private.services import get_ray_address_from_environment
+
+    if explicit:
+        return explicit
+    return get_ray_address_from_environment(None, None)
+
+
+def init_ray(devices: int, cfg: DigenConfig, *, address: str | None = None, num_cpus: int | None = None) -> bool:
+    """Connect to the Ray cluster there is, or start a local one; return whether the job did
+    (then :func:`release` disconnects, or stops the local instance); False when the caller had
+    already initialised Ray.
+
+    ``address``: ``ray_kwargs.ray_init.address`` (see :func:`ray_address` for the others).
+    Connecting passes no resource counts: the cluster's nodes declared theirs at ``ray start``
+    (and Ray refuses counts from a connecting driver), so ``digen.ray_num_cpus`` /
+    ``ray_kwargs.ray_init.num_cpus`` set while connecting is an error.
 
     The instance the job starts is a single node: every Ray process (GCS, raylet, workers,
-    dashboard agent) listens on 127.0.0.1 only, and no dashboard is started.
+    dashboard agent) listens on 127.0.0.1 only, and no dashboard is started; ``devices``
+    (and at least the machine's cores) CPU slots, unless a count is given.
     """
     import ray
 
     if ray.is_initialized():
         return False
-    num_cpus = cfg.ray_num_cpus or max(devices + 2, os.cpu_count() or 1)
+    env = {"env_vars": {**QUIET_ENV, "OMP_NUM_THREADS": "1"}}
+    target = ray_address(address)
+    counts = cfg.ray_num_cpus or num_cpus
+    if target is not None:
+        if counts:
+            key = "digen.ray_num_cpus" if cfg.ray_num_cpus else "ray_kwargs.ray_init.num_cpus"
+            raise ConfigError(
+                f"invalid config: {key}={counts} sizes a Ray instance the job starts, but the job connects to the "
+                f"Ray cluster at {target} (whose nodes declared their resources at `ray start`); unset it"
+            )
+        ray.init(address=target, log_to_driver=True, runtime_env=env)
+        print(f"[verl-digen] connected to the Ray cluster at {target} ({len(ray.nodes())} node(s))", flush=True)
+        return True
     with _loopback_node():
         ray.init(
-            num_cpus=num_cpus,
+            num_cpus=counts or max(devices + 2, os.cpu_count() or 1),
             include_dashboard=False,
             ignore_reinit_error=True,
             log_to_driver=True,
-            runtime_env={"env_vars": {**QUIET_ENV, "OMP_NUM_THREADS": "1"}},
+            runtime_env=env,
         )
     return True
+
+
+def device_kind(trainer_device: str, cluster_gpus: float) -> str:
+    """``cuda`` or ``cpu``: what the job's devices are, from ``trainer.device`` and the GPUs the
+    Ray cluster offers (``ray.cluster_resources()["GPU"]``).
+
+    Decided from the cluster's resources, not the driver's own CUDA (a driver on a CPU-only
+    head node still runs a GPU cluster's job on its GPUs). ``trainer.device=cpu`` always runs
+    on CPU slots; ``cuda`` (veRL's default) runs on GPUs when the cluster has any, and on CPU
+    slots, saying so, when it has none.
+    """
+    if trainer_device not in DEVICES:
+        raise ConfigError(f"invalid config: trainer.device={trainer_device!r}; valid: {', '.join(DEVICES)}")
+    if trainer_device == "cpu":
+        return "cpu"
+    if cluster_gpus > 0:
+        return "cuda"
+    print("[verl-digen] the Ray cluster has no GPU: trainer.device=cuda runs on CPU slots", flush=True)
+    return "cpu"
+
+
+DEVICES = ("cuda", "cpu")
 
 
 @contextlib.contextmanager
@@ -136,7 +200,8 @@ def _loopback_node() -> Iterator[None]:
 
 
 def release(groups: dict[str, Any], owns_ray: bool) -> None:
-    """Kill the run's actors, free their placement groups, and stop Ray if we started it."""
+    """Kill the run's actors, free their placement groups, and stop (or disconnect from) Ray if
+    the job initialised it."""
     import ray
     from ray.util.placement_group import remove_placement_group
 
@@ -158,12 +223,25 @@ def finish_tracking(tracker: Any) -> None:
         finish()
 
 
-def real_worker_groups(cfg: DigenConfig, model_path: str, *, use_gpu: bool, devices: int) -> WorkerGroupFactory:
-    """The factory of ``DiffusionWorker`` groups, one Ray resource pool per role."""
+def real_worker_groups(
+    cfg: DigenConfig, model_path: str, *, use_gpu: bool, devices: int, cluster: ClusterSpec
+) -> WorkerGroupFactory:
+    """The factory of ``DiffusionWorker`` groups, one Ray resource pool per role.
+
+    ``cluster``: ``trainer.nnodes`` x ``trainer.n_gpus_per_node``, checked against the Ray
+    cluster's nodes; the pools are placed per node (:func:`verl_digen.placement.pools.assign_nodes`).
+    """
+    import ray
+
     threads = max(1, (os.cpu_count() or 1) // max(devices, 1)) if not use_gpu else 4
+    kind = "cuda" if use_gpu else "cpu"
 
     def build(layout: PoolLayout) -> tuple[dict[str, Any], dict[WorkerId, Any]]:
-        return build_worker_groups(layout, config=cfg, model_path=model_path, use_gpu=use_gpu, num_threads=threads)
+        nodes = check_cluster(cluster_nodes(ray.nodes(), kind), cluster, kind)
+        sizes = {name: sum(counts) for name, (counts, _accel) in layout.pools.items()}
+        placement = assign_nodes(sizes, nodes, cluster.n_devices_per_node)
+        return build_worker_groups(layout, config=cfg, model_path=model_path, use_gpu=use_gpu, num_threads=threads,
+                                   placement=placement)
 
     return build
 
@@ -202,11 +280,7 @@ def finish_weights(spec: Any, actors: dict[WorkerId, Any], cfg: DigenConfig, out
         extra["weights_in_sync"] = all(d == digests[0] for d in digests[1:])
         if not extra["weights_in_sync"]:
             raise RuntimeError("after the final sync, rollout weights differ from the trainer's")
-    if save:
-        from safetensors.torch import save_file
-
-        state = ray.get(source.trainable_state_cpu.remote(), timeout=300)
+    if save:  # written by the first trainer rank itself: the weights never pass through the driver
         path = os.path.join(output_dir, "final_weights.safetensors")
-        save_file(state, path)
-        extra["final_weights"] = path
+        extra["final_weights"] = ray.get(source.save_final_weights.remote(path), timeout=cfg.task_timeout_s)
     return extra

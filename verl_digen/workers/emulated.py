@@ -57,6 +57,7 @@ class EmulatedTrajectories:
     group_ids: tuple[int, ...]
     group_size: int
     policy_version: int
+    samples: tuple[int, int] | None = None  # the slice of each group's samples (None: all)
 
 
 def emulated_reward(group: int, index: int) -> float:
@@ -80,9 +81,11 @@ class EmulatedWorker:
         self.policy_version = 0
 
     def _work(self, kind: TaskKind, *, groups: tuple[int, ...] = (), step: int = 0, version: int = 0, **fields: Any) -> float:
+        samples = fields.get("samples")
+        per_group = samples[1] - samples[0] if samples else self.group_size
         task = Task(
             id="emulated", kind=kind, workers=(self.worker,), step=step, groups=groups, version=version,
-            images=len(groups) * self.group_size, **fields,
+            images=len(groups) * per_group, **fields,
         )
         seconds = self.costs.task_seconds(task, self.worker, self.cluster, switch_from=self.mode)
         after = self.costs.mode_of(task, self.worker)
@@ -135,8 +138,11 @@ class EmulatedWorker:
         if denoise is not None:
             total = getattr(getattr(self.costs, "workload", None), "num_steps", denoise[1])
             fields = {"denoise": tuple(denoise), "final": denoise[1] >= total}
+        samples = tuple(request["samples"]) if request.get("samples") else None
+        if samples is not None:
+            fields["samples"] = samples
         self._work(TaskKind.GENERATE, groups=groups, step=request["step"], version=request["version"], **fields)
-        return EmulatedTrajectories(groups, self.group_size, self.policy_version)
+        return EmulatedTrajectories(groups, self.group_size, self.policy_version, samples)
 
     def profile_step_costs(self) -> dict[str, Any]:
         """What TSP's stage balancing asks a rollout worker (modelled, not measured)."""
@@ -145,13 +151,15 @@ class EmulatedWorker:
         steps = getattr(getattr(self.costs, "workload", None), "num_steps", 8)
         return {"step_s": [1.0] * steps, "head_s": 0.0, "tail_s": 0.0}
 
-    def compute_reward(self, data: EmulatedTrajectories) -> dict[str, Any]:
-        self._work(TaskKind.REWARD, groups=data.group_ids)
-        rows = [(g, i) for g in data.group_ids for i in range(data.group_size)]
+    def compute_reward(self, *slices: EmulatedTrajectories) -> dict[str, Any]:
+        """Whole groups: one generate output, or a group's sample slices."""
+        groups = slices[0].group_ids
+        self._work(TaskKind.REWARD, groups=groups)
+        rows = [(g, i) for g in groups for i in range(self.group_size)]
         return {
             "group_id": TensorData([g for g, _ in rows], "int64"),
             "rewards": TensorData([emulated_reward(g, i) for g, i in rows], "float32"),
-            "policy_version": TensorData([data.policy_version] * len(rows), "int64"),
+            "policy_version": TensorData([slices[0].policy_version] * len(rows), "int64"),
         }
 
     def train_micro_batch(self, request: dict[str, Any], *trajectories: EmulatedTrajectories) -> dict[str, float]:

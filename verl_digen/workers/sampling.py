@@ -1,8 +1,9 @@
 """Sampling groups of SDE trajectories with behaviour log-probs (the rollout's maths).
 
-A *group* is G images of one prompt. Each group's randomness comes from its own generator,
-seeded from ``(seed, group_id)``, so a group is the same trajectory whichever worker
-samples it, in whatever order: this is what makes GAP, TSP and TAG exact.
+A *group* is G images of one prompt. Each sample's randomness comes from its own generator,
+seeded from ``(seed, group_id, sample index)``, so a sample is the same trajectory whichever
+worker samples it, in whatever order, and whatever slice of its group it is sampled with: this
+is what makes GAP, TSP, TAG and groups split over several rollout workers exact.
 
 The record of a trajectory (what the trainer needs to recompute each trained step):
 
@@ -56,6 +57,11 @@ def group_seed(seed: int, group_id: int) -> int:
     return (seed * 1_000_003 + group_id * 7919 + 17) % (2**63 - 1)
 
 
+def sample_seed(seed: int, group_id: int, index: int) -> int:
+    """The seed of sample ``index`` of group ``group_id`` (sample 0 has the group's seed)."""
+    return (group_seed(seed, group_id) + index * 1_000_000_007) % (2**63 - 1)
+
+
 def step_plan(settings: SamplingSettings, *, training_step: int, seed: int) -> tuple[list[int], list[int]]:
     """The SDE window of a training step and the steps trained inside it (same for all groups)."""
     window = select_sde_window(settings.num_steps, settings.window, training_step=training_step, seed=seed)
@@ -76,11 +82,12 @@ def _repeat_cond(cond: Conditioning, n: int) -> Conditioning:
 class GroupRequest:
     """Which groups to sample: ``group_size`` images of each of ``prompts``.
 
-    Group ``group_ids[k]`` (prompt ``prompts[k]``, dataset index ``prompt_indices[k]``) draws its
-    noise from ``group_seed(seed, group_ids[k])``; ``training_step`` picks the SDE window and
+    Group ``group_ids[k]`` (prompt ``prompts[k]``, dataset index ``prompt_indices[k]``) draws the
+    noise of its sample ``i`` from ``sample_seed(seed, group_ids[k], i)``; ``training_step`` picks the SDE window and
     ``policy_version`` is the weights version the trajectories are recorded with.
     ``metadata[k]`` is prompt ``k``'s record (ground truth, ...): every sample of the group
-    carries it to the reward.
+    carries it to the reward. ``samples = (start, end)`` samples only that slice of each group
+    (the same trajectories as in a whole-group call); None: all of them.
     """
 
     prompts: list[str]
@@ -91,6 +98,16 @@ class GroupRequest:
     seed: int
     policy_version: int
     metadata: list[dict[str, Any]] | None = field(default=None, kw_only=True)
+    samples: tuple[int, int] | None = field(default=None, kw_only=True)
+
+    @property
+    def sample_range(self) -> range:
+        start, end = self.samples or (0, self.group_size)
+        return range(start, end)
+
+    @property
+    def rows_per_group(self) -> int:
+        return len(self.sample_range)
 
 
 @dataclass
@@ -131,31 +148,35 @@ def begin_groups(
     output depends on the batch size, e.g. SD3's CLIP projection, the two differ by ~1 ulp).
     """
     spec = settings.spec
-    prompts, group_size = request.prompts, request.group_size
+    prompts, rows = request.prompts, request.rows_per_group
+    if request.samples is not None and not 0 <= request.samples[0] < request.samples[1] <= request.group_size:
+        raise ValueError(f"samples={request.samples} is not a slice of a group of {request.group_size}")
     if ode:
         window, trained = [], []
     else:
         window, trained = step_plan(settings, training_step=request.training_step, seed=request.seed)
-    cond = _repeat_cond(adapter.encode_prompts(prompts), group_size)  # [B, ...]
+    cond = _repeat_cond(adapter.encode_prompts(prompts), rows)  # [B, ...], B = groups x rows per group
     neg = None
     if settings.uses_cfg and ode:
-        rows = len(prompts) * group_size
+        batch = len(prompts) * rows
         neg_one = adapter.encode_prompts([settings.negative_prompt])
-        neg = {k: v.expand(rows, *v.shape[1:]).contiguous() for k, v in neg_one.items()}
+        neg = {k: v.expand(batch, *v.shape[1:]).contiguous() for k, v in neg_one.items()}
     elif settings.uses_cfg:
-        neg = _repeat_cond(adapter.encode_prompts([settings.negative_prompt] * len(prompts)), group_size)
-    generators = [torch.Generator().manual_seed(group_seed(request.seed, g)) for g in request.group_ids]
-    x = torch.cat([adapter.prepare_latents(group_size, spec, gen) for gen in generators], dim=0)
+        neg = _repeat_cond(adapter.encode_prompts([settings.negative_prompt] * len(prompts)), rows)
+    generators = [torch.Generator().manual_seed(sample_seed(request.seed, g, i))
+                  for g in request.group_ids for i in request.sample_range]
+    x = torch.cat([adapter.prepare_latents(1, spec, gen) for gen in generators], dim=0)
     sigmas = adapter.sigmas(settings.num_steps, spec).to(dtype=torch.float32).cpu()  # [S+1]
     return GroupsInFlight(
         prompts=list(prompts),
         group_ids=list(request.group_ids),
         prompt_indices=list(request.prompt_indices),
-        group_size=group_size,
+        group_size=request.group_size,
         training_step=request.training_step,
         seed=request.seed,
         policy_version=request.policy_version,
         metadata=request.metadata,
+        samples=request.samples,
         window=window,
         trained=trained,
         cond={k: v.cpu() for k, v in cond.items()},
@@ -184,7 +205,7 @@ def denoise(adapter: DiffusionAdapter, state: GroupsInFlight, settings: Sampling
         gen.set_state(st)
         generators.append(gen)
     x = state.latents[-1].to(device)
-    batch, g = state.batch, state.group_size
+    batch = state.batch
     sigmas = state.sigmas.to(device)
     for i in range(state.next_step, end):
         sigma = sigmas[i].expand(batch)
@@ -193,8 +214,8 @@ def denoise(adapter: DiffusionAdapter, state: GroupsInFlight, settings: Sampling
             v = adapter.predict_velocity(x, sigma, cond, spec, negative_cond=neg)
         v = v.float()
         if i in window_set:
-            # Each group draws its step noise from its own generator: identical wherever it runs.
-            noise = torch.cat([torch.randn((g, *x.shape[1:]), generator=gen, dtype=torch.float32) for gen in generators])
+            # Each sample draws its step noise from its own generator: identical wherever it runs.
+            noise = torch.cat([torch.randn((1, *x.shape[1:]), generator=gen, dtype=torch.float32) for gen in generators])
             out = _sde_with_noise(v, x, sigma, sigma_next, noise.to(device), settings)
             x = out.prev_sample
             state.log_probs[:, i] = out.log_prob.cpu()
@@ -223,7 +244,7 @@ def finish_groups(adapter: DiffusionAdapter, state: GroupsInFlight, settings: Sa
     if state.ode:
         raise ValueError(f"groups {state.group_ids} were sampled with ode=True (no trajectory): use decode_groups")
     images = decode_groups(adapter, state, settings)
-    batch, g = state.batch, state.group_size
+    batch, g = state.batch, state.rows_per_group
     train_mask = torch.zeros(batch, settings.num_steps, dtype=torch.bool)
     train_mask[:, state.trained] = True
     sde_mask = torch.zeros_like(train_mask)
@@ -242,6 +263,7 @@ def finish_groups(adapter: DiffusionAdapter, state: GroupsInFlight, settings: Sa
     non_tensors = {
         "prompt": np.array([p for p in state.prompts for _ in range(g)], dtype=object),
         "group_id": np.array([x for x in state.group_ids for _ in range(g)], dtype=np.int64),
+        "sample_index": np.array([i for _ in state.group_ids for i in state.sample_range], dtype=np.int64),
         "prompt_index": np.array([p for p in state.prompt_indices for _ in range(g)], dtype=np.int64),
         "policy_version": np.full(batch, state.policy_version, dtype=np.int64),
     }

@@ -89,7 +89,10 @@ class DiffusionWorker(Worker, WeightSyncMixin):
     def init_model(self) -> dict[str, Any]:
         torch.set_num_threads(self.num_threads)
         cfg = self.cfg
-        info: dict[str, Any] = {"role": self.role, "rank": self.rank, "pid": os.getpid()}
+        import ray
+
+        info: dict[str, Any] = {"role": self.role, "rank": self.rank, "pid": os.getpid(),
+                                "node_id": ray.get_runtime_context().get_node_id()}
         if self.role in ("fused", "rollout", "trainer"):
             from verl_digen.models.registry import load_adapter
 
@@ -177,6 +180,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
                 seed=self.cfg.seed,
                 policy_version=self.policy_version,
                 metadata=request.get("metadata"),
+                samples=tuple(request["samples"]) if request.get("samples") else None,
             )
             state = begin_groups(self.adapter, groups, self.settings)
         elif state.policy_version != self.policy_version:
@@ -221,7 +225,10 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         tail, _ = timed(lambda: finish_groups(self.adapter, state, self.settings))
         return {"head_s": head, "step_s": steps, "tail_s": tail}
 
-    def compute_reward(self, data: DataProto) -> dict[str, Any]:
+    def compute_reward(self, *slices: DataProto) -> dict[str, Any]:
+        """Score whole groups: ``slices`` are the trajectories of their generate tasks (one, or a
+        group's sample slices, reassembled here in sample order)."""
+        data = slices[0] if len(slices) == 1 else _in_sample_order(list(slices))
         prompts = [str(p) for p in data.non_tensor_batch["prompt"]]
         # Each sample's prompt record (ground truth, ...) when the data had one.
         records = data.non_tensor_batch.get("metadata")
@@ -287,9 +294,6 @@ class DiffusionWorker(Worker, WeightSyncMixin):
     def weights_digest(self) -> str:
         return state_digest(self._full_state())
 
-    def trainable_state_cpu(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu().clone() for k, v in self._full_state().items()}
-
     def warm_prompt_cache(self, prompts: list[str]) -> dict[str, Any]:
         """Encode every prompt this worker may need once, then free the text encoders.
 
@@ -340,40 +344,40 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         out["metrics"]["val/ema"] = float(ema is not None)
         return out
 
-    def checkpoint_state(self) -> dict[str, Any]:
-        """Everything this worker needs to continue as if never stopped (CPU tensors)."""
-        state: dict[str, Any] = {
-            "weights": self.trainable_state_cpu(),
-            "version": self.policy_version,
-            "rng": torch.get_rng_state(),
-        }
-        if self.trainer is not None:
-            state["optimizer"] = _optimizer_state_to_local(self.trainer.optimizer.state_dict())
-            if getattr(self.trainer, "ema", None) is not None:
-                state["ema"] = self.trainer.ema.state_dict()
-        return state
+    def save_checkpoint_shard(self, directory: str) -> dict[str, Any]:
+        """Write this trainer rank's part of a checkpoint into ``directory`` (DCP, every trainer
+        rank together); return the files written and their checksums, and the weights version."""
+        from verl_digen.workers.sharded_state import save_rank_state
 
-    def load_checkpoint_state(
-        self, weights: dict[str, torch.Tensor], trainer_state: dict[str, Any] | None, version: int
-    ) -> str:
-        from verl_digen.sync.state import load_trainable_state
+        files = save_rank_state(
+            directory, module=self.adapter.transformer, optimizer=self.trainer.optimizer,
+            ema=getattr(self.trainer, "ema", None), lora_only=self.cfg.model.lora.enable,
+            version=self.policy_version, rank=self.rank, group=self._pg,
+        )
+        return {"files": files, "version": self.policy_version}
 
-        if self.fsdp:
-            _load_full_state_into_sharded(self.adapter.transformer, weights)
-        else:
-            load_trainable_state(self.adapter.transformer, weights, lora_only=self.cfg.model.lora.enable)
+    def load_checkpoint_shard(self, directory: str, version: int) -> str:
+        """Load a checkpoint written by any number of trainer ranks (DCP reshards); trainers take
+        the optimizer, EMA and RNG too, others the weights only. Returns the weights' digest."""
+        from verl_digen.workers.sharded_state import load_rank_state
+
+        trains = self.trainer is not None
+        load_rank_state(
+            directory, module=self.adapter.transformer, optimizer=self.trainer.optimizer if trains else None,
+            ema=getattr(self.trainer, "ema", None) if trains else None, lora_only=self.cfg.model.lora.enable,
+            rank=self.rank, group=self._pg if trains else None,
+        )
         self.policy_version = version
-        if self.trainer is not None and trainer_state is not None:
-            if "optimizer_per_rank" in trainer_state:  # FSDP: each rank holds its own shard
-                opt_state = _optimizer_state_from_local(self.trainer.optimizer, trainer_state["optimizer_per_rank"][self.rank])
-            else:
-                opt_state = trainer_state["optimizer"]
-            self.trainer.optimizer.load_state_dict(opt_state)
-            if trainer_state.get("ema") is not None and getattr(self.trainer, "ema", None) is not None:
-                self.trainer.ema.load_state_dict(trainer_state["ema"])
-            torch.set_rng_state(trainer_state["rng"])
         self._refresh_sync_cache()
         return self.weights_digest()
+
+    def save_final_weights(self, path: str) -> str:
+        """The trained weights as one safetensors file, written here (the full state this rank
+        already holds for the weight sync), not through the driver; returns ``path``."""
+        from safetensors.torch import save_file
+
+        save_file({k: v.detach().cpu().contiguous() for k, v in self._full_state().items()}, path)
+        return path
 
     def get_policy_version(self) -> int:
         return self.policy_version
@@ -382,66 +386,40 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         return f"{self.role}{self.rank}"
 
 
-def _optimizer_state_to_local(state: dict[str, Any]) -> dict[str, Any]:
-    """Optimizer state with FSDP's DTensors replaced by this rank's local shards (picklable)."""
-    from torch.distributed.tensor import DTensor
-
-    out = {"param_groups": state["param_groups"], "state": {}}
-    for idx, st in state["state"].items():
-        out["state"][idx] = {k: (v.to_local().cpu() if isinstance(v, DTensor) else v) for k, v in st.items()}
-    return out
-
-
-def _optimizer_state_from_local(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
-    """Re-wrap local shards as DTensors laid out like their parameters."""
-    from torch.distributed.tensor import DTensor
-
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    out = {"param_groups": state["param_groups"], "state": {}}
-    for idx, st in state["state"].items():
-        param = params[int(idx)]
-        out["state"][idx] = {
-            k: (DTensor.from_local(v.to(param.device), param.device_mesh, param.placements)
-                if isinstance(param, DTensor) and isinstance(v, torch.Tensor) and v.dim() > 0 else v)
-            for k, v in st.items()
-        }
-    return out
-
-
-def _load_full_state_into_sharded(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy full tensors into FSDP2-sharded parameters (every rank passes the same state)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    params = dict(module.named_parameters())
-    buffers = dict(module.named_buffers())
-    missing = [k for k in state if k not in params and k not in buffers]
-    if missing:
-        raise ValueError(f"checkpoint tensors not in the model: {missing[:5]}")
-    with torch.no_grad():
-        for name, full in state.items():
-            target = params.get(name, buffers.get(name))
-            if isinstance(target, DTensor):
-                local = distribute_tensor(full.to(target.device, target.dtype), target.device_mesh, target.placements)
-                target.to_local().copy_(local.to_local())
-            else:
-                target.copy_(full.to(target.device, target.dtype))
-
-
 def _no_trainer(role: str):
     raise RuntimeError(f"a {role} worker has no trainer")
 
 
 def select_groups(trajectories: tuple[DataProto, ...], groups: list[int]) -> DataProto:
-    """Rows of the given groups, in the order of ``groups``, from one or more generate outputs."""
-    parts = []
-    for g in groups:
-        for data in trajectories:
-            idx = [i for i, gid in enumerate(data.non_tensor_batch["group_id"]) if int(gid) == g]
-            if idx:
-                part = data.select_idxs(idx)
-                part.meta_info = {}  # per-task timings differ; concat requires equal meta
-                parts.append(part)
-                break
-        else:
-            raise KeyError(f"group {g} is in none of the trajectories passed to the trainer")
+    """Rows of the given groups, in the order of ``groups`` and of each group's samples, from one
+    or more generate outputs (a group split over several rollout workers is in several)."""
+    rows: list[tuple[int, int, int, int]] = []  # (group position, sample index, trajectory, row)
+    order = {g: k for k, g in enumerate(groups)}
+    for t, data in enumerate(trajectories):
+        gids = data.non_tensor_batch["group_id"]
+        samples = data.non_tensor_batch.get("sample_index")
+        for i, gid in enumerate(gids):
+            if int(gid) in order:
+                rows.append((order[int(gid)], int(samples[i]) if samples is not None else i, t, i))
+    missing = set(groups) - {groups[r[0]] for r in rows}
+    if missing:
+        raise KeyError(f"groups {sorted(missing)} are in none of the trajectories passed to the trainer")
+    rows.sort()
+    parts = []  # one per run of consecutive rows from the same trajectory
+    start = 0
+    while start < len(rows):
+        t = rows[start][2]
+        end = start
+        while end < len(rows) and rows[end][2] == t:
+            end += 1
+        part = trajectories[t].select_idxs([r[3] for r in rows[start:end]])
+        part.meta_info = {}  # per-task timings differ; concat requires equal meta
+        parts.append(part)
+        start = end
     return DataProto.concat(parts) if len(parts) > 1 else parts[0]
+
+
+def _in_sample_order(slices: list[DataProto]) -> DataProto:
+    """A group's sample slices as one batch, rows ordered by (group, sample index)."""
+    groups = list(dict.fromkeys(int(g) for data in slices for g in data.non_tensor_batch["group_id"]))
+    return select_groups(tuple(slices), groups)

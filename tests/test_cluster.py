@@ -1,0 +1,218 @@
+"""Cluster scale (issue 11): joining an existing Ray cluster, pools placed per node.
+
+The two-node test starts a real two-raylet Ray cluster on this machine with ``ray start``
+(head + one more node, each with its own logical CPU slots, private ports and temp dir),
+runs the job through ``RAY_ADDRESS`` and stops every process it started by PID.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import psutil
+import pytest
+import ray
+import torch
+from safetensors.torch import load_file
+
+from runs import metrics_lines, run
+from verl_digen.config.schema import ConfigError
+from verl_digen.placement.pools import ClusterSpec, RayNode, assign_nodes, check_cluster, cluster_nodes
+
+
+# ----------------------------------------------------------------------------- placement
+
+
+def _nodes(*devices: int) -> list[RayNode]:
+    return [RayNode(f"node{i}", d) for i, d in enumerate(devices)]
+
+
+def test_the_cluster_must_offer_nnodes_times_n_gpus_per_node():
+    assert [n.node_id for n in check_cluster(_nodes(8, 8, 8), ClusterSpec(8, 2), "cuda")] == ["node0", "node1"]
+    with pytest.raises(ConfigError, match=r"trainer.nnodes=2 x trainer.n_gpus_per_node=8.*1 such node.*node0: 8, node1: 4"):
+        check_cluster(_nodes(8, 4), ClusterSpec(8, 2), "cuda")
+    with pytest.raises(ConfigError, match="CPU slots"):
+        check_cluster(_nodes(1), ClusterSpec(2, 1), "cpu")
+
+
+def test_device_counts_come_from_the_cluster_resources_of_alive_nodes():
+    listed = [{"NodeID": "a", "Alive": True, "Resources": {"CPU": 16.0, "GPU": 8.0}},
+              {"NodeID": "b", "Alive": False, "Resources": {"CPU": 16.0, "GPU": 8.0}},
+              {"NodeID": "c", "Alive": True, "Resources": {"CPU": 4.0}}]
+    assert cluster_nodes(listed, "cuda") == [RayNode("a", 8), RayNode("c", 0)]
+    assert cluster_nodes(listed, "cpu") == [RayNode("a", 16), RayNode("c", 4)]
+
+
+def test_the_trainer_pool_is_packed_on_as_few_nodes_as_possible():
+    placed = assign_nodes({"rollout": 6, "trainer": 6, "reward": 4}, _nodes(8, 8), per_node=8)
+    assert placed["trainer"] == ["node0"] * 6  # one node: NVLink for its collectives
+    every = placed["trainer"] + placed["rollout"] + placed["reward"]
+    assert every.count("node0") == every.count("node1") == 8  # the rest anywhere, every device used
+    across = assign_nodes({"trainer": 12, "rollout": 4}, _nodes(8, 8), per_node=8)
+    assert across["trainer"] == ["node0"] * 8 + ["node1"] * 4
+
+
+def test_rollout_workers_spread_over_the_free_devices():
+    placed = assign_nodes({"rollout": 2, "trainer": 1}, _nodes(2, 2), per_node=2)
+    assert placed == {"trainer": ["node0"], "rollout": ["node1", "node0"]}
+
+
+# ----------------------------------------------------------------------------- two raylets
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _ray_start(*args: str, env: dict[str, str]) -> subprocess.Popen:
+    ports = _free_ports(6)
+    cmd = [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--block", "--node-ip-address=127.0.0.1",
+           "--disable-usage-stats", f"--node-manager-port={ports[0]}", f"--object-manager-port={ports[1]}",
+           f"--dashboard-agent-listen-port={ports[2]}", f"--dashboard-agent-grpc-port={ports[3]}",
+           f"--runtime-env-agent-port={ports[4]}", f"--metrics-export-port={ports[5]}", *args]
+    return subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """Stop the ``ray start`` processes and everything they started, by PID."""
+    victims = []
+    for p in procs:
+        try:
+            victims += [psutil.Process(p.pid)] + psutil.Process(p.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            pass
+    for v in victims:
+        try:
+            v.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(victims, timeout=3)
+    for v in alive:
+        try:
+            v.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=15)
+
+
+def _alive_nodes(address: str) -> int:
+    ray.init(address=address, log_to_driver=False)
+    try:
+        return sum(1 for n in ray.nodes() if n["Alive"])
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def two_node_cluster(tiny_flux):
+    """``ray start --head`` + ``ray start --address``: two raylets, 4 logical CPUs each."""
+    assert not ray.is_initialized()
+    temp = tempfile.mkdtemp(prefix="digen-ray-")  # short: Ray's unix sockets live under it
+    port, client_port = _free_ports(2)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    # Ray's token auth (on by default once ~/.ray/auth_token exists) would need RAY_AUTH_MODE=token
+    # in the driver, and Ray caches that mode per process; this private loopback cluster goes without.
+    env["RAY_AUTH_MODE"] = "disabled"
+    # Workers of an existing cluster inherit the raylet's environment, not the driver's.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, os.path.join(root, "tests"), env.get("PYTHONPATH", "")])
+    procs = [_ray_start("--head", f"--port={port}", f"--ray-client-server-port={client_port}", f"--temp-dir={temp}",
+                        "--num-cpus=4", "--include-dashboard=false", env=env)]
+    address = f"127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.5)
+        procs.append(_ray_start(f"--address={address}", "--num-cpus=4", env=env))
+        deadline = time.time() + 180
+        while _alive_nodes(address) < 2:
+            assert time.time() < deadline, "the second raylet did not join"
+            time.sleep(2)
+        yield address
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        _stop(procs)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_a_run_on_two_nodes_through_ray_address_equals_the_single_node_run(
+    tmp_path, tiny_flux, two_node_cluster, monkeypatch
+):
+    """Disaggregated + GAP + TCSS, 3 steps, pools across both raylets; same seeds as one node."""
+    common = ["digen.placement=disaggregated", "digen.gap.enable=true", "digen.async.max_staleness=1",
+              "trainer.nnodes=2", "trainer.n_gpus_per_node=2", "digen.pools.rollout.devices=2",
+              "digen.pools.trainer.devices=1", "digen.batch.groups_per_step=2", "trainer.total_training_steps=3",
+              "digen.save_final_weights=true"]
+    monkeypatch.setenv("RAY_ADDRESS", two_node_cluster)
+    multi = run(tmp_path, "two_nodes", *common, f"trainer.default_local_dir={tmp_path}/ck_multi")
+    assert not ray.is_initialized()
+    workers = json.loads(open(os.path.join(multi.output_dir, "workers.json")).read())
+    assert len({w["node_id"] for w in workers}) == 2, workers  # the pools span both nodes
+    trainer_nodes = {w["node_id"] for w in workers if w["role"] == "trainer"}
+    assert len(trainer_nodes) == 1
+
+    monkeypatch.delenv("RAY_ADDRESS")
+    single = run(tmp_path, "one_node", *[c.replace("nnodes=2", "nnodes=1").replace("per_node=2", "per_node=3")
+                                         for c in common], f"trainer.default_local_dir={tmp_path}/ck_single")
+    keys = ("reward_mean", "reward_std", "actor/loss", "policy_version", "max_staleness_seen")
+    assert [{k: m[k] for k in keys} for m in metrics_lines(multi.output_dir)] == \
+        [{k: m[k] for k in keys} for m in metrics_lines(single.output_dir)]
+    a, b = load_file(multi.extra["final_weights"]), load_file(single.extra["final_weights"])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resource_counts_are_refused_when_joining_a_cluster(two_node_cluster, tmp_path):
+    from verl_digen.config.schema import DigenConfig
+    from verl_digen.trainer.runtime import init_ray
+
+    with pytest.raises(ConfigError, match=r"digen.ray_num_cpus=4 .* connects to the Ray cluster at 127.0.0.1"):
+        init_ray(1, DigenConfig(ray_num_cpus=4), address=two_node_cluster)
+    assert not ray.is_initialized()
+
+
+def test_a_cluster_smaller_than_declared_is_named(two_node_cluster, tmp_path, tiny_flux, monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", two_node_cluster)
+    with pytest.raises(ConfigError, match=r"trainer.nnodes=3 x trainer.n_gpus_per_node=1 needs 3 node"):
+        run(tmp_path, "too_big", "trainer.nnodes=3", "trainer.n_gpus_per_node=1", "trainer.total_training_steps=1")
+    assert not ray.is_initialized()
+
+
+# ----------------------------------------------------------------------------- device kind
+
+
+def test_the_device_kind_comes_from_the_cluster_not_the_driver():
+    from verl_digen.trainer.runtime import device_kind
+
+    assert device_kind("cuda", 16.0) == "cuda"  # a GPU cluster, whatever the driver's node has
+    assert device_kind("cuda", 0.0) == "cpu"  # no GPU anywhere: CPU slots, said once
+    assert device_kind("cpu", 16.0) == "cpu"
+    with pytest.raises(ConfigError, match=r"trainer.device='tpu'; valid: cuda, cpu"):
+        device_kind("tpu", 0.0)
+
+
+def test_an_unknown_trainer_device_is_refused_before_ray_starts(tmp_path):
+    from runs import run_config
+    from verl_digen.trainer.loop import DigenTrainer
+
+    with pytest.raises(ConfigError, match=r"trainer.device='npu'"):
+        DigenTrainer(run_config(tmp_path, "npu", "trainer.device=npu"))
+    assert not ray.is_initialized()

@@ -1,0 +1,170 @@
+"""A trainer rank's checkpoint, saved and loaded by the rank itself with torch.distributed.checkpoint.
+
+Inside ``global_step_<k>/``:
+
+- ``state/``              DCP: ``model`` (the trained tensors: LoRA-only when LoRA is on),
+  ``optimizer`` (keyed by parameter name, so it reshards) and ``ema``; every trainer rank writes
+  its own shards (``__<rank>_<n>.distcp``), the coordinator (rank 0) writes ``.metadata``;
+- ``trainer_rank<r>.pt``  rank ``r``'s RNG state and weights version (a few KB, weights-only).
+
+DCP stores a tensor by its global shape and each rank's share of it, so a checkpoint written by
+``n`` FSDP ranks loads onto any number of ranks (or one unsharded module, or an offline reader:
+:func:`read_full_weights`). Replicated tensors (unsharded trainers, the EMA's full copies) are
+written once. Nothing passes through the driver: it receives file names and checksums only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+STATE_DIR = "state"
+MODEL_KEY = "model"
+LORA_MARKER = "lora_"  # same marker as verl_digen.sync.state
+_DATA_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint asked for cannot be used; the message names it and why."""
+
+
+def load_pt(path: str) -> dict[str, Any]:
+    """A checkpoint ``.pt`` file, unpickling only tensors and plain containers."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # UnpicklingError for refused globals, RuntimeError/EOFError for damage
+        raise CheckpointError(
+            f"{path}: refused or unreadable ({e.__class__.__name__}: {str(e).splitlines()[0][:300]}); "
+            "checkpoint files hold only tensors and plain containers"
+        ) from None
+
+
+def rank_file(rank: int) -> str:
+    return f"trainer_rank{rank}.pt"
+
+
+def _model_state(module: torch.nn.Module, *, lora_only: bool) -> dict[str, torch.Tensor]:
+    """The trained tensors by name (FSDP2: this rank's ``DTensor`` shards)."""
+    state = get_model_state_dict(module)
+    names = sorted(n for n in state if not lora_only or LORA_MARKER in n)
+    if lora_only and not names:
+        raise ValueError(f"lora_only=True but {type(module).__name__} has no tensor named '*{LORA_MARKER}*'")
+    return {n: state[n] for n in names}
+
+
+def _dcp_args(group: dist.ProcessGroup | None) -> dict[str, Any]:
+    # Explicit: a rank outside any trainer group (world 1, a rollout worker) must not pick up
+    # some other default group.
+    return {"process_group": group} if group is not None else {"no_dist": True}
+
+
+def _sha256(path: str) -> dict[str, Any]:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+        os.fsync(f.fileno())
+    return {"sha256": h.hexdigest(), "bytes": os.path.getsize(path)}
+
+
+def save_rank_state(
+    directory: str,
+    *,
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    ema: Any,
+    lora_only: bool,
+    version: int,
+    rank: int,
+    group: dist.ProcessGroup | None,
+) -> dict[str, dict[str, Any]]:
+    """Write this rank's part of a checkpoint into ``directory``; a collective over ``group``.
+
+    Returns ``{relative path: {"sha256", "bytes"}}`` of the files this rank wrote (rank 0 also
+    lists DCP's ``.metadata``), for the completion marker.
+    """
+    state: dict[str, Any] = {
+        MODEL_KEY: _model_state(module, lora_only=lora_only),
+        "optimizer": get_optimizer_state_dict(module, optimizer),
+    }
+    if ema is not None:
+        state["ema"] = ema.state_dict()
+    path = os.path.join(directory, STATE_DIR)
+    dcp.save(state, checkpoint_id=path, **_dcp_args(group))
+    torch.save({"rng": torch.get_rng_state(), "version": version}, os.path.join(directory, rank_file(rank)))
+    files = {rank_file(rank): _sha256(os.path.join(directory, rank_file(rank)))}
+    for name in sorted(os.listdir(path)):
+        m = _DATA_FILE.match(name)
+        if (m and int(m.group(1)) == rank) or (m is None and rank == 0):
+            files[f"{STATE_DIR}/{name}"] = _sha256(os.path.join(path, name))
+    return files
+
+
+def load_rank_state(
+    directory: str,
+    *,
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    ema: Any,
+    lora_only: bool,
+    rank: int,
+    group: dist.ProcessGroup | None,
+) -> None:
+    """Load a checkpoint into this rank (resharded to its module's layout); a collective over
+    ``group``. ``optimizer=None`` (a rollout worker): the weights only.
+
+    The RNG comes from ``trainer_rank<rank>.pt``, or rank 0's when the checkpoint was written by
+    fewer ranks.
+    """
+    state: dict[str, Any] = {MODEL_KEY: _model_state(module, lora_only=lora_only)}
+    if optimizer is not None:
+        state["optimizer"] = get_optimizer_state_dict(module, optimizer)  # allocates Adam's state to fill
+        if ema is not None:
+            state["ema"] = ema.state_dict()
+    path = os.path.join(directory, STATE_DIR)
+    try:
+        dcp.load(state, checkpoint_id=path, **_dcp_args(group))
+    except Exception as e:  # a missing key or a shape that does not fit, named by DCP
+        raise CheckpointError(f"{path}: cannot be loaded into this model ({e.__class__.__name__}: "
+                              f"{str(e).splitlines()[0][:300]})") from None
+    set_model_state_dict(module, state[MODEL_KEY], options=StateDictOptions(strict=False))
+    if optimizer is not None:
+        set_optimizer_state_dict(module, optimizer, state["optimizer"])
+        if ema is not None:
+            ema.load_state_dict(state["ema"])
+        own = os.path.join(directory, rank_file(rank))
+        extra = load_pt(own if os.path.exists(own) else os.path.join(directory, rank_file(0)))
+        torch.set_rng_state(extra["rng"])
+
+
+def read_full_weights(directory: str) -> dict[str, torch.Tensor]:
+    """The checkpoint's trained tensors as full CPU tensors, by name, in one process (export).
+
+    Allocates each ``model`` tensor at its global shape from DCP's metadata and lets DCP fill
+    it from every rank's shards.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = os.path.join(directory, STATE_DIR)
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    prefix = MODEL_KEY + "."
+    weights = {
+        key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
+    dcp.load({MODEL_KEY: weights}, checkpoint_id=path, no_dist=True)
+    return dict(sorted(weights.items()))
