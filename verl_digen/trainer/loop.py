@@ -29,6 +29,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from verl_digen.config.schema import ConfigError, digen_config_from_dict
+from verl_digen.config.verl_keys import DIGEN_MAIN, MAIN_PPO, resolve_run_config
 from verl_digen.placement.pools import cluster_from_trainer_config, pool_layout
 from verl_digen.schedule.driver import StepDriver
 from verl_digen.schedule.elastic import balanced_spec
@@ -65,17 +66,27 @@ class DigenTrainer:
     ``DiffusionWorker`` groups.
     """
 
-    def __init__(self, config: DictConfig, worker_groups: runtime.WorkerGroupFactory | None = None) -> None:
+    def __init__(self, config: DictConfig, worker_groups: runtime.WorkerGroupFactory | None = None,
+                 entry: str = DIGEN_MAIN) -> None:
         container = OmegaConf.to_container(config, resolve=True)
         assert isinstance(container, dict)
         self.full_config = container
         self.trainer_cfg = config.trainer
-        self.cfg = cfg = digen_config_from_dict(container.get("digen"))
-        self.total_steps = resolve.total_steps(self.trainer_cfg)
+        # veRL's keys applied to ours; errors below name the key the user wrote (veRL's or ours).
+        self.run_config = resolve_run_config(container, entry)
+        try:
+            self._resolve(worker_groups, entry)
+        except (ConfigError, FileNotFoundError) as e:
+            raise type(e)(self.run_config.rename(str(e))) from None
+
+    def _resolve(self, worker_groups: runtime.WorkerGroupFactory | None, entry: str) -> None:
+        self.cfg = cfg = digen_config_from_dict(self.run_config.digen)
         resolve.check_loggers(self.trainer_cfg)
         self.layout = pool_layout(cfg, cluster_from_trainer_config(self.trainer_cfg))
         self.spec = self.layout.spec
         self.prompt_records = resolve.resolve_prompt_records(cfg)  # each prompt's record: its rewards' metadata
+        self.total_steps = resolve.total_steps(self.trainer_cfg, len(self.prompt_records), cfg.batch.groups_per_step)
+        self.use_gpu = resolve.use_gpu(self.trainer_cfg)
         self.prompts = [record["prompt"] for record in self.prompt_records]
         self.emulated = cfg.emulate.model is not None
         self.test_freq = -1 if self.emulated else int(self.trainer_cfg.get("test_freq", -1) or -1)
@@ -84,6 +95,9 @@ class DigenTrainer:
         resolve.preflight_reward(cfg)
         # An emulated cluster has no model, no weights to save and nothing to resume.
         self.model_path = "<emulated>" if self.emulated else resolve.resolve_model_path(cfg)
+        if cfg.model.path is None and not self.emulated and entry == MAIN_PPO:
+            print(f"[verl-digen] actor_rollout_ref.model.path is at veRL's default: training the tiny "
+                  f"random {cfg.model.tiny_arch} model ({self.model_path})", flush=True)
         self.output_dir = resolve.output_dir_for(cfg, self.trainer_cfg)
         self.worker_groups = worker_groups
         root = str(self.trainer_cfg.default_local_dir)
@@ -117,11 +131,9 @@ class DigenTrainer:
     # ------------------------------------------------------------------ run
 
     def run(self) -> RunResult:
-        import torch
-
         cfg = self.cfg
         runtime.quiet_logs()
-        use_gpu = torch.cuda.is_available()
+        use_gpu = self.use_gpu
         lock = RootLock(self.checkpoints.root)
         if not self.emulated:  # emulated runs write no checkpoints
             lock.acquire({"output_dir": self.output_dir})
@@ -310,5 +322,6 @@ class DigenTrainer:
                    title=f"{self.spec.name}, {self.spec.devices} devices, steps {first + 1}-{self.total_steps}")
 
 
-def run_training(config: DictConfig, worker_groups: runtime.WorkerGroupFactory | None = None) -> RunResult:
-    return DigenTrainer(config, worker_groups).run()
+def run_training(config: DictConfig, worker_groups: runtime.WorkerGroupFactory | None = None,
+                 entry: str = DIGEN_MAIN) -> RunResult:
+    return DigenTrainer(config, worker_groups, entry).run()

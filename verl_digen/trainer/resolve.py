@@ -14,11 +14,36 @@ from typing import Any
 from verl_digen.config.schema import ConfigError, DigenConfig
 
 
-def total_steps(trainer_cfg: Any) -> int:
+def total_steps(trainer_cfg: Any, num_prompts: int, groups_per_step: int) -> int:
+    """``trainer.total_training_steps``, or, when it is null, veRL's rule: the steps of
+    ``trainer.total_epochs`` epochs of whole batches (``num_prompts // train_batch_size`` each)."""
     steps = trainer_cfg.get("total_training_steps")
+    if steps is None:
+        epochs = trainer_cfg.get("total_epochs")
+        if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
+            raise ConfigError(f"invalid config: trainer.total_epochs={epochs!r}; must be a positive integer "
+                              "(or set trainer.total_training_steps)")
+        steps = num_prompts // groups_per_step * epochs
+        if steps < 1:
+            raise ConfigError(f"invalid config: trainer.total_training_steps=None: {num_prompts} training prompts "
+                              f"make no whole batch of data.train_batch_size={groups_per_step}")
+        return steps
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ConfigError(f"invalid config: trainer.total_training_steps={steps!r}; must be a positive integer")
     return steps
+
+
+def use_gpu(trainer_cfg: Any) -> bool:
+    """GPUs when present, unless ``trainer.device=cpu`` asks for CPU slots (veRL's key)."""
+    if trainer_cfg.get("device", "cuda") == "cpu":
+        return False
+    import ray
+
+    if ray.is_initialized():  # e.g. inside veRL's TaskRunner actor, which holds no GPU itself: ask the cluster
+        return ray.cluster_resources().get("GPU", 0) > 0
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def resolve_model_path(cfg: DigenConfig) -> str:
@@ -136,10 +161,16 @@ def output_dir_for(cfg: DigenConfig, trainer_cfg: Any) -> str:
 
 
 def preflight_reward(cfg: DigenConfig) -> None:
-    """Fail before any worker starts when a remote reward (HTTP server, VLM judge) is unreachable."""
+    """Fail before any worker starts when a remote reward (HTTP server, VLM judge) is unreachable, or a
+    custom reward file does not load."""
     from verl_digen.rewards import build_reward
 
     specs = [{"name": cfg.reward.name, "kwargs": cfg.reward.kwargs}] + list(cfg.reward.components)
     for spec in specs:
         if spec.get("name") in ("http", "vlm_judge"):
             build_reward(spec["name"], **dict(spec.get("kwargs") or {})).check_reachable()
+        elif spec.get("name") == "custom":  # the user's file loads and defines the function
+            try:
+                build_reward("custom", **dict(spec.get("kwargs") or {}))
+            except (ValueError, TypeError) as e:
+                raise ConfigError(f"invalid config: {e}") from None
