@@ -11,7 +11,7 @@
   there); it requires log-prob micro-batch sizes; with LoRA it reads the mandatory
   ``actor_rollout_ref.rollout.name``. veRL has no hook for a trainer mode to validate its own
   config, so the function is wrapped: when ``trainer.v1.trainer_mode=digen``, the digen mode's
-  checks run instead (:func:`verl_digen.trainer.loop.check_run_config`: veRL's keys mapped onto
+  checks run instead (:func:`verl_digen.trainer.resolve.check_run_config`: veRL's keys mapped onto
   ours, keys that cannot apply refused, files, model and reward checked), so a bad key stops
   the job before Ray with a message naming it. Every other mode gets veRL's own function.
 """
@@ -60,7 +60,7 @@ def patch_validate_config() -> bool:
         if config.trainer.v1.get("trainer_mode") != "digen":
             return original(config, use_reference_policy=use_reference_policy, use_critic=use_critic)
         from verl_digen.config.verl_keys import MAIN_PPO
-        from verl_digen.trainer.loop import check_run_config
+        from verl_digen.trainer.resolve import check_run_config
 
         check_run_config(config, entry=MAIN_PPO)
         print("[verl-digen] the digen trainer mode's config checks passed", flush=True)

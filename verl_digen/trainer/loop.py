@@ -26,10 +26,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from verl_digen.config.schema import ConfigError, DigenConfig, digen_config_from_dict
-from verl_digen.config.verl_keys import DIGEN_MAIN, MAIN_PPO, RunConfig, resolve_run_config
+from verl_digen.config.schema import ConfigError
+from verl_digen.config.verl_keys import DIGEN_MAIN, MAIN_PPO
 from verl_digen.placement.pools import cluster_from_trainer_config, pool_layout
 from verl_digen.schedule.driver import StepDriver
 from verl_digen.schedule.elastic import balanced_spec
@@ -68,7 +68,7 @@ class DigenTrainer:
 
     def __init__(self, config: DictConfig, worker_groups: runtime.WorkerGroupFactory | None = None,
                  entry: str = DIGEN_MAIN) -> None:
-        checked = check_run_config(config, entry)
+        checked = resolve.check_run_config(config, entry)
         self.full_config = checked.container
         self.trainer_cfg = config.trainer
         self.run_config = checked.run_config
@@ -77,7 +77,7 @@ class DigenTrainer:
         except (ConfigError, FileNotFoundError) as e:  # name the key the user wrote (veRL's or ours)
             raise type(e)(self.run_config.rename(str(e))) from None
 
-    def _prepare(self, checked: "CheckedRun", worker_groups: runtime.WorkerGroupFactory | None, entry: str) -> None:
+    def _prepare(self, checked: resolve.CheckedRun, worker_groups: runtime.WorkerGroupFactory | None, entry: str) -> None:
         self.cfg = cfg = checked.cfg
         self.layout = checked.layout
         self.spec = self.layout.spec
@@ -315,45 +315,6 @@ class DigenTrainer:
         t1 = max(r.end for r in driver.timeline.records if r.kind == TaskKind.OPTIMIZER_STEP.value)
         save_gantt(driver.timeline, os.path.join(self.output_dir, "gantt.png"), t0=t0, t1=t1,
                    title=f"{self.spec.name}, {self.spec.devices} devices, steps {first + 1}-{self.total_steps}")
-
-
-@dataclass
-class CheckedRun:
-    """A run's config, checked before anything starts (see :func:`check_run_config`)."""
-
-    container: dict[str, Any]  # the whole config, resolved, as plain data
-    run_config: RunConfig  # the digen mapping with veRL's keys applied, and where each came from
-    cfg: DigenConfig
-    layout: Any  # verl_digen.placement.pools.PoolLayout
-    prompt_records: list[dict[str, Any]]
-    val_records: list[dict[str, Any]]
-    total_steps: int
-    model_path: str
-
-
-def check_run_config(config: DictConfig, entry: str = DIGEN_MAIN) -> CheckedRun:
-    """Every check a run makes before Ray starts, writing nothing: veRL's keys mapped onto ours
-    (and the ones that cannot apply refused), the typed config, the pools against the cluster,
-    the prompt files, the step count, the reward (a custom file loads, a server answers) and the
-    model directory (the tiny model is built when none is given). Errors name the key the user
-    wrote. Both entry points run it: ``verl_digen.main`` through :class:`DigenTrainer`, and
-    ``main_ppo`` in its driver, as the digen mode's ``validate_config`` (:mod:`verl_digen.verl_hooks`)."""
-    container = OmegaConf.to_container(config, resolve=True)
-    assert isinstance(container, dict)
-    run_config = resolve_run_config(container, entry)
-    try:
-        cfg = digen_config_from_dict(run_config.digen)
-        resolve.check_loggers(config.trainer)
-        layout = pool_layout(cfg, cluster_from_trainer_config(config.trainer))
-        records = resolve.resolve_prompt_records(cfg)
-        steps = resolve.total_steps(config.trainer, len(records), cfg.batch.groups_per_step)
-        val_records = resolve.resolve_prompt_records(cfg, cfg.validation.prompts)[: cfg.validation.num_prompts]
-        resolve.preflight_reward(cfg)
-        # An emulated cluster has no model, no weights to save and nothing to resume.
-        model_path = "<emulated>" if cfg.emulate.model is not None else resolve.resolve_model_path(cfg)
-    except (ConfigError, FileNotFoundError) as e:
-        raise type(e)(run_config.rename(str(e))) from None
-    return CheckedRun(container, run_config, cfg, layout, records, val_records, steps, model_path)
 
 
 def run_training(config: DictConfig, worker_groups: runtime.WorkerGroupFactory | None = None,

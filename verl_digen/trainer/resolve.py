@@ -1,6 +1,6 @@
 """Turn a composed config into what a run needs, failing before any worker starts.
 
-Each function names the config key at fault: the number of steps, the model directory (or the
+:func:`check_run_config` runs every check, for both entry points. Each function names the config key at fault: the number of steps, the model directory (or the
 tiny model built in its place), the prompt sets, the output directory, and a reachable remote
 reward.
 """
@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
-from verl_digen.config.schema import ConfigError, DigenConfig
+from verl_digen.config.schema import ConfigError, DigenConfig, digen_config_from_dict
+from verl_digen.config.verl_keys import DIGEN_MAIN, RunConfig, resolve_run_config
 
 
 def total_steps(trainer_cfg: Any, num_prompts: int, groups_per_step: int) -> int:
@@ -174,3 +176,46 @@ def preflight_reward(cfg: DigenConfig) -> None:
                 build_reward("custom", **dict(spec.get("kwargs") or {}))
             except (ValueError, TypeError) as e:
                 raise ConfigError(f"invalid config: {e}") from None
+
+
+@dataclass
+class CheckedRun:
+    """A run's config, checked before anything starts (see :func:`check_run_config`)."""
+
+    container: dict[str, Any]  # the whole config, resolved, as plain data
+    run_config: RunConfig  # the digen mapping with veRL's keys applied, and where each came from
+    cfg: DigenConfig
+    layout: Any  # verl_digen.placement.pools.PoolLayout
+    prompt_records: list[dict[str, Any]]
+    val_records: list[dict[str, Any]]
+    total_steps: int
+    model_path: str
+
+
+def check_run_config(config: Any, entry: str = DIGEN_MAIN) -> CheckedRun:
+    """Every check a run makes before Ray starts, writing nothing: veRL's keys mapped onto ours
+    (and the ones that cannot apply refused), the typed config, the pools against the cluster,
+    the prompt files, the step count, the reward (a custom file loads, a server answers) and the
+    model directory (the tiny model is built when none is given). Errors name the key the user
+    wrote. Both entry points run it: ``verl_digen.main`` through :class:`DigenTrainer`, and
+    ``main_ppo`` in its driver, as the digen mode's ``validate_config`` (:mod:`verl_digen.verl_hooks`)."""
+    from omegaconf import OmegaConf
+
+    from verl_digen.placement.pools import cluster_from_trainer_config, pool_layout
+
+    container = OmegaConf.to_container(config, resolve=True)
+    assert isinstance(container, dict)
+    run_config = resolve_run_config(container, entry)
+    try:
+        cfg = digen_config_from_dict(run_config.digen)
+        check_loggers(config.trainer)
+        layout = pool_layout(cfg, cluster_from_trainer_config(config.trainer))
+        records = resolve_prompt_records(cfg)
+        steps = total_steps(config.trainer, len(records), cfg.batch.groups_per_step)
+        val_records = resolve_prompt_records(cfg, cfg.validation.prompts)[: cfg.validation.num_prompts]
+        preflight_reward(cfg)
+        # An emulated cluster has no model, no weights to save and nothing to resume.
+        model_path = "<emulated>" if cfg.emulate.model is not None else resolve_model_path(cfg)
+    except (ConfigError, FileNotFoundError) as e:
+        raise type(e)(run_config.rename(str(e))) from None
+    return CheckedRun(container, run_config, cfg, layout, records, val_records, steps, model_path)
