@@ -189,3 +189,25 @@ def test_digen_mode_needs_no_critic_and_no_llm_keys_from_the_user(tmp_path, tiny
 
     validate_config(_verl_config("trainer.v1.trainer_mode=digen", "trainer.total_training_steps=1",
                                  f"trainer.default_local_dir={tmp_path}"), use_reference_policy=False, use_critic=True)
+
+
+def test_the_verl_hooks_we_rely_on_have_not_moved():
+    """veRL symbols the digen mode relies on; fail here, not deep in a run, when veRL changes them."""
+    import inspect
+
+    from verl.trainer import main_ppo
+    from verl.trainer.ppo.v1 import trainer_base
+    from verl.utils import config as verl_config
+    from verl.utils.import_utils import load_extern_object
+
+    assert callable(trainer_base.register_trainer) and isinstance(trainer_base.TRAINER_REGISTRY, dict)
+    wrapped = inspect.unwrap(verl_config.validate_config)
+    assert list(inspect.signature(wrapped).parameters) == ["config", "use_reference_policy", "use_critic"]
+    source = inspect.getsource(main_ppo)
+    # main_ppo validates in its driver with the module-level function, then the TaskRunner builds the
+    # trainer, asks it for LLM clients, builds the manager class named in config and calls fit.
+    for line in ("from verl.utils.config import validate_config", "get_trainer_cls(config.trainer.v1.trainer_mode)",
+                 'get("agent", {}).get("agent_loop_manager_class")', "llm_client=self.trainer.get_llm_client()",
+                 "self.trainer.fit(self.agent_loop_manager)"):
+        assert line in source, line
+    assert list(inspect.signature(load_extern_object).parameters) == ["module_path", "object_name"]
