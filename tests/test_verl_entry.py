@@ -95,7 +95,10 @@ def test_main_ppo_runs_the_issue_command_like_verl_digen_main(tmp_path, tiny_flu
 
     # Every sample's ground truth, data_source and extra_info reached the user's function, with a PIL image.
     calls = seen(runs["verl"])
-    assert len(calls) == 2 * 2 * 4  # steps x prompts x group size
+    # veRL's default trainer.val_before_train=true: the two validation prompts first, then steps x prompts x group size.
+    assert len(calls) == 2 + 2 * 2 * 4
+    assert sorted(c["prompt"] for c in calls[:2]) == sorted(p for p, _ in ROWS[:2])
+    assert os.path.exists(os.path.join(out_dirs[0], "val_before_train.json"))
     truth = dict(ROWS)
     for call in calls:
         assert call["ground_truth"] == truth[call["prompt"]]
@@ -103,13 +106,17 @@ def test_main_ppo_runs_the_issue_command_like_verl_digen_main(tmp_path, tiny_flu
         assert call["image"] == ["Image", [32, 32]]
 
     # The same run, from our short form and our own keys.
-    via_digen = run(
+    result = run(
         runs["digen"], "out", f"digen.model.path={tiny_flux}", f"digen.data.prompts={train}",
         f"digen.validation.prompts={val}", "digen.batch.groups_per_step=2", "digen.batch.group_size=4",
         "digen.batch.train_micro_batch_groups=1", "digen.batch.groups_per_task=1", "digen.reward.name=custom",
         f"+digen.reward.kwargs.path={runs['digen'] / 'my_reward.py'}", "+digen.reward.kwargs.function=compute_score",
         "trainer.total_training_steps=2", "trainer.n_gpus_per_node=2", "trainer.nnodes=1",
-    ).metrics
+        "trainer.val_before_train=true",  # veRL's default, which verl_digen.main's config turns off
+    )
+    via_digen = result.metrics
+    with open(os.path.join(out_dirs[0], "val_before_train.json")) as f:
+        assert json.load(f) == pytest.approx(result.extra["val_before_train"], rel=1e-5, abs=1e-8)
     for a, b in zip(via_verl, via_digen, strict=True):
         assert {k: a[k] for k in LEARNING} == pytest.approx({k: b[k] for k in LEARNING}, rel=1e-5, abs=1e-8)
     assert sorted(map(json.dumps, calls)) == sorted(map(json.dumps, seen(runs["digen"])))

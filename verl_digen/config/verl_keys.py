@@ -152,6 +152,8 @@ _HINTS = {
     "actor_rollout_ref.actor.strategy": "verl-digen shards the trainer pool with digen.fsdp.enable=true",
     "actor_rollout_ref.actor.clip_ratio_low": "verl-digen clips symmetrically: use actor_rollout_ref.actor.clip_ratio",
     "actor_rollout_ref.actor.clip_ratio_high": "verl-digen clips symmetrically: use actor_rollout_ref.actor.clip_ratio",
+    "data.prompt_key": "verl-digen reads the prompt from the 'prompt' column (chat messages or a string)",
+    "critic.enable": "FlowGRPO has no critic (advantages are GRPO's)",
 }
 
 
@@ -310,7 +312,8 @@ def _derived_settings(config: Mapping[str, Any], digen: dict[str, Any], ours: di
 
     path, name, manager = _custom_reward(config)
     if path is not None:
-        spec = {"name": "custom", "kwargs": {"path": os.path.expanduser(str(path)), "function": str(name),
+        # Absolute against the directory the job was started from (workers may run elsewhere).
+        spec = {"name": "custom", "kwargs": {"path": os.path.abspath(os.path.expanduser(str(path))), "function": str(name),
                                              "batched": manager == "batch"}}
         kwargs = _get(config, "reward.custom_reward_function.reward_kwargs", None) or \
             _get(config, "custom_reward_function.reward_kwargs", None)

@@ -211,8 +211,9 @@ class DigenTrainer:
             self.checkpoints.note_sampler(prompts_until + 1, sampler.state_dict())
 
         self.checkpoints.note_sampler(first, sampler.state_dict())
-        if self.test_freq > 0 and first == 0 and self.trainer_cfg.get("val_before_train", False):
-            # veRL's key: validate the initial weights too (grid val_step000000.png; not a step's metrics).
+        if not self.emulated and first == 0 and self.trainer_cfg.get("val_before_train", False):
+            # veRL's key, with veRL's meaning (whatever trainer.test_freq says): validate the initial
+            # weights (grid val_step000000.png; not a step's metrics).
             self.val_before_train = self._validate(actors, 0)
             tracker.log(data=self.val_before_train, step=0)
             with open(os.path.join(self.output_dir, "val_before_train.json"), "w") as f:

@@ -1,8 +1,8 @@
 """Turn a composed config into what a run needs, failing before any worker starts.
 
-:func:`check_run_config` runs every check, for both entry points. Each function names the config key at fault: the number of steps, the model directory (or the
-tiny model built in its place), the prompt sets, the output directory, and a reachable remote
-reward.
+:func:`check_run_config` runs every check, for both entry points. Each function names the
+config key at fault: the number of steps, the model directory (or the tiny model built in its
+place), the prompt sets, the output directory, and a reachable remote reward.
 """
 
 from __future__ import annotations
