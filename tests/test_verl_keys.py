@@ -105,6 +105,14 @@ def test_custom_reward_keys_choose_the_custom_reward():
                                 "reward_kwargs": {"scale": 2}}
 
 
+def test_custom_reward_takes_the_video_fps_from_digen_and_refuses_a_second_reward():
+    kwargs = _resolved("reward.custom_reward_function.path=/r/my_reward.py",
+                       "+digen.reward.kwargs.fps=24").digen["reward"]["kwargs"]
+    assert kwargs["fps"] == 24 and kwargs["path"] == "/r/my_reward.py"
+    with pytest.raises(ConfigError, match=r"reward.custom_reward_function.path and digen.reward.\* both choose"):
+        _resolved("reward.custom_reward_function.path=/r/my_reward.py", "digen.reward.name=colorfulness")
+
+
 @pytest.mark.parametrize(("override", "message"), [
     ("actor_rollout_ref.rollout.name=vllm", r"actor_rollout_ref.rollout.name='vllm' cannot apply"),
     ("actor_rollout_ref.actor.ppo_epochs=2", r"actor_rollout_ref.actor.ppo_epochs=2 cannot apply.*default 1"),
