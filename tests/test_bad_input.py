@@ -97,9 +97,19 @@ def test_staleness_above_one_is_refused():
         _trainer("digen.placement=disaggregated", "digen.async.max_staleness=2")
 
 
-def test_missing_total_training_steps_is_named():
-    with pytest.raises(ConfigError, match=r"trainer.total_training_steps=None"):
-        _trainer("trainer.total_training_steps=null")
+def test_null_total_training_steps_counts_epochs_like_verl():
+    # veRL's rule: whole batches of the training prompts (32 built-in prompts, 4 per step), times the epochs.
+    assert _trainer("trainer.total_training_steps=null", "trainer.total_epochs=3").total_steps == 32 // 4 * 3
+
+
+def test_null_total_training_steps_without_epochs_is_named():
+    with pytest.raises(ConfigError, match=r"trainer.total_epochs=0"):
+        _trainer("trainer.total_training_steps=null", "trainer.total_epochs=0")
+
+
+def test_non_positive_total_training_steps_is_named():
+    with pytest.raises(ConfigError, match=r"trainer.total_training_steps=0"):
+        _trainer("trainer.total_training_steps=0")
 
 
 def test_main_cli_exits_2_with_the_message(tmp_path):

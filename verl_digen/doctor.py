@@ -30,6 +30,20 @@ def report() -> tuple[bool, list[str]]:
         )
         lines.append(f"plugin: NOT loaded by veRL: {why}")
 
+    if loaded:  # the digen trainer mode of main_ppo, and the one runtime patch (verl_digen/verl_hooks.py)
+        from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY  # importing v1 registers the mode
+        from verl.utils.config import validate_config
+
+        from verl_digen import verl_hooks
+
+        registered = "digen" in TRAINER_REGISTRY
+        wrapped = getattr(validate_config, "_digen_wrapped", False)
+        ok &= registered and wrapped
+        lines.append("main_ppo trainer.v1.trainer_mode=digen: " + ("registered" if registered else "NOT registered"))
+        lines.append("main_ppo validate_config: " + ("digen checks in the digen mode" if wrapped else "NOT wrapped"))
+        for module, error in verl_hooks.HOOK_ERRORS.items():
+            lines.append(f"  hook on {module} failed: {error}")
+
     import ray
     import torch
 

@@ -13,7 +13,8 @@ Importing this package registers the built-in rewards:
 * ``pickscore``, ``hpsv2``, ``aesthetic`` (preference models, local transformers checkpoints; HPSv2.1
   also from its open_clip ``.pt``), ``imagereward`` (ImageReward's ``.pt`` on transformers' BLIP),
 * ``vlm_judge`` (a VLM behind an OpenAI-compatible endpoint; UnifiedReward template),
-* ``weighted`` (weighted sum of other rewards).
+* ``weighted`` (weighted sum of other rewards),
+* ``custom`` (a ``compute_score`` function from a user's file, veRL's ``reward.custom_reward_function``).
 
 Build one with :func:`build_reward` or :func:`build_reward_from_config`.
 """
@@ -27,6 +28,7 @@ from verl_digen.rewards.base import (
     registered_rewards,
     reward_class,
 )
+from verl_digen.rewards.custom import CustomFunctionReward, CustomRewardError
 from verl_digen.rewards.clip_score import ClipScoreReward, build_tiny_clip
 from verl_digen.rewards.digits import DigitClassifierReward, requested_digit
 from verl_digen.rewards.http_client import (
@@ -78,4 +80,6 @@ __all__ = [
     "safe_loads",
     "safe_dumps",
     "WeightedReward",
+    "CustomFunctionReward",
+    "CustomRewardError",
 ]

@@ -26,10 +26,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from verl_digen.config.schema import ConfigError, digen_config_from_dict
-from verl_digen.placement.pools import cluster_from_trainer_config, pool_layout
+from verl_digen.config.schema import ConfigError
+from verl_digen.config.verl_keys import DIGEN_MAIN, MAIN_PPO
 from verl_digen.schedule.driver import StepDriver
 from verl_digen.schedule.elastic import balanced_spec
 from verl_digen.schedule.plan import TaskKind, WorkerId, group_ids
@@ -65,39 +65,36 @@ class DigenTrainer:
     ``DiffusionWorker`` groups.
     """
 
-    def __init__(self, config: DictConfig, worker_groups: runtime.WorkerGroupFactory | None = None) -> None:
-        container = OmegaConf.to_container(config, resolve=True)
-        assert isinstance(container, dict)
-        self.full_config = container
+    def __init__(self, config: DictConfig, worker_groups: runtime.WorkerGroupFactory | None = None,
+                 entry: str = DIGEN_MAIN) -> None:
+        checked = resolve.check_run_config(config, entry)
+        self.full_config = checked.container
         self.trainer_cfg = config.trainer
-        self.cfg = cfg = digen_config_from_dict(container.get("digen"))
-        self.total_steps = resolve.total_steps(self.trainer_cfg)
-        resolve.check_loggers(self.trainer_cfg)
-        self.cluster = cluster_from_trainer_config(self.trainer_cfg)
-        self.layout = pool_layout(cfg, self.cluster)
+        self.run_config = checked.run_config
+        try:
+            self._prepare(checked, worker_groups, entry)
+        except (ConfigError, FileNotFoundError) as e:  # name the key the user wrote (veRL's or ours)
+            raise type(e)(self.run_config.rename(str(e))) from None
+
+    def _prepare(self, checked: resolve.CheckedRun, worker_groups: runtime.WorkerGroupFactory | None, entry: str) -> None:
+        self.cfg = cfg = checked.cfg
+        self.layout = checked.layout
+        self.cluster = checked.cluster
         self.trainer_device = str(self.trainer_cfg.get("device", "cuda"))
-        if self.trainer_device not in runtime.DEVICES:  # checked before anything starts
-            raise ConfigError(f"invalid config: trainer.device={self.trainer_device!r}; valid: {', '.join(runtime.DEVICES)}")
-        ray_init = (container.get("ray_kwargs") or {}).get("ray_init") or {}
+        ray_init = (checked.container.get("ray_kwargs") or {}).get("ray_init") or {}
         self.ray_address, self.ray_num_cpus = ray_init.get("address"), ray_init.get("num_cpus")
         self.spec = self.layout.spec
-        self.prompt_records = resolve.resolve_prompt_records(cfg)  # each prompt's record: its rewards' metadata
+        self.prompt_records = checked.prompt_records  # each prompt's record: its rewards' metadata
+        self.total_steps = checked.total_steps
         self.prompts = [record["prompt"] for record in self.prompt_records]
         self.emulated = cfg.emulate.model is not None
         self.test_freq = -1 if self.emulated else int(self.trainer_cfg.get("test_freq", -1) or -1)
-        self.val_records = resolve.resolve_prompt_records(cfg, cfg.validation.prompts)[: cfg.validation.num_prompts]
+        self.val_records = checked.val_records
         self.val_prompts = [record["prompt"] for record in self.val_records]
-        resolve.preflight_reward(cfg)
-        # An emulated cluster has no model, no weights to save and nothing to resume.
-        self.model_path = "<emulated>" if self.emulated else resolve.resolve_model_path(cfg)
-        if not self.emulated and cfg.model.path is not None and cfg.memory.check:
-            # Before any worker (or Ray) starts: every role's per-GPU peak at this model's size
-            # must fit the GPU (MemoryPlanError names the knob). The built-in tiny models
-            # (no model.path) are kilobytes: nothing to check.
-            from verl_digen.memory import check_job_memory
-
-            check_job_memory(cfg, devices_per_node=int(self.trainer_cfg.n_gpus_per_node),
-                             nnodes=int(self.trainer_cfg.get("nnodes", 1) or 1), model_path=self.model_path)
+        self.model_path = checked.model_path
+        if cfg.model.path is None and not self.emulated and entry == MAIN_PPO:
+            print(f"[verl-digen] actor_rollout_ref.model.path is at veRL's default: training the tiny "
+                  f"random {cfg.model.tiny_arch} model ({self.model_path})", flush=True)
         self.output_dir = resolve.output_dir_for(cfg, self.trainer_cfg)
         self.worker_groups = worker_groups
         root = str(self.trainer_cfg.default_local_dir)
@@ -219,8 +216,9 @@ class DigenTrainer:
             self.checkpoints.note_sampler(prompts_until + 1, sampler.state_dict())
 
         self.checkpoints.note_sampler(first, sampler.state_dict())
-        if self.test_freq > 0 and first == 0 and self.trainer_cfg.get("val_before_train", False):
-            # veRL's key: validate the initial weights too (grid val_step000000.png; not a step's metrics).
+        if not self.emulated and first == 0 and self.trainer_cfg.get("val_before_train", False):
+            # veRL's key, with veRL's meaning (whatever trainer.test_freq says): validate the initial
+            # weights (grid val_step000000.png; not a step's metrics).
             self.val_before_train = self._validate(actors, 0)
             tracker.log(data=self.val_before_train, step=0)
             with open(os.path.join(self.output_dir, "val_before_train.json"), "w") as f:
@@ -325,5 +323,6 @@ class DigenTrainer:
                    title=f"{self.spec.name}, {self.spec.devices} devices, steps {first + 1}-{self.total_steps}")
 
 
-def run_training(config: DictConfig, worker_groups: runtime.WorkerGroupFactory | None = None) -> RunResult:
-    return DigenTrainer(config, worker_groups).run()
+def run_training(config: DictConfig, worker_groups: runtime.WorkerGroupFactory | None = None,
+                 entry: str = DIGEN_MAIN) -> RunResult:
+    return DigenTrainer(config, worker_groups, entry).run()

@@ -185,7 +185,8 @@ class RayPlanExecutor(PlanRunner):
             ) from e
         except ray.exceptions.RayTaskError as e:
             raise WorkerFailure(
-                f"task {task.id} failed on {', '.join(str(w) for w in task.workers)}: {e.cause!r}"
+                f"task {task.id} failed on {', '.join(str(w) for w in task.workers)}: "
+                f"{type(e.cause).__name__}: {e.cause}"  # str, not repr: a traceback inside keeps its lines
             ) from e
 
     # ------------------------------------------------------------------ collect

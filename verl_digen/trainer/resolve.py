@@ -1,21 +1,37 @@
 """Turn a composed config into what a run needs, failing before any worker starts.
 
-Each function names the config key at fault: the number of steps, the model directory (a local
-directory, a hub id resolved to its snapshot in the Hugging Face cache, or the tiny model built in
-its place), the prompt sets, the output directory, and a reachable remote reward.
+:func:`check_run_config` runs every check, for both entry points. Each function names the
+config key at fault: the number of steps, the model directory (a local directory, a hub id
+resolved to its snapshot in the Hugging Face cache, or the tiny model built in its place), the
+prompt sets, the output directory, a reachable remote reward, and whether every role fits its
+GPU's memory.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
-from verl_digen.config.schema import ConfigError, DigenConfig
+from verl_digen.config.schema import ConfigError, DigenConfig, digen_config_from_dict
+from verl_digen.config.verl_keys import DIGEN_MAIN, RunConfig, resolve_run_config
 
 
-def total_steps(trainer_cfg: Any) -> int:
+def total_steps(trainer_cfg: Any, num_prompts: int, groups_per_step: int) -> int:
+    """``trainer.total_training_steps``, or, when it is null, veRL's rule: the steps of
+    ``trainer.total_epochs`` epochs of whole batches (``num_prompts // train_batch_size`` each)."""
     steps = trainer_cfg.get("total_training_steps")
+    if steps is None:
+        epochs = trainer_cfg.get("total_epochs")
+        if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
+            raise ConfigError(f"invalid config: trainer.total_epochs={epochs!r}; must be a positive integer "
+                              "(or set trainer.total_training_steps)")
+        steps = num_prompts // groups_per_step * epochs
+        if steps < 1:
+            raise ConfigError(f"invalid config: trainer.total_training_steps=None: {num_prompts} training prompts "
+                              f"make no whole batch of data.train_batch_size={groups_per_step}")
+        return steps
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ConfigError(f"invalid config: trainer.total_training_steps={steps!r}; must be a positive integer")
     return steps
@@ -174,10 +190,73 @@ def output_dir_for(cfg: DigenConfig, trainer_cfg: Any) -> str:
 
 
 def preflight_reward(cfg: DigenConfig) -> None:
-    """Fail before any worker starts when a remote reward (HTTP server, VLM judge) is unreachable."""
+    """Fail before any worker starts when a remote reward (HTTP server, VLM judge) is unreachable, or a
+    custom reward file does not load."""
     from verl_digen.rewards import build_reward
 
     specs = [{"name": cfg.reward.name, "kwargs": cfg.reward.kwargs}] + list(cfg.reward.components)
     for spec in specs:
         if spec.get("name") in ("http", "vlm_judge"):
             build_reward(spec["name"], **dict(spec.get("kwargs") or {})).check_reachable()
+        elif spec.get("name") == "custom":  # the user's file loads and defines the function
+            try:
+                build_reward("custom", **dict(spec.get("kwargs") or {}))
+            except (ValueError, TypeError) as e:
+                raise ConfigError(f"invalid config: {e}") from None
+
+
+@dataclass
+class CheckedRun:
+    """A run's config, checked before anything starts (see :func:`check_run_config`)."""
+
+    container: dict[str, Any]  # the whole config, resolved, as plain data
+    run_config: RunConfig  # the digen mapping with veRL's keys applied, and where each came from
+    cfg: DigenConfig
+    layout: Any  # verl_digen.placement.pools.PoolLayout
+    cluster: Any  # verl_digen.placement.pools.ClusterSpec: trainer.nnodes x trainer.n_gpus_per_node
+    prompt_records: list[dict[str, Any]]
+    val_records: list[dict[str, Any]]
+    total_steps: int
+    model_path: str
+
+
+def check_run_config(config: Any, entry: str = DIGEN_MAIN) -> CheckedRun:
+    """Every check a run makes before Ray starts, writing nothing: veRL's keys mapped onto ours
+    (and the ones that cannot apply refused), the typed config, the pools against the cluster,
+    the prompt files, the step count, the reward (a custom file loads, a server answers) and the
+    model directory (the tiny model is built when none is given). Errors name the key the user
+    wrote. Both entry points run it: ``verl_digen.main`` through :class:`DigenTrainer`, and
+    ``main_ppo`` in its driver, as the digen mode's ``validate_config`` (:mod:`verl_digen.verl_hooks`)."""
+    from omegaconf import OmegaConf
+
+    from verl_digen.placement.pools import cluster_from_trainer_config, pool_layout
+
+    container = OmegaConf.to_container(config, resolve=True)
+    assert isinstance(container, dict)
+    run_config = resolve_run_config(container, entry)
+    try:
+        cfg = digen_config_from_dict(run_config.digen)
+        check_loggers(config.trainer)
+        from verl_digen.trainer.runtime import DEVICES
+
+        device = str(config.trainer.get("device", "cuda"))
+        if device not in DEVICES:
+            raise ConfigError(f"invalid config: trainer.device={device!r}; valid: {', '.join(DEVICES)}")
+        cluster = cluster_from_trainer_config(config.trainer)
+        layout = pool_layout(cfg, cluster)
+        records = resolve_prompt_records(cfg)
+        steps = total_steps(config.trainer, len(records), cfg.batch.groups_per_step)
+        val_records = resolve_prompt_records(cfg, cfg.validation.prompts)[: cfg.validation.num_prompts]
+        preflight_reward(cfg)
+        # An emulated cluster has no model, no weights to save and nothing to resume.
+        model_path = "<emulated>" if cfg.emulate.model is not None else resolve_model_path(cfg)
+        if cfg.emulate.model is None and cfg.model.path is not None and cfg.memory.check:
+            # Every role's per-GPU peak at this model's size must fit the GPU (MemoryPlanError
+            # names the knob). The built-in tiny models (no model.path) are kilobytes.
+            from verl_digen.memory import check_job_memory
+
+            check_job_memory(cfg, devices_per_node=int(config.trainer.n_gpus_per_node),
+                             nnodes=int(config.trainer.get("nnodes", 1) or 1), model_path=model_path)
+    except (ConfigError, FileNotFoundError) as e:
+        raise type(e)(run_config.rename(str(e))) from None
+    return CheckedRun(container, run_config, cfg, layout, cluster, records, val_records, steps, model_path)

@@ -1,0 +1,221 @@
+"""veRL's keys map onto ours (one source of truth per setting), keys that cannot apply are
+refused by name, the digen trainer mode is registered in veRL's registry, and veRL's
+``validate_config`` defers to the digen mode's checks only in that mode."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from omegaconf import OmegaConf
+
+from verl_digen.config.compose import compose_config
+from verl_digen.config.schema import ConfigError
+from verl_digen.config.verl_keys import MAIN_PPO, MAPPED, READ_DIRECTLY, resolve_run_config, verl_defaults
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _resolved(*overrides: str, entry: str = "verl_digen.main"):
+    return resolve_run_config(OmegaConf.to_container(compose_config(list(overrides)), resolve=True), entry)
+
+
+def test_verl_defaults_file_is_veRL_composed_ppo_trainer():
+    """The mapping compares against veRL's _generated_ppo_trainer.yaml: it must be what Hydra composes."""
+    import verl
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(os.path.join(os.path.dirname(verl.__file__), "trainer", "config"), version_base=None):
+        composed = OmegaConf.to_container(compose("ppo_trainer"), resolve=False)
+    GlobalHydra.instance().clear()
+    composed.pop("model_engine")  # a defaults-list choice, not a setting
+    assert composed == verl_defaults()
+
+
+@pytest.mark.parametrize(("override", "digen_key", "value"), [
+    ("actor_rollout_ref.model.path=/models/FLUX.1-dev", "model.path", "/models/FLUX.1-dev"),
+    ("actor_rollout_ref.model.lora_rank=32", "model.lora.rank", 32),
+    ("actor_rollout_ref.model.lora_alpha=64", "model.lora.alpha", 64),
+    ("actor_rollout_ref.model.target_modules=[to_q,to_v]", "model.lora.target_modules", ["to_q", "to_v"]),
+    ("actor_rollout_ref.actor.optim.lr=3e-4", "algo.lr", 3e-4),
+    ("actor_rollout_ref.actor.optim.weight_decay=0.0", "algo.weight_decay", 0.0),
+    ("actor_rollout_ref.actor.optim.betas=[0.8,0.99]", "algo.betas", [0.8, 0.99]),
+    ("actor_rollout_ref.actor.optim.clip_grad=2.0", "algo.max_grad_norm", 2.0),
+    ("actor_rollout_ref.actor.optim.optimizer=SGD", "algo.optimizer", "sgd"),
+    ("actor_rollout_ref.actor.clip_ratio=0.0002", "algo.clip_range", 0.0002),
+    ("actor_rollout_ref.rollout.n=8", "batch.group_size", 8),
+    ("data.train_batch_size=8", "batch.groups_per_step", 8),
+    ("data.train_files=[/data/train.parquet]", "data.prompts", "/data/train.parquet"),
+    ("data.val_files=/data/val.parquet", "validation.prompts", "/data/val.parquet"),
+    ("data.shuffle=false", "data.shuffle", False),
+    ("data.seed=7", "seed", 7),
+    ("algorithm.norm_adv_by_std_in_grpo=false", "algo.std_mode", "none"),
+    ("ray_kwargs.ray_init.num_cpus=12", "ray_num_cpus", 12),
+])
+def test_a_verl_key_sets_its_digen_setting(override, digen_key, value):
+    digen = _resolved(override).digen
+    node = digen
+    for part in digen_key.split("."):
+        node = node[part]
+    assert node == value
+
+
+def test_kl_loss_maps_to_kl_beta_and_coef_alone_is_refused():
+    assert _resolved("actor_rollout_ref.actor.use_kl_loss=true",
+                     "actor_rollout_ref.actor.kl_loss_coef=0.04").digen["algo"]["kl_beta"] == 0.04
+    with pytest.raises(ConfigError, match=r"kl_loss_coef=0.04 has no effect without .*use_kl_loss=true"):
+        _resolved("actor_rollout_ref.actor.kl_loss_coef=0.04")
+
+
+def test_batch_sizes_in_samples_become_whole_groups():
+    batch = _resolved("actor_rollout_ref.rollout.n=4", "data.train_batch_size=4",
+                      "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                      "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+                      "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8").digen["batch"]
+    assert (batch["group_size"], batch["groups_per_step"], batch["train_micro_batch_groups"],
+            batch["groups_per_task"]) == (4, 4, 2, 2)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=6"],
+     r"ppo_micro_batch_size_per_gpu=6; must be a positive multiple of actor_rollout_ref.rollout.n=4"),
+    (["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2"],
+     r"ppo_mini_batch_size=2; must equal data.train_batch_size=4"),
+    (["actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+      "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8"],
+     r"ref.log_prob_micro_batch_size_per_gpu=8; must equal .*ppo_micro_batch_size_per_gpu=4"),
+])
+def test_batch_sizes_that_do_not_fit_whole_groups_are_named(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        _resolved(*overrides)
+
+
+def test_a_verl_key_and_its_digen_twin_set_differently_are_refused():
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.model.path='/a' and digen.model.path='/b' are the same"):
+        _resolved("actor_rollout_ref.model.path=/a", "digen.model.path=/b")
+
+
+def test_custom_reward_keys_choose_the_custom_reward():
+    reward = _resolved("reward.custom_reward_function.path=/r/my_reward.py", "reward.reward_manager.name=batch",
+                       "+reward.custom_reward_function.reward_kwargs.scale=2").digen["reward"]
+    assert reward["name"] == "custom"
+    assert reward["kwargs"] == {"path": "/r/my_reward.py", "function": "compute_score", "batched": True,
+                                "reward_kwargs": {"scale": 2}}
+
+
+def test_custom_reward_takes_the_video_fps_from_digen_and_refuses_a_second_reward():
+    kwargs = _resolved("reward.custom_reward_function.path=/r/my_reward.py",
+                       "+digen.reward.kwargs.fps=24").digen["reward"]["kwargs"]
+    assert kwargs["fps"] == 24 and kwargs["path"] == "/r/my_reward.py"
+    with pytest.raises(ConfigError, match=r"reward.custom_reward_function.path and digen.reward.\* both choose"):
+        _resolved("reward.custom_reward_function.path=/r/my_reward.py", "digen.reward.name=colorfulness")
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("actor_rollout_ref.rollout.name=vllm", r"actor_rollout_ref.rollout.name='vllm' cannot apply"),
+    ("actor_rollout_ref.actor.ppo_epochs=2", r"actor_rollout_ref.actor.ppo_epochs=2 cannot apply.*default 1"),
+    ("algorithm.gamma=0.9", r"algorithm.gamma=0.9 cannot apply"),
+    ("algorithm.adv_estimator=rloo", r"algorithm.adv_estimator='rloo'.*grpo"),
+    ("data.max_prompt_length=77", r"data.max_prompt_length=77 cannot apply"),
+    ("reward.reward_manager.name=dapo", r"reward.reward_manager.name='dapo'"),
+    ("+actor_rollout_ref.foo=1", r"actor_rollout_ref.foo=1 cannot apply: it is not a veRL key"),
+    ("trainer.device=npu", r"trainer.device='npu'; valid: cuda, cpu"),
+])
+def test_a_verl_key_that_cannot_apply_is_named(override, message):
+    with pytest.raises(ConfigError, match=message):
+        _resolved(override)
+
+
+def test_verl_infrastructure_keys_are_left_to_verl_under_main_ppo_only():
+    # main_ppo starts Ray and TransferQueue itself from these; verl_digen.main would ignore them.
+    _resolved("transfer_queue.backend.SimpleStorage.num_data_storage_units=1", "trainer.v1.trainer_mode=digen",
+              entry=MAIN_PPO)
+    with pytest.raises(ConfigError, match=r"transfer_queue.backend.SimpleStorage.num_data_storage_units=1"):
+        _resolved("transfer_queue.backend.SimpleStorage.num_data_storage_units=1")
+
+
+def test_errors_name_the_verl_key_the_user_wrote():
+    from verl_digen.trainer.loop import DigenTrainer
+
+    with pytest.raises(ConfigError, match=r"^invalid config: data.train_batch_size=0; must be >= 1"):
+        DigenTrainer(compose_config(["data.train_batch_size=0"]))
+    with pytest.raises(FileNotFoundError, match=r"^data.train_files: prompt file '/no/such.parquet' does not exist"):
+        DigenTrainer(compose_config(["data.train_files=/no/such.parquet"]))
+
+
+def test_the_mapping_table_in_docs_lists_every_key():
+    with open(os.path.join(REPO, "docs", "verl_keys.md")) as f:
+        table = f.read()
+    missing = [k for k in [row.verl_key for row in MAPPED] + list(READ_DIRECTLY) if f"`{k}`" not in table]
+    assert not missing, f"docs/verl_keys.md lacks {missing}"
+
+
+# ------------------------------------------------------------------------- hooks into veRL
+
+
+def test_digen_mode_is_in_veRL_trainer_registry():
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    from verl_digen import verl_hooks
+    from verl_digen.trainer.verl_mode import DigenPPOTrainer
+
+    assert get_trainer_cls("digen") is DigenPPOTrainer
+    assert verl_hooks.HOOK_ERRORS == {}
+
+
+def _verl_config(*overrides: str):
+    import verl
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(os.path.join(os.path.dirname(verl.__file__), "trainer", "config"), version_base=None):
+        config = compose("ppo_trainer", overrides=list(overrides))
+    GlobalHydra.instance().clear()
+    return config
+
+
+def test_validate_config_runs_the_digen_checks_in_the_digen_mode_only():
+    """main_ppo binds verl.utils.config.validate_config at import; the plugin wrapped it by then."""
+    from verl.utils.config import validate_config
+
+    assert getattr(validate_config, "_digen_wrapped", False)
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.actor.ppo_epochs=3 cannot apply"):
+        validate_config(_verl_config("trainer.v1.trainer_mode=digen", "actor_rollout_ref.actor.ppo_epochs=3"),
+                        use_reference_policy=False, use_critic=True)
+    # Any other mode: veRL's own checks (here: its rule that a batch fills every device).
+    with pytest.raises(AssertionError, match="real_train_batch_size"):
+        validate_config(_verl_config("data.train_batch_size=3", "trainer.n_gpus_per_node=2"),
+                        use_reference_policy=False, use_critic=False)
+
+
+def test_digen_mode_needs_no_critic_and_no_llm_keys_from_the_user(tmp_path, tiny_flux):
+    """veRL's defaults (adv_estimator=gae: a critic; no log-prob micro-batch sizes) pass the digen mode's checks."""
+    from verl.utils.config import validate_config
+
+    validate_config(_verl_config("trainer.v1.trainer_mode=digen", "trainer.total_training_steps=1",
+                                 f"trainer.default_local_dir={tmp_path}"), use_reference_policy=False, use_critic=True)
+
+
+def test_the_verl_hooks_we_rely_on_have_not_moved():
+    """veRL symbols the digen mode relies on; fail here, not deep in a run, when veRL changes them."""
+    import inspect
+
+    from verl.trainer import main_ppo
+    from verl.trainer.ppo.v1 import trainer_base
+    from verl.utils import config as verl_config
+    from verl.utils.import_utils import load_extern_object
+
+    assert callable(trainer_base.register_trainer) and isinstance(trainer_base.TRAINER_REGISTRY, dict)
+    wrapped = inspect.unwrap(verl_config.validate_config)
+    assert list(inspect.signature(wrapped).parameters) == ["config", "use_reference_policy", "use_critic"]
+    source = inspect.getsource(main_ppo)
+    # main_ppo validates in its driver with the module-level function, then the TaskRunner builds the
+    # trainer, asks it for LLM clients, builds the manager class named in config and calls fit.
+    for line in ("from verl.utils.config import validate_config", "get_trainer_cls(config.trainer.v1.trainer_mode)",
+                 'get("agent", {}).get("agent_loop_manager_class")', "llm_client=self.trainer.get_llm_client()",
+                 "self.trainer.fit(self.agent_loop_manager)"):
+        assert line in source, line
+    assert list(inspect.signature(load_extern_object).parameters) == ["module_path", "object_name"]

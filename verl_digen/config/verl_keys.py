@@ -1,0 +1,409 @@
+"""veRL's keys, mapped onto ours: one source of truth per setting.
+
+A run's config is veRL's ``ppo_trainer`` config plus our ``digen`` group, whichever entry
+point composed it (``python -m verl.trainer.main_ppo trainer.v1.trainer_mode=digen`` or
+``python -m verl_digen.main``). Every veRL key that means something for diffusion RL is
+listed in :data:`MAPPED` with the ``digen.*`` field it sets; :func:`resolve_run_config` applies
+them. A veRL key left at veRL's default sets nothing (the ``digen`` default stands). A key set
+both ways to different values is a :class:`ConfigError` naming both. Any other veRL key set
+to a value other than veRL's default cannot apply and is a :class:`ConfigError` naming it:
+nothing is silently ignored. ``docs/verl_keys.md`` is the table of this module.
+
+veRL's defaults are read from ``_generated_ppo_trainer.yaml``, the fully composed default
+config veRL ships next to ``ppo_trainer.yaml`` (its CI keeps the two equal; a test here checks
+it too). Values that are interpolations there (``${...}``) follow other keys and are not
+compared themselves.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from verl_digen.config.schema import ConfigError, hydra_defaults
+
+# The two ways in: veRL's own entry point running our trainer mode, or our short form.
+MAIN_PPO = "main_ppo"
+DIGEN_MAIN = "verl_digen.main"
+
+TRAINER_MODE = "digen"
+# The agent loop manager veRL's TaskRunner builds for this mode (see verl_digen.trainer.verl_mode).
+AGENT_LOOP_MANAGER = "verl_digen.trainer.verl_mode.DiffusionAgentLoopManager"
+_MANAGER_KEY = "actor_rollout_ref.rollout.agent.agent_loop_manager_class"
+
+_UNSET = object()
+
+
+@dataclass(frozen=True)
+class Mapped:
+    """One row of the table: the veRL key, the ``digen.*`` key it sets, and how."""
+
+    verl_key: str
+    digen_key: str
+    meaning: str
+    convert: Callable[[Any, Mapping[str, Any]], Any] | None = None  # (value, whole config) -> digen value
+
+
+def _optimizer(value: Any, _: Mapping[str, Any]) -> str:
+    names = {"adamw": "adamw", "sgd": "sgd"}
+    if str(value).lower() not in names:
+        raise ConfigError(f"invalid config: actor_rollout_ref.actor.optim.optimizer={value!r}; valid here: AdamW, SGD")
+    return names[str(value).lower()]
+
+
+def _target_modules(value: Any, _: Mapping[str, Any]) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    return list(value)
+
+
+def _one_file(key: str) -> Callable[[Any, Mapping[str, Any]], str]:
+    def convert(value: Any, _: Mapping[str, Any]) -> str:
+        files = [value] if isinstance(value, str) else list(value)
+        if len(files) != 1:
+            raise ConfigError(f"invalid config: {key}={value!r}; verl-digen reads one prompt file (join them first)")
+        return os.path.expanduser(str(files[0]))
+
+    return convert
+
+
+def _std_mode(value: Any, _: Mapping[str, Any]) -> str:
+    return "group" if value else "none"
+
+
+MAPPED: tuple[Mapped, ...] = (
+    Mapped("actor_rollout_ref.model.path", "digen.model.path", "diffusers model directory",
+           lambda v, _: os.path.expanduser(str(v))),
+    Mapped("actor_rollout_ref.model.lora_rank", "digen.model.lora.rank", "LoRA rank (> 0 turns LoRA on)"),
+    Mapped("actor_rollout_ref.model.lora_alpha", "digen.model.lora.alpha", "LoRA alpha"),
+    Mapped("actor_rollout_ref.model.target_modules", "digen.model.lora.target_modules",
+           "LoRA target modules (diffusers module names)", _target_modules),
+    Mapped("actor_rollout_ref.actor.optim.lr", "digen.algo.lr", "learning rate"),
+    Mapped("actor_rollout_ref.actor.optim.weight_decay", "digen.algo.weight_decay", "weight decay"),
+    Mapped("actor_rollout_ref.actor.optim.betas", "digen.algo.betas", "Adam betas", lambda v, _: [float(b) for b in v]),
+    Mapped("actor_rollout_ref.actor.optim.clip_grad", "digen.algo.max_grad_norm", "gradient-norm clip"),
+    Mapped("actor_rollout_ref.actor.grad_clip", "digen.algo.max_grad_norm", "gradient-norm clip"),
+    Mapped("actor_rollout_ref.actor.optim.optimizer", "digen.algo.optimizer", "AdamW or SGD", _optimizer),
+    Mapped("actor_rollout_ref.actor.clip_ratio", "digen.algo.clip_range", "PPO clip range (Flow-GRPO: about 1e-4)"),
+    Mapped("actor_rollout_ref.actor.use_kl_loss", "digen.algo.kl_beta",
+           "KL to the frozen reference on (with kl_loss_coef as beta)", lambda v, c: _kl_beta(c)),
+    Mapped("actor_rollout_ref.actor.kl_loss_coef", "digen.algo.kl_beta", "KL beta (needs use_kl_loss=true)",
+           lambda v, c: _kl_beta(c)),
+    Mapped("actor_rollout_ref.rollout.n", "digen.batch.group_size", "images per prompt (GRPO group)"),
+    Mapped("data.train_batch_size", "digen.batch.groups_per_step", "prompts per step"),
+    Mapped("data.train_files", "digen.data.prompts", "training prompts (.parquet in veRL's format, .jsonl, .txt)",
+           _one_file("data.train_files")),
+    Mapped("data.val_files", "digen.validation.prompts", "validation prompts", _one_file("data.val_files")),
+    Mapped("data.shuffle", "digen.data.shuffle", "shuffle the prompts every epoch"),
+    Mapped("data.seed", "digen.seed", "seed"),
+    Mapped("algorithm.norm_adv_by_std_in_grpo", "digen.algo.std_mode", "true: group std (group), false: none",
+           _std_mode),
+    Mapped("ray_kwargs.ray_init.num_cpus", "digen.ray_num_cpus", "Ray CPUs (verl_digen.main starts Ray; "
+           "main_ppo hands it to ray.init itself)"),
+)
+
+# veRL keys whose value we check or read but that set no digen.* field (see _derived_settings
+# and the loop, which reads trainer.* itself).
+READ_DIRECTLY: dict[str, str] = {
+    "actor_rollout_ref.actor.ppo_mini_batch_size": "must equal data.train_batch_size: one optimizer step per step",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu":
+        "samples per trainer micro-batch: a multiple of rollout.n -> digen.batch.train_micro_batch_groups",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu":
+        "samples per rollout generate call (log-probs are recorded while sampling): a multiple of rollout.n "
+        "-> digen.batch.groups_per_task",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu":
+        "reference log-probs are computed inside each trainer micro-batch: must equal ppo_micro_batch_size_per_gpu",
+    "actor_rollout_ref.rollout.name": "unset, or hf (generation runs in diffusers inside our workers)",
+    "algorithm.adv_estimator": "grpo (veRL's default gae reads as unset: advantages are always GRPO's)",
+    "reward.custom_reward_function.path": "a Python file -> digen.reward.name=custom",
+    "reward.custom_reward_function.name": "the function in it (default compute_score)",
+    "reward.reward_manager.name": "naive (per sample, default) or batch (the batched form)",
+    "custom_reward_function.path": "veRL's legacy spelling of reward.custom_reward_function.path",
+    "custom_reward_function.name": "veRL's legacy spelling of reward.custom_reward_function.name",
+    "trainer.total_training_steps": "steps (null: len(train prompts) // train_batch_size * total_epochs)",
+    "trainer.total_epochs": "epochs when total_training_steps is null",
+    "trainer.project_name": "tracking project / run directory",
+    "trainer.experiment_name": "tracking experiment / run directory",
+    "trainer.logger": "veRL's Tracking backends",
+    "trainer.n_gpus_per_node": "devices per node (CPU slots on a CPU machine)",
+    "trainer.nnodes": "nodes",
+    "trainer.device": "cuda (GPUs when present) or cpu (CPU slots even on a GPU machine)",
+    "trainer.val_before_train": "validate the initial weights (with trainer.test_freq > 0)",
+    "trainer.test_freq": "validate every N steps",
+    "trainer.save_freq": "checkpoint every N steps",
+    "trainer.resume_mode": "auto | disable | resume_path",
+    "trainer.resume_from_path": "checkpoint to resume with resume_mode=resume_path",
+    "trainer.default_local_dir": "checkpoint root",
+    "trainer.max_actor_ckpt_to_keep": "checkpoints kept",
+    "trainer.v1.trainer_mode": "digen (veRL's entry point); sync (its default) is accepted by verl_digen.main",
+    _MANAGER_KEY: f"defaulted by the plugin to {AGENT_LOOP_MANAGER}",
+}
+
+# Subtrees veRL's own entry point consumes before our trainer starts: they mean what veRL
+# says under main_ppo, and nothing under verl_digen.main (which starts Ray itself).
+_MAIN_PPO_ONLY = ("ray_kwargs", "transfer_queue")
+
+_HINTS = {
+    "actor_rollout_ref.rollout.name": "generation runs in diffusers inside verl-digen's workers; leave it unset (or hf)",
+    "actor_rollout_ref.model.lora.rank": "use actor_rollout_ref.model.lora_rank",
+    "actor_rollout_ref.actor.strategy": "verl-digen shards the trainer pool with digen.fsdp.enable=true",
+    "actor_rollout_ref.actor.clip_ratio_low": "verl-digen clips symmetrically: use actor_rollout_ref.actor.clip_ratio",
+    "actor_rollout_ref.actor.clip_ratio_high": "verl-digen clips symmetrically: use actor_rollout_ref.actor.clip_ratio",
+    "data.prompt_key": "verl-digen reads the prompt from the 'prompt' column (chat messages or a string)",
+    "critic.enable": "FlowGRPO has no critic (advantages are GRPO's)",
+}
+
+
+@functools.lru_cache(maxsize=1)
+def _verl_defaults_cached() -> dict[str, Any]:
+    import verl
+    from omegaconf import OmegaConf
+
+    path = os.path.join(os.path.dirname(verl.__file__), "trainer", "config", "_generated_ppo_trainer.yaml")
+    if not os.path.isfile(path):
+        raise RuntimeError(f"veRL's composed default config {path} is missing; verl-digen is pinned to veRL 0.9.x")
+    data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    assert isinstance(data, dict)
+    return data
+
+
+def verl_defaults() -> dict[str, Any]:
+    """veRL's composed ``ppo_trainer`` defaults, unresolved (a fresh copy)."""
+    return copy.deepcopy(_verl_defaults_cached())
+
+
+def _get(tree: Mapping[str, Any], key: str, default: Any = _UNSET) -> Any:
+    node: Any = tree
+    for part in key.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def _set(tree: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    for part in parts[:-1]:
+        tree = tree.setdefault(part, {})
+    tree[parts[-1]] = value
+
+
+def _is_set(config: Mapping[str, Any], key: str) -> bool:
+    """The key holds a value other than veRL's default."""
+    return _differs(_get(config, key), _get(_verl_defaults_cached(), key))
+
+
+def _differs(value: Any, default: Any) -> bool:
+    if default is _UNSET:
+        return value is not _UNSET
+    if isinstance(default, str) and "${" in default:
+        return False  # an interpolation in veRL's defaults: it follows the key it names
+    return value != default
+
+
+def _kl_beta(config: Mapping[str, Any]) -> float:
+    if not _get(config, "actor_rollout_ref.actor.use_kl_loss", False):
+        raise ConfigError(
+            "invalid config: actor_rollout_ref.actor.kl_loss_coef="
+            f"{_get(config, 'actor_rollout_ref.actor.kl_loss_coef')!r} has no effect without "
+            "actor_rollout_ref.actor.use_kl_loss=true"
+        )
+    return float(_get(config, "actor_rollout_ref.actor.kl_loss_coef"))
+
+
+@dataclass
+class RunConfig:
+    """What a run reads: the ``digen`` mapping with veRL's keys applied, and, for every
+    ``digen.*`` key a veRL key set, that veRL key (errors name the key the user wrote)."""
+
+    digen: dict[str, Any]
+    origins: dict[str, str]
+
+    def user_key(self, digen_key: str) -> str:
+        return self.origins.get(digen_key, digen_key)
+
+    def rename(self, message: str) -> str:
+        """A message about ``digen.*`` keys, naming the veRL keys the user set instead."""
+        for digen_key in sorted(self.origins, key=len, reverse=True):
+            message = message.replace(f"{digen_key}=", f"{self.origins[digen_key]}=").replace(
+                f"{digen_key}:", f"{self.origins[digen_key]}:")
+        return message
+
+
+def resolve_run_config(config: Mapping[str, Any], entry: str = DIGEN_MAIN) -> RunConfig:
+    """Apply veRL's keys in ``config`` (a resolved plain mapping of the whole run config) to its
+    ``digen`` group; refuse veRL keys that cannot apply. ``entry``: :data:`MAIN_PPO` or
+    :data:`DIGEN_MAIN`."""
+    digen = copy.deepcopy(dict(config.get("digen") or {}))
+    ours = hydra_defaults()
+    origins: dict[str, str] = {}
+
+    def put(digen_key: str, value: Any, verl_key: str) -> None:
+        mine = _get({"digen": digen}, digen_key)
+        default = _get({"digen": ours}, digen_key)
+        if digen_key in origins and origins[digen_key] != verl_key:
+            previous = _get({"digen": digen}, digen_key)
+            if previous != value:
+                raise ConfigError(f"invalid config: {origins[digen_key]} and {verl_key} set {digen_key} to "
+                                  f"{previous!r} and {value!r}; set one of them")
+        elif mine is not _UNSET and _differs(mine, default) and mine != value:
+            raise ConfigError(f"invalid config: {verl_key}={_get(config, verl_key)!r} and {digen_key}={mine!r} "
+                              f"are the same setting; set only {verl_key}")
+        _set(digen, digen_key[len("digen."):], value)
+        origins[digen_key] = verl_key
+
+    for row in MAPPED:
+        if row.verl_key.startswith("ray_kwargs.") and entry == MAIN_PPO:
+            continue  # veRL's own ray.init consumed it
+        if not _is_set(config, row.verl_key):
+            continue
+        value = _get(config, row.verl_key)
+        put(row.digen_key, row.convert(value, config) if row.convert else value, row.verl_key)
+    if _is_set(config, "actor_rollout_ref.model.lora_rank"):
+        rank = _get(config, "actor_rollout_ref.model.lora_rank")
+        if not isinstance(rank, int) or rank < 1:
+            raise ConfigError(f"invalid config: actor_rollout_ref.model.lora_rank={rank!r}; must be >= 1 "
+                              "(full fine-tuning: digen.model.lora.enable=false)")
+        put("digen.model.lora.enable", True, "actor_rollout_ref.model.lora_rank")
+
+    _derived_settings(config, digen, ours, put)
+    _check_rollout_and_algorithm(config, entry)
+    _check_inapplicable(config, entry)
+    return RunConfig(digen=digen, origins=origins)
+
+
+def _derived_settings(config: Mapping[str, Any], digen: dict[str, Any], ours: dict[str, Any],
+                      put: Callable[[str, Any, str], None]) -> None:
+    """Batch sizes in veRL's units (prompts, samples) -> our groups; the custom reward."""
+    group_size = _get({"digen": digen}, "digen.batch.group_size")
+    groups_per_step = _get({"digen": digen}, "digen.batch.groups_per_step")
+    mini = "actor_rollout_ref.actor.ppo_mini_batch_size"
+    if _is_set(config, mini) and _get(config, mini) != groups_per_step:
+        raise ConfigError(
+            f"invalid config: {mini}={_get(config, mini)!r}; must equal data.train_batch_size={groups_per_step} "
+            "(verl-digen steps the optimizer once per step, after the whole batch)")
+
+    def groups(key: str) -> int | None:
+        samples = _get(config, key)
+        if samples is None or samples is _UNSET:
+            return None
+        if not isinstance(samples, int) or samples < 1 or samples % group_size:
+            raise ConfigError(f"invalid config: {key}={samples!r}; must be a positive multiple of "
+                              f"actor_rollout_ref.rollout.n={group_size} (whole groups)")
+        return samples // group_size
+
+    micro_key = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
+    micro = groups(micro_key)
+    if micro is not None:
+        put("digen.batch.train_micro_batch_groups", micro, micro_key)
+    rollout_key = "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"
+    per_task = groups(rollout_key)
+    if per_task is not None:
+        put("digen.batch.groups_per_task", per_task, rollout_key)
+    ref_key = "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"
+    ref = groups(ref_key)
+    if ref is not None and ref != _get({"digen": digen}, "digen.batch.train_micro_batch_groups"):
+        raise ConfigError(
+            f"invalid config: {ref_key}={_get(config, ref_key)!r}; must equal {micro_key}="
+            f"{_get(config, micro_key)!r} (reference log-probs are computed inside each trainer micro-batch)")
+
+    path, name, manager = _custom_reward(config)
+    if path is not None:
+        # Absolute against the directory the job was started from (workers may run elsewhere).
+        spec = {"name": "custom", "kwargs": {"path": os.path.abspath(os.path.expanduser(str(path))), "function": str(name),
+                                             "batched": manager == "batch"}}
+        kwargs = _get(config, "reward.custom_reward_function.reward_kwargs", None) or \
+            _get(config, "custom_reward_function.reward_kwargs", None)
+        if kwargs:
+            spec["kwargs"]["reward_kwargs"] = dict(kwargs)
+        mine = {k: digen.get("reward", {}).get(k, v) for k, v in ours["reward"].items()}
+        extra = dict(mine["kwargs"] or {})
+        if mine["name"] in (ours["reward"]["name"], "custom") and not mine["components"] and set(extra) <= {"fps"}:
+            spec["kwargs"].update(extra)  # +digen.reward.kwargs.fps: the one custom-reward setting veRL has no key for
+        elif mine != ours["reward"] and (mine["name"] != "custom" or mine["kwargs"] != spec["kwargs"]):
+            raise ConfigError("invalid config: reward.custom_reward_function.path and digen.reward.* both choose the "
+                              "reward; set one of them")
+        digen["reward"] = {**ours["reward"], **spec, "components": []}
+
+
+def _custom_reward(config: Mapping[str, Any]) -> tuple[Any, Any, Any]:
+    """``(path, function name, reward manager)`` of veRL's custom reward keys (path None: unset)."""
+    picks = []
+    for prefix in ("reward.custom_reward_function", "custom_reward_function"):
+        if _get(config, f"{prefix}.path", None):
+            picks.append((prefix, _get(config, f"{prefix}.path"), _get(config, f"{prefix}.name")))
+        elif _is_set(config, f"{prefix}.name"):
+            raise ConfigError(f"invalid config: {prefix}.name={_get(config, f'{prefix}.name')!r} without {prefix}.path")
+    if len(picks) == 2 and picks[0][1:] != picks[1][1:]:
+        raise ConfigError("invalid config: reward.custom_reward_function and custom_reward_function (legacy) "
+                          "name different reward functions; set one of them")
+    manager = _get(config, "reward.reward_manager.name", "naive")
+    if manager not in ("naive", "batch"):
+        raise ConfigError(f"invalid config: reward.reward_manager.name={manager!r}; valid here: naive (per sample), "
+                          "batch (the batched compute_score)")
+    if not picks:
+        if manager != "naive":
+            raise ConfigError("invalid config: reward.reward_manager.name=batch needs reward.custom_reward_function.path")
+        return None, None, None
+    return picks[0][1], picks[0][2], manager
+
+
+def _check_rollout_and_algorithm(config: Mapping[str, Any], entry: str) -> None:
+    name = _get(config, "actor_rollout_ref.rollout.name", "???")
+    if name not in ("???", None, "hf"):
+        raise ConfigError(f"invalid config: actor_rollout_ref.rollout.name={name!r} cannot apply: "
+                          f"{_HINTS['actor_rollout_ref.rollout.name']}")
+    adv = _get(config, "algorithm.adv_estimator", "gae")
+    if adv not in ("gae", "grpo"):
+        raise ConfigError(f"invalid config: algorithm.adv_estimator={adv!r}; verl-digen trains with GRPO "
+                          "advantages (grpo)")
+    mode = _get(config, "trainer.v1.trainer_mode", "sync")
+    valid = (TRAINER_MODE,) if entry == MAIN_PPO else (TRAINER_MODE, "sync")
+    if mode not in valid:
+        raise ConfigError(f"invalid config: trainer.v1.trainer_mode={mode!r}; valid: {', '.join(valid)}")
+    manager = _get(config, _MANAGER_KEY, None)
+    if manager not in (None, AGENT_LOOP_MANAGER):
+        raise ConfigError(f"invalid config: {_MANAGER_KEY}={manager!r}; the digen trainer mode generates with "
+                          f"{AGENT_LOOP_MANAGER} (leave it unset)")
+    device = _get(config, "trainer.device", "cuda")
+    if device not in ("cuda", "cpu"):
+        raise ConfigError(f"invalid config: trainer.device={device!r}; valid: cuda, cpu")
+    if not _get(config, "trainer.use_v1", True):
+        raise ConfigError("invalid config: trainer.use_v1=False; the digen trainer mode is a v1 trainer")
+
+
+def _check_inapplicable(config: Mapping[str, Any], entry: str) -> None:
+    """Every other veRL key is at veRL's default, or the run stops naming it."""
+    handled = {row.verl_key for row in MAPPED} | set(READ_DIRECTLY) | {
+        "trainer.use_v1", "algorithm.adv_estimator", "reward.custom_reward_function.reward_kwargs",
+        "custom_reward_function.reward_kwargs"}
+    skip_roots = {"digen", "model_engine"} | (set(_MAIN_PPO_ONLY) if entry == MAIN_PPO else set())
+    defaults = _verl_defaults_cached()
+    bad: list[str] = []
+
+    def walk(node: Any, key: str) -> None:
+        if key in handled:
+            return
+        default = _get(defaults, key)
+        if isinstance(node, Mapping) and (default is _UNSET or isinstance(default, Mapping)):
+            for k, v in node.items():
+                walk(v, f"{key}.{k}" if key else str(k))
+            return
+        if _differs(node, default):
+            bad.append(key)
+
+    for root, value in config.items():
+        if root not in skip_roots:
+            walk(value, str(root))
+    if bad:
+        key = bad[0]
+        default = _get(defaults, key)
+        hint = _HINTS.get(key) or (
+            "it is not a veRL key" if default is _UNSET else
+            f"it has no meaning for diffusion RL in verl-digen; leave it at veRL's default {default!r}")
+        more = f" (and {len(bad) - 1} more: {', '.join(bad[1:6])}{', ...' if len(bad) > 6 else ''})" if len(bad) > 1 else ""
+        raise ConfigError(f"invalid config: {key}={_get(config, key)!r} cannot apply: {hint}; "
+                          f"see docs/verl_keys.md{more}")

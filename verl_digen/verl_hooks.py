@@ -1,0 +1,117 @@
+"""Where verl-digen hooks into veRL at import time, without editing veRL's code.
+
+* ``verl.trainer.ppo.v1`` (veRL's v1 trainers and their registry): the ``digen`` trainer mode
+  is registered with veRL's own ``register_trainer``, right after that package has executed
+  (a one-shot import hook on its name, :class:`_AfterImport`), so that ``import verl``, which
+  runs the plugin in every process, stays light. No patch.
+* ``verl.utils.config.validate_config``: **the one runtime patch** (version-guarded: veRL
+  0.9.x). ``main_ppo`` validates its config in the driver, before Ray starts, with LLM rules
+  that cannot hold for a diffusion run: with veRL's default ``algorithm.adv_estimator=gae`` it
+  asks for a critic and builds its model config from veRL's default LLM path (and stops
+  there); it requires log-prob micro-batch sizes; with LoRA it reads the mandatory
+  ``actor_rollout_ref.rollout.name``. veRL has no hook for a trainer mode to validate its own
+  config, so the function is wrapped: when ``trainer.v1.trainer_mode=digen``, the digen mode's
+  checks run instead (:func:`verl_digen.trainer.resolve.check_run_config`: veRL's keys mapped onto
+  ours, keys that cannot apply refused, files, model and reward checked), so a bad key stops
+  the job before Ray with a message naming it. Every other mode gets veRL's own function.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.util
+import logging
+import sys
+from typing import Any, Callable
+
+_log = logging.getLogger(__name__)
+
+V1_TRAINERS = "verl.trainer.ppo.v1"
+VERL_CONFIG = "verl.utils.config"
+PATCHED_VERL = "0.9."  # the veRL versions the validate_config patch is written against
+
+#: Why a hook failed, by module name (``python -m verl_digen.doctor`` and the tests read it).
+HOOK_ERRORS: dict[str, str] = {}
+
+
+def register_trainer_mode() -> None:
+    """Register ``trainer.v1.trainer_mode=digen`` in veRL's trainer registry (idempotent)."""
+    import verl_digen.trainer.verl_mode  # noqa: F401  (@register_trainer("digen"))
+
+
+def patch_validate_config() -> bool:
+    """Wrap ``verl.utils.config.validate_config`` (see the module docstring); True when the
+    wrapper is in place. Does nothing on a veRL other than :data:`PATCHED_VERL`, or twice."""
+    import verl
+    import verl.utils
+    from verl.utils import config as verl_config
+
+    original = verl_config.validate_config
+    if getattr(original, "_digen_wrapped", False):
+        return True
+    if not str(verl.__version__).startswith(PATCHED_VERL):
+        _log.warning("verl-digen: veRL %s is not %sx: validate_config is not wrapped, so main_ppo checks the digen "
+                     "mode with its LLM rules", verl.__version__, PATCHED_VERL)
+        return False
+
+    @functools.wraps(original)
+    def validate_config(config: Any, use_reference_policy: bool, use_critic: bool) -> None:
+        if config.trainer.v1.get("trainer_mode") != "digen":
+            return original(config, use_reference_policy=use_reference_policy, use_critic=use_critic)
+        from verl_digen.config.verl_keys import MAIN_PPO
+        from verl_digen.trainer.resolve import check_run_config
+
+        check_run_config(config, entry=MAIN_PPO)
+        print("[verl-digen] the digen trainer mode's config checks passed", flush=True)
+
+    validate_config._digen_wrapped = True  # type: ignore[attr-defined]
+    verl_config.validate_config = validate_config
+    verl.utils.validate_config = validate_config
+    return True
+
+
+_HOOKS: dict[str, Callable[[], Any]] = {V1_TRAINERS: register_trainer_mode, VERL_CONFIG: patch_validate_config}
+
+
+def _run_hook(name: str) -> None:
+    try:
+        _HOOKS[name]()
+    except Exception as e:  # never break veRL itself; say what went wrong instead
+        HOOK_ERRORS[name] = f"{type(e).__name__}: {e}"
+        _log.warning("verl-digen: hook on %s failed: %s", name, HOOK_ERRORS[name])
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Finds one module the way the rest of ``sys.meta_path`` would, and runs its hook right
+    after the module has executed."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != self.name:
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)  # one-shot; also keeps the lookup below from recursing
+        spec = importlib.util.find_spec(name)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        exec_module = loader.exec_module
+
+        def exec_then_hook(module: Any) -> None:
+            exec_module(module)
+            _run_hook(name)
+
+        loader.exec_module = exec_then_hook
+        return spec
+
+
+def install() -> None:
+    """Arrange every hook: now for a module already imported, else right after its import."""
+    for name in _HOOKS:
+        if name in sys.modules:
+            _run_hook(name)
+        elif not any(isinstance(f, _AfterImport) and f.name == name for f in sys.meta_path):
+            sys.meta_path.insert(0, _AfterImport(name))
