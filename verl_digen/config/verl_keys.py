@@ -139,6 +139,8 @@ READ_DIRECTLY: dict[str, str] = {
     "trainer.default_local_dir": "checkpoint root",
     "trainer.max_actor_ckpt_to_keep": "checkpoints kept",
     "trainer.v1.trainer_mode": "digen (veRL's entry point); sync (its default) is accepted by verl_digen.main",
+    "ray_kwargs.ray_init.address": "the Ray cluster to join (null: RAY_ADDRESS, else a cluster `ray start` "
+                                   "started on this machine, else a local one); main_ppo hands it to ray.init itself",
     _MANAGER_KEY: f"defaulted by the plugin to {AGENT_LOOP_MANAGER}",
 }
 
