@@ -7,10 +7,6 @@ training on the concatenated data with the mean loss.
 
 from __future__ import annotations
 
-import queue as queue_mod
-import time
-import traceback
-
 import pytest
 import torch
 from torch import nn
@@ -24,7 +20,7 @@ from verl_digen.workers.fsdp import (
     is_fsdp,
     lockstep_count,
 )
-from verl_digen.sync import find_free_port
+from runs import run_ranks
 
 TOL = 1e-6
 DIM = 5  # odd on purpose: 5 rows over 2 ranks is an uneven shard (3 + 2)
@@ -104,67 +100,8 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 # ---------------------------------------------------------------------- process harness
 
 
-def _entry(rank: int, world: int, port: int, backend: str, scenario: str, out) -> None:
-    import datetime
-
-    import torch.distributed as dist
-
-    try:
-        torch.set_num_threads(1)
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=60),
-        )
-        try:
-            result = SCENARIOS[scenario](rank, world)
-        finally:
-            dist.destroy_process_group()
-        out.put((rank, "ok", result))
-    except BaseException:  # noqa: BLE001 - report anything to the parent
-        out.put((rank, "error", traceback.format_exc()))
-
-
 def run_distributed(scenario: str, world: int = 2, backend: str = "gloo", timeout_s: float = 240.0) -> dict:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = find_free_port("127.0.0.1")
-    procs = [ctx.Process(target=_entry, args=(r, world, port, backend, scenario, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, object] = {}
-    errors: list[str] = []
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(results) < world and not errors:
-            try:
-                rank, status, payload = out.get(timeout=1.0)
-            except queue_mod.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if dead:
-                    errors.append(f"ranks {dead} of {scenario!r} died without a report")
-                elif time.monotonic() > deadline:
-                    errors.append(f"timed out after {timeout_s}s waiting for the ranks of {scenario!r}")
-                continue
-            if status == "ok":
-                results[rank] = payload
-            else:
-                errors.append(f"rank {rank}:\n{payload}")
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.terminate()
-                p.join(10)
-    assert not errors, "\n".join(errors)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    return results
+    return run_ranks(SCENARIOS[scenario], world=world, backend=backend, timeout_s=timeout_s)
 
 
 # ---------------------------------------------------------------------- scenarios (in the ranks)

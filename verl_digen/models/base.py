@@ -92,6 +92,20 @@ class DiffusionAdapter(abc.ABC):
     # The trainable denoiser (FluxTransformer2DModel, SD3Transformer2DModel, ...).
     transformer: torch.nn.Module
 
+    # The dtype the denoiser computes in (what :meth:`from_pretrained` loaded it in). Adapters
+    # cast the transformer's inputs to it explicitly, rather than reading ``transformer.dtype``:
+    # under FSDP2 or with fp32 LoRA / master weights the parameters' storage dtype is not the
+    # compute dtype, and rollout and trainer must cast every input the same way.
+    _compute_dtype: torch.dtype | None = None
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self._compute_dtype if self._compute_dtype is not None else self.transformer.dtype
+
+    @compute_dtype.setter
+    def compute_dtype(self, dtype: torch.dtype) -> None:
+        self._compute_dtype = dtype
+
     # Subfolder -> class of each component :meth:`from_pretrained` loads (in this order); the
     # adapter's ``__init__`` takes them under these names.
     component_classes: ClassVar[dict[str, type]] = {}
@@ -121,7 +135,9 @@ class DiffusionAdapter(abc.ABC):
         components = load_components(
             path, cls._components_to_load(index), device=device, dtype=dtype, keep_fp32=cls.fp32_components
         )
-        return cls(**components, max_sequence_length=max_sequence_length, **options)
+        adapter = cls(**components, max_sequence_length=max_sequence_length, **options)
+        adapter.compute_dtype = dtype
+        return adapter
 
     @classmethod
     def _components_to_load(cls, model_index: dict) -> dict[str, type | None]:
@@ -284,6 +300,17 @@ def prompts_to_encode(adapter: DiffusionAdapter, prompts: list[str] | str) -> li
 
 
 # ---------------------------------------------------------------------- loading
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def resolve_dtype(name: str, device: torch.device | str, *, key: str = "digen.model.dtype") -> torch.dtype:
+    """The torch dtype of a ``digen.model.dtype`` value: ``auto`` is bf16 on CUDA, fp32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"{key}={name!r}; valid: auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
 
 
 def read_model_index(path: str) -> dict:

@@ -53,6 +53,7 @@ __all__ = [
     "full_state_for_sync",
     "is_fsdp",
     "lockstep_count",
+    "shard_for_training",
 ]
 
 LORA_MARKER = "lora_"  # same marker as verl_digen.sync.state
@@ -143,6 +144,7 @@ def apply_fsdp2(
     reduce_dtype: torch.dtype | None = torch.float32,
     reshard_after_forward: bool = True,
     grad_reduce: Literal["mean", "sum"] = "mean",
+    cast_forward_inputs: bool = True,
 ) -> nn.Module:
     """Shard ``transformer`` with FSDP2: each block of :func:`block_modules`, then the root.
 
@@ -156,11 +158,16 @@ def apply_fsdp2(
             i.e. fp32 master weights). The sharded master copy, the gradients handed to the
             optimizer and the optimizer state stay in the parameters' original dtype. The
             root casts floating-point forward inputs to it (``cast_forward_inputs``), position
-            ids included (exact in bf16 up to 256, enough for FLUX up to 2048 px).
+            ids included (exact in bf16 up to 256, enough for FLUX up to 2048 px), unless
+            ``cast_forward_inputs=False``.
         reduce_dtype: dtype of the gradient reduce-scatter (fp32 recommended with bf16).
         reshard_after_forward: free gathered parameters after each unit's forward (and
             re-gather in backward). ``False`` keeps them until backward: less communication,
             more memory.
+        cast_forward_inputs: let FSDP cast floating forward inputs to ``param_dtype``. The
+            workers pass ``False`` with ``param_dtype=None``: the adapters cast each input as the
+            diffusers pipeline does (SD3/Wan/HunyuanVideo keep the timestep in fp32), so a
+            sharded forward is the unsharded one bit for bit.
         grad_reduce: ``"mean"`` (FSDP default: gradients averaged over ranks; right when every
             rank's loss is the mean over its own equally-sized data) or ``"sum"`` (gradients
             summed: right when each rank scales its loss by its share of the global batch,
@@ -183,7 +190,9 @@ def apply_fsdp2(
         raise ValueError(f"{type(transformer).__name__} is already sharded with fully_shard")
     if mesh is None:
         mesh = _default_mesh()
-    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=cast_forward_inputs
+    )
     for block in block_modules(transformer):
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     fully_shard(transformer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
@@ -194,6 +203,23 @@ def apply_fsdp2(
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)
     return transformer
+
+
+def shard_for_training(transformer: nn.Module, *, reshard_after_forward: bool = True, mesh=None) -> nn.Module:
+    """The workers' FSDP2 sharding of a denoiser (or of its frozen KL reference): parameters
+    all-gathered in the dtypes they were loaded in (bf16 base, fp32 LoRA, the fp32 modules a
+    diffusers model keeps) and no input casting, so that a sharded forward is the rollout's
+    unsharded forward bit for bit; gradients reduced in fp32 and summed (each rank scales its
+    loss by its share of the step's batch)."""
+    return apply_fsdp2(
+        transformer,
+        mesh=mesh,
+        param_dtype=None,
+        reduce_dtype=torch.float32,
+        cast_forward_inputs=False,
+        reshard_after_forward=reshard_after_forward,
+        grad_reduce="sum",
+    )
 
 
 def lockstep_count(n: int, group: dist.ProcessGroup | None = None) -> int:

@@ -45,7 +45,10 @@ class SamplingSettings:
     window: SdeWindowConfig
     timestep_fraction: float
     negative_prompt: str = ""
-    autocast_bf16: bool = False
+    vae_decode_chunk: int = 0  # samples per VAE decode call (0: the whole batch)
+    # Rows per transformer call (0: the whole batch), the same in rollout and training: see
+    # :func:`velocity_in_chunks`. Set by the worker from the batch layout (:func:`forward_rows`).
+    forward_rows: int = 0
 
     @property
     def uses_cfg(self) -> bool:
@@ -64,8 +67,66 @@ def step_plan(settings: SamplingSettings, *, training_step: int, seed: int) -> t
     return window, trained
 
 
-def autocast_context(device: torch.device, enabled: bool):
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=enabled)
+def velocity_in_chunks(
+    adapter: DiffusionAdapter,
+    x: torch.Tensor,
+    sigma: torch.Tensor,
+    cond: Conditioning,
+    spec: SampleSpec,
+    neg: Conditioning | None,
+    rows: int,
+) -> torch.Tensor:
+    """fp32 velocity ``[B, ...]`` of ``x`` ``[B, ...]``, one transformer call per ``rows`` rows
+    (``rows`` <= 0 or >= B: one call).
+
+    Why chunks: a kernel's result for one row can depend on how many rows it is computed with
+    (a GEMM picks its blocking from the shapes; measured on CPU in bf16: a batch of 1 and a batch
+    of 2 differ by one bf16 ulp), and Qwen-Image trims the text padding to the longest prompt of
+    the call. Rollout and trainer therefore make the *same* calls: chunks of ``rows`` consecutive
+    rows starting at a multiple of ``rows``, where ``rows`` divides the group size, so each chunk
+    is the same rows of one group whichever batch the group is in (see :func:`forward_rows`).
+    """
+    batch = x.shape[0]
+    if rows <= 0 or rows >= batch:
+        return adapter.predict_velocity(x, sigma, cond, spec, negative_cond=neg).float()
+    if batch % rows:
+        raise ValueError(f"a batch of {batch} rows does not split into transformer calls of {rows} rows")
+    out = []
+    for start in range(0, batch, rows):
+        part = slice(start, start + rows)
+        out.append(
+            adapter.predict_velocity(
+                x[part], sigma[part], {k: v[part] for k, v in cond.items()}, spec,
+                negative_cond={k: (v[part] if v.shape[0] == batch else v) for k, v in neg.items()} if neg else None,
+            ).float()
+        )
+    return torch.cat(out)
+
+
+def forward_rows(group_size: int, micro_batch_groups: int, ranks: int) -> int:
+    """Rows per transformer call for rollout and training (:func:`velocity_in_chunks`): the
+    largest divisor ``m`` of ``group_size`` such that a training micro-batch
+    (``micro_batch_groups * group_size`` rows) splits into whole chunks of ``m`` rows evenly over
+    ``ranks`` FSDP ranks (1: no FSDP, then ``m = group_size``: one call per group).
+
+    Raises ``ValueError`` naming the keys when the micro-batch's rows do not split evenly."""
+    rows = micro_batch_groups * group_size
+    if rows % ranks:
+        raise ValueError(
+            f"digen.batch.train_micro_batch_groups={micro_batch_groups} x digen.batch.group_size={group_size} "
+            f"= {rows} rows do not split evenly over {ranks} FSDP ranks"
+        )
+    return max(m for m in range(1, group_size + 1) if group_size % m == 0 and (rows // m) % ranks == 0)
+
+
+def rank_rows(batch: int, rows: int, rank: int, ranks: int) -> list[int]:
+    """The rows of a ``batch``-row micro-batch that FSDP rank ``rank`` of ``ranks`` trains: whole
+    transformer-call chunks of ``rows`` rows (:func:`forward_rows`), dealt round-robin, so that
+    every rank makes the rollout's calls, as many as the others (the calls are collectives)."""
+    m = rows or 1
+    if batch % (m * ranks):
+        raise ValueError(f"{batch} rows do not split into chunks of {m} rows evenly over {ranks} ranks")
+    return [c * m + t for c in range(rank, batch // m, ranks) for t in range(m)]
 
 
 def _repeat_cond(cond: Conditioning, n: int) -> Conditioning:
@@ -189,9 +250,9 @@ def denoise(adapter: DiffusionAdapter, state: GroupsInFlight, settings: Sampling
     for i in range(state.next_step, end):
         sigma = sigmas[i].expand(batch)
         sigma_next = sigmas[i + 1].expand(batch)
-        with autocast_context(device, settings.autocast_bf16):
-            v = adapter.predict_velocity(x, sigma, cond, spec, negative_cond=neg)
-        v = v.float()
+        # No autocast: the weights are in the run's dtype and the adapter casts every input to
+        # it, exactly as the trainer's recomputation does (same path, same numbers).
+        v = velocity_in_chunks(adapter, x, sigma, cond, spec, neg, settings.forward_rows)
         if i in window_set:
             # Each group draws its step noise from its own generator: identical wherever it runs.
             noise = torch.cat([torch.randn((g, *x.shape[1:]), generator=gen, dtype=torch.float32) for gen in generators])

@@ -28,14 +28,25 @@ from verl.single_controller.base.decorator import Dispatch, register
 from verl_digen.config.schema import DigenConfig
 from verl_digen.sync.state import state_digest, trainable_state
 from verl_digen.sync.transport import WeightSyncMixin
-from verl_digen.workers.sampling import GroupRequest, GroupsInFlight, SamplingSettings, begin_groups, denoise, finish_groups
+from verl_digen.workers.sampling import (
+    GroupRequest,
+    GroupsInFlight,
+    SamplingSettings,
+    begin_groups,
+    denoise,
+    finish_groups,
+    rank_rows,
+)
 from verl_digen.workers.training import PolicyUpdater, TrainSettings, add_lora
 
 ROLES = ("fused", "rollout", "trainer", "reward")
 
 
-def sampling_settings(cfg: DigenConfig) -> SamplingSettings:
+def sampling_settings(cfg: DigenConfig, fsdp_ranks: int = 1) -> SamplingSettings:
+    """The sampling settings of a run; ``fsdp_ranks``: the training ranks a micro-batch is
+    sharded over (1 without FSDP), which fixes the rows of every transformer call."""
     from verl_digen.models.base import SampleSpec
+    from verl_digen.workers.sampling import forward_rows
 
     s = cfg.sampling
     return SamplingSettings(
@@ -52,7 +63,8 @@ def sampling_settings(cfg: DigenConfig) -> SamplingSettings:
         window=dataclasses.replace(s.sde_window),
         timestep_fraction=s.timestep_fraction,
         negative_prompt=s.negative_prompt,
-        autocast_bf16=cfg.model.dtype == "bf16",
+        vae_decode_chunk=cfg.model.vae_decode_chunk,
+        forward_rows=forward_rows(cfg.batch.group_size, cfg.batch.train_micro_batch_groups, fsdp_ranks),
     )
 
 
@@ -91,39 +103,53 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         cfg = self.cfg
         info: dict[str, Any] = {"role": self.role, "rank": self.rank, "pid": os.getpid()}
         if self.role in ("fused", "rollout", "trainer"):
+            from verl_digen.models.base import resolve_dtype
             from verl_digen.models.registry import load_adapter
 
             device = compute_device()
-            self.adapter = load_adapter(self.model_path, cfg.model.arch, device=device)
+            # One precision path for rollout and trainer: weights in the run's dtype, LoRA (and
+            # full fine-tune masters) in the trainable dtype, no autocast anywhere.
+            dtype = resolve_dtype(cfg.model.dtype, device)
+            self.trainable_dtype = resolve_dtype(cfg.model.trainable_dtype, device, key="digen.model.trainable_dtype")
+            self.adapter = load_adapter(self.model_path, cfg.model.arch, device=device, dtype=dtype)
             if cfg.model.lora.enable:
-                add_lora(self.adapter, cfg.model.lora)
+                add_lora(self.adapter, cfg.model.lora, dtype=self.trainable_dtype)
             self.sync_module = self.adapter.transformer
             self.sync_lora_only = cfg.model.lora.enable
-            self.settings = sampling_settings(cfg)
+            self.settings = sampling_settings(cfg, self._fsdp_ranks())
             if self.role == "rollout":
                 self.adapter.transformer.requires_grad_(False).eval()
             info["device"] = str(device)
+            info["dtype"] = str(dtype).removeprefix("torch.")
             info["params"] = sum(p.numel() for p in self.adapter.transformer.parameters())
-        self.fsdp = self.role == "trainer" and cfg.fsdp.enable
+        trains = self.role in ("fused", "trainer")
+        self.fsdp = trains and cfg.fsdp.enable
         self._sync_cache: dict[str, torch.Tensor] | None = None
-        if self.role in ("fused", "trainer") and self.world_size > 1:
+        if trains and self.world_size > 1:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             if not dist.is_initialized():
                 dist.init_process_group(backend=backend, rank=self.rank, world_size=self.world_size)
             self._pg = dist.group.WORLD
+        reference = None
+        if trains:
+            from verl_digen.workers.fsdp import enable_gradient_checkpointing
+
+            if cfg.model.gradient_checkpointing:
+                info["gradient_checkpointing"] = enable_gradient_checkpointing(self.adapter.transformer)
+            if self.fsdp and cfg.algo.kl_beta > 0 and not cfg.model.lora.enable:
+                # A sharded module cannot be deep-copied: copy first, shard both.
+                import copy
+
+                reference = copy.deepcopy(self.adapter.transformer).requires_grad_(False).eval()
         if self.fsdp:
             # Parallelism applied in one place; the optimizer must be built after sharding.
-            from verl_digen.workers.fsdp import apply_fsdp2, enable_gradient_checkpointing
+            from verl_digen.workers.fsdp import shard_for_training
 
-            if cfg.fsdp.gradient_checkpointing:
-                info["gradient_checkpointing"] = enable_gradient_checkpointing(self.adapter.transformer)
-            apply_fsdp2(
-                self.adapter.transformer,
-                param_dtype=torch.bfloat16 if cfg.model.dtype == "bf16" else None,
-                reshard_after_forward=cfg.fsdp.reshard_after_forward,
-                grad_reduce="sum",  # each rank scales its loss by its share of the step's batch
-            )
-        if self.role in ("fused", "trainer"):
+            self._check_fsdp_trainable_dtypes()
+            for module in (self.adapter.transformer, reference):
+                if module is not None:
+                    shard_for_training(module, reshard_after_forward=cfg.fsdp.reshard_after_forward)
+        if trains:
             self.trainer = PolicyUpdater(
                 self.adapter,
                 TrainSettings(
@@ -132,7 +158,10 @@ class DiffusionWorker(Worker, WeightSyncMixin):
                     lora_only=cfg.model.lora.enable,
                     images_per_step=cfg.batch.images_per_step,
                     ema_decay=cfg.ema.decay if cfg.ema.enable else None,
+                    ema_offload=cfg.ema.offload,
+                    trainable_dtype=self.trainable_dtype,
                 ),
+                reference=reference,
             )
             info["trainable_params"] = sum(p.numel() for p in self.trainer.params)
             self._refresh_sync_cache()
@@ -143,6 +172,36 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         if scores:
             self._build_reward()
         return info
+
+    def _fsdp_ranks(self) -> int:
+        """The ranks one training micro-batch is sharded over (1 without FSDP)."""
+        if not self.cfg.fsdp.enable:
+            return 1
+        if self.role in ("fused", "trainer"):
+            return self.world_size
+        return self.cfg.pools.trainer.world_size
+
+    def _check_fsdp_trainable_dtypes(self) -> None:
+        """FSDP2 reduce-scatters one unit's gradients in one dtype: every trained parameter of a
+        block must share a dtype (a bf16 full fine-tune of a model that keeps some block
+        parameters in fp32, like Wan, does not qualify)."""
+        from verl_digen.workers.fsdp import block_modules
+
+        lora = self.cfg.model.lora.enable
+        blocks = block_modules(self.adapter.transformer)
+        in_blocks = {id(p) for b in blocks for p in b.parameters()}
+        units = [list(b.named_parameters()) for b in blocks]
+        units.append([(n, p) for n, p in self.adapter.transformer.named_parameters() if id(p) not in in_blocks])
+        for i, named in enumerate(units):
+            block = blocks[i] if i < len(blocks) else self.adapter.transformer
+            dtypes = {p.dtype for n, p in named if not lora or "lora_" in n}
+            if len(dtypes) > 1:
+                raise ValueError(
+                    f"digen.fsdp.enable=true with digen.model.lora.enable=false: {type(block).__name__} #{i} of "
+                    f"the denoiser holds trained parameters of several dtypes {sorted(map(str, dtypes))} (the model "
+                    "keeps some in fp32); FSDP2 reduces a unit's gradients in one dtype. Use LoRA "
+                    "(digen.model.lora.enable=true) or digen.model.dtype=fp32."
+                )
 
     def _build_reward(self) -> None:
         from verl_digen.rewards import build_reward_from_config
@@ -239,7 +298,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         advantages = request["advantages"]
         if request.get("row_part"):  # FSDP gang: this rank's share of the micro-batch's samples
             r, n = request["row_part"]
-            rows = list(range(r, len(data), n))
+            rows = rank_rows(len(data), self.settings.forward_rows, r, n)
             data, advantages = data.select_idxs(rows), advantages[rows]
         metrics = self.trainer.train_micro_batch(data, advantages, part=request.get("train_part"))
         versions = data.non_tensor_batch["policy_version"]
@@ -249,7 +308,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
 
     def optimizer_step(self) -> dict[str, float]:
         if self.policy_version + 1 in self.cfg.fault_nonfinite_grad_steps:
-            for p in self.trainer.params:  # fault injection for tests (digen.fault_nonfinite_grad_steps)
+            for p in self.trainer.opt_params:  # fault injection for tests (digen.fault_nonfinite_grad_steps)
                 if p.grad is not None:
                     p.grad.fill_(float("nan"))
         # FSDP already reduce-scattered the gradients in backward: no second all-reduce.
@@ -349,6 +408,13 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         }
         if self.trainer is not None:
             state["optimizer"] = _optimizer_state_to_local(self.trainer.optimizer.state_dict())
+            if self.trainer.master is not None:  # fp32 masters (the weights saved are their bf16 rounding)
+                from torch.distributed.tensor import DTensor
+
+                state["optimizer"]["master"] = [
+                    (m.to_local() if isinstance(m, DTensor) else m).detach().cpu().clone()
+                    for m in self.trainer.master.masters
+                ]
             if getattr(self.trainer, "ema", None) is not None:
                 state["ema"] = self.trainer.ema.state_dict()
         return state
@@ -368,7 +434,10 @@ class DiffusionWorker(Worker, WeightSyncMixin):
                 opt_state = _optimizer_state_from_local(self.trainer.optimizer, trainer_state["optimizer_per_rank"][self.rank])
             else:
                 opt_state = trainer_state["optimizer"]
+            masters = opt_state.pop("master", None) if isinstance(opt_state, dict) else None
             self.trainer.optimizer.load_state_dict(opt_state)
+            if self.trainer.master is not None:
+                self.trainer.master.load_local(masters)
             if trainer_state.get("ema") is not None and getattr(self.trainer, "ema", None) is not None:
                 self.trainer.ema.load_state_dict(trainer_state["ema"])
             torch.set_rng_state(trainer_state["rng"])
