@@ -162,3 +162,43 @@ def test_fsdp_bf16_recompute_is_exact_for_every_family(tiny_dirs):
     d = torch.tensor(diffs)
     print("FSDP |logp - logp_old| over", d.numel(), "values: max", float(d.max()), "quantiles(.5,.9,.99)",
           torch.quantile(d, torch.tensor([0.5, 0.9, 0.99])).tolist())
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tiny_dirs):
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+RUNS = {
+    # SD3 with true CFG, FSDP over 2 trainer ranks (one row per rank and transformer call).
+    "sd3-disaggregated-fsdp": [
+        "digen.model.tiny_arch=sd3", "digen.sampling.guidance_scale=4.5", "digen.placement=disaggregated",
+        "trainer.n_gpus_per_node=3", "digen.pools.rollout.devices=1", "digen.pools.trainer.devices=2",
+        "digen.fsdp.enable=true", "digen.gap.enable=true",
+    ],
+    # HunyuanVideo (batch-size-sensitive kernels), 2 groups per micro-batch, 2 fused workers.
+    "hunyuan_video-colocated": [
+        "digen.model.tiny_arch=hunyuan_video", "digen.sampling.num_frames=5", "trainer.n_gpus_per_node=2",
+        "digen.batch.train_micro_batch_groups=2", "digen.batch.groups_per_task=2",
+    ],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RUNS))
+def test_short_bf16_run_is_on_policy_at_every_step(name, ray_cluster, tmp_path):
+    from runs import run
+
+    result = run(
+        tmp_path, name, "digen.model.dtype=bf16", "trainer.total_training_steps=2", "digen.sampling.num_steps=3",
+        "digen.batch.groups_per_step=2", "digen.batch.group_size=2", *RUNS[name],
+    )
+    assert len(result.metrics) == 2
+    for m in result.metrics:
+        assert m["max_staleness_seen"] == 0
+        assert m["actor/clip_frac"] == 0.0, (name, m["step"], m["actor/clip_frac"])
+        assert abs(m["actor/ratio_mean"] - 1.0) <= TOL, (name, m["step"], m["actor/ratio_mean"])
