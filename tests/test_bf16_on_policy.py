@@ -180,10 +180,11 @@ RUNS = {
         "trainer.n_gpus_per_node=3", "digen.pools.rollout.devices=1", "digen.pools.trainer.devices=2",
         "digen.fsdp.enable=true", "digen.gap.enable=true",
     ],
-    # HunyuanVideo (batch-size-sensitive kernels), 2 groups per micro-batch, 2 fused workers.
-    "hunyuan_video-colocated": [
+    # HunyuanVideo (batch-size-sensitive kernels), 2 groups per micro-batch, FSDP over the 2
+    # fused workers of the colocated placement, activation checkpointing.
+    "hunyuan_video-colocated-fsdp": [
         "digen.model.tiny_arch=hunyuan_video", "digen.sampling.num_frames=5", "trainer.n_gpus_per_node=2",
-        "digen.batch.train_micro_batch_groups=2", "digen.batch.groups_per_task=2",
+        "digen.batch.train_micro_batch_groups=2", "digen.fsdp.enable=true", "digen.model.gradient_checkpointing=true",
     ],
 }
 

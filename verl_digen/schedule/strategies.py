@@ -60,10 +60,14 @@ def strategy_violations(
             ("tsp_stages", tsp_stages > 1, "TSP"),
             ("train_split", train_split == "timestep", "the TSP training split"),
             ("tag", tag, "TAG"),
-            ("fsdp", fsdp, "FSDP shards the trainer pool:"),
         ):
             if used:
                 out.append((field, f"{what} {needs}"))
+        if fsdp and rollout_workers is not None and groups_per_step % (groups_per_task * rollout_workers):
+            # Every fused worker's forwards are FSDP collectives: each must generate as many
+            # tasks of the same size as the others, every step.
+            out.append(("groups_per_step", f"colocated FSDP needs a multiple of {name('groups_per_task')} x the "
+                                           f"{rollout_workers} fused workers = {groups_per_task * rollout_workers}"))
     if not 1 <= tsp_stages <= num_steps:
         out.append(("tsp_stages", f"must be in [1, {name('num_steps')}={num_steps}]"))
     elif rollout_workers is not None and rollout_workers % tsp_stages:
@@ -104,8 +108,8 @@ class StrategySpec:
     train_split: str = "sample"
     # TAG: trainer workers generate part of each step's groups (the share is per step).
     tag: bool = False
-    # FSDP over the trainers: each micro-batch is a gang task on every trainer rank (lockstep),
-    # each rank taking a share of its samples.
+    # FSDP over the training ranks (trainers; fused workers when colocated): each micro-batch is
+    # a gang task on every rank (lockstep), each rank taking a share of its samples.
     fsdp: bool = False
 
     def __post_init__(self) -> None:
@@ -132,7 +136,7 @@ class StrategySpec:
     @property
     def name(self) -> str:
         if self.placement == "colocated":
-            return "colocated"
+            return "colocated+fsdp" if self.fsdp else "colocated"
         parts = ["disaggregated"]
         if self.gap:
             parts.append("gap")
@@ -318,11 +322,11 @@ class StepPlanner:
         for j, mb in enumerate(chunk(order, spec.train_micro_batch_groups)):
             own = sorted({self._reward_task_of(g).id for g in mb})
             deps = tuple(own) if spec.gap else tuple(rewards_of_step)
-            if spec.placement == "colocated":
+            if spec.fsdp:  # every training rank (trainers, or fused workers when colocated) in lockstep
+                placements = [(tuple(trainers), None)]
+            elif spec.placement == "colocated":
                 # Train where the data was generated: no transfer between devices.
                 placements = [(self._gen_of[self._reward_task_of(mb[0]).groups[0]].worker, None)]
-            elif spec.fsdp:
-                placements = [(tuple(trainers), None)]
             elif spec.train_split == "timestep":
                 # Every rank takes a share of this micro-batch's steps: a lone (drain) micro-batch
                 # still keeps all trainer ranks busy.
