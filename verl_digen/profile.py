@@ -196,6 +196,7 @@ def _task_timings(overrides: list[str], threads: int, repeats: int, barrier: Any
     import torch
 
     from verl_digen.algos.window import SdeWindowConfig
+    from verl_digen.models.base import pixels_from_uint8
     from verl_digen.rewards import build_reward_from_config
     from verl_digen.workers.sampling import sample_groups
     from verl_digen.workers.training import PolicyUpdater, TrainSettings
@@ -229,7 +230,7 @@ def _task_timings(overrides: list[str], threads: int, repeats: int, barrier: Any
     out = {f"gen_{n}_{s}": _median_time(lambda: gen(n, st), repeats) for n in (1, 2) for s, st in ((S, settings), (S2, half))}
     for n in (1, 2):
         prompts = [str(p) for p in data[n].non_tensor_batch["prompt"]]
-        out[f"reward_{n}"] = _median_time(lambda: reward_fn(data[n].batch["images"], prompts), repeats)
+        out[f"reward_{n}"] = _median_time(lambda: reward_fn(pixels_from_uint8(data[n].batch["images"]), prompts), repeats)
         out[f"train_{n}"] = _median_time(lambda: trainer.train_micro_batch(data[n], torch.randn(n * G)), repeats)
     out["optimizer"] = _median_time(lambda: trainer.optimizer_step(None), repeats)
     out["trained_steps"] = int(data[1].batch["train_mask"][0].sum())

@@ -11,7 +11,7 @@ The record of a trajectory (what the trainer needs to recompute each trained ste
 - ``sigmas``    ``[B, S+1]``           noise levels
 - ``sde_mask``  ``[B, S]``             steps inside the SDE window (stochastic, log-prob recorded)
 - ``train_mask`` ``[B, S]``            steps that are trained (SDE window, subsampled)
-- ``images``    ``[B, 3, H, W]``       decoded pixels in [0, 1] (video: ``[B, 3, F, H, W]``)
+- ``images``    ``[B, 3, H, W]``       decoded pixels, uint8 in [0, 255] (video: ``[B, 3, F, H, W]``)
 - ``cond__<k>`` / ``neg__<k>``         conditioning (and CFG negative) tensors
 
 The same functions sample deterministically for validation (``begin_groups(..., ode=True)``):
@@ -30,7 +30,7 @@ import torch
 from verl import DataProto
 from verl_digen.algos.sde import ode_step, sde_step_with_logprob
 from verl_digen.algos.window import SdeWindowConfig, select_sde_window, subsample_timesteps
-from verl_digen.models.base import Conditioning, DiffusionAdapter, SampleSpec
+from verl_digen.models.base import Conditioning, DiffusionAdapter, SampleSpec, onloaded, pixels_to_uint8
 
 COND_PREFIX = "cond__"
 NEG_PREFIX = "neg__"
@@ -197,14 +197,15 @@ def begin_groups(
         window, trained = [], []
     else:
         window, trained = step_plan(settings, training_step=request.training_step, seed=request.seed)
-    cond = _repeat_cond(adapter.encode_prompts(prompts), group_size)  # [B, ...]
-    neg = None
-    if settings.uses_cfg and ode:
-        rows = len(prompts) * group_size
-        neg_one = adapter.encode_prompts([settings.negative_prompt])
-        neg = {k: v.expand(rows, *v.shape[1:]).contiguous() for k, v in neg_one.items()}
-    elif settings.uses_cfg:
-        neg = _repeat_cond(adapter.encode_prompts([settings.negative_prompt] * len(prompts)), group_size)
+    with onloaded(adapter, adapter.text_encoder_names):  # offloaded encoders visit the device
+        cond = _repeat_cond(adapter.encode_prompts(prompts), group_size)  # [B, ...]
+        neg = None
+        if settings.uses_cfg and ode:
+            rows = len(prompts) * group_size
+            neg_one = adapter.encode_prompts([settings.negative_prompt])
+            neg = {k: v.expand(rows, *v.shape[1:]).contiguous() for k, v in neg_one.items()}
+        elif settings.uses_cfg:
+            neg = _repeat_cond(adapter.encode_prompts([settings.negative_prompt] * len(prompts)), group_size)
     generators = [torch.Generator().manual_seed(group_seed(request.seed, g)) for g in request.group_ids]
     x = torch.cat([adapter.prepare_latents(group_size, spec, gen) for gen in generators], dim=0)
     sigmas = adapter.sigmas(settings.num_steps, spec).to(dtype=torch.float32).cpu()  # [S+1]
@@ -272,10 +273,19 @@ def denoise(adapter: DiffusionAdapter, state: GroupsInFlight, settings: Sampling
 
 @torch.no_grad()
 def decode_groups(adapter: DiffusionAdapter, state: GroupsInFlight, settings: SamplingSettings) -> torch.Tensor:
-    """Decode the final latents: ``[B, 3, H, W]`` (video ``[B, 3, F, H, W]``) fp32 CPU pixels in [0, 1]."""
+    """Decode the final latents: ``[B, 3, H, W]`` (video ``[B, 3, F, H, W]``) fp32 CPU pixels in [0, 1],
+    ``settings.vae_decode_chunk`` samples per VAE call (0: all at once), so the VAE's activations
+    (large for video) stay bounded whatever the batch."""
     if state.next_step != settings.num_steps:
         raise ValueError(f"groups {state.group_ids} finished at step {state.next_step} of {settings.num_steps}")
-    return adapter.decode(state.latents[-1].to(adapter.device), settings.spec).float().clamp(0, 1).cpu()
+    latents = state.latents[-1]
+    chunk = settings.vae_decode_chunk if settings.vae_decode_chunk > 0 else latents.shape[0]
+    out = []
+    with onloaded(adapter, ("vae",)):
+        for start in range(0, latents.shape[0], chunk):
+            part = latents[start : start + chunk].to(adapter.device)
+            out.append(adapter.decode(part, settings.spec).float().clamp(0, 1).cpu())
+    return torch.cat(out)
 
 
 @torch.no_grad()
@@ -283,7 +293,7 @@ def finish_groups(adapter: DiffusionAdapter, state: GroupsInFlight, settings: Sa
     """Decode the final latents and pack the trajectory record (the tail of sampling)."""
     if state.ode:
         raise ValueError(f"groups {state.group_ids} were sampled with ode=True (no trajectory): use decode_groups")
-    images = decode_groups(adapter, state, settings)
+    images = pixels_to_uint8(decode_groups(adapter, state, settings))  # crosses processes as uint8
     batch, g = state.batch, state.group_size
     train_mask = torch.zeros(batch, settings.num_steps, dtype=torch.bool)
     train_mask[:, state.trained] = True

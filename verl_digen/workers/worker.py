@@ -119,6 +119,14 @@ class DiffusionWorker(Worker, WeightSyncMixin):
             self.settings = sampling_settings(cfg, self._fsdp_ranks())
             if self.role == "rollout":
                 self.adapter.transformer.requires_grad_(False).eval()
+            vae = getattr(self.adapter, "vae", None)
+            if self.settings.spec.num_frames > 1 and hasattr(vae, "enable_tiling"):
+                vae.enable_tiling()  # video decodes tile by tile (diffusers' tiled VAE decode)
+            if device.type == "cuda" and self.role in ("fused", "trainer"):
+                # Training GPUs keep the text encoders (and, on trainers, which decode only for
+                # validation or TAG, the VAE) on CPU between uses.
+                names = self.adapter.text_encoder_names + (("vae",) if self.role == "trainer" else ())
+                info["offloaded_bytes"] = self.adapter.offload_to_cpu(names)
             info["device"] = str(device)
             info["dtype"] = str(dtype).removeprefix("torch.")
             info["params"] = sum(p.numel() for p in self.adapter.transformer.parameters())
@@ -285,7 +293,10 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         # Each sample's prompt record (ground truth, ...) when the data had one.
         records = data.non_tensor_batch.get("metadata")
         metadata = [dict(r) for r in records] if records is not None else None
-        rewards = self.reward_fn(data.batch["images"], prompts, metadata)
+        from verl_digen.models.base import pixels_from_uint8
+
+        # Trajectories carry uint8 pixels; rewards take fp32 in [0, 1] (the same pixels, quantised).
+        rewards = self.reward_fn(pixels_from_uint8(data.batch["images"]), prompts, metadata)
         return {
             "group_id": torch.tensor(data.non_tensor_batch["group_id"].astype(np.int64)),
             "rewards": rewards.detach().float().cpu(),
