@@ -103,3 +103,21 @@ def test_offloaded_encoders_visit_the_device_only_while_encoding(monkeypatch):
     with pytest.raises(RuntimeError), base.onloaded(adapter, ("text_encoder",)):
         raise RuntimeError("encoding failed")
     assert encoder.moves[-1] == "cpu"  # back on CPU even after an error
+
+
+def test_offloaded_ema_keeps_cpu_shadows_that_average_like_the_device_ones():
+    from verl_digen.workers.ema import EMA
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4, 3).to(torch.bfloat16)), torch.nn.Parameter(torch.randn(5))]
+    named = [(f"p{i}", p) for i, p in enumerate(params)]
+    on_device, offloaded = EMA(named, decay=0.9), EMA(named, decay=0.9, offload=True)
+    assert offloaded.offloaded and all(offloaded.shadow(n).device.type == "cpu" for n, _ in named)
+    for _ in range(3):
+        with torch.no_grad():
+            for p in params:
+                p.add_(torch.randn_like(p))
+        on_device.update()
+        offloaded.update()
+    for n, _ in named:
+        assert torch.equal(offloaded.shadow(n), on_device.shadow(n))

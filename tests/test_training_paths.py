@@ -97,3 +97,84 @@ def test_colocated_fsdp_needs_equal_generation_on_every_fused_worker():
     with pytest.raises(ValueError, match="groups_per_step.*colocated FSDP"):
         StrategySpec(placement="colocated", rollout_workers=2, trainer_workers=2, groups_per_step=3, group_size=2, fsdp=True)
     StrategySpec(placement="colocated", rollout_workers=2, trainer_workers=2, groups_per_step=4, group_size=2, fsdp=True)
+
+
+# ---------------------------------------------------------------------- full fine-tuning in bf16
+
+
+def _full_ft(path: str, arch: str):
+    from verl_digen.algos.window import SdeWindowConfig
+    from verl_digen.config.schema import AlgoConfig
+    from verl_digen.models.registry import load_adapter
+    from verl_digen.workers.sampling import SamplingSettings
+    from verl_digen.workers.training import PolicyUpdater, TrainSettings
+
+    adapter = load_adapter(path, dtype=torch.bfloat16)
+    settings = SamplingSettings(spec=SPECS[arch], num_steps=2, noise_level=0.7, sde_type="sde",
+                                window=SdeWindowConfig(mode="fixed", start=0, size=1), timestep_fraction=1.0,
+                                forward_rows=2)
+    algo = AlgoConfig(lr=1e-3, kl_beta=0.01)
+    updater = PolicyUpdater(adapter, TrainSettings(algo, settings, lora_only=False, images_per_step=2))
+    return adapter, settings, updater
+
+
+def test_bf16_full_fine_tune_trains_fp32_masters_and_stays_on_policy(tiny_flux):
+    from verl_digen.workers.sampling import sample_groups
+
+    adapter, settings, updater = _full_ft(tiny_flux, "flux")
+    assert updater.master is not None
+    assert {p.dtype for p in updater.params} == {torch.bfloat16}
+    assert {m.dtype for m in updater.master.masters} == {torch.float32}
+    assert {p.dtype for p in updater.reference.parameters()} == {torch.bfloat16}  # the bf16 frozen KL copy
+    before = [m.detach().clone() for m in updater.master.masters]
+    for step in range(2):
+        data = sample_groups(adapter, ["a cat"], [0], [0], group_size=2, settings=settings, training_step=step,
+                             seed=3, policy_version=step)
+        metrics = updater.train_micro_batch(data, torch.tensor([1.0, -1.0]))
+        # Rollout and trainer run the same bf16 weights: on-policy exactly, every step.
+        assert metrics["actor/clip_frac"] == 0.0 and abs(metrics["actor/ratio_mean"] - 1.0) <= 1e-6
+        assert all(p.grad is None for p in updater.params)  # moved into the fp32 masters
+        assert all(m.grad is not None and m.grad.dtype == torch.float32 for m in updater.master.masters)
+        updater.optimizer_step(None)
+    # The model holds the bf16 rounding of the fp32 masters, which moved.
+    assert max(float((m - b).abs().max()) for m, b in zip(updater.master.masters, before)) > 0
+    for p, m in zip(updater.params, updater.master.masters):
+        assert torch.equal(p, m.to(torch.bfloat16))
+
+
+def test_bf16_full_fine_tune_masters_survive_a_checkpoint(tiny_flux):
+    from verl_digen.workers.training import MasterWeights
+
+    adapter, _, updater = _full_ft(tiny_flux, "flux")
+    with torch.no_grad():
+        for m in updater.master.masters:
+            m.add_(1e-4 * torch.randn_like(m))  # below bf16's resolution for most weights
+    updater.master.copy_to_model()
+    saved = [m.detach().clone() for m in updater.master.masters]
+    fresh = MasterWeights(updater.params, torch.float32)  # as built at resume: from the bf16 weights
+    assert any(not torch.equal(a, b) for a, b in zip(fresh.masters, saved))
+    fresh.load_local(saved)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.masters, saved))
+
+
+def test_gradients_all_reduce_in_bounded_buckets():
+    from runs import run_ranks
+
+    results = run_ranks(_bucket_scenario, world=2)
+    for r in results.values():
+        assert r["equal"] and r["calls"] == 3, r
+
+
+def _bucket_scenario(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from verl_digen.workers.training import all_reduce_in_buckets
+
+    g = torch.Generator().manual_seed(rank)
+    grads = [torch.randn(n, generator=g) for n in (10, 20, 300, 5)]  # 40, 80, 1200, 20 bytes
+    expected = [t.clone() for t in grads]
+    for t in expected:
+        dist.all_reduce(t)
+    # 128-byte buckets: [10, 20] packed, 300 alone (larger than a bucket, reduced in place), [5].
+    calls = all_reduce_in_buckets(grads, dist.group.WORLD, bucket_bytes=128)
+    return {"equal": all(torch.equal(a, b) for a, b in zip(grads, expected)), "calls": calls}
