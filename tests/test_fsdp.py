@@ -417,7 +417,44 @@ def _scenario_ema(rank: int, world: int) -> dict:
     }
 
 
+def _scenario_streamed_sync_state(rank: int, world: int) -> dict:
+    """stream_full_state in small buckets: bitwise the state of one big gather, the digest of
+    it, and never more than one bucket of full tensors per all-gather."""
+    import hashlib
+
+    from verl_digen.sync.state import digest_update, state_digest
+    from verl_digen.workers import fsdp
+
+    model = apply_fsdp2(make_lora_model(train_head=True), param_dtype=None)
+    whole = full_state_for_sync(model, lora_only=False, bucket_bytes=1 << 30)
+    gathered: list[int] = []
+    original = fsdp._gather_row_sharded
+
+    def recording(tensors):
+        gathered.append(sum(t.numel() * t.element_size() for t in tensors))
+        return original(tensors)
+
+    fsdp._gather_row_sharded = recording
+    try:
+        h = hashlib.sha256()
+        streamed = {}
+        for name, full in fsdp.stream_full_state(model, lora_only=False, bucket_bytes=64):
+            digest_update(h, name, full)
+            streamed[name] = full.clone()
+    finally:
+        fsdp._gather_row_sharded = original
+    return {
+        "names_equal": list(streamed) == list(whole),
+        "bitwise": all(torch.equal(streamed[k], whole[k]) for k in whole),
+        "digest_ok": h.hexdigest() == state_digest(whole),
+        "gathers": len(gathered),
+        "largest_tensor": max(t.numel() * t.element_size() for t in whole.values()),
+        "largest_gather": max(gathered),
+    }
+
+
 SCENARIOS = {
+    "streamed_sync_state": _scenario_streamed_sync_state,
     "lora_mean": _scenario_lora_mean,
     "sum_accum_clip": _scenario_sum_accum_clip,
     "flux_lora_checkpointing": _scenario_flux_lora_checkpointing,
@@ -492,6 +529,15 @@ def test_apply_fsdp2_rejects_bad_arguments() -> None:
 
 
 # ---------------------------------------------------------------------- tests: 2 CPU ranks, gloo
+
+
+def test_fsdp2_sync_state_streams_bucket_by_bucket() -> None:
+    results = run_distributed("streamed_sync_state")
+    for r in results.values():
+        assert r["names_equal"] and r["bitwise"] and r["digest_ok"], r
+        assert r["gathers"] > 3  # many small buckets, not one gather of everything
+        # A bucket holds at most 64 bytes of tensors, or one tensor larger than that.
+        assert r["largest_gather"] <= max(64, r["largest_tensor"]), r
 
 
 def test_fsdp2_lora_two_ranks_matches_single_process() -> None:

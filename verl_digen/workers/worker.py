@@ -335,17 +335,30 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         return self.trainer.recompute_log_probs(data) if self.trainer else _no_trainer(self.role)
 
     def _refresh_sync_cache(self) -> None:
-        """FSDP: gather the full trained state on every rank (a collective), once per version."""
+        """FSDP: stream the full trained state out of the shards (a collective: every rank, once
+        per version), one bucket at a time on the device. Rank 0 (the sender, and the source of
+        checkpoints and final weights) keeps it on CPU; every rank keeps its digest."""
         if self.fsdp:
-            from verl_digen.workers.fsdp import full_state_for_sync
+            import hashlib
 
-            self._sync_cache = full_state_for_sync(
-                self.adapter.transformer, lora_only=self.cfg.model.lora.enable, device="cpu"
-            )
+            from verl_digen.sync.state import digest_update
+            from verl_digen.workers.fsdp import stream_full_state
+
+            keep = self.rank == 0
+            h = hashlib.sha256()
+            cache: dict[str, torch.Tensor] = {}
+            for name, full in stream_full_state(self.adapter.transformer, lora_only=self.cfg.model.lora.enable):
+                full = full.to("cpu", copy=True)
+                digest_update(h, name, full)
+                if keep:
+                    cache[name] = full
+            self._sync_cache = cache if keep else None
+            self._sync_digest = h.hexdigest()
 
     def _full_state(self) -> dict[str, torch.Tensor]:
         if self.fsdp:
-            assert self._sync_cache is not None
+            if self._sync_cache is None:
+                raise RuntimeError(f"{self.role}{self.rank}: only FSDP rank 0 keeps the gathered weights")
             return self._sync_cache
         return trainable_state(self.adapter.transformer, lora_only=self.cfg.model.lora.enable)
 
@@ -355,9 +368,12 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         return stats.as_dict()
 
     def weights_digest(self) -> str:
-        return state_digest(self._full_state())
+        return self._sync_digest if self.fsdp else state_digest(self._full_state())
 
     def trainable_state_cpu(self) -> dict[str, torch.Tensor]:
+        """The trained weights on CPU (copies); under FSDP only rank 0 has them (others: {})."""
+        if self.fsdp and self._sync_cache is None:
+            return {}
         return {k: v.detach().cpu().clone() for k, v in self._full_state().items()}
 
     def warm_prompt_cache(self, prompts: list[str]) -> dict[str, Any]:
