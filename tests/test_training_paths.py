@@ -178,3 +178,42 @@ def _bucket_scenario(rank: int, world: int) -> dict:
     # 128-byte buckets: [10, 20] packed, 300 alone (larger than a bucket, reduced in place), [5].
     calls = all_reduce_in_buckets(grads, dist.group.WORLD, bucket_bytes=128)
     return {"equal": all(torch.equal(a, b) for a, b in zip(grads, expected)), "calls": calls}
+
+
+# ---------------------------------------------------------------------- configuration
+
+
+def test_precision_and_memory_keys_are_validated_by_name():
+    from verl_digen.config.schema import ConfigError, digen_config_from_dict
+
+    cfg = digen_config_from_dict({})
+    assert (cfg.model.dtype, cfg.model.trainable_dtype, cfg.model.gradient_checkpointing) == ("auto", "fp32", False)
+    assert cfg.model.vae_decode_chunk == 0 and cfg.ema.offload is True
+    for mapping, key in [
+        ({"model": {"dtype": "fp16"}}, "digen.model.dtype"),
+        ({"model": {"trainable_dtype": "fp8"}}, "digen.model.trainable_dtype"),
+        ({"model": {"vae_decode_chunk": -1}}, "digen.model.vae_decode_chunk"),
+        ({"fsdp": {"gradient_checkpointing": True}}, "gradient_checkpointing"),  # moved to digen.model
+    ]:
+        with pytest.raises((ConfigError, ValueError), match=key):
+            digen_config_from_dict(mapping)
+    digen_config_from_dict({"fsdp": {"enable": True}})  # colocated FSDP is legal
+    with pytest.raises(ConfigError, match="digen.batch.train_micro_batch_groups"):
+        digen_config_from_dict({
+            "placement": "disaggregated", "fsdp": {"enable": True}, "batch": {"group_size": 3},
+            "pools": {"rollout": {"devices": 1}, "trainer": {"devices": 2}},
+        })
+
+
+def test_forward_rows_split_groups_evenly_over_the_fsdp_ranks():
+    from verl_digen.workers.sampling import forward_rows, rank_rows
+
+    assert forward_rows(8, 1, 1) == 8  # no FSDP: one transformer call per group
+    assert forward_rows(8, 1, 2) == 4 and forward_rows(8, 1, 8) == 1 and forward_rows(8, 2, 8) == 2
+    assert forward_rows(6, 2, 4) == 3  # 12 rows: 4 chunks of 3, one per rank
+    with pytest.raises(ValueError, match="train_micro_batch_groups"):
+        forward_rows(3, 1, 2)
+    # Every rank takes whole chunks, as many as the others, and together they cover the batch once.
+    parts = [rank_rows(16, 2, r, 4) for r in range(4)]
+    assert sorted(i for p in parts for i in p) == list(range(16)) and {len(p) for p in parts} == {4}
+    assert parts[1] == [2, 3, 10, 11]
