@@ -24,6 +24,9 @@ from verl_digen.models.base import DiffusionAdapter
 from verl_digen.workers.sampling import SamplingSettings, conditioning_from, velocity_in_chunks
 
 
+LORA_MARKER = "lora_"  # peft's parameter names (as verl_digen.sync.state)
+
+
 def add_lora(adapter: DiffusionAdapter, spec: LoraConfigSpec, dtype: torch.dtype = torch.float32) -> None:
     """Inject LoRA adapters into the denoiser (diffusers' PEFT integration), same init everywhere.
 
@@ -49,9 +52,6 @@ def add_lora(adapter: DiffusionAdapter, spec: LoraConfigSpec, dtype: torch.dtype
     for name, p in adapter.transformer.named_parameters():
         if LORA_MARKER in name and p.dtype != dtype:
             p.data = p.data.to(dtype)
-
-
-LORA_MARKER = "lora_"
 
 
 class MasterWeights:
@@ -168,7 +168,7 @@ class PolicyUpdater:
         if algo.kl_beta > 0 and not settings.lora_only and reference is None:
             self.reference = copy.deepcopy(module).requires_grad_(False).eval()
             if self.adapter.device.type == "cuda":
-                self.reference.to("cpu")  # off the GPU between uses (digen issue 10: no second copy there)
+                self.reference.to("cpu")  # a second full copy must not sit on the GPU between uses
                 self._reference_offloaded = True
         self.ema = None
         if settings.ema_decay is not None:
@@ -195,7 +195,7 @@ class PolicyUpdater:
             assert self.reference is not None
             saved = self.adapter.transformer
             if self._reference_offloaded:
-                self.reference.to(saved.device if hasattr(saved, "device") else self.adapter.device)
+                self.reference.to(self.adapter.device)
             self.adapter.transformer = self.reference
             try:
                 yield
