@@ -176,6 +176,7 @@ def _load(overrides: list[str], threads: int) -> tuple[Any, Any, Any]:
 
     from verl_digen.config.compose import compose_config
     from verl_digen.config.schema import digen_config_from_dict
+    from verl_digen.models.base import resolve_dtype
     from verl_digen.models.registry import load_adapter
     from verl_digen.trainer.resolve import resolve_model_path
     from verl_digen.workers.training import add_lora
@@ -184,9 +185,12 @@ def _load(overrides: list[str], threads: int) -> tuple[Any, Any, Any]:
     torch.set_num_threads(threads)
     config = compose_config(overrides)
     cfg = digen_config_from_dict(OmegaConf.to_container(config, resolve=True)["digen"])
-    adapter = load_adapter(resolve_model_path(cfg), cfg.model.arch, device=compute_device())
+    device = compute_device()
+    # The workers' precision: weights in the run's dtype, LoRA in the trainable dtype.
+    adapter = load_adapter(resolve_model_path(cfg), cfg.model.arch, device=device,
+                           dtype=resolve_dtype(cfg.model.dtype, device))
     if cfg.model.lora.enable:
-        add_lora(adapter, cfg.model.lora)
+        add_lora(adapter, cfg.model.lora, dtype=resolve_dtype(cfg.model.trainable_dtype, device))
     return cfg, adapter, sampling_settings(cfg)
 
 
