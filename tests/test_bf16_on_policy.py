@@ -203,3 +203,53 @@ def test_short_bf16_run_is_on_policy_at_every_step(name, ray_cluster, tmp_path):
         assert m["max_staleness_seen"] == 0
         assert m["actor/clip_frac"] == 0.0, (name, m["step"], m["actor/clip_frac"])
         assert abs(m["actor/ratio_mean"] - 1.0) <= TOL, (name, m["step"], m["actor/ratio_mean"])
+
+
+def _full_fine_tune_scenario(rank: int, world: int) -> dict:
+    """bf16 full fine-tune of FLUX under FSDP2 (fp32 masters of the local shards, a sharded bf16
+    KL reference), two steps: on-policy exactly at each, the rollout taking the streamed sync
+    state between them, as a disaggregated run does."""
+    import copy
+    import os
+
+    from verl_digen.config.schema import AlgoConfig
+    from verl_digen.models.registry import load_adapter
+    from verl_digen.models.tiny import ensure_tiny
+    from verl_digen.sync.state import load_trainable_state
+    from verl_digen.workers.fsdp import full_state_for_sync, shard_for_training
+    from verl_digen.workers.sampling import rank_rows
+    from verl_digen.workers.training import PolicyUpdater, TrainSettings
+
+    path = ensure_tiny("flux", os.path.join(os.environ["VERL_DIGEN_CACHE"], "tiny"))
+    rollout = load_adapter(path, dtype=torch.bfloat16)
+    trainer = load_adapter(path, dtype=torch.bfloat16)
+    reference = copy.deepcopy(trainer.transformer).requires_grad_(False).eval()
+    for module in (trainer.transformer, reference):
+        shard_for_training(module)
+    settings = _settings("flux", 1, ranks=world)
+    updater = PolicyUpdater(
+        trainer, TrainSettings(algo=AlgoConfig(lr=1e-3, kl_beta=0.01), sampling=settings, lora_only=False,
+                               images_per_step=GROUPS * GROUP_SIZE),
+        reference=reference,
+    )
+    out = {"master_dtypes": sorted({str(m.dtype) for m in updater.master.masters}), "steps": []}
+    for step in range(2):
+        data = _rollout(rollout, settings)
+        for start in range(0, len(data), GROUP_SIZE):
+            mine = [start + i for i in rank_rows(GROUP_SIZE, settings.forward_rows, rank, world)]
+            result = _on_policy(updater, data.select_idxs(mine), ADVANTAGES[mine])
+            out["steps"].append({k: result[k] for k in ("max", "ratio_mean", "clip_frac")})
+        updater.optimizer_step(None)
+        load_trainable_state(rollout.transformer, full_state_for_sync(trainer.transformer, lora_only=False),
+                             lora_only=False)
+    return out
+
+
+@pytest.mark.slow
+def test_fsdp_bf16_full_fine_tune_stays_on_policy_across_a_sync(tiny_flux):
+    results = run_ranks(_full_fine_tune_scenario, world=2, timeout_s=600)
+    for rank, out in results.items():
+        assert out["master_dtypes"] == ["torch.float32"]
+        assert len(out["steps"]) == 4
+        for s in out["steps"]:
+            assert s["max"] <= TOL and s["clip_frac"] == 0.0 and abs(s["ratio_mean"] - 1.0) <= TOL, (rank, s)
