@@ -217,3 +217,23 @@ def test_forward_rows_split_groups_evenly_over_the_fsdp_ranks():
     parts = [rank_rows(16, 2, r, 4) for r in range(4)]
     assert sorted(i for p in parts for i in p) == list(range(16)) and {len(p) for p in parts} == {4}
     assert parts[1] == [2, 3, 10, 11]
+
+
+def test_fsdp_full_fine_tune_of_a_mixed_dtype_block_is_refused_by_name(tiny_dirs):
+    """Wan keeps its norms and modulation tables in fp32 when loaded in bf16; FSDP2 reduces a
+    block's gradients in one dtype, so a bf16 full fine-tune of it under FSDP must stop clearly
+    (LoRA trains only fp32 matrices and passes)."""
+    from verl_digen.config.schema import digen_config_from_dict
+    from verl_digen.models.registry import load_adapter
+    from verl_digen.workers.worker import DiffusionWorker
+
+    worker = object.__new__(DiffusionWorker)  # only the check runs: no Ray, no process group
+    worker.adapter = load_adapter(tiny_dirs["wan"], dtype=torch.bfloat16)
+    worker.cfg = digen_config_from_dict({"model": {"lora": {"enable": False}}, "fsdp": {"enable": True}})
+    with pytest.raises(ValueError, match="digen.model.lora.enable=false.*several dtypes"):
+        worker._check_fsdp_trainable_dtypes()
+    from verl_digen.workers.training import add_lora
+
+    worker.cfg = digen_config_from_dict({"fsdp": {"enable": True}})  # LoRA: only fp32 lora_ tensors train
+    add_lora(worker.adapter, worker.cfg.model.lora)
+    worker._check_fsdp_trainable_dtypes()
