@@ -335,8 +335,10 @@ def _scenario_flux_lora_checkpointing(rank: int, world: int) -> dict:
 
 
 def _scenario_bf16(rank: int, world: int) -> dict:
-    """bf16 all-gathers + autocast forward (as the trainer runs with model.dtype=bf16), fp32
-    SDE maths, AdamW on fp32 sharded master weights. CUDA for an NCCL group, else CPU."""
+    """apply_fsdp2's bf16 mixed-precision option (bf16 all-gathers of fp32 sharded masters, here
+    under autocast), fp32 SDE maths, AdamW on the fp32 shards. The workers do not use it (they
+    load bf16 weights and gather them as they are: shard_for_training); this keeps the option
+    working. CUDA for an NCCL group, else CPU."""
     import torch.distributed as dist
 
     from verl_digen.algos.sde import sde_step_with_logprob
