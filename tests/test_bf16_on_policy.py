@@ -5,8 +5,9 @@ family uses it, at two training micro-batch sizes.
 
 How: weights load in bf16 (LoRA in fp32), no autocast, FSDP gathers parameters in their own
 dtypes without casting inputs, and rollout and trainer make the same transformer calls: chunks
-of ``forward_rows`` rows of one group (a kernel's result for a row depends on how many rows it
-is computed with: a batch of 1 and of 2 differ by one bf16 ulp for SD3 and HunyuanVideo on CPU).
+of ``forward_rows`` rows of one group (a kernel's result for a row can depend on how many rows
+it is computed with; without the chunks, HunyuanVideo's recomputation at 1 row per call differs
+from a rollout at 4 rows per call).
 """
 
 from __future__ import annotations

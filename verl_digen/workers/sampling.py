@@ -80,8 +80,8 @@ def velocity_in_chunks(
     (``rows`` <= 0 or >= B: one call).
 
     Why chunks: a kernel's result for one row can depend on how many rows it is computed with
-    (a GEMM picks its blocking from the shapes; measured on CPU in bf16: a batch of 1 and a batch
-    of 2 differ by one bf16 ulp), and Qwen-Image trims the text padding to the longest prompt of
+    (a GEMM picks its blocking from the shapes; in bf16 the results then differ in the last bit),
+    and Qwen-Image trims the text padding to the longest prompt of
     the call. Rollout and trainer therefore make the *same* calls: chunks of ``rows`` consecutive
     rows starting at a multiple of ``rows``, where ``rows`` divides the group size, so each chunk
     is the same rows of one group whichever batch the group is in (see :func:`forward_rows`).
