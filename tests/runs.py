@@ -2,6 +2,7 @@
 
 - end-to-end runs: run the real job quietly, read what it wrote;
 - tiny models: the sample spec each tiny arch is tested at, and the reference Euler sampler;
+- process groups: :func:`run_ranks` runs a function on N spawned ranks of a gloo (or NCCL) group;
 - local fake servers: random PNG-exact images, a quiet JSON request handler and a context
   manager that serves it on 127.0.0.1 (a free port for a client to fail on:
   ``verl_digen.sync.find_free_port("127.0.0.1")``).
@@ -17,7 +18,7 @@ import http.server
 import json
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -145,3 +146,81 @@ def serve(handler_cls: type[JsonHandler], state: Any) -> Iterator[str]:
         server.shutdown()
         server.server_close()
         thread.join(timeout=5)
+
+
+# ---------------------------------------------------------------------- process groups
+
+
+def _rank_entry(rank: int, world: int, port: int, backend: str, fn: Callable[[int, int], Any], out) -> None:
+    import datetime
+    import traceback
+
+    import torch.distributed as dist
+
+    try:
+        torch.set_num_threads(1)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        try:
+            result = fn(rank, world)
+        finally:
+            dist.destroy_process_group()
+        out.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - report anything to the parent
+        out.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(
+    fn: Callable[[int, int], Any], world: int = 2, backend: str = "gloo", timeout_s: float = 240.0
+) -> dict[int, Any]:
+    """``{rank: fn(rank, world)}`` from ``world`` spawned processes in one process group (127.0.0.1,
+    a free port). ``fn`` must be a module-level function (spawn pickles it by name). Any rank's
+    exception fails the caller with its traceback; the processes are joined (or terminated)."""
+    import queue as queue_mod
+    import time
+
+    import torch.multiprocessing as mp
+
+    from verl_digen.sync import find_free_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = find_free_port("127.0.0.1")
+    name = getattr(fn, "__name__", repr(fn))
+    procs = [ctx.Process(target=_rank_entry, args=(r, world, port, backend, fn, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < world and not errors:
+            try:
+                rank, status, payload = out.get(timeout=1.0)
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:
+                    errors.append(f"ranks {dead} of {name!r} died without a report")
+                elif time.monotonic() > deadline:
+                    errors.append(f"timed out after {timeout_s}s waiting for the ranks of {name!r}")
+                continue
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append(f"rank {rank}:\n{payload}")
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.terminate()
+                p.join(10)
+    assert not errors, "\n".join(errors)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return results

@@ -93,7 +93,8 @@ def test_steps_are_planned_and_run_only_by_the_step_driver():
 
 def test_one_denoising_loop():
     """Only the rollout sampler steps the denoiser (validation uses its ODE mode); the updater
-    recomputes single steps for the loss. No second sampler anywhere else in the runtime."""
+    recomputes single steps for the loss through the sampler's own transformer calls
+    (``velocity_in_chunks``: the same precision path). No second sampler anywhere else."""
     callers = set()
     for sub in ("workers", "trainer", "rewards", "schedule", "sim", "sync", "placement"):
         for path, tree in _modules(sub).items():
@@ -103,7 +104,10 @@ def test_one_denoising_loop():
         with open(os.path.join(PKG, path)) as f:
             if _calls(ast.parse(f.read()), "predict_velocity"):
                 callers.add(path)
-    assert callers == {os.path.join("workers", "sampling.py"), os.path.join("workers", "training.py")}, callers
+    assert callers == {os.path.join("workers", "sampling.py")}, callers
+    training = _modules("workers")[os.path.join("workers", "training.py")]
+    assert any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "velocity_in_chunks"
+               for n in ast.walk(training))
 
 
 def test_controller_loop_is_short():

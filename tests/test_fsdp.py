@@ -7,10 +7,6 @@ training on the concatenated data with the mean loss.
 
 from __future__ import annotations
 
-import queue as queue_mod
-import time
-import traceback
-
 import pytest
 import torch
 from torch import nn
@@ -24,7 +20,7 @@ from verl_digen.workers.fsdp import (
     is_fsdp,
     lockstep_count,
 )
-from verl_digen.sync import find_free_port
+from runs import run_ranks
 
 TOL = 1e-6
 DIM = 5  # odd on purpose: 5 rows over 2 ranks is an uneven shard (3 + 2)
@@ -104,67 +100,8 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 # ---------------------------------------------------------------------- process harness
 
 
-def _entry(rank: int, world: int, port: int, backend: str, scenario: str, out) -> None:
-    import datetime
-
-    import torch.distributed as dist
-
-    try:
-        torch.set_num_threads(1)
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=60),
-        )
-        try:
-            result = SCENARIOS[scenario](rank, world)
-        finally:
-            dist.destroy_process_group()
-        out.put((rank, "ok", result))
-    except BaseException:  # noqa: BLE001 - report anything to the parent
-        out.put((rank, "error", traceback.format_exc()))
-
-
 def run_distributed(scenario: str, world: int = 2, backend: str = "gloo", timeout_s: float = 240.0) -> dict:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = find_free_port("127.0.0.1")
-    procs = [ctx.Process(target=_entry, args=(r, world, port, backend, scenario, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, object] = {}
-    errors: list[str] = []
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(results) < world and not errors:
-            try:
-                rank, status, payload = out.get(timeout=1.0)
-            except queue_mod.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if dead:
-                    errors.append(f"ranks {dead} of {scenario!r} died without a report")
-                elif time.monotonic() > deadline:
-                    errors.append(f"timed out after {timeout_s}s waiting for the ranks of {scenario!r}")
-                continue
-            if status == "ok":
-                results[rank] = payload
-            else:
-                errors.append(f"rank {rank}:\n{payload}")
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.terminate()
-                p.join(10)
-    assert not errors, "\n".join(errors)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    return results
+    return run_ranks(SCENARIOS[scenario], world=world, backend=backend, timeout_s=timeout_s)
 
 
 # ---------------------------------------------------------------------- scenarios (in the ranks)
@@ -398,8 +335,10 @@ def _scenario_flux_lora_checkpointing(rank: int, world: int) -> dict:
 
 
 def _scenario_bf16(rank: int, world: int) -> dict:
-    """bf16 all-gathers + autocast forward (as the trainer runs with model.dtype=bf16), fp32
-    SDE maths, AdamW on fp32 sharded master weights. CUDA for an NCCL group, else CPU."""
+    """apply_fsdp2's bf16 mixed-precision option (bf16 all-gathers of fp32 sharded masters, here
+    under autocast), fp32 SDE maths, AdamW on the fp32 shards. The workers do not use it (they
+    load bf16 weights and gather them as they are: shard_for_training); this keeps the option
+    working. CUDA for an NCCL group, else CPU."""
     import torch.distributed as dist
 
     from verl_digen.algos.sde import sde_step_with_logprob
@@ -480,7 +419,44 @@ def _scenario_ema(rank: int, world: int) -> dict:
     }
 
 
+def _scenario_streamed_sync_state(rank: int, world: int) -> dict:
+    """stream_full_state in small buckets: bitwise the state of one big gather, the digest of
+    it, and never more than one bucket of full tensors per all-gather."""
+    import hashlib
+
+    from verl_digen.sync.state import digest_update, state_digest
+    from verl_digen.workers import fsdp
+
+    model = apply_fsdp2(make_lora_model(train_head=True), param_dtype=None)
+    whole = full_state_for_sync(model, lora_only=False, bucket_bytes=1 << 30)
+    gathered: list[int] = []
+    original = fsdp._gather_row_sharded
+
+    def recording(tensors):
+        gathered.append(sum(t.numel() * t.element_size() for t in tensors))
+        return original(tensors)
+
+    fsdp._gather_row_sharded = recording
+    try:
+        h = hashlib.sha256()
+        streamed = {}
+        for name, full in fsdp.stream_full_state(model, lora_only=False, bucket_bytes=64):
+            digest_update(h, name, full)
+            streamed[name] = full.clone()
+    finally:
+        fsdp._gather_row_sharded = original
+    return {
+        "names_equal": list(streamed) == list(whole),
+        "bitwise": all(torch.equal(streamed[k], whole[k]) for k in whole),
+        "digest_ok": h.hexdigest() == state_digest(whole),
+        "gathers": len(gathered),
+        "largest_tensor": max(t.numel() * t.element_size() for t in whole.values()),
+        "largest_gather": max(gathered),
+    }
+
+
 SCENARIOS = {
+    "streamed_sync_state": _scenario_streamed_sync_state,
     "lora_mean": _scenario_lora_mean,
     "sum_accum_clip": _scenario_sum_accum_clip,
     "flux_lora_checkpointing": _scenario_flux_lora_checkpointing,
@@ -555,6 +531,15 @@ def test_apply_fsdp2_rejects_bad_arguments() -> None:
 
 
 # ---------------------------------------------------------------------- tests: 2 CPU ranks, gloo
+
+
+def test_fsdp2_sync_state_streams_bucket_by_bucket() -> None:
+    results = run_distributed("streamed_sync_state")
+    for r in results.values():
+        assert r["names_equal"] and r["bitwise"] and r["digest_ok"], r
+        assert r["gathers"] > 3  # many small buckets, not one gather of everything
+        # A bucket holds at most 64 bytes of tensors, or one tensor larger than that.
+        assert r["largest_gather"] <= max(64, r["largest_tensor"]), r
 
 
 def test_fsdp2_lora_two_ranks_matches_single_process() -> None:

@@ -37,8 +37,10 @@ def test_the_planner_splits_a_lone_group_over_every_rollout_worker():
 
 def test_enough_groups_keep_whole_group_tasks():
     assert StrategySpec(**{**ONE_GROUP_TWO_ROLLOUTS, "groups_per_step": 2}).sample_split == 1
-    # 1 group, 3 workers, G=4: three slices of 1, 1 and 2 samples; never more slices than samples
-    assert StrategySpec(**{**ONE_GROUP_TWO_ROLLOUTS, "rollout_workers": 3}).sample_split == 3
+    # 1 group, 3 workers, G=4: two equal slices of 2 (equal slices keep every transformer call
+    # the same rows in rollout and training); never more slices than samples
+    assert StrategySpec(**{**ONE_GROUP_TWO_ROLLOUTS, "rollout_workers": 3}).sample_split == 2
+    assert StrategySpec(**{**ONE_GROUP_TWO_ROLLOUTS, "rollout_workers": 4}).sample_split == 4
     assert StrategySpec(**{**ONE_GROUP_TWO_ROLLOUTS, "rollout_workers": 8, "group_size": 2}).sample_split == 2
 
 
@@ -70,6 +72,20 @@ def test_the_simulator_runs_the_split_plan_on_both_rollout_workers():
 
 
 # ----------------------------------------------------------------------------- the trajectories
+
+
+def test_split_groups_make_the_same_transformer_calls_in_rollout_and_training():
+    """A slice is a whole number of transformer calls, and the trainer calls on the same rows."""
+    from verl_digen.schedule.plan import sample_slices
+    from verl_digen.schedule.strategies import call_rows
+
+    assert sample_slices(4, 2) == [(0, 2), (2, 4)]
+    with pytest.raises(ValueError, match="evenly"):
+        sample_slices(4, 3)
+    assert call_rows(4, 1, 1) == 4 and call_rows(4, 1, 1, split=2) == 2 and call_rows(8, 1, 2, split=2) == 4
+    for split in (2, 4):
+        rows = call_rows(4, 1, 1, split)
+        assert all((b - a) % rows == 0 and a % rows == 0 for a, b in sample_slices(4, split))
 
 
 def test_sample_slices_are_bitwise_the_whole_group(tiny_flux):

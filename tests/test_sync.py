@@ -215,6 +215,47 @@ def test_channel_streams_buckets_and_versions_in_threads() -> None:
     assert expected[0][2] == state_nbytes(trainable_state(src, lora_only=False))
 
 
+def test_mixin_loads_a_streamed_sync_bucket_by_bucket() -> None:
+    """WeightSyncMixin.sync_recv copies each bucket into the module as it arrives: the module
+    equals the sender's afterwards, and the receiver never holds more than one bucket."""
+    from verl_digen.sync.transport import WeightSyncMixin
+
+    port = find_free_port()
+    src, dst = make_full_denoiser(7), make_full_denoiser(8)
+    bucket_bytes = 600
+
+    class Receiver(WeightSyncMixin):
+        sync_module, sync_lora_only, policy_version = dst, False, 0
+
+    receiver = Receiver()
+    held: list[int] = []
+
+    def endpoint(rank: int):
+        if rank == 0:
+            with WeightChannel("gloo", 0, 2, "127.0.0.1", port, timeout_s=30, bucket_bytes=bucket_bytes) as ch:
+                return ch.send(trainable_state(src, lora_only=False), 5).nbytes
+        receiver._weight_channel = WeightChannel("gloo", 1, 2, "127.0.0.1", port, timeout_s=30, bucket_bytes=bucket_bytes)
+        original = receiver._weight_channel.recv_buckets
+
+        def recording():
+            for part, version in original():
+                held.append(sum(t.numel() * t.element_size() for t in part.values()))
+                yield part, version
+
+        receiver._weight_channel.recv_buckets = recording
+        try:
+            return receiver.sync_recv()
+        finally:
+            receiver.sync_close()
+
+    sent, stats = _run_ranks(2, endpoint)
+    assert stats["version"] == 5 and receiver.policy_version == 5 and stats["nbytes"] == sent
+    # A bucket holds at most bucket_bytes, or one tensor larger than that.
+    largest = max(t.numel() * t.element_size() for t in trainable_state(src, lora_only=False).values())
+    assert len(held) > 1 and max(held) <= max(bucket_bytes, largest) and sum(held) == sent
+    assert state_digest(trainable_state(dst, lora_only=False)) == state_digest(trainable_state(src, lora_only=False))
+
+
 def test_channel_role_errors() -> None:
     port = find_free_port()
 

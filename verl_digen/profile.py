@@ -176,6 +176,7 @@ def _load(overrides: list[str], threads: int) -> tuple[Any, Any, Any]:
 
     from verl_digen.config.compose import compose_config
     from verl_digen.config.schema import digen_config_from_dict
+    from verl_digen.models.base import resolve_dtype
     from verl_digen.models.registry import load_adapter
     from verl_digen.trainer.resolve import resolve_model_path
     from verl_digen.workers.training import add_lora
@@ -184,9 +185,12 @@ def _load(overrides: list[str], threads: int) -> tuple[Any, Any, Any]:
     torch.set_num_threads(threads)
     config = compose_config(overrides)
     cfg = digen_config_from_dict(OmegaConf.to_container(config, resolve=True)["digen"])
-    adapter = load_adapter(resolve_model_path(cfg), cfg.model.arch, device=compute_device())
+    device = compute_device()
+    # The workers' precision: weights in the run's dtype, LoRA in the trainable dtype.
+    adapter = load_adapter(resolve_model_path(cfg), cfg.model.arch, device=device,
+                           dtype=resolve_dtype(cfg.model.dtype, device))
     if cfg.model.lora.enable:
-        add_lora(adapter, cfg.model.lora)
+        add_lora(adapter, cfg.model.lora, dtype=resolve_dtype(cfg.model.trainable_dtype, device))
     return cfg, adapter, sampling_settings(cfg)
 
 
@@ -196,6 +200,7 @@ def _task_timings(overrides: list[str], threads: int, repeats: int, barrier: Any
     import torch
 
     from verl_digen.algos.window import SdeWindowConfig
+    from verl_digen.models.base import pixels_from_uint8
     from verl_digen.rewards import build_reward_from_config
     from verl_digen.workers.sampling import sample_groups
     from verl_digen.workers.training import PolicyUpdater, TrainSettings
@@ -229,7 +234,7 @@ def _task_timings(overrides: list[str], threads: int, repeats: int, barrier: Any
     out = {f"gen_{n}_{s}": _median_time(lambda: gen(n, st), repeats) for n in (1, 2) for s, st in ((S, settings), (S2, half))}
     for n in (1, 2):
         prompts = [str(p) for p in data[n].non_tensor_batch["prompt"]]
-        out[f"reward_{n}"] = _median_time(lambda: reward_fn(data[n].batch["images"], prompts), repeats)
+        out[f"reward_{n}"] = _median_time(lambda: reward_fn(pixels_from_uint8(data[n].batch["images"]), prompts), repeats)
         out[f"train_{n}"] = _median_time(lambda: trainer.train_micro_batch(data[n], torch.randn(n * G)), repeats)
     out["optimizer"] = _median_time(lambda: trainer.optimizer_step(None), repeats)
     out["trained_steps"] = int(data[1].batch["train_mask"][0].sum())

@@ -71,15 +71,22 @@ class ModelConfig:
     arch: Optional[str] = None  # flux | sd3 | qwen_image | wan | hunyuan_video; None: read from model_index.json
     # Random-init tiny model of a family, or "digits": the pretrained toy FLUX of verl_digen.models.toy.
     tiny_arch: str = "flux"
-    dtype: str = "fp32"  # fp32 | bf16 (bf16: autocast for the denoiser, SDE maths stay fp32)
-    trainable_dtype: str = "fp32"  # fp32 | bf16: trainable parameters (LoRA or full) and optimizer states
-    gradient_checkpointing: bool = False  # activation checkpointing of every transformer block when training
-    vae_decode_chunk: int = 0  # samples per VAE decode call (0: the whole batch); video decodes tiled
+    # The dtype the weights are loaded and computed in (rollout and training alike): auto = bf16
+    # when the workers run on CUDA, fp32 on CPU. The SDE maths stay fp32 whatever this says.
+    dtype: str = "auto"  # auto | fp32 | bf16
+    # The dtype of the trained parameters (LoRA, or the fp32 master copy of a full fine-tune)
+    # and of their optimizer state.
+    trainable_dtype: str = "fp32"  # fp32 | bf16
+    # Activation checkpointing of the denoiser's blocks in every training path (diffusers'
+    # enable_gradient_checkpointing), with or without FSDP.
+    gradient_checkpointing: bool = False
+    # Samples per VAE decode call (0: the whole batch at once); video VAEs also decode tiled.
+    vae_decode_chunk: int = 0
     lora: LoraConfigSpec = field(default_factory=LoraConfigSpec)
 
     def validate(self, key: str) -> None:
-        if self.dtype not in ("fp32", "bf16"):
-            _fail(f"{key}.dtype", self.dtype, "valid: fp32, bf16")
+        if self.dtype not in ("auto", "fp32", "bf16"):
+            _fail(f"{key}.dtype", self.dtype, "valid: auto, fp32, bf16")
         if self.trainable_dtype not in ("fp32", "bf16"):
             _fail(f"{key}.trainable_dtype", self.trainable_dtype, "valid: fp32, bf16")
         if self.vae_decode_chunk < 0:
@@ -305,7 +312,9 @@ class EmulateConfig:
 
 @dataclass
 class FsdpConfig:
-    """FSDP2 (fully_shard) over the trainer pool (GPU); each micro-batch runs on every trainer rank in lockstep."""
+    """FSDP2 (fully_shard) over the training ranks (the trainer pool, or every fused worker when
+    colocated); each micro-batch runs on every rank in lockstep. Activation checkpointing is
+    ``digen.model.gradient_checkpointing`` (every training path, sharded or not)."""
 
     enable: bool = False
     reshard_after_forward: bool = True
@@ -330,7 +339,7 @@ class EmaConfig:
 
     enable: bool = False
     decay: float = 0.999
-    offload: bool = True  # EMA weights kept on CPU
+    offload: bool = True  # keep the EMA weights on CPU (moved to the device only to be swapped in)
 
     def validate(self, key: str) -> None:
         if not 0.0 < self.decay < 1.0:
@@ -458,8 +467,12 @@ class DigenConfig:
                 _fail("digen.tag.enable", True, "TAG with FSDP would make generation a trainer collective; not supported")
             if self.tsp.train_split != "sample":
                 _fail("digen.tsp.train_split", self.tsp.train_split, "FSDP splits each micro-batch by sample")
-            if self.algo.kl_beta > 0 and not self.model.lora.enable:
-                _fail("digen.algo.kl_beta", self.algo.kl_beta, "a full-copy KL reference is not supported with FSDP (use LoRA)")
+            if self.placement == "disaggregated":
+                rows = self.batch.train_micro_batch_groups * self.batch.group_size
+                if rows % self.pools.trainer.world_size:
+                    _fail("digen.batch.train_micro_batch_groups", self.batch.train_micro_batch_groups,
+                          f"x digen.batch.group_size={self.batch.group_size} = {rows} rows must split evenly over the "
+                          f"{self.pools.trainer.world_size} FSDP trainer ranks")
         if self.placement == "disaggregated":
             self.pools.validate("digen.pools")
         if self.algo.std_mode == "global" and self.gap.enable:

@@ -19,6 +19,7 @@ decoding. This module imports torch only; diffusers is imported where a helper n
 from __future__ import annotations
 
 import abc
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
@@ -92,6 +93,20 @@ class DiffusionAdapter(abc.ABC):
     # The trainable denoiser (FluxTransformer2DModel, SD3Transformer2DModel, ...).
     transformer: torch.nn.Module
 
+    # The dtype the denoiser computes in (what :meth:`from_pretrained` loaded it in). Adapters
+    # cast the transformer's inputs to it explicitly, rather than reading ``transformer.dtype``:
+    # under FSDP2 or with fp32 LoRA / master weights the parameters' storage dtype is not the
+    # compute dtype, and rollout and trainer must cast every input the same way.
+    _compute_dtype: torch.dtype | None = None
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self._compute_dtype if self._compute_dtype is not None else self.transformer.dtype
+
+    @compute_dtype.setter
+    def compute_dtype(self, dtype: torch.dtype) -> None:
+        self._compute_dtype = dtype
+
     # Subfolder -> class of each component :meth:`from_pretrained` loads (in this order); the
     # adapter's ``__init__`` takes them under these names.
     component_classes: ClassVar[dict[str, type]] = {}
@@ -121,7 +136,9 @@ class DiffusionAdapter(abc.ABC):
         components = load_components(
             path, cls._components_to_load(index), device=device, dtype=dtype, keep_fp32=cls.fp32_components
         )
-        return cls(**components, max_sequence_length=max_sequence_length, **options)
+        adapter = cls(**components, max_sequence_length=max_sequence_length, **options)
+        adapter.compute_dtype = dtype
+        return adapter
 
     @classmethod
     def _components_to_load(cls, model_index: dict) -> dict[str, type | None]:
@@ -229,6 +246,26 @@ class DiffusionAdapter(abc.ABC):
     # The attributes (text encoders, tokenizers) :meth:`release_text_encoders` drops.
     text_encoder_names: ClassVar[tuple[str, ...]] = ()
 
+    # Components kept on CPU between uses (:meth:`offload_to_cpu`), moved to the device by
+    # :func:`onloaded` only while they run.
+    offloaded: tuple[str, ...] = ()
+
+    def offload_to_cpu(self, names: tuple[str, ...]) -> int:
+        """Keep the modules ``names`` (text encoders, the VAE) on CPU, to be moved to the device
+        only while they encode or decode (:func:`onloaded`): what a training GPU does not need
+        between uses. Returns the bytes of parameters and buffers moved off the device."""
+        moved = 0
+        for name in names:
+            module = getattr(self, name, None)
+            if isinstance(module, torch.nn.Module):
+                moved += sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers())
+                             if t.device.type not in ("cpu", "meta"))
+                module.to("cpu")
+        self.offloaded = tuple(dict.fromkeys((*self.offloaded, *names)))
+        if moved and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return moved
+
     def release_text_encoders(self) -> int:
         """Drop the text encoders and tokenizers (once every prompt the run needs is in a
         :class:`~verl_digen.models.prompt_cache.PromptEmbeddingCache`); returns the bytes of
@@ -239,6 +276,24 @@ class DiffusionAdapter(abc.ABC):
 
 
 TEXT_ENCODERS_RELEASED_MESSAGE = "text encoders were released; use the prompt cache"
+
+
+@contextmanager
+def onloaded(adapter: DiffusionAdapter, names: tuple[str, ...]):
+    """Within the block, the offloaded modules among ``names`` are on the adapter's device;
+    they go back to CPU afterwards (even on error). Modules not offloaded are left alone."""
+    modules = [m for n in names if n in adapter.offloaded and isinstance(m := getattr(adapter, n, None), torch.nn.Module)]
+    device = adapter.device
+    if device.type == "cpu" or not modules:
+        yield
+        return
+    for m in modules:
+        m.to(device)
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.to("cpu")
 
 
 def release_modules(adapter: DiffusionAdapter, names: tuple[str, ...]) -> int:
@@ -284,6 +339,17 @@ def prompts_to_encode(adapter: DiffusionAdapter, prompts: list[str] | str) -> li
 
 
 # ---------------------------------------------------------------------- loading
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def resolve_dtype(name: str, device: torch.device | str, *, key: str = "digen.model.dtype") -> torch.dtype:
+    """The torch dtype of a ``digen.model.dtype`` value: ``auto`` is bf16 on CUDA, fp32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"{key}={name!r}; valid: auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
 
 
 def read_model_index(path: str) -> dict:
@@ -554,3 +620,14 @@ def unnormalize_latents(x: torch.Tensor, vae_config) -> torch.Tensor:
 def to_unit_range(pixels: torch.Tensor) -> torch.Tensor:
     """VAE output in ~[-1, 1] -> fp32 in [0, 1]."""
     return (pixels.float() / 2 + 0.5).clamp(0, 1)
+
+
+def pixels_to_uint8(pixels: torch.Tensor) -> torch.Tensor:
+    """fp32 pixels in [0, 1] -> uint8 in [0, 255] (rounded, as PIL and the reward servers store
+    them): what images and videos cross processes as (4x smaller than fp32)."""
+    return (pixels.float().clamp(0, 1) * 255).round().to(torch.uint8)
+
+
+def pixels_from_uint8(pixels: torch.Tensor) -> torch.Tensor:
+    """uint8 pixels -> fp32 in [0, 1] (fp32 input is returned as it is)."""
+    return pixels.float() / 255 if pixels.dtype == torch.uint8 else pixels

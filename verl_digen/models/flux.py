@@ -169,7 +169,7 @@ class FluxAdapter(DiffusionAdapter):
         spec: SampleSpec,
     ) -> torch.Tensor:
         """Velocity ``[B, L, C*4]`` fp32 (sigma broadcasting and true CFG: ``predict_velocity``)."""
-        dtype = self.transformer.dtype
+        dtype = self.compute_dtype
         guidance = None
         if self.transformer.config.guidance_embeds:
             # Guidance-distilled models (FLUX.1-dev) take the guidance scale as an input embedding.

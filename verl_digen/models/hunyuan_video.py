@@ -188,7 +188,7 @@ class HunyuanVideoAdapter(DiffusionAdapter):
     ) -> torch.Tensor:
         """Velocity ``[B, C, F, h, w]`` fp32 with the distilled guidance ``spec.distilled_guidance``
         (sigma broadcasting and true CFG on top: ``predict_velocity``)."""
-        dtype = self.transformer.dtype
+        dtype = self.compute_dtype
         device = latents.device
         scale = DEFAULT_DISTILLED_GUIDANCE if spec.distilled_guidance is None else spec.distilled_guidance
         # As the pipeline builds it: the scale in the model dtype, times 1000.

@@ -213,7 +213,7 @@ class QwenImageAdapter(DiffusionAdapter):
         spec: SampleSpec,
     ) -> torch.Tensor:
         """Velocity ``[B, L, C*4]`` fp32 (sigma broadcasting and CFG: ``predict_velocity``)."""
-        dtype = self.transformer.dtype
+        dtype = self.compute_dtype
         out = self.transformer(
             hidden_states=latents.to(dtype),
             # The pipeline passes t/1000 with t = 1000*sigma cast to the latents' dtype first.

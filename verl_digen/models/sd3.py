@@ -189,7 +189,7 @@ class SD3Adapter(DiffusionAdapter):
         spec: SampleSpec,  # unused: SD3 has no guidance embedding
     ) -> torch.Tensor:
         """Velocity ``[B, C, h, w]`` fp32 (sigma broadcasting and CFG: ``predict_velocity``)."""
-        dtype = self.transformer.dtype
+        dtype = self.compute_dtype
         out = self.transformer(
             hidden_states=latents.to(dtype),
             # SD3 takes the scheduler's timestep t = 1000 * sigma (kept in fp32, as the pipeline does).

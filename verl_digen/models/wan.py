@@ -209,7 +209,7 @@ class WanAdapter(DiffusionAdapter):
         spec: SampleSpec,  # unused: Wan has no guidance embedding
     ) -> torch.Tensor:
         """Velocity ``[B, C, F, h, w]`` fp32 (sigma broadcasting and CFG: ``predict_velocity``)."""
-        dtype = self.transformer.dtype
+        dtype = self.compute_dtype
         out = self.transformer(
             hidden_states=latents.to(dtype),
             timestep=self._timestep(sigma, latents),

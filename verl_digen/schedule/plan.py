@@ -260,9 +260,11 @@ def chunk(items: list[int], size: int) -> list[tuple[int, ...]]:
 
 
 def sample_slices(group_size: int, parts: int) -> list[tuple[int, int] | None]:
-    """``parts`` contiguous slices ``[start, end)`` of a group's samples, as even as they come
-    (``[None]``: the whole group, one task)."""
+    """``parts`` contiguous equal slices ``[start, end)`` of a group's samples (``[None]``: the
+    whole group, one task); ``parts`` divides ``group_size``."""
     if parts <= 1:
         return [None]
-    bounds = [round(i * group_size / parts) for i in range(parts + 1)]
+    if group_size % parts:
+        raise ValueError(f"{parts} sample slices do not split a group of {group_size} evenly")
+    bounds = [i * group_size // parts for i in range(parts + 1)]
     return [(a, b) for a, b in zip(bounds, bounds[1:])]

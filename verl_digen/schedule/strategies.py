@@ -63,6 +63,11 @@ def strategy_violations(
         ):
             if used:
                 out.append((field, f"{what} {needs}"))
+        if fsdp and rollout_workers is not None and groups_per_step % (groups_per_task * rollout_workers):
+            # Every fused worker's forwards are FSDP collectives: each must generate as many
+            # tasks of the same size as the others, every step.
+            out.append(("groups_per_step", f"colocated FSDP needs a multiple of {name('groups_per_task')} x the "
+                                           f"{rollout_workers} fused workers = {groups_per_task * rollout_workers}"))
     if not 1 <= tsp_stages <= num_steps:
         out.append(("tsp_stages", f"must be in [1, {name('num_steps')}={num_steps}]"))
     elif rollout_workers is not None and rollout_workers % tsp_stages:
@@ -79,6 +84,38 @@ def strategy_violations(
             valid = f"must be >= 1 and divide {name('groups_per_step')}={groups_per_step} (whole groups only)"
             out.append((field, valid))
     return out
+
+
+def sample_split(groups_per_step: int, groups_per_task: int, group_size: int, lanes: int) -> int:
+    """Generate tasks per unit of ``groups_per_task`` groups: 1 when the step has at least as many
+    units as rollout lanes (workers, or TSP pipelines); otherwise each unit is cut into that many
+    equal sample slices, the largest divisor of ``group_size`` not above ``lanes // units``, so
+    that every lane generates every step. Equal slices keep every transformer call the same
+    rows in rollout and training (:func:`call_rows`)."""
+    units = groups_per_step // groups_per_task
+    if units >= lanes:
+        return 1
+    return max(d for d in range(1, group_size + 1) if group_size % d == 0 and d <= lanes // units)
+
+
+def call_rows(group_size: int, micro_batch_groups: int, ranks: int, split: int = 1) -> int:
+    """Rows per transformer call for rollout and training alike: the largest divisor ``m`` of a
+    sample slice (``group_size // split`` rows; the whole group when not split) such that a
+    training micro-batch (``micro_batch_groups * group_size`` rows) splits into whole chunks of
+    ``m`` rows evenly over ``ranks`` FSDP ranks (1: no FSDP).
+
+    Why one number for both sides: a kernel's result for one row can depend on how many rows it
+    is computed with, so exact on-policy log-probs need the trainer to make the rollout's calls.
+
+    Raises ``ValueError`` naming the keys when the micro-batch's rows do not split evenly."""
+    rows = micro_batch_groups * group_size
+    if rows % ranks:
+        raise ValueError(
+            f"digen.batch.train_micro_batch_groups={micro_batch_groups} x digen.batch.group_size={group_size} "
+            f"= {rows} rows do not split evenly over {ranks} FSDP ranks"
+        )
+    part = group_size // split
+    return max(m for m in range(1, part + 1) if part % m == 0 and (rows // m) % ranks == 0)
 
 
 @dataclass(frozen=True)
@@ -103,8 +140,8 @@ class StrategySpec:
     train_split: str = "sample"
     # TAG: trainer workers generate part of each step's groups (the share is per step).
     tag: bool = False
-    # FSDP over the trainers: each micro-batch is a gang task on every trainer rank (lockstep),
-    # each rank taking a share of its samples.
+    # FSDP over the training ranks (trainers; fused workers when colocated): each micro-batch is
+    # a gang task on every rank (lockstep), each rank taking a share of its samples.
     fsdp: bool = False
 
     def __post_init__(self) -> None:
@@ -130,19 +167,14 @@ class StrategySpec:
 
     @property
     def sample_split(self) -> int:
-        """Generate tasks per unit of ``groups_per_task`` groups: 1 when the step has at least as
-        many units as rollout lanes (workers, or TSP pipelines); otherwise each unit is cut into
-        that many sample slices (at most ``group_size``), so that every lane generates every step."""
+        """Generate tasks per unit of ``groups_per_task`` groups: see :func:`sample_split`."""
         lanes = self.pipelines if self.tsp_stages > 1 else self.rollout_workers
-        units = self.groups_per_step // self.groups_per_task
-        if units >= lanes:
-            return 1
-        return min(self.group_size, lanes // units)
+        return sample_split(self.groups_per_step, self.groups_per_task, self.group_size, lanes)
 
     @property
     def name(self) -> str:
         if self.placement == "colocated":
-            return "colocated"
+            return "colocated+fsdp" if self.fsdp else "colocated"
         parts = ["disaggregated"]
         if self.gap:
             parts.append("gap")
@@ -336,11 +368,11 @@ class StepPlanner:
         for j, mb in enumerate(chunk(order, spec.train_micro_batch_groups)):
             own = sorted({self._reward_task_of(g).id for g in mb})
             deps = tuple(own) if spec.gap else tuple(rewards_of_step)
-            if spec.placement == "colocated":
+            if spec.fsdp:  # every training rank (trainers, or fused workers when colocated) in lockstep
+                placements = [(tuple(trainers), None)]
+            elif spec.placement == "colocated":
                 # Train where the data was generated: no transfer between devices.
                 placements = [(self._gen_of[self._reward_task_of(mb[0]).groups[0]].worker, None)]
-            elif spec.fsdp:
-                placements = [(tuple(trainers), None)]
             elif spec.train_split == "timestep":
                 # Every rank takes a share of this micro-batch's steps: a lone (drain) micro-batch
                 # still keeps all trainer ranks busy.

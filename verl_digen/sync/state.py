@@ -46,19 +46,24 @@ def trainable_state(module: torch.nn.Module, *, lora_only: bool) -> dict[str, to
 
 
 @torch.no_grad()
-def load_trainable_state(module: torch.nn.Module, state: Mapping[str, torch.Tensor], *, lora_only: bool) -> None:
+def load_trainable_state(
+    module: torch.nn.Module, state: Mapping[str, torch.Tensor], *, lora_only: bool, partial: bool = False
+) -> None:
     """Copy ``state`` into the module's tensors in place.
 
-    Strict: the names must be exactly those :func:`trainable_state` reports for this module,
-    and every shape must match. Dtype and device may differ (``copy_`` converts), so a bf16
-    rollout can take fp32 trainer weights.
+    Strict: the names must be exactly those :func:`trainable_state` reports for this module
+    (``partial``: a subset of them, one bucket of a streamed sync), and every shape must match.
+    Dtype and device may differ (``copy_`` converts), so a bf16 rollout can take fp32 trainer
+    weights.
 
     Raises:
         ValueError: names missing from or unknown to the module, or a shape mismatch.
     """
     target = trainable_state(module, lora_only=lora_only)
-    missing = sorted(set(target) - set(state))
     unknown = sorted(set(state) - set(target))
+    if partial:
+        target = {n: target[n] for n in state if n in target}
+    missing = sorted(set(target) - set(state))
     if missing or unknown:
         raise ValueError(f"state does not match module (lora_only={lora_only}): missing={missing} unknown={unknown}")
     bad_shapes = [
@@ -88,11 +93,17 @@ def state_digest(state: Mapping[str, torch.Tensor]) -> str:
     """
     h = hashlib.sha256()
     for name in sorted(state):
-        t = state[name].detach()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        # reshape(-1) first: a 0-d tensor cannot be reinterpreted as bytes directly.
-        h.update(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        digest_update(h, name, state[name])
     return h.hexdigest()
+
+
+def digest_update(h: "hashlib._Hash", name: str, tensor: torch.Tensor) -> None:
+    """Fold one named tensor into a sha256: :func:`state_digest` one tensor at a time (call in
+    sorted name order), for states streamed bucket by bucket and never held whole."""
+    t = tensor.detach()
+    h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+    # reshape(-1) first: a 0-d tensor cannot be reinterpreted as bytes directly.
+    h.update(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
 # --------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import itertools
 import json
 import socket
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any, Literal
@@ -294,6 +294,36 @@ class WeightChannel:
         return SyncStats(version=version, nbytes=nbytes, seconds=time.perf_counter() - start, num_tensors=num_tensors)
 
     @torch.no_grad()
+    def recv_buckets(self) -> Iterator[tuple[dict[str, torch.Tensor], int]]:
+        """Receive one sync message by message (ranks > 0): yields ``(bucket, version)`` as each
+        bucket arrives, so the caller can load it and drop it before the next one (one bucket on
+        the device at a time instead of the whole state). Consume the generator to the end."""
+        if self.rank == 0:
+            raise RuntimeError("rank 0 is the sender; it cannot recv")
+        version: int | None = None
+        seen: set[str] = set()
+        while True:
+            header = self._recv_header()
+            if version is None:
+                version = int(header["version"])
+            elif header["version"] != version:
+                raise RuntimeError(f"weight sync mixed versions {version} and {header['version']} in one transfer")
+            metadata = _metadata_from_json(header["layout"])
+            buffers = metadata.empty_buffers(self.device)
+            for buf in buffers:
+                if buf.numel():
+                    self._broadcast(buf)
+            self._synchronize()
+            part = unflatten_state(buffers, metadata)
+            duplicated = seen & part.keys()
+            if duplicated:
+                raise RuntimeError(f"weight sync sent tensors twice: {sorted(duplicated)}")
+            seen |= part.keys()
+            yield part, version
+            if header["is_last"]:
+                return
+
+    @torch.no_grad()
     def recv(self) -> tuple[dict[str, torch.Tensor], int, SyncStats]:
         """Receive one sync (ranks > 0): ``(state sorted by name, version, stats)``.
 
@@ -422,11 +452,24 @@ class WeightSyncMixin:
         return stats.as_dict()
 
     def sync_recv(self) -> dict[str, Any]:
-        """Receive one sync, load it into ``sync_module`` and adopt its version."""
-        state, version, stats = self._require_sync_channel().recv()
-        load_trainable_state(self.sync_module, state, lora_only=self.sync_lora_only)
+        """Receive one sync and load it into ``sync_module`` bucket by bucket (each bucket is
+        copied into the module and dropped before the next arrives), then adopt its version.
+        Every tensor of the module's sync state must have arrived."""
+        start = time.perf_counter()
+        expected = set(trainable_state(self.sync_module, lora_only=self.sync_lora_only))
+        received: set[str] = set()
+        nbytes, version = 0, None
+        for part, version in self._require_sync_channel().recv_buckets():
+            load_trainable_state(self.sync_module, part, lora_only=self.sync_lora_only, partial=True)
+            received |= part.keys()
+            nbytes += sum(t.numel() * t.element_size() for t in part.values())
+            del part
+        if received != expected:
+            raise ValueError(f"weight sync (lora_only={self.sync_lora_only}) missed {sorted(expected - received)[:5]}")
+        assert version is not None
         self.policy_version = version
-        return stats.as_dict()
+        return SyncStats(version=version, nbytes=nbytes, seconds=time.perf_counter() - start,
+                         num_tensors=len(received)).as_dict()
 
     def sync_digest(self) -> str:
         """sha256 of the trainable state: equal across processes iff the weights are bitwise equal."""

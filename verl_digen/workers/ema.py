@@ -56,8 +56,15 @@ class EMA:
     """fp32 shadow copies of named parameters (a diffusers ``EMAModel``), averaged after each optimizer step."""
 
     def __init__(
-        self, named_params: Iterable[tuple[str, torch.nn.Parameter]], decay: float = 0.999, warmup: bool = True
+        self,
+        named_params: Iterable[tuple[str, torch.nn.Parameter]],
+        decay: float = 0.999,
+        warmup: bool = True,
+        offload: bool = False,
     ) -> None:
+        """``offload``: keep the shadows on CPU (``digen.ema.offload``); each update copies the live
+        parameters to the host first. Sharded (FSDP2) shadows stay on the device, each rank
+        holding only its shards (already 1/N of the memory)."""
         decay = float(decay)
         if not 0.0 < decay < 1.0:
             raise ValueError(f"EMA decay must be in (0, 1) (exclusive), got {decay}")
@@ -90,6 +97,11 @@ class EMA:
                 power=1,
             )
             self._model.to(dtype=torch.float32)
+        from torch.distributed.tensor import DTensor
+
+        self.offloaded = bool(offload) and not any(isinstance(p, DTensor) for p in self._params)
+        if self.offloaded:
+            self._model.to(device="cpu")
 
     # ------------------------------------------------------------------ averaging
 
@@ -115,7 +127,13 @@ class EMA:
 
         Returns the decay used.
         """
-        self._model.step(self._params)
+        if self.offloaded:
+            # Host copies that still "require grad": EMAModel copies (not averages) the others.
+            with torch.no_grad():
+                live = [p.detach().to("cpu", torch.float32).requires_grad_(True) for p in self._params]
+            self._model.step(live)
+        else:
+            self._model.step(self._params)
         return self._model.cur_decay_value
 
     def shadow(self, name: str) -> torch.Tensor:

@@ -38,7 +38,7 @@ module becomes a dynamic subclass (``FSDP<Name>``), so ``isinstance`` checks sti
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Literal
 
 import torch
@@ -51,8 +51,10 @@ __all__ = [
     "clip_grad_norm_fsdp",
     "enable_gradient_checkpointing",
     "full_state_for_sync",
+    "stream_full_state",
     "is_fsdp",
     "lockstep_count",
+    "shard_for_training",
 ]
 
 LORA_MARKER = "lora_"  # same marker as verl_digen.sync.state
@@ -143,6 +145,7 @@ def apply_fsdp2(
     reduce_dtype: torch.dtype | None = torch.float32,
     reshard_after_forward: bool = True,
     grad_reduce: Literal["mean", "sum"] = "mean",
+    cast_forward_inputs: bool = True,
 ) -> nn.Module:
     """Shard ``transformer`` with FSDP2: each block of :func:`block_modules`, then the root.
 
@@ -156,11 +159,16 @@ def apply_fsdp2(
             i.e. fp32 master weights). The sharded master copy, the gradients handed to the
             optimizer and the optimizer state stay in the parameters' original dtype. The
             root casts floating-point forward inputs to it (``cast_forward_inputs``), position
-            ids included (exact in bf16 up to 256, enough for FLUX up to 2048 px).
+            ids included (exact in bf16 up to 256, enough for FLUX up to 2048 px), unless
+            ``cast_forward_inputs=False``.
         reduce_dtype: dtype of the gradient reduce-scatter (fp32 recommended with bf16).
         reshard_after_forward: free gathered parameters after each unit's forward (and
             re-gather in backward). ``False`` keeps them until backward: less communication,
             more memory.
+        cast_forward_inputs: let FSDP cast floating forward inputs to ``param_dtype``. The
+            workers pass ``False`` with ``param_dtype=None``: the adapters cast each input as the
+            diffusers pipeline does (SD3/Wan/HunyuanVideo keep the timestep in fp32), so a
+            sharded forward is the unsharded one bit for bit.
         grad_reduce: ``"mean"`` (FSDP default: gradients averaged over ranks; right when every
             rank's loss is the mean over its own equally-sized data) or ``"sum"`` (gradients
             summed: right when each rank scales its loss by its share of the global batch,
@@ -183,7 +191,9 @@ def apply_fsdp2(
         raise ValueError(f"{type(transformer).__name__} is already sharded with fully_shard")
     if mesh is None:
         mesh = _default_mesh()
-    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=cast_forward_inputs
+    )
     for block in block_modules(transformer):
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     fully_shard(transformer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
@@ -194,6 +204,23 @@ def apply_fsdp2(
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)
     return transformer
+
+
+def shard_for_training(transformer: nn.Module, *, reshard_after_forward: bool = True, mesh=None) -> nn.Module:
+    """The workers' FSDP2 sharding of a denoiser (or of its frozen KL reference): parameters
+    all-gathered in the dtypes they were loaded in (bf16 base, fp32 LoRA, the fp32 modules a
+    diffusers model keeps) and no input casting, so that a sharded forward is the rollout's
+    unsharded forward bit for bit; gradients reduced in fp32 and summed (each rank scales its
+    loss by its share of the step's batch)."""
+    return apply_fsdp2(
+        transformer,
+        mesh=mesh,
+        param_dtype=None,
+        reduce_dtype=torch.float32,
+        cast_forward_inputs=False,
+        reshard_after_forward=reshard_after_forward,
+        grad_reduce="sum",
+    )
 
 
 def lockstep_count(n: int, group: dist.ProcessGroup | None = None) -> int:
@@ -259,63 +286,92 @@ def _gather_row_sharded(tensors: list[Tensor]) -> list[Tensor]:
     recv = recv.view(world, offset)
     out = []
     for t, (n, c, row, off) in zip(tensors, layout):
+        # reshape copies the strided columns out of recv (a view only when world == 1: clone then).
         full = recv[:, off : off + c * row].reshape(world * c, *t.shape[1:])[:n]
-        out.append(full.clone())
+        out.append(full.clone() if world == 1 else full)
     return out
 
 
+# Bytes gathered per all-gather when streaming a sharded state: one bucket is what a rank holds
+# at a time on the device (the weight channel's own default bucket is 1 GiB too).
+SYNC_BUCKET_BYTES = 1 << 30
+
+
 @torch.no_grad()
-def full_state_for_sync(
-    module: nn.Module, *, lora_only: bool, device: torch.device | str | None = None
-) -> dict[str, Tensor]:
-    """The weight-sync state of a (possibly FSDP2-sharded) module, as plain full tensors.
+def stream_full_state(
+    module: nn.Module, *, lora_only: bool, bucket_bytes: int = SYNC_BUCKET_BYTES
+) -> Iterator[tuple[str, Tensor]]:
+    """``(name, full tensor)`` of the weight-sync state of a (possibly FSDP2-sharded) module, in
+    sorted name order, gathered bucket by bucket: at most ``bucket_bytes`` of full tensors (plus
+    this rank's share of them) exist on the device at a time, never the whole state.
 
-    A collective when ``module`` is sharded: EVERY rank of its mesh must call it, in the same
-    order relative to other collectives, even if only one rank then sends the result. Each rank
-    gets the full tensors.
+    A collective when ``module`` is sharded: EVERY rank of its mesh must consume the whole
+    stream, in the same order relative to other collectives. Consecutive row-sharded tensors of
+    one mesh and dtype share one all-gather (LoRA states are hundreds of tiny matrices); other
+    DTensors use ``full_tensor()``; plain tensors are yielded as they are (views: copy them
+    before the module changes). A tensor larger than a bucket is gathered alone.
 
-    Same contract as :func:`verl_digen.sync.state.trainable_state` (which it equals on an
-    unsharded module, apart from returning copies): state-dict names (FSDP2 adds no prefix;
-    any FSDP1/compile/peft-wrapper prefix ``_fsdp_wrapped_module.``, ``_orig_mod.``,
-    ``_checkpoint_wrapped_module.`` is stripped anyway), sorted, only names containing
-    ``"lora_"`` when ``lora_only``; buffers are included in a full state. Sharded tensors of
-    one mesh and dtype are gathered in a single all-gather (LoRA states are hundreds of tiny
-    matrices); other DTensors fall back to ``full_tensor()``.
-
-    Args:
-        device: where to put the result (e.g. ``"cpu"``); default: the module's device.
+    Same contract as :func:`verl_digen.sync.state.trainable_state` for names: state-dict names
+    (FSDP2 adds no prefix; FSDP1/compile/checkpoint-wrapper prefixes are stripped), only names
+    containing ``"lora_"`` when ``lora_only``, buffers included in a full state.
 
     Raises:
         ValueError: ``lora_only`` but the module has no ``lora_`` tensor.
     """
     DTensor = _dtensor_cls()
     sd = module.state_dict()  # FSDP2's pre-hook registers the sharded parameters first
-    names = sorted(n for n in sd if not lora_only or LORA_MARKER in n)
+    names = sorted(sd, key=_strip_wrapper_prefixes)
+    names = [n for n in names if not lora_only or LORA_MARKER in n]
     if lora_only and not names:
         raise ValueError(f"lora_only=True but {type(module).__name__} has no tensor named '*{LORA_MARKER}*'")
-    result: dict[str, Tensor] = {}
-    buckets: dict[tuple, list[str]] = {}
+    bucket: list[str] = []
+    size = 0
+
+    def flush() -> Iterator[tuple[str, Tensor]]:
+        if bucket:
+            fulls = _gather_row_sharded([sd[n].detach() for n in bucket])
+            yield from zip(bucket, fulls)
+            bucket.clear()
+
     for name in names:
         t = sd[name].detach()
-        if isinstance(t, DTensor):
-            if _is_row_sharded(t):
-                buckets.setdefault((id(t.device_mesh), t.dtype), []).append(name)
-            else:
-                result[name] = t.full_tensor()
-        else:
-            result[name] = t.clone()
-    # Same names, same order on every rank -> same sequence of collectives.
-    for key in sorted(buckets, key=lambda k: buckets[k][0]):
-        group_names = buckets[key]
-        for name, full in zip(group_names, _gather_row_sharded([sd[n].detach() for n in group_names])):
-            result[name] = full
+        if isinstance(t, DTensor) and _is_row_sharded(t):
+            nbytes = t.numel() * t.element_size()
+            first = sd[bucket[0]] if bucket else None
+            if bucket and (size + nbytes > bucket_bytes or first.dtype != t.dtype or first.device_mesh != t.device_mesh):
+                for n, full in flush():
+                    yield _strip_wrapper_prefixes(n), full
+                size = 0
+            bucket.append(name)
+            size += nbytes
+            continue
+        for n, full in flush():  # keep the sorted order
+            yield _strip_wrapper_prefixes(n), full
+        size = 0
+        yield _strip_wrapper_prefixes(name), (t.full_tensor() if isinstance(t, DTensor) else t)
+    for n, full in flush():
+        yield _strip_wrapper_prefixes(n), full
+
+
+@torch.no_grad()
+def full_state_for_sync(
+    module: nn.Module,
+    *,
+    lora_only: bool,
+    device: torch.device | str | None = None,
+    bucket_bytes: int = SYNC_BUCKET_BYTES,
+) -> dict[str, Tensor]:
+    """The weight-sync state of a (possibly FSDP2-sharded) module as plain full tensors (copies),
+    sorted by name: :func:`stream_full_state` collected, each tensor moved to ``device`` (default:
+    the module's) as it arrives. A collective when sharded (every rank calls it)."""
+    DTensor = _dtensor_cls()
+    plain = {_strip_wrapper_prefixes(n) for n, t in module.state_dict().items() if not isinstance(t, DTensor)}
     out = {}
-    for name in names:
-        t = result[name]
-        if device is not None:
-            t = t.to(device)
-        out[_strip_wrapper_prefixes(name)] = t
-    return dict(sorted(out.items()))
+    for name, full in stream_full_state(module, lora_only=lora_only, bucket_bytes=bucket_bytes):
+        moved = full if device is None else full.to(device)
+        # Plain tensors arrive as views of the live module: copy those the move did not copy.
+        out[name] = moved.clone() if name in plain and moved is full else moved
+    return out
 
 
 _WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_orig_mod.", "_checkpoint_wrapped_module.")

@@ -12,7 +12,7 @@ The record of a trajectory (what the trainer needs to recompute each trained ste
 - ``sigmas``    ``[B, S+1]``           noise levels
 - ``sde_mask``  ``[B, S]``             steps inside the SDE window (stochastic, log-prob recorded)
 - ``train_mask`` ``[B, S]``            steps that are trained (SDE window, subsampled)
-- ``images``    ``[B, 3, H, W]``       decoded pixels in [0, 1] (video: ``[B, 3, F, H, W]``)
+- ``images``    ``[B, 3, H, W]``       decoded pixels, uint8 in [0, 255] (video: ``[B, 3, F, H, W]``)
 - ``cond__<k>`` / ``neg__<k>``         conditioning (and CFG negative) tensors
 
 The same functions sample deterministically for validation (``begin_groups(..., ode=True)``):
@@ -31,7 +31,7 @@ import torch
 from verl import DataProto
 from verl_digen.algos.sde import ode_step, sde_step_with_logprob
 from verl_digen.algos.window import SdeWindowConfig, select_sde_window, subsample_timesteps
-from verl_digen.models.base import Conditioning, DiffusionAdapter, SampleSpec
+from verl_digen.models.base import Conditioning, DiffusionAdapter, SampleSpec, onloaded, pixels_to_uint8
 
 COND_PREFIX = "cond__"
 NEG_PREFIX = "neg__"
@@ -46,7 +46,10 @@ class SamplingSettings:
     window: SdeWindowConfig
     timestep_fraction: float
     negative_prompt: str = ""
-    autocast_bf16: bool = False
+    vae_decode_chunk: int = 0  # samples per VAE decode call (0: the whole batch)
+    # Rows per transformer call (0: the whole batch), the same in rollout and training: see
+    # :func:`velocity_in_chunks`. Set by the worker from the batch layout (:func:`forward_rows`).
+    forward_rows: int = 0
 
     @property
     def uses_cfg(self) -> bool:
@@ -70,8 +73,59 @@ def step_plan(settings: SamplingSettings, *, training_step: int, seed: int) -> t
     return window, trained
 
 
-def autocast_context(device: torch.device, enabled: bool):
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=enabled)
+def velocity_in_chunks(
+    adapter: DiffusionAdapter,
+    x: torch.Tensor,
+    sigma: torch.Tensor,
+    cond: Conditioning,
+    spec: SampleSpec,
+    neg: Conditioning | None,
+    rows: int,
+) -> torch.Tensor:
+    """fp32 velocity ``[B, ...]`` of ``x`` ``[B, ...]``, one transformer call per ``rows`` rows
+    (``rows`` <= 0 or >= B: one call).
+
+    Why chunks: a kernel's result for one row can depend on how many rows it is computed with
+    (a GEMM picks its blocking from the shapes; in bf16 the results then differ in the last bit),
+    and Qwen-Image trims the text padding to the longest prompt of
+    the call. Rollout and trainer therefore make the *same* calls: chunks of ``rows`` consecutive
+    rows starting at a multiple of ``rows``, where ``rows`` divides the group size, so each chunk
+    is the same rows of one group whichever batch the group is in (see :func:`forward_rows`).
+    A batch that is not a multiple of ``rows`` (validation's one sample per prompt) ends with a
+    smaller call.
+    """
+    batch = x.shape[0]
+    if rows <= 0 or rows >= batch:
+        return adapter.predict_velocity(x, sigma, cond, spec, negative_cond=neg).float()
+    out = []
+    for start in range(0, batch, rows):
+        part = slice(start, start + rows)
+        out.append(
+            adapter.predict_velocity(
+                x[part], sigma[part], {k: v[part] for k, v in cond.items()}, spec,
+                negative_cond={k: (v[part] if v.shape[0] == batch else v) for k, v in neg.items()} if neg else None,
+            ).float()
+        )
+    return torch.cat(out)
+
+
+def forward_rows(group_size: int, micro_batch_groups: int, ranks: int, split: int = 1) -> int:
+    """Rows per transformer call for rollout and training (:func:`velocity_in_chunks`); the
+    arithmetic is the planner's (:func:`verl_digen.schedule.strategies.call_rows`), since it
+    depends on how the planner splits groups over rollout workers."""
+    from verl_digen.schedule.strategies import call_rows
+
+    return call_rows(group_size, micro_batch_groups, ranks, split)
+
+
+def rank_rows(batch: int, rows: int, rank: int, ranks: int) -> list[int]:
+    """The rows of a ``batch``-row micro-batch that FSDP rank ``rank`` of ``ranks`` trains: whole
+    transformer-call chunks of ``rows`` rows (:func:`forward_rows`), dealt round-robin, so that
+    every rank makes the rollout's calls, as many as the others (the calls are collectives)."""
+    m = rows or 1
+    if batch % (m * ranks):
+        raise ValueError(f"{batch} rows do not split into chunks of {m} rows evenly over {ranks} ranks")
+    return [c * m + t for c in range(rank, batch // m, ranks) for t in range(m)]
 
 
 def _repeat_cond(cond: Conditioning, n: int) -> Conditioning:
@@ -155,14 +209,15 @@ def begin_groups(
         window, trained = [], []
     else:
         window, trained = step_plan(settings, training_step=request.training_step, seed=request.seed)
-    cond = _repeat_cond(adapter.encode_prompts(prompts), rows)  # [B, ...], B = groups x rows per group
-    neg = None
-    if settings.uses_cfg and ode:
-        batch = len(prompts) * rows
-        neg_one = adapter.encode_prompts([settings.negative_prompt])
-        neg = {k: v.expand(batch, *v.shape[1:]).contiguous() for k, v in neg_one.items()}
-    elif settings.uses_cfg:
-        neg = _repeat_cond(adapter.encode_prompts([settings.negative_prompt] * len(prompts)), rows)
+    with onloaded(adapter, adapter.text_encoder_names):  # offloaded encoders visit the device
+        cond = _repeat_cond(adapter.encode_prompts(prompts), rows)  # [B, ...], B = groups x rows per group
+        neg = None
+        if settings.uses_cfg and ode:
+            batch = len(prompts) * rows
+            neg_one = adapter.encode_prompts([settings.negative_prompt])
+            neg = {k: v.expand(batch, *v.shape[1:]).contiguous() for k, v in neg_one.items()}
+        elif settings.uses_cfg:
+            neg = _repeat_cond(adapter.encode_prompts([settings.negative_prompt] * len(prompts)), rows)
     generators = [torch.Generator().manual_seed(sample_seed(request.seed, g, i))
                   for g in request.group_ids for i in request.sample_range]
     x = torch.cat([adapter.prepare_latents(1, spec, gen) for gen in generators], dim=0)
@@ -210,9 +265,9 @@ def denoise(adapter: DiffusionAdapter, state: GroupsInFlight, settings: Sampling
     for i in range(state.next_step, end):
         sigma = sigmas[i].expand(batch)
         sigma_next = sigmas[i + 1].expand(batch)
-        with autocast_context(device, settings.autocast_bf16):
-            v = adapter.predict_velocity(x, sigma, cond, spec, negative_cond=neg)
-        v = v.float()
+        # No autocast: the weights are in the run's dtype and the adapter casts every input to
+        # it, exactly as the trainer's recomputation does (same path, same numbers).
+        v = velocity_in_chunks(adapter, x, sigma, cond, spec, neg, settings.forward_rows)
         if i in window_set:
             # Each sample draws its step noise from its own generator: identical wherever it runs.
             noise = torch.cat([torch.randn((1, *x.shape[1:]), generator=gen, dtype=torch.float32) for gen in generators])
@@ -232,10 +287,19 @@ def denoise(adapter: DiffusionAdapter, state: GroupsInFlight, settings: Sampling
 
 @torch.no_grad()
 def decode_groups(adapter: DiffusionAdapter, state: GroupsInFlight, settings: SamplingSettings) -> torch.Tensor:
-    """Decode the final latents: ``[B, 3, H, W]`` (video ``[B, 3, F, H, W]``) fp32 CPU pixels in [0, 1]."""
+    """Decode the final latents: ``[B, 3, H, W]`` (video ``[B, 3, F, H, W]``) fp32 CPU pixels in [0, 1],
+    ``settings.vae_decode_chunk`` samples per VAE call (0: all at once), so the VAE's activations
+    (large for video) stay bounded whatever the batch."""
     if state.next_step != settings.num_steps:
         raise ValueError(f"groups {state.group_ids} finished at step {state.next_step} of {settings.num_steps}")
-    return adapter.decode(state.latents[-1].to(adapter.device), settings.spec).float().clamp(0, 1).cpu()
+    latents = state.latents[-1]
+    chunk = settings.vae_decode_chunk if settings.vae_decode_chunk > 0 else latents.shape[0]
+    out = []
+    with onloaded(adapter, ("vae",)):
+        for start in range(0, latents.shape[0], chunk):
+            part = latents[start : start + chunk].to(adapter.device)
+            out.append(adapter.decode(part, settings.spec).float().clamp(0, 1).cpu())
+    return torch.cat(out)
 
 
 @torch.no_grad()
@@ -243,7 +307,7 @@ def finish_groups(adapter: DiffusionAdapter, state: GroupsInFlight, settings: Sa
     """Decode the final latents and pack the trajectory record (the tail of sampling)."""
     if state.ode:
         raise ValueError(f"groups {state.group_ids} were sampled with ode=True (no trajectory): use decode_groups")
-    images = decode_groups(adapter, state, settings)
+    images = pixels_to_uint8(decode_groups(adapter, state, settings))  # crosses processes as uint8
     batch, g = state.batch, state.rows_per_group
     train_mask = torch.zeros(batch, settings.num_steps, dtype=torch.bool)
     train_mask[:, state.trained] = True

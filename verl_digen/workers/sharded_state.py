@@ -65,6 +65,36 @@ def _model_state(module: torch.nn.Module, *, lora_only: bool) -> dict[str, torch
     return {n: state[n] for n in names}
 
 
+def _master_state(module: torch.nn.Module, master: Any, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The fp32 master copies of a bf16 full fine-tune (``workers.training.MasterWeights``) and
+    their optimizer state, by the model parameter's name (FSDP2: this rank's ``DTensor`` shards,
+    which DCP reshards like the model's). The optimizer steps the masters, not the module's
+    parameters, so ``get_optimizer_state_dict(module, ...)`` cannot name them: done here."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    fqns = [names[id(p)] for p in master.model_params]
+    masters = dict(zip(fqns, master.masters))
+    return masters, {n: optimizer.state[m] for n, m in masters.items()}
+
+
+@torch.no_grad()
+def _init_optimizer_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    """Allocate the optimizer's state of ``params`` (zeros) for DCP to load into: one step with
+    zero gradients at learning rate 0 (what ``torch.distributed.checkpoint.state_dict`` does for
+    module parameters), which leaves the parameters as they are."""
+    if all(p in optimizer.state for p in params):
+        return
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs):
+        g["lr"] = lr
+    for p in params:
+        p.grad = None
+
+
 def _dcp_args(group: dist.ProcessGroup | None) -> dict[str, Any]:
     # Explicit: a rank outside any trainer group (world 1, a rollout worker) must not pick up
     # some other default group.
@@ -90,16 +120,18 @@ def save_rank_state(
     version: int,
     rank: int,
     group: dist.ProcessGroup | None,
+    master: Any = None,
 ) -> dict[str, dict[str, Any]]:
     """Write this rank's part of a checkpoint into ``directory``; a collective over ``group``.
 
     Returns ``{relative path: {"sha256", "bytes"}}`` of the files this rank wrote (rank 0 also
     lists DCP's ``.metadata``), for the completion marker.
     """
-    state: dict[str, Any] = {
-        MODEL_KEY: _model_state(module, lora_only=lora_only),
-        "optimizer": get_optimizer_state_dict(module, optimizer),
-    }
+    state: dict[str, Any] = {MODEL_KEY: _model_state(module, lora_only=lora_only)}
+    if master is None:
+        state["optimizer"] = get_optimizer_state_dict(module, optimizer)
+    else:  # bf16 full fine-tune: the fp32 masters and their optimizer state
+        state["master"], state["master_optimizer"] = _master_state(module, master, optimizer)
     if ema is not None:
         state["ema"] = ema.state_dict()
     path = os.path.join(directory, STATE_DIR)
@@ -122,6 +154,7 @@ def load_rank_state(
     lora_only: bool,
     rank: int,
     group: dist.ProcessGroup | None,
+    master: Any = None,
 ) -> None:
     """Load a checkpoint into this rank (resharded to its module's layout); a collective over
     ``group``. ``optimizer=None`` (a rollout worker): the weights only.
@@ -130,8 +163,12 @@ def load_rank_state(
     fewer ranks.
     """
     state: dict[str, Any] = {MODEL_KEY: _model_state(module, lora_only=lora_only)}
-    if optimizer is not None:
+    if optimizer is not None and master is not None:
+        _init_optimizer_state(optimizer, master.masters)  # allocates Adam's state to fill
+        state["master"], state["master_optimizer"] = _master_state(module, master, optimizer)
+    elif optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(module, optimizer)  # allocates Adam's state to fill
+    if optimizer is not None:
         if ema is not None:
             state["ema"] = ema.state_dict()
     path = os.path.join(directory, STATE_DIR)
@@ -141,7 +178,9 @@ def load_rank_state(
         raise CheckpointError(f"{path}: cannot be loaded into this model ({e.__class__.__name__}: "
                               f"{str(e).splitlines()[0][:300]})") from None
     set_model_state_dict(module, state[MODEL_KEY], options=StateDictOptions(strict=False))
-    if optimizer is not None:
+    if optimizer is not None and master is not None:  # loaded in place; the model takes their rounding
+        master.copy_to_model()
+    elif optimizer is not None:
         set_optimizer_state_dict(module, optimizer, state["optimizer"])
         if ema is not None:
             ema.load_state_dict(state["ema"])

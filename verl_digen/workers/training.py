@@ -21,11 +21,19 @@ from verl_digen.algos.loss import flow_grpo_loss
 from verl_digen.algos.sde import sde_step_with_logprob
 from verl_digen.config.schema import AlgoConfig, LoraConfigSpec
 from verl_digen.models.base import DiffusionAdapter
-from verl_digen.workers.sampling import SamplingSettings, autocast_context, conditioning_from
+from verl_digen.workers.sampling import SamplingSettings, conditioning_from, velocity_in_chunks
 
 
-def add_lora(adapter: DiffusionAdapter, spec: LoraConfigSpec) -> None:
-    """Inject LoRA adapters into the denoiser (diffusers' PEFT integration), same init everywhere."""
+LORA_MARKER = "lora_"  # peft's parameter names (as verl_digen.sync.state)
+
+
+def add_lora(adapter: DiffusionAdapter, spec: LoraConfigSpec, dtype: torch.dtype = torch.float32) -> None:
+    """Inject LoRA adapters into the denoiser (diffusers' PEFT integration), same init everywhere.
+
+    The LoRA matrices are kept in ``dtype`` (``digen.model.trainable_dtype``, fp32 by default)
+    whatever the base weights' dtype: peft would otherwise cast them to the base layer's bf16.
+    peft casts a layer's input to the LoRA dtype and the sum back to the base output's dtype, on
+    rollout and trainer alike, so both compute the same numbers."""
     from peft import LoraConfig
 
     present = {name.split(".")[-1] for name, _ in adapter.transformer.named_modules()}
@@ -41,6 +49,67 @@ def add_lora(adapter: DiffusionAdapter, spec: LoraConfigSpec) -> None:
         adapter.transformer.add_adapter(
             LoraConfig(r=spec.rank, lora_alpha=spec.alpha, init_lora_weights="gaussian", target_modules=targets)
         )
+    for name, p in adapter.transformer.named_parameters():
+        if LORA_MARKER in name and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+
+
+class MasterWeights:
+    """fp32 master copies of trainable parameters that compute in a lower dtype (full fine-tuning
+    in bf16), so that rollout and trainer run the very same bf16 weights while the optimizer
+    accumulates and steps in fp32.
+
+    Why not FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)`` over fp32 parameters: it would
+    cast *every* parameter of a unit to bf16, including those a diffusers model keeps in fp32
+    (``_keep_in_fp32_modules``, e.g. Wan's norms and modulation tables), which the rollout
+    computes in fp32; and it does nothing without FSDP. Here the model keeps its loaded dtypes
+    (the rollout's), and only the optimizer sees fp32. Works on plain tensors and on FSDP2's
+    sharded ``DTensor`` s (each rank keeps the masters of its own shards).
+
+    After every backward, :meth:`accumulate_grads` adds each parameter's (bf16) gradient into its
+    master's fp32 gradient and frees it, so micro-batches and steps accumulate in fp32; after the
+    optimizer step, :meth:`copy_to_model` rounds the masters into the model's parameters.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], dtype: torch.dtype) -> None:
+        self.model_params = params
+        self.masters = [p.detach().to(dtype).clone().requires_grad_(True) for p in params]
+
+    @torch.no_grad()
+    def accumulate_grads(self) -> None:
+        for p, m in zip(self.model_params, self.masters):
+            if p.grad is None:
+                continue
+            g = p.grad.to(m.dtype)
+            if m.grad is None:
+                m.grad = g if g is not p.grad else g.clone()
+            else:
+                m.grad.add_(g)
+            p.grad = None
+
+    @torch.no_grad()
+    def load_local(self, masters: list[torch.Tensor] | None) -> None:
+        """Restore the masters from a checkpoint (this rank's local shards, as saved), or, for a
+        checkpoint without them, from the model's parameters."""
+        from torch.distributed.tensor import DTensor
+
+        if masters is None:
+            for p, m in zip(self.model_params, self.masters):
+                m.copy_(p)
+            return
+        if len(masters) != len(self.masters):
+            raise ValueError(f"checkpoint holds {len(masters)} master weights, the model trains {len(self.masters)}")
+        for m, saved in zip(self.masters, masters):
+            local = m.to_local() if isinstance(m, DTensor) else m
+            if tuple(local.shape) != tuple(saved.shape):
+                raise ValueError(f"checkpoint master of shape {tuple(saved.shape)} for a parameter of {tuple(local.shape)}")
+            local.copy_(saved)
+        self.copy_to_model()
+
+    @torch.no_grad()
+    def copy_to_model(self) -> None:
+        for p, m in zip(self.model_params, self.masters):
+            p.copy_(m)
 
 
 def trainable_parameters(module: torch.nn.Module, *, lora_only: bool) -> list[torch.nn.Parameter]:
@@ -58,12 +127,19 @@ class TrainSettings:
     lora_only: bool
     images_per_step: int
     ema_decay: float | None = None  # keep an EMA of the trained weights (validation uses it)
+    ema_offload: bool = False  # keep the EMA shadows on CPU (digen.ema.offload)
+    trainable_dtype: torch.dtype = torch.float32  # trained parameters and optimizer state
 
 
 class PolicyUpdater:
     """Owns the trainable denoiser's optimizer and gradient accumulation for one rank."""
 
-    def __init__(self, adapter: DiffusionAdapter, settings: TrainSettings) -> None:
+    def __init__(
+        self, adapter: DiffusionAdapter, settings: TrainSettings, *, reference: torch.nn.Module | None = None
+    ) -> None:
+        """``reference``: the frozen KL reference of a full fine-tune, built by the caller when the
+        module is sharded (a sharded module cannot be deep-copied); default: a copy of the
+        denoiser in its compute dtype (on CPU when the denoiser is on a GPU, moved in per use)."""
         self.adapter = adapter
         self.settings = settings
         module = adapter.transformer
@@ -72,22 +148,35 @@ class PolicyUpdater:
         self.params = trainable_parameters(module, lora_only=settings.lora_only)
         for p in self.params:
             p.requires_grad_(True)
+        # Parameters stored below the trainable dtype (a bf16 full fine-tune) train through fp32
+        # masters; LoRA matrices are created in the trainable dtype (add_lora) and train as they are.
+        self.master: MasterWeights | None = None
+        if any(p.dtype != settings.trainable_dtype for p in self.params):
+            self.master = MasterWeights(self.params, settings.trainable_dtype)
+        self.opt_params = self.master.masters if self.master is not None else self.params
         algo = settings.algo
         if algo.optimizer == "adamw":
             self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(
-                self.params, lr=algo.lr, betas=tuple(algo.betas), eps=algo.eps, weight_decay=algo.weight_decay
+                self.opt_params, lr=algo.lr, betas=tuple(algo.betas), eps=algo.eps, weight_decay=algo.weight_decay
             )
         else:
-            self.optimizer = torch.optim.SGD(self.params, lr=algo.lr)
-        # Frozen reference for the KL term: LoRA -> adapters disabled; full fine-tune -> a copy.
-        self.reference: torch.nn.Module | None = None
-        if algo.kl_beta > 0 and not settings.lora_only:
+            self.optimizer = torch.optim.SGD(self.opt_params, lr=algo.lr)
+        # Frozen reference for the KL term: LoRA -> adapters disabled; full fine-tune -> a frozen
+        # copy in the compute dtype (the model's own parameters are that already).
+        self.reference: torch.nn.Module | None = reference
+        self._reference_offloaded = False
+        if algo.kl_beta > 0 and not settings.lora_only and reference is None:
             self.reference = copy.deepcopy(module).requires_grad_(False).eval()
+            if self.adapter.device.type == "cuda":
+                self.reference.to("cpu")  # a second full copy must not sit on the GPU between uses
+                self._reference_offloaded = True
         self.ema = None
         if settings.ema_decay is not None:
             from verl_digen.workers.ema import EMA, named_trainable_parameters
 
-            self.ema = EMA(named_trainable_parameters(module), decay=settings.ema_decay)
+            # The model's parameters (with masters: their bf16 rounding, what validation runs),
+            # averaged into fp32 shadows.
+            self.ema = EMA(named_trainable_parameters(module), decay=settings.ema_decay, offload=settings.ema_offload)
         self._acc_metrics: list[dict[str, float]] = []
         self.samples_accumulated = 0
 
@@ -105,11 +194,15 @@ class PolicyUpdater:
         else:
             assert self.reference is not None
             saved = self.adapter.transformer
+            if self._reference_offloaded:
+                self.reference.to(self.adapter.device)
             self.adapter.transformer = self.reference
             try:
                 yield
             finally:
                 self.adapter.transformer = saved
+                if self._reference_offloaded:
+                    self.reference.to("cpu")
 
     # ----------------------------------------------------------------- training
 
@@ -143,10 +236,10 @@ class PolicyUpdater:
         cond = {k: v.to(device) for k, v in cond.items()}
         neg = {k: v.to(device) for k, v in neg.items()} if neg else None
         ctx = self._reference_weights() if reference else nullcontext()
-        with ctx, autocast_context(device, s.autocast_bf16):
-            v = self.adapter.predict_velocity(x, sig, cond, s.spec, negative_cond=neg)
+        with ctx:  # no autocast, the same transformer calls as the rollout's denoise()
+            v = velocity_in_chunks(self.adapter, x, sig, cond, s.spec, neg, s.forward_rows)
         return sde_step_with_logprob(
-            v.float(), x, sig, sig_next, noise_level=s.noise_level, sde_type=s.sde_type, prev_sample=x_next
+            v, x, sig, sig_next, noise_level=s.noise_level, sde_type=s.sde_type, prev_sample=x_next
         )
 
     def train_micro_batch(
@@ -180,6 +273,8 @@ class PolicyUpdater:
                 std=out.std if algo.kl_beta > 0 else None,
             )
             (loss.loss * scale).backward()
+            if self.master is not None:
+                self.master.accumulate_grads()
             for key in ("loss", "policy_loss", "kl_loss", "clip_frac", "approx_kl", "ratio_mean"):
                 sums[key] = sums.get(key, 0.0) + float(getattr(loss, key).detach())
         self.samples_accumulated += n
@@ -189,22 +284,18 @@ class PolicyUpdater:
 
     def optimizer_step(self, process_group: dist.ProcessGroup | None = None) -> dict[str, float]:
         """All-reduce (sum) the accumulated gradients over the trainer ranks, clip, step."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        params = self.opt_params
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         if process_group is not None and dist.get_world_size(process_group) > 1:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=process_group)
-            offset = 0
-            for p, g in zip(self.params, grads):
-                k = g.numel()
-                p.grad = flat[offset : offset + k].view_as(g).clone()
-                offset += k
-        else:
-            for p, g in zip(self.params, grads):
-                p.grad = g
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.settings.algo.max_grad_norm)
+            all_reduce_in_buckets([p.grad for p in params], process_group)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.settings.algo.max_grad_norm)
         finite = bool(torch.isfinite(grad_norm))
         if finite:
             self.optimizer.step()
+            if self.master is not None:
+                self.master.copy_to_model()
             if self.ema is not None:
                 self.ema.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -214,3 +305,49 @@ class PolicyUpdater:
             "actor/lr": self.optimizer.param_groups[0]["lr"],
             "actor/skipped_nonfinite": 0.0 if finite else 1.0,
         }
+
+
+# Bytes per all-reduce bucket: DDP's default bucket size (25 MiB), for the same reason (large enough
+# to amortise the collective's latency, small enough that the staging copy stays small).
+ALL_REDUCE_BUCKET_BYTES = 25 * 1024 * 1024
+
+
+@torch.no_grad()
+def all_reduce_in_buckets(
+    grads: list[torch.Tensor], group: dist.ProcessGroup, bucket_bytes: int = ALL_REDUCE_BUCKET_BYTES
+) -> int:
+    """Sum ``grads`` over ``group`` in place, a bucket of at most ``bucket_bytes`` at a time;
+    returns the number of collectives. A gradient larger than a bucket is reduced in place on
+    its own; smaller ones of one dtype are packed into a staging buffer of one bucket (so the peak
+    extra memory is one bucket, not a flat copy of every gradient). Hand-written because DDP's
+    reducer (which does the same) needs the model wrapped in ``DistributedDataParallel`` and
+    hooks into backward, while our gradients accumulate over many backwards before one reduce.
+    """
+    calls = 0
+    bucket: list[torch.Tensor] = []
+    size = 0
+
+    def flush() -> None:
+        nonlocal bucket, size, calls
+        if not bucket:
+            return
+        if len(bucket) == 1:
+            dist.all_reduce(bucket[0], group=group)
+        else:
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for g in bucket:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        calls += 1
+        bucket, size = [], 0
+
+    for g in grads:
+        nbytes = g.numel() * g.element_size()
+        if bucket and (size + nbytes > bucket_bytes or g.dtype != bucket[0].dtype or g.device != bucket[0].device):
+            flush()
+        bucket.append(g)
+        size += nbytes
+    flush()
+    return calls

@@ -88,14 +88,14 @@ def sample_deterministic(
 
     Every step is an Euler ODE step (``settings.noise_level``, ``sde_type`` and ``window`` are
     ignored); CFG (``settings.spec.guidance_scale`` with ``settings.negative_prompt``, encoded
-    once) and bf16 autocast are applied as in training rollouts. Prompt ``i``'s initial noise
+    once) and the run's dtype are applied as in training rollouts. Prompt ``i``'s initial noise
     comes from ``adapter.prepare_latents(1, settings.spec, Generator().manual_seed(validation_seed(seed, i)))``.
     The denoiser runs in eval mode (its previous mode is restored).
 
     Args:
         adapter: the model.
         prompts: ``N`` prompts.
-        settings: sampling settings (spec, number of steps, CFG, autocast).
+        settings: sampling settings (spec, number of steps, CFG).
         seed: validation seed.
         batch_size: prompts per forward (``None``: all at once). Results are deterministic for
             a fixed ``batch_size``; different batch sizes may differ in the last float bits.

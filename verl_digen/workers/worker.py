@@ -28,14 +28,28 @@ from verl.single_controller.base.decorator import Dispatch, register
 from verl_digen.config.schema import DigenConfig
 from verl_digen.sync.state import state_digest, trainable_state
 from verl_digen.sync.transport import WeightSyncMixin
-from verl_digen.workers.sampling import GroupRequest, GroupsInFlight, SamplingSettings, begin_groups, denoise, finish_groups
+from verl_digen.workers.sampling import (
+    GroupRequest,
+    GroupsInFlight,
+    SamplingSettings,
+    begin_groups,
+    denoise,
+    finish_groups,
+    rank_rows,
+)
 from verl_digen.workers.training import PolicyUpdater, TrainSettings, add_lora
 
 ROLES = ("fused", "rollout", "trainer", "reward")
 
 
-def sampling_settings(cfg: DigenConfig) -> SamplingSettings:
+def sampling_settings(cfg: DigenConfig, fsdp_ranks: int = 1, rollout_lanes: int = 1) -> SamplingSettings:
+    """The sampling settings of a run; ``fsdp_ranks``: the training ranks a micro-batch is
+    sharded over (1 without FSDP), and ``rollout_lanes``: the rollout workers (TSP: pipelines)
+    the planner spreads each step's groups over; together they fix the rows of every
+    transformer call."""
+    from verl_digen.schedule.strategies import sample_split
     from verl_digen.models.base import SampleSpec
+    from verl_digen.workers.sampling import forward_rows
 
     s = cfg.sampling
     return SamplingSettings(
@@ -52,7 +66,11 @@ def sampling_settings(cfg: DigenConfig) -> SamplingSettings:
         window=dataclasses.replace(s.sde_window),
         timestep_fraction=s.timestep_fraction,
         negative_prompt=s.negative_prompt,
-        autocast_bf16=cfg.model.dtype == "bf16",
+        vae_decode_chunk=cfg.model.vae_decode_chunk,
+        forward_rows=forward_rows(
+            cfg.batch.group_size, cfg.batch.train_micro_batch_groups, fsdp_ranks,
+            sample_split(cfg.batch.groups_per_step, cfg.batch.groups_per_task, cfg.batch.group_size, rollout_lanes),
+        ),
     )
 
 
@@ -94,39 +112,61 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         info: dict[str, Any] = {"role": self.role, "rank": self.rank, "pid": os.getpid(),
                                 "node_id": ray.get_runtime_context().get_node_id()}
         if self.role in ("fused", "rollout", "trainer"):
+            from verl_digen.models.base import resolve_dtype
             from verl_digen.models.registry import load_adapter
 
             device = compute_device()
-            self.adapter = load_adapter(self.model_path, cfg.model.arch, device=device)
+            # One precision path for rollout and trainer: weights in the run's dtype, LoRA (and
+            # full fine-tune masters) in the trainable dtype, no autocast anywhere.
+            dtype = resolve_dtype(cfg.model.dtype, device)
+            self.trainable_dtype = resolve_dtype(cfg.model.trainable_dtype, device, key="digen.model.trainable_dtype")
+            self.adapter = load_adapter(self.model_path, cfg.model.arch, device=device, dtype=dtype)
             if cfg.model.lora.enable:
-                add_lora(self.adapter, cfg.model.lora)
+                add_lora(self.adapter, cfg.model.lora, dtype=self.trainable_dtype)
             self.sync_module = self.adapter.transformer
             self.sync_lora_only = cfg.model.lora.enable
-            self.settings = sampling_settings(cfg)
+            self.settings = sampling_settings(cfg, self._fsdp_ranks(), self._rollout_lanes())
             if self.role == "rollout":
                 self.adapter.transformer.requires_grad_(False).eval()
+            vae = getattr(self.adapter, "vae", None)
+            if self.settings.spec.num_frames > 1 and hasattr(vae, "enable_tiling"):
+                vae.enable_tiling()  # video decodes tile by tile (diffusers' tiled VAE decode)
+            if device.type == "cuda" and self.role in ("fused", "trainer"):
+                # Training GPUs keep the text encoders (and, on trainers, which decode only for
+                # validation or TAG, the VAE) on CPU between uses.
+                names = self.adapter.text_encoder_names + (("vae",) if self.role == "trainer" else ())
+                info["offloaded_bytes"] = self.adapter.offload_to_cpu(names)
             info["device"] = str(device)
+            info["dtype"] = str(dtype).removeprefix("torch.")
             info["params"] = sum(p.numel() for p in self.adapter.transformer.parameters())
-        self.fsdp = self.role == "trainer" and cfg.fsdp.enable
+        trains = self.role in ("fused", "trainer")
+        self.fsdp = trains and cfg.fsdp.enable
         self._sync_cache: dict[str, torch.Tensor] | None = None
-        if self.role in ("fused", "trainer") and self.world_size > 1:
+        if trains and self.world_size > 1:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             if not dist.is_initialized():
                 dist.init_process_group(backend=backend, rank=self.rank, world_size=self.world_size)
             self._pg = dist.group.WORLD
-        if self.fsdp:
-            # Parallelism applied in one place; the optimizer must be built after sharding.
-            from verl_digen.workers.fsdp import apply_fsdp2, enable_gradient_checkpointing
+        reference = None
+        if trains:
+            from verl_digen.workers.fsdp import enable_gradient_checkpointing
 
             if cfg.model.gradient_checkpointing:
                 info["gradient_checkpointing"] = enable_gradient_checkpointing(self.adapter.transformer)
-            apply_fsdp2(
-                self.adapter.transformer,
-                param_dtype=torch.bfloat16 if cfg.model.dtype == "bf16" else None,
-                reshard_after_forward=cfg.fsdp.reshard_after_forward,
-                grad_reduce="sum",  # each rank scales its loss by its share of the step's batch
-            )
-        if self.role in ("fused", "trainer"):
+            if self.fsdp and cfg.algo.kl_beta > 0 and not cfg.model.lora.enable:
+                # A sharded module cannot be deep-copied: copy first, shard both.
+                import copy
+
+                reference = copy.deepcopy(self.adapter.transformer).requires_grad_(False).eval()
+        if self.fsdp:
+            # Parallelism applied in one place; the optimizer must be built after sharding.
+            from verl_digen.workers.fsdp import shard_for_training
+
+            self._check_fsdp_trainable_dtypes()
+            for module in (self.adapter.transformer, reference):
+                if module is not None:
+                    shard_for_training(module, reshard_after_forward=cfg.fsdp.reshard_after_forward)
+        if trains:
             self.trainer = PolicyUpdater(
                 self.adapter,
                 TrainSettings(
@@ -135,7 +175,10 @@ class DiffusionWorker(Worker, WeightSyncMixin):
                     lora_only=cfg.model.lora.enable,
                     images_per_step=cfg.batch.images_per_step,
                     ema_decay=cfg.ema.decay if cfg.ema.enable else None,
+                    ema_offload=cfg.ema.offload,
+                    trainable_dtype=self.trainable_dtype,
                 ),
+                reference=reference,
             )
             info["trainable_params"] = sum(p.numel() for p in self.trainer.params)
             self._refresh_sync_cache()
@@ -146,6 +189,42 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         if scores:
             self._build_reward()
         return info
+
+    def _rollout_lanes(self) -> int:
+        """The rollout lanes the planner spreads a step's groups over (StrategySpec.sample_split):
+        the rollout workers, or with TSP their pipelines."""
+        workers = self.cfg.pools.rollout.world_size if self.cfg.placement == "disaggregated" else self.world_size
+        return max(1, workers // self.cfg.tsp.stages)
+
+    def _fsdp_ranks(self) -> int:
+        """The ranks one training micro-batch is sharded over (1 without FSDP)."""
+        if not self.cfg.fsdp.enable:
+            return 1
+        if self.role in ("fused", "trainer"):
+            return self.world_size
+        return self.cfg.pools.trainer.world_size
+
+    def _check_fsdp_trainable_dtypes(self) -> None:
+        """FSDP2 reduce-scatters one unit's gradients in one dtype: every trained parameter of a
+        block must share a dtype (a bf16 full fine-tune of a model that keeps some block
+        parameters in fp32, like Wan, does not qualify)."""
+        from verl_digen.workers.fsdp import block_modules
+
+        lora = self.cfg.model.lora.enable
+        blocks = block_modules(self.adapter.transformer)
+        in_blocks = {id(p) for b in blocks for p in b.parameters()}
+        units = [list(b.named_parameters()) for b in blocks]
+        units.append([(n, p) for n, p in self.adapter.transformer.named_parameters() if id(p) not in in_blocks])
+        for i, named in enumerate(units):
+            block = blocks[i] if i < len(blocks) else self.adapter.transformer
+            dtypes = {p.dtype for n, p in named if not lora or "lora_" in n}
+            if len(dtypes) > 1:
+                raise ValueError(
+                    f"digen.fsdp.enable=true with digen.model.lora.enable=false: {type(block).__name__} #{i} of "
+                    f"the denoiser holds trained parameters of several dtypes {sorted(map(str, dtypes))} (the model "
+                    "keeps some in fp32); FSDP2 reduces a unit's gradients in one dtype. Use LoRA "
+                    "(digen.model.lora.enable=true) or digen.model.dtype=fp32."
+                )
 
     def _build_reward(self) -> None:
         from verl_digen.rewards import build_reward_from_config
@@ -233,7 +312,10 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         # Each sample's prompt record (ground truth, ...) when the data had one.
         records = data.non_tensor_batch.get("metadata")
         metadata = [dict(r) for r in records] if records is not None else None
-        rewards = self.reward_fn(data.batch["images"], prompts, metadata)
+        from verl_digen.models.base import pixels_from_uint8
+
+        # Trajectories carry uint8 pixels; rewards take fp32 in [0, 1] (the same pixels, quantised).
+        rewards = self.reward_fn(pixels_from_uint8(data.batch["images"]), prompts, metadata)
         return {
             "group_id": torch.tensor(data.non_tensor_batch["group_id"].astype(np.int64)),
             "rewards": rewards.detach().float().cpu(),
@@ -246,7 +328,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         advantages = request["advantages"]
         if request.get("row_part"):  # FSDP gang: this rank's share of the micro-batch's samples
             r, n = request["row_part"]
-            rows = list(range(r, len(data), n))
+            rows = rank_rows(len(data), self.settings.forward_rows, r, n)
             data, advantages = data.select_idxs(rows), advantages[rows]
         metrics = self.trainer.train_micro_batch(data, advantages, part=request.get("train_part"))
         versions = data.non_tensor_batch["policy_version"]
@@ -256,7 +338,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
 
     def optimizer_step(self) -> dict[str, float]:
         if self.policy_version + 1 in self.cfg.fault_nonfinite_grad_steps:
-            for p in self.trainer.params:  # fault injection for tests (digen.fault_nonfinite_grad_steps)
+            for p in self.trainer.opt_params:  # fault injection for tests (digen.fault_nonfinite_grad_steps)
                 if p.grad is not None:
                     p.grad.fill_(float("nan"))
         # FSDP already reduce-scattered the gradients in backward: no second all-reduce.
@@ -272,17 +354,30 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         return self.trainer.recompute_log_probs(data) if self.trainer else _no_trainer(self.role)
 
     def _refresh_sync_cache(self) -> None:
-        """FSDP: gather the full trained state on every rank (a collective), once per version."""
+        """FSDP: stream the full trained state out of the shards (a collective: every rank, once
+        per version), one bucket at a time on the device. Rank 0 (the sender, and the source of
+        checkpoints and final weights) keeps it on CPU; every rank keeps its digest."""
         if self.fsdp:
-            from verl_digen.workers.fsdp import full_state_for_sync
+            import hashlib
 
-            self._sync_cache = full_state_for_sync(
-                self.adapter.transformer, lora_only=self.cfg.model.lora.enable, device="cpu"
-            )
+            from verl_digen.sync.state import digest_update
+            from verl_digen.workers.fsdp import stream_full_state
+
+            keep = self.rank == 0
+            h = hashlib.sha256()
+            cache: dict[str, torch.Tensor] = {}
+            for name, full in stream_full_state(self.adapter.transformer, lora_only=self.cfg.model.lora.enable):
+                full = full.to("cpu", copy=True)
+                digest_update(h, name, full)
+                if keep:
+                    cache[name] = full
+            self._sync_cache = cache if keep else None
+            self._sync_digest = h.hexdigest()
 
     def _full_state(self) -> dict[str, torch.Tensor]:
         if self.fsdp:
-            assert self._sync_cache is not None
+            if self._sync_cache is None:
+                raise RuntimeError(f"{self.role}{self.rank}: only FSDP rank 0 keeps the gathered weights")
             return self._sync_cache
         return trainable_state(self.adapter.transformer, lora_only=self.cfg.model.lora.enable)
 
@@ -292,7 +387,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         return stats.as_dict()
 
     def weights_digest(self) -> str:
-        return state_digest(self._full_state())
+        return self._sync_digest if self.fsdp else state_digest(self._full_state())
 
     def warm_prompt_cache(self, prompts: list[str]) -> dict[str, Any]:
         """Encode every prompt this worker may need once, then free the text encoders.
@@ -352,7 +447,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         files = save_rank_state(
             directory, module=self.adapter.transformer, optimizer=self.trainer.optimizer,
             ema=getattr(self.trainer, "ema", None), lora_only=self.cfg.model.lora.enable,
-            version=self.policy_version, rank=self.rank, group=self._pg,
+            version=self.policy_version, rank=self.rank, group=self._pg, master=self.trainer.master,
         )
         return {"files": files, "version": self.policy_version}
 
@@ -365,7 +460,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         load_rank_state(
             directory, module=self.adapter.transformer, optimizer=self.trainer.optimizer if trains else None,
             ema=getattr(self.trainer, "ema", None) if trains else None, lora_only=self.cfg.model.lora.enable,
-            rank=self.rank, group=self._pg if trains else None,
+            rank=self.rank, group=self._pg if trains else None, master=self.trainer.master if trains else None,
         )
         self.policy_version = version
         self._refresh_sync_cache()

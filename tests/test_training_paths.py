@@ -1,0 +1,265 @@
+"""Training paths at scale: activation checkpointing in every training path (colocated or
+disaggregated, sharded or not) and FSDP2 over the fused workers of the colocated placement."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runs import SPECS
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _sample_and_updater(path: str, arch: str, *, checkpointing: bool):
+    from verl_digen.algos.window import SdeWindowConfig
+    from verl_digen.config.schema import AlgoConfig, LoraConfigSpec
+    from verl_digen.models.registry import load_adapter
+    from verl_digen.workers.fsdp import enable_gradient_checkpointing
+    from verl_digen.workers.sampling import SamplingSettings, sample_groups
+    from verl_digen.workers.training import PolicyUpdater, TrainSettings, add_lora
+
+    adapter = load_adapter(path)
+    add_lora(adapter, LoraConfigSpec(rank=4))
+    if checkpointing:
+        assert enable_gradient_checkpointing(adapter.transformer)
+    settings = SamplingSettings(spec=SPECS[arch], num_steps=2, noise_level=0.7, sde_type="sde",
+                                window=SdeWindowConfig(mode="fixed", start=0, size=1), timestep_fraction=1.0)
+    data = sample_groups(adapter, ["a cat"], [0], [0], group_size=2, settings=settings, training_step=0, seed=3,
+                         policy_version=0)
+    updater = PolicyUpdater(adapter, TrainSettings(AlgoConfig(), settings, lora_only=True, images_per_step=2))
+    return adapter, data, updater
+
+
+@pytest.mark.parametrize("arch", ["flux", "sd3", "qwen_image", "wan", "hunyuan_video"])
+def test_checkpointed_training_recomputes_blocks_and_gives_the_same_gradients(arch, tiny_dirs):
+    from verl_digen.workers.fsdp import block_modules
+
+    grads = {}
+    block_calls = {}
+    for checkpointing in (False, True):
+        adapter, data, updater = _sample_and_updater(tiny_dirs[arch], arch, checkpointing=checkpointing)
+        calls = []
+        # A pre-hook: checkpoint's recomputation may stop early, before the block returns.
+        hook = block_modules(adapter.transformer)[0].register_forward_pre_hook(lambda *a: calls.append(1))
+        updater.train_micro_batch(data, torch.tensor([1.0, -1.0]))
+        hook.remove()
+        grads[checkpointing] = [None if p.grad is None else p.grad.clone() for p in updater.params]
+        block_calls[checkpointing] = len(calls)
+    # One forward per trained step without checkpointing; the recomputation in backward adds one.
+    assert block_calls[True] == 2 * block_calls[False], block_calls
+    assert any(g is not None for g in grads[True])
+    for a, b in zip(grads[False], grads[True], strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tiny_flux):
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.slow
+def test_colocated_fsdp_gives_the_data_parallel_update(ray_cluster, tmp_path):
+    """FSDP2 over the 2 fused workers of the colocated placement (generation and micro-batches
+    in lockstep), against plain colocated data parallelism with activation checkpointing: the
+    same weights, so both the sharded colocated worker and checkpointing train correctly."""
+    from safetensors.torch import load_file
+
+    from runs import run, timeline_records
+
+    common = [
+        "trainer.n_gpus_per_node=2", "trainer.total_training_steps=2", "digen.save_final_weights=true",
+        "digen.algo.optimizer=sgd", "digen.batch.groups_per_step=2", "digen.batch.group_size=2",
+        "digen.sampling.num_steps=3",
+    ]
+    dp = run(tmp_path, "dp", *common, "digen.model.gradient_checkpointing=true")
+    fsdp = run(tmp_path, "fsdp", *common, "digen.fsdp.enable=true")
+    assert fsdp.strategy == "colocated+fsdp" and dp.strategy == "colocated"
+    a, b = load_file(dp.extra["final_weights"]), load_file(fsdp.extra["final_weights"])
+    assert a.keys() == b.keys()
+    moved = max(float((a[k] - b[k]).abs().max()) for k in a)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)
+    trains = [r for r in timeline_records(fsdp.output_dir) if r["kind"] == "train"]
+    assert trains and all(r["worker"] == "fused0,fused1" for r in trains)
+    print("colocated DP+checkpointing vs colocated FSDP, max |w diff|:", moved)
+
+
+def test_colocated_fsdp_needs_equal_generation_on_every_fused_worker():
+    from verl_digen.schedule.strategies import StrategySpec
+
+    with pytest.raises(ValueError, match="groups_per_step.*colocated FSDP"):
+        StrategySpec(placement="colocated", rollout_workers=2, trainer_workers=2, groups_per_step=3, group_size=2, fsdp=True)
+    StrategySpec(placement="colocated", rollout_workers=2, trainer_workers=2, groups_per_step=4, group_size=2, fsdp=True)
+
+
+# ---------------------------------------------------------------------- full fine-tuning in bf16
+
+
+def _full_ft(path: str, arch: str):
+    from verl_digen.algos.window import SdeWindowConfig
+    from verl_digen.config.schema import AlgoConfig
+    from verl_digen.models.registry import load_adapter
+    from verl_digen.workers.sampling import SamplingSettings
+    from verl_digen.workers.training import PolicyUpdater, TrainSettings
+
+    adapter = load_adapter(path, dtype=torch.bfloat16)
+    settings = SamplingSettings(spec=SPECS[arch], num_steps=2, noise_level=0.7, sde_type="sde",
+                                window=SdeWindowConfig(mode="fixed", start=0, size=1), timestep_fraction=1.0,
+                                forward_rows=2)
+    algo = AlgoConfig(lr=1e-3, kl_beta=0.01)
+    updater = PolicyUpdater(adapter, TrainSettings(algo, settings, lora_only=False, images_per_step=2))
+    return adapter, settings, updater
+
+
+def test_bf16_full_fine_tune_trains_fp32_masters_and_stays_on_policy(tiny_flux):
+    from verl_digen.workers.sampling import sample_groups
+
+    adapter, settings, updater = _full_ft(tiny_flux, "flux")
+    assert updater.master is not None
+    assert {p.dtype for p in updater.params} == {torch.bfloat16}
+    assert {m.dtype for m in updater.master.masters} == {torch.float32}
+    assert {p.dtype for p in updater.reference.parameters()} == {torch.bfloat16}  # the bf16 frozen KL copy
+    before = [m.detach().clone() for m in updater.master.masters]
+    for step in range(2):
+        data = sample_groups(adapter, ["a cat"], [0], [0], group_size=2, settings=settings, training_step=step,
+                             seed=3, policy_version=step)
+        metrics = updater.train_micro_batch(data, torch.tensor([1.0, -1.0]))
+        # Rollout and trainer run the same bf16 weights: on-policy exactly, every step.
+        assert metrics["actor/clip_frac"] == 0.0 and abs(metrics["actor/ratio_mean"] - 1.0) <= 1e-6
+        assert all(p.grad is None for p in updater.params)  # moved into the fp32 masters
+        assert all(m.grad is not None and m.grad.dtype == torch.float32 for m in updater.master.masters)
+        updater.optimizer_step(None)
+    # The model holds the bf16 rounding of the fp32 masters, which moved.
+    assert max(float((m - b).abs().max()) for m, b in zip(updater.master.masters, before)) > 0
+    for p, m in zip(updater.params, updater.master.masters):
+        assert torch.equal(p, m.to(torch.bfloat16))
+
+
+def test_bf16_full_fine_tune_masters_survive_a_checkpoint(tiny_flux):
+    from verl_digen.workers.training import MasterWeights
+
+    adapter, _, updater = _full_ft(tiny_flux, "flux")
+    with torch.no_grad():
+        for m in updater.master.masters:
+            m.add_(1e-4 * torch.randn_like(m))  # below bf16's resolution for most weights
+    updater.master.copy_to_model()
+    saved = [m.detach().clone() for m in updater.master.masters]
+    fresh = MasterWeights(updater.params, torch.float32)  # as built at resume: from the bf16 weights
+    assert any(not torch.equal(a, b) for a, b in zip(fresh.masters, saved))
+    fresh.load_local(saved)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.masters, saved))
+
+
+def test_bf16_full_fine_tune_masters_and_their_adam_state_go_through_a_sharded_checkpoint(tiny_flux, tmp_path):
+    """The checkpoint a trainer rank writes (DCP) holds the fp32 masters and their optimizer
+    state; a fresh bf16 model resumed from it has them bitwise and takes their bf16 rounding."""
+    from verl_digen.workers.sampling import sample_groups
+    from verl_digen.workers.sharded_state import load_rank_state, save_rank_state
+
+    adapter, settings, updater = _full_ft(tiny_flux, "flux")
+    data = sample_groups(adapter, ["a cat"], [0], [0], group_size=2, settings=settings, training_step=0,
+                         seed=3, policy_version=0)
+    updater.train_micro_batch(data, torch.tensor([1.0, -1.0]))
+    updater.optimizer_step(None)
+    kw = dict(ema=None, lora_only=False, rank=0, group=None)
+    save_rank_state(str(tmp_path), module=adapter.transformer, optimizer=updater.optimizer, version=1,
+                    master=updater.master, **kw)
+    adapter2, _, fresh = _full_ft(tiny_flux, "flux")
+    assert any(not torch.equal(a, b) for a, b in zip(fresh.master.masters, updater.master.masters))
+    load_rank_state(str(tmp_path), module=adapter2.transformer, optimizer=fresh.optimizer, master=fresh.master, **kw)
+    for a, b in zip(fresh.master.masters, updater.master.masters):
+        assert torch.equal(a, b) and a.dtype == torch.float32
+    for p, m in zip(fresh.params, fresh.master.masters):
+        assert torch.equal(p, m.to(torch.bfloat16))
+    for a, b in zip(fresh.master.masters, updater.master.masters):
+        sa, sb = fresh.optimizer.state[a], updater.optimizer.state[b]
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_gradients_all_reduce_in_bounded_buckets():
+    from runs import run_ranks
+
+    results = run_ranks(_bucket_scenario, world=2)
+    for r in results.values():
+        assert r["equal"] and r["calls"] == 3, r
+
+
+def _bucket_scenario(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from verl_digen.workers.training import all_reduce_in_buckets
+
+    g = torch.Generator().manual_seed(rank)
+    grads = [torch.randn(n, generator=g) for n in (10, 20, 300, 5)]  # 40, 80, 1200, 20 bytes
+    expected = [t.clone() for t in grads]
+    for t in expected:
+        dist.all_reduce(t)
+    # 128-byte buckets: [10, 20] packed, 300 alone (larger than a bucket, reduced in place), [5].
+    calls = all_reduce_in_buckets(grads, dist.group.WORLD, bucket_bytes=128)
+    return {"equal": all(torch.equal(a, b) for a, b in zip(grads, expected)), "calls": calls}
+
+
+# ---------------------------------------------------------------------- configuration
+
+
+def test_precision_and_memory_keys_are_validated_by_name():
+    from verl_digen.config.schema import ConfigError, digen_config_from_dict
+
+    cfg = digen_config_from_dict({})
+    assert (cfg.model.dtype, cfg.model.trainable_dtype, cfg.model.gradient_checkpointing) == ("auto", "fp32", False)
+    assert cfg.model.vae_decode_chunk == 0 and cfg.ema.offload is True
+    for mapping, key in [
+        ({"model": {"dtype": "fp16"}}, "digen.model.dtype"),
+        ({"model": {"trainable_dtype": "fp8"}}, "digen.model.trainable_dtype"),
+        ({"model": {"vae_decode_chunk": -1}}, "digen.model.vae_decode_chunk"),
+        ({"fsdp": {"gradient_checkpointing": True}}, "gradient_checkpointing"),  # moved to digen.model
+    ]:
+        with pytest.raises((ConfigError, ValueError), match=key):
+            digen_config_from_dict(mapping)
+    digen_config_from_dict({"fsdp": {"enable": True}})  # colocated FSDP is legal
+    with pytest.raises(ConfigError, match="digen.batch.train_micro_batch_groups"):
+        digen_config_from_dict({
+            "placement": "disaggregated", "fsdp": {"enable": True}, "batch": {"group_size": 3},
+            "pools": {"rollout": {"devices": 1}, "trainer": {"devices": 2}},
+        })
+
+
+def test_forward_rows_split_groups_evenly_over_the_fsdp_ranks():
+    from verl_digen.workers.sampling import forward_rows, rank_rows
+
+    assert forward_rows(8, 1, 1) == 8  # no FSDP: one transformer call per group
+    assert forward_rows(8, 1, 2) == 4 and forward_rows(8, 1, 8) == 1 and forward_rows(8, 2, 8) == 2
+    assert forward_rows(6, 2, 4) == 3  # 12 rows: 4 chunks of 3, one per rank
+    with pytest.raises(ValueError, match="train_micro_batch_groups"):
+        forward_rows(3, 1, 2)
+    # Every rank takes whole chunks, as many as the others, and together they cover the batch once.
+    parts = [rank_rows(16, 2, r, 4) for r in range(4)]
+    assert sorted(i for p in parts for i in p) == list(range(16)) and {len(p) for p in parts} == {4}
+    assert parts[1] == [2, 3, 10, 11]
+
+
+def test_fsdp_full_fine_tune_of_a_mixed_dtype_block_is_refused_by_name(tiny_dirs):
+    """Wan keeps its norms and modulation tables in fp32 when loaded in bf16; FSDP2 reduces a
+    block's gradients in one dtype, so a bf16 full fine-tune of it under FSDP must stop clearly
+    (LoRA trains only fp32 matrices and passes)."""
+    from verl_digen.config.schema import digen_config_from_dict
+    from verl_digen.models.registry import load_adapter
+    from verl_digen.workers.worker import DiffusionWorker
+
+    worker = object.__new__(DiffusionWorker)  # only the check runs: no Ray, no process group
+    worker.adapter = load_adapter(tiny_dirs["wan"], dtype=torch.bfloat16)
+    worker.cfg = digen_config_from_dict({"model": {"lora": {"enable": False}}, "fsdp": {"enable": True}})
+    with pytest.raises(ValueError, match="digen.model.lora.enable=false.*several dtypes"):
+        worker._check_fsdp_trainable_dtypes()
+    from verl_digen.workers.training import add_lora
+
+    worker.cfg = digen_config_from_dict({"fsdp": {"enable": True}})  # LoRA: only fp32 lora_ tensors train
+    add_lora(worker.adapter, worker.cfg.model.lora)
+    worker._check_fsdp_trainable_dtypes()
