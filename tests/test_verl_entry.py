@@ -50,8 +50,8 @@ def verl_parquet(path: str, rows: list[tuple[str, str]]) -> str:
     return path
 
 
-def main_ppo(cwd, *overrides: str, timeout: int = 400) -> subprocess.CompletedProcess:
-    env = {**os.environ, "RAY_OVERRIDE_RESOURCES": json.dumps({"CPU": 16})}
+def main_ppo(cwd, *overrides: str, timeout: int = 400, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RAY_OVERRIDE_RESOURCES": json.dumps({"CPU": 16}), **(env or {})}
     return subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", "trainer.v1.trainer_mode=digen", *overrides],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
