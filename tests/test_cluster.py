@@ -128,6 +128,11 @@ def two_node_cluster(tiny_flux):
     # Ray's token auth (on by default once ~/.ray/auth_token exists) would need RAY_AUTH_MODE=token
     # in the driver, and Ray caches that mode per process; this private loopback cluster goes without.
     env["RAY_AUTH_MODE"] = "disabled"
+    # A loaded 2-core machine (CI, other jobs) can starve a raylet for seconds and a worker's
+    # imports (torch, diffusers, veRL) for over a minute: bound Ray's own waits generously so
+    # a slow machine is not mistaken for a dead node or a failed worker.
+    env.update({"RAY_health_check_failure_threshold": "60", "RAY_health_check_timeout_ms": "30000",
+                "RAY_worker_register_timeout_seconds": "600"})
     # Workers of an existing cluster inherit the raylet's environment, not the driver's.
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join([root, os.path.join(root, "tests"), env.get("PYTHONPATH", "")])

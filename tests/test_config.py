@@ -26,7 +26,7 @@ def _composed_digen(*overrides: str, **kw) -> dict:
 # Presets shipped inside the package (python -m verl_digen.main --config-name NAME): they override
 # the defaults rather than define them.
 FAMILY_PRESETS = {f"{family}_{placement}.yaml" for family in ("flux", "sd3", "qwen_image", "wan", "hunyuan_video")
-                  for placement in ("colocated", "disaggregated", "full_disaggregated")}
+                  for placement in ("colocated", "disaggregated", "full_disaggregated")} - {"wan_full_disaggregated.yaml"}
 PACKAGED_PRESETS = {"digits.yaml"} | FAMILY_PRESETS
 
 

@@ -35,8 +35,11 @@ def _roles(name: str, *overrides: str) -> dict:
 def test_every_shipped_preset_fits_with_ten_percent_headroom():
     names = preset_names(CONFIGS)
     families = ("flux", "sd3", "qwen_image", "wan", "hunyuan_video")
-    for family in families:  # a LoRA and a full fine-tuning preset for every family
-        assert f"{family}_colocated" in names and f"{family}_full_disaggregated" in names
+    for family in families:  # a LoRA preset for every family, a full fine-tuning one where it can run
+        assert f"{family}_colocated" in names
+        # Wan keeps some block parameters in fp32: a bf16 full fine-tune under FSDP2 is refused
+        # (one reduce dtype per block), and an fp32 one does not fit the rollout GPUs.
+        assert (f"{family}_full_disaggregated" in names) is (family != "wan")
     rows = [row for name in names for row in plan_preset(name, [], CONFIGS)]
     assert {row["role"] for row in rows} == {"colocated", "rollout", "trainer"}
     tight = [(r["preset"], r["role"], r["peak_gib"], r["device_gib"]) for r in rows if r["headroom"] < 0.10]

@@ -128,7 +128,14 @@ def test_one_group_per_step_on_two_rollout_workers_equals_the_unsplit_run(tmp_pa
         gens = [r for r in timeline_records(split.output_dir) if r["kind"] == "generate" and r["step"] == step]
         assert sorted(r["worker"] for r in gens) == ["rollout0", "rollout1"], gens
     keys = ("reward_mean", "reward_std", "actor/loss", "actor/grad_norm")
-    assert [{k: m[k] for k in keys} for m in metrics_lines(split.output_dir)] == \
-        [{k: m[k] for k in keys} for m in metrics_lines(whole.output_dir)]
+    got = [{k: m[k] for k in keys} for m in metrics_lines(split.output_dir)]
+    want = [{k: m[k] for k in keys} for m in metrics_lines(whole.output_dir)]
+    # Step 1's trajectories (same weights, each sample seeded on its own) are bitwise the
+    # unsplit run's: same rewards, to the last bit.
+    assert (got[0]["reward_mean"], got[0]["reward_std"]) == (want[0]["reward_mean"], want[0]["reward_std"])
+    # The trainer makes the rollout's transformer calls (2-row slices here, whole groups of 4
+    # there: call_rows), so the gradient sums round differently, at fp32 resolution, and the
+    # weights then differ by that much.
+    assert got == [pytest.approx(w, rel=1e-6, abs=1e-12) for w in want]
     a, b = load_file(split.extra["final_weights"]), load_file(whole.extra["final_weights"])
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-9) for k in a)
