@@ -138,4 +138,7 @@ def test_one_group_per_step_on_two_rollout_workers_equals_the_unsplit_run(tmp_pa
     # weights then differ by that much.
     assert got == [pytest.approx(w, rel=1e-6, abs=1e-12) for w in want]
     a, b = load_file(split.extra["final_weights"]), load_file(whole.extra["final_weights"])
-    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-9) for k in a)
+    # Adam normalises each update, so fp32-level gradient differences reach the weights at
+    # ~1e-6 (measured: 2.4e-6 on weights of scale 0.5, moved by ~6e-2 over the 2 steps); a
+    # different trajectory would move them by ~1e-2.
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=0, atol=2e-5) for k in a)
