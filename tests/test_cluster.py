@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -23,7 +24,7 @@ import ray
 import torch
 from safetensors.torch import load_file
 
-from runs import metrics_lines, run
+from runs import QUIET, metrics_lines, run
 from verl_digen.config.schema import ConfigError
 from verl_digen.placement.pools import ClusterSpec, RayNode, assign_nodes, check_cluster, cluster_nodes
 
@@ -167,15 +168,28 @@ def test_a_run_on_two_nodes_through_ray_address_equals_the_single_node_run(
               "trainer.nnodes=2", "trainer.n_gpus_per_node=2", "digen.pools.rollout.devices=2",
               "digen.pools.trainer.devices=1", "digen.batch.groups_per_step=2", "trainer.total_training_steps=3",
               "digen.save_final_weights=true"]
-    monkeypatch.setenv("RAY_ADDRESS", two_node_cluster)
-    multi = run(tmp_path, "two_nodes", *common, f"trainer.default_local_dir={tmp_path}/ck_multi")
+    # The job runs as users run it, from the command line with RAY_ADDRESS set: a fresh driver
+    # process, so nothing an earlier test did to this process's Ray state can leak into it.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "RAY_ADDRESS": two_node_cluster, "RAY_AUTH_MODE": "disabled",
+           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    multi_dir = tmp_path / "two_nodes"
+    proc = subprocess.run(
+        [sys.executable, "-m", "verl_digen.main", *QUIET, f"digen.output_dir={multi_dir}", *common,
+         f"trainer.default_local_dir={tmp_path}/ck_multi"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "connected to the Ray cluster at" in proc.stdout
+    multi = SimpleNamespace(output_dir=str(multi_dir),
+                            extra={"final_weights": str(multi_dir / "final_weights.safetensors")})
     assert not ray.is_initialized()
     workers = json.loads(open(os.path.join(multi.output_dir, "workers.json")).read())
     assert len({w["node_id"] for w in workers}) == 2, workers  # the pools span both nodes
     trainer_nodes = {w["node_id"] for w in workers if w["role"] == "trainer"}
     assert len(trainer_nodes) == 1
 
-    monkeypatch.delenv("RAY_ADDRESS")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     single = run(tmp_path, "one_node", *[c.replace("nnodes=2", "nnodes=1").replace("per_node=2", "per_node=3")
                                          for c in common], f"trainer.default_local_dir={tmp_path}/ck_single")
     keys = ("reward_mean", "reward_std", "actor/loss", "policy_version", "max_staleness_seen")
