@@ -30,6 +30,7 @@ import os
 import shutil
 import string
 import tempfile
+from typing import Any, Callable
 
 import torch
 
@@ -588,14 +589,25 @@ def ensure_tiny(arch: str, cache_dir: str | None = None) -> str:
     """
     if arch not in _PIPELINE_BUILDERS:
         raise ValueError(f"unknown tiny arch '{arch}'; known: {', '.join(TINY_ARCHS)}")
-    cache_dir = cache_dir or default_cache_dir()
-    final = os.path.join(cache_dir, f"{arch}-{TINY_VERSION}")
+    return build_cached(cache_dir or default_cache_dir(), f"{arch}-{TINY_VERSION}", lambda out: build_tiny(arch, out))
+
+
+def build_cached(
+    cache_dir: str, stem: str, build: Callable[[str], Any], *, announce: Callable[[str], None] | None = None
+) -> str:
+    """``<cache_dir>/<stem>``, written by ``build(directory)`` on first use into a temporary
+    sibling directory that is renamed into place: concurrent callers (e.g. several Ray workers)
+    never see a half-written model; the first rename wins and the others discard their copy.
+    ``announce(final)`` is called before a build starts."""
+    final = os.path.join(cache_dir, stem)
     if os.path.isfile(os.path.join(final, "model_index.json")):
         return final
     os.makedirs(cache_dir, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{arch}-{TINY_VERSION}-", dir=cache_dir)
+    tmp = tempfile.mkdtemp(prefix=f".{stem}-", dir=cache_dir)
     try:
-        build_tiny(arch, tmp)
+        if announce is not None:
+            announce(final)
+        build(tmp)
         try:
             os.replace(tmp, final)
         except OSError:

@@ -49,8 +49,6 @@ import dataclasses
 import json
 import math
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -307,23 +305,12 @@ def ensure_toy(name: str = "digits", cache_dir: str | None = None, *, log: Calla
     concurrent caller never sees a half-written model."""
     if name not in TOY_MODELS:
         raise ValueError(f"unknown toy model '{name}'; known: {', '.join(TOY_MODELS)}")
-    cache_dir = cache_dir or default_cache_dir()
-    final = os.path.join(cache_dir, f"{name}-{TOY_VERSION}")
-    if os.path.isfile(os.path.join(final, "model_index.json")):
-        return final
-    os.makedirs(cache_dir, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{name}-{TOY_VERSION}-", dir=cache_dir)
-    try:
-        log(f"[verl-digen] building the toy model '{name}' (once; cached at {final})")
-        build_toy(tmp, log=log)
-        try:
-            os.replace(tmp, final)
-        except OSError:
-            if not os.path.isfile(os.path.join(final, "model_index.json")):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    from .tiny import build_cached
+
+    return build_cached(
+        cache_dir or default_cache_dir(), f"{name}-{TOY_VERSION}", lambda out: build_toy(out, log=log),
+        announce=lambda final: log(f"[verl-digen] building the toy model '{name}' (once; cached at {final})"),
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
