@@ -293,11 +293,9 @@ class WeightChannel:
             current = following  # type: ignore[assignment]
         return SyncStats(version=version, nbytes=nbytes, seconds=time.perf_counter() - start, num_tensors=num_tensors)
 
-    @torch.no_grad()
-    def recv_buckets(self) -> Iterator[tuple[dict[str, torch.Tensor], int]]:
-        """Receive one sync message by message (ranks > 0): yields ``(bucket, version)`` as each
-        bucket arrives, so the caller can load it and drop it before the next one (one bucket on
-        the device at a time instead of the whole state). Consume the generator to the end."""
+    def _recv_parts(self, *, sync_each: bool) -> Iterator[tuple[dict[str, torch.Tensor], int, int]]:
+        """The messages of one sync as ``(bucket, version, nbytes)``, checked: one version, no
+        tensor twice. ``sync_each``: wait for each bucket's broadcast before yielding it."""
         if self.rank == 0:
             raise RuntimeError("rank 0 is the sender; it cannot recv")
         version: int | None = None
@@ -313,15 +311,24 @@ class WeightChannel:
             for buf in buffers:
                 if buf.numel():
                     self._broadcast(buf)
-            self._synchronize()
+            if sync_each:
+                self._synchronize()
             part = unflatten_state(buffers, metadata)
             duplicated = seen & part.keys()
             if duplicated:
                 raise RuntimeError(f"weight sync sent tensors twice: {sorted(duplicated)}")
             seen |= part.keys()
-            yield part, version
+            yield part, version, metadata.nbytes
             if header["is_last"]:
                 return
+
+    @torch.no_grad()
+    def recv_buckets(self) -> Iterator[tuple[dict[str, torch.Tensor], int]]:
+        """Receive one sync message by message (ranks > 0): yields ``(bucket, version)`` as each
+        bucket arrives, so the caller can load it and drop it before the next one (one bucket on
+        the device at a time instead of the whole state). Consume the generator to the end."""
+        for part, version, _ in self._recv_parts(sync_each=True):
+            yield part, version
 
     @torch.no_grad()
     def recv(self) -> tuple[dict[str, torch.Tensor], int, SyncStats]:
@@ -330,31 +337,12 @@ class WeightChannel:
         The tensors are on the channel's device and view freshly allocated buffers, so the
         caller owns them.
         """
-        if self.rank == 0:
-            raise RuntimeError("rank 0 is the sender; it cannot recv")
         start = time.perf_counter()
         state: dict[str, torch.Tensor] = {}
-        version: int | None = None
-        nbytes = 0
-        while True:
-            header = self._recv_header()
-            if version is None:
-                version = int(header["version"])
-            elif header["version"] != version:
-                raise RuntimeError(f"weight sync mixed versions {version} and {header['version']} in one transfer")
-            metadata = _metadata_from_json(header["layout"])
-            buffers = metadata.empty_buffers(self.device)
-            for buf in buffers:
-                if buf.numel():
-                    self._broadcast(buf)
-            part = unflatten_state(buffers, metadata)
-            duplicated = state.keys() & part.keys()
-            if duplicated:
-                raise RuntimeError(f"weight sync sent tensors twice: {sorted(duplicated)}")
+        version, nbytes = None, 0
+        for part, version, size in self._recv_parts(sync_each=False):
             state.update(part)
-            nbytes += metadata.nbytes
-            if header["is_last"]:
-                break
+            nbytes += size
         self._synchronize()
         assert version is not None
         stats = SyncStats(version=version, nbytes=nbytes, seconds=time.perf_counter() - start, num_tensors=len(state))
