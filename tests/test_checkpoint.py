@@ -283,3 +283,35 @@ def test_full_finetune_exports_a_diffusers_directory(tmp_path, tiny_flux, no_ray
     trained = ckpt.weights()
     for k, v in pipe.transformer.state_dict().items():
         assert torch.equal(v, trained[k]), k
+
+
+@ray.remote(num_cpus=0)
+class _Peer:
+    """A stand-in for a worker in a collective: the test needs to kill one peer at a chosen
+    moment and have the other fail because of it, which a real sync does only by chance."""
+
+    def ping(self) -> str:
+        return "ok"
+
+    def sync_send(self, version: int) -> None:
+        raise ConnectionError("connection closed by peer")
+
+
+def test_a_worker_that_died_is_named_even_when_its_peer_fails_first(no_ray):
+    """A rollout worker killed mid-sync: the trainer's send fails too, and that failure may reach
+    the driver first. The run must still name the dead worker and its pool."""
+    from verl_digen.schedule.plan import Plan, Task, TaskKind, WorkerId
+    from verl_digen.trainer.ray_executor import RayPlanExecutor, WorkerFailure
+
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    trainer, rollout = WorkerId("trainer", 0), WorkerId("rollout", 0)
+    actors = {trainer: _Peer.remote(), rollout: _Peer.remote()}
+    ray.get([a.ping.remote() for a in actors.values()], timeout=120)
+    task = Task("s0/sync", TaskKind.SYNC, (trainer, rollout), step=0, version=1)
+    executor = RayPlanExecutor(Plan([trainer, rollout], [task]), actors, std_mode="group", timeout_s=60)
+    ray.kill(actors[rollout], no_restart=True)
+    with pytest.raises(WorkerFailure) as err:
+        executor._check_ok(task, actors[trainer].sync_send.remote(1))
+    msg = str(err.value)
+    assert "rollout0 (pool 'rollout') died" in msg and "trainer0 (pool" not in msg
+    assert "s0/sync" in msg

@@ -178,16 +178,40 @@ class RayPlanExecutor(PlanRunner):
     def _check_ok(self, task: Task, ref: ray.ObjectRef) -> Any:
         try:
             return ray.get(ref, timeout=self.timeout_s)
-        except ray.exceptions.RayActorError as e:
-            raise WorkerFailure(
-                f"worker {', '.join(str(w) for w in task.workers)} (pool '{task.worker.pool}') died while "
-                f"running {task.id}: {e.__class__.__name__}"
-            ) from e
-        except ray.exceptions.RayTaskError as e:
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+            dead = self._dead_workers()
+            if dead:
+                # Name the worker that died, not the task that noticed: when a rollout worker
+                # dies mid-sync, its sender's collective (or a reward reading its samples)
+                # fails too, and that failure can reach the driver first.
+                raise WorkerFailure(
+                    f"worker {', '.join(f'{w} (pool {w.pool!r})' for w in dead)} died; the run noticed it "
+                    f"while running {task.id} on {', '.join(str(w) for w in task.workers)}: {e.__class__.__name__}"
+                ) from e
+            if isinstance(e, ray.exceptions.RayActorError):
+                raise WorkerFailure(
+                    f"worker {', '.join(str(w) for w in task.workers)} (pool '{task.worker.pool}') died while "
+                    f"running {task.id}: {e.__class__.__name__}"
+                ) from e
             raise WorkerFailure(
                 f"task {task.id} failed on {', '.join(str(w) for w in task.workers)}: "
                 f"{type(e.cause).__name__}: {e.cause}"  # str, not repr: a traceback inside keeps its lines
             ) from e
+
+    def _dead_workers(self, grace_s: float = 10.0) -> list[WorkerId]:
+        """The workers whose process is gone. A dead actor answers a ping with RayActorError at
+        once; a live one answers or is busy (no answer within ``grace_s``), either way alive."""
+        pings = {self.actors[w].ping.remote(): w for w in self.actors}
+        ready, _ = ray.wait(list(pings), num_returns=len(pings), timeout=grace_s)
+        dead = []
+        for ref in ready:
+            try:
+                ray.get(ref, timeout=grace_s)
+            except ray.exceptions.RayActorError:
+                dead.append(pings[ref])
+            except Exception:  # noqa: BLE001 - any other answer means the process is there
+                pass
+        return sorted(dead, key=str)
 
     # ------------------------------------------------------------------ collect
 
