@@ -219,3 +219,37 @@ def test_the_verl_hooks_we_rely_on_have_not_moved():
                  "self.trainer.fit(self.agent_loop_manager)"):
         assert line in source, line
     assert list(inspect.signature(load_extern_object).parameters) == ["module_path", "object_name"]
+
+
+def test_several_data_files_are_read_in_order_and_concatenated(tmp_path):
+    """veRL's data.train_files may be a list: every file's records, in the order given."""
+    import json
+
+    import pandas as pd
+
+    from verl_digen.config.schema import digen_config_from_dict
+    from verl_digen.trainer.resolve import resolve_prompt_records
+
+    def digen(*overrides):
+        return digen_config_from_dict(_resolved(*overrides).digen)
+
+    first = tmp_path / "a.parquet"
+    pd.DataFrame({"prompt": [[{"role": "user", "content": f"a{i}"}] for i in range(3)],
+                  "reward_model": [{"ground_truth": f"A{i}"} for i in range(3)]}).to_parquet(first)
+    second = tmp_path / "b.jsonl"
+    second.write_text("".join(json.dumps({"prompt": f"b{i}", "ground_truth": f"B{i}"}) + "\n" for i in range(2)))
+    cfg = digen(f"data.train_files=[{first},{second}]", f"data.val_files=[{second}]")
+    assert list(cfg.data.prompts) == [str(first), str(second)]
+    assert cfg.validation.prompts == str(second)
+    records = resolve_prompt_records(cfg)
+    assert [r["prompt"] for r in records] == ["a0", "a1", "a2", "b0", "b1"]
+    assert [r["ground_truth"] for r in records] == ["A0", "A1", "A2", "B0", "B1"]
+
+    missing = digen(f"data.train_files=[{first},{tmp_path}/gone.parquet]")
+    with pytest.raises(FileNotFoundError, match=r"gone.parquet' does not exist"):
+        resolve_prompt_records(missing)
+    with pytest.raises(ConfigError, match=r"data.train_files=\[\]"):
+        _resolved("data.train_files=[]")
+    mixed = digen(f"digen.data.prompts=[builtin:demo,{second}]")
+    with pytest.raises(ConfigError, match="builtin prompt set cannot be combined"):
+        resolve_prompt_records(mixed)

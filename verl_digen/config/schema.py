@@ -135,7 +135,9 @@ class SamplingConfig:
 
 @dataclass
 class DataConfig:
-    prompts: str = "builtin:demo"  # builtin:<name>, or a .txt / .jsonl / .parquet file
+    # builtin:<name>, or a .txt / .jsonl / .parquet file, or a list of files (read in order and
+    # concatenated, as veRL's data.train_files does)
+    prompts: Any = "builtin:demo"
     shuffle: bool = True
     # Longest prompt accepted, in characters: every text encoder here truncates far below this,
     # so a longer one is a data error (and would only slow each step down), refused up front.
@@ -324,7 +326,7 @@ class FsdpConfig:
 class ValidationConfig:
     """Every trainer.test_freq steps: deterministic (ODE) samples of held-out prompts."""
 
-    prompts: str = "builtin:val"  # held-out prompts (builtin:<name> or a file)
+    prompts: Any = "builtin:val"  # held-out prompts: builtin:<name>, a file, or a list of files
     num_prompts: int = 8
     seed: int = 2024
 

@@ -60,12 +60,15 @@ def _target_modules(value: Any, _: Mapping[str, Any]) -> list[str]:
     return list(value)
 
 
-def _one_file(key: str) -> Callable[[Any, Mapping[str, Any]], str]:
-    def convert(value: Any, _: Mapping[str, Any]) -> str:
+def _prompt_files(key: str) -> Callable[[Any, Mapping[str, Any]], Any]:
+    """veRL's data files: one path or a list of paths (read in order and concatenated)."""
+
+    def convert(value: Any, _: Mapping[str, Any]) -> Any:
         files = [value] if isinstance(value, str) else list(value)
-        if len(files) != 1:
-            raise ConfigError(f"invalid config: {key}={value!r}; verl-digen reads one prompt file (join them first)")
-        return os.path.expanduser(str(files[0]))
+        if not files or not all(isinstance(f, str) and f for f in files):
+            raise ConfigError(f"invalid config: {key}={value!r}; give a prompt file or a list of prompt files")
+        files = [os.path.expanduser(f) for f in files]
+        return files[0] if len(files) == 1 else files
 
     return convert
 
@@ -95,8 +98,8 @@ MAPPED: tuple[Mapped, ...] = (
     Mapped("actor_rollout_ref.rollout.n", "digen.batch.group_size", "images per prompt (GRPO group)"),
     Mapped("data.train_batch_size", "digen.batch.groups_per_step", "prompts per step"),
     Mapped("data.train_files", "digen.data.prompts", "training prompts (.parquet in veRL's format, .jsonl, .txt)",
-           _one_file("data.train_files")),
-    Mapped("data.val_files", "digen.validation.prompts", "validation prompts", _one_file("data.val_files")),
+           _prompt_files("data.train_files")),
+    Mapped("data.val_files", "digen.validation.prompts", "validation prompts", _prompt_files("data.val_files")),
     Mapped("data.shuffle", "digen.data.shuffle", "shuffle the prompts every epoch"),
     Mapped("data.seed", "digen.seed", "seed"),
     Mapped("algorithm.norm_adv_by_std_in_grpo", "digen.algo.std_mode", "true: group std (group), false: none",

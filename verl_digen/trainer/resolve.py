@@ -140,21 +140,31 @@ def resolve_prompts(cfg: DigenConfig, source: str | None = None) -> list[str]:
     return [record["prompt"] for record in resolve_prompt_records(cfg, source)]
 
 
-def resolve_prompt_records(cfg: DigenConfig, source: str | None = None) -> list[dict[str, Any]]:
-    """The prompt records (``{"prompt": ..., <ground truth and other fields>}``) of the run."""
+def resolve_prompt_records(cfg: DigenConfig, source: Any = None) -> list[dict[str, Any]]:
+    """The prompt records (``{"prompt": ..., <ground truth and other fields>}``) of the run.
+
+    ``source`` (default ``digen.data.prompts``) is ``builtin:<name>``, a file, or a list of
+    files, read in order and concatenated as veRL concatenates ``data.train_files``."""
     from verl_digen.data import builtin_prompt_records, load_prompt_records
 
     key = "digen.data.prompts" if source is None else "digen.validation.prompts"
-    source = source or cfg.data.prompts
-    try:
-        if source.startswith("builtin:"):
-            records = builtin_prompt_records(source.split(":", 1)[1])
-        else:
-            records = load_prompt_records(source)
-    except FileNotFoundError as e:
-        raise FileNotFoundError(f"{key}: {e}") from None
-    except ValueError as e:
-        raise ConfigError(f"invalid config: {key}={source!r}: {e}") from None
+    source = cfg.data.prompts if source is None else source
+    sources = [source] if isinstance(source, str) else list(source)
+    if not sources or not all(isinstance(s, str) and s for s in sources):
+        raise ConfigError(f"invalid config: {key}={source!r}: give builtin:<name>, a prompt file, or a list of files")
+    records: list[dict[str, Any]] = []
+    for one in sources:
+        if one.startswith("builtin:") and len(sources) > 1:
+            raise ConfigError(f"invalid config: {key}={list(sources)!r}: a builtin prompt set cannot be combined with files")
+        try:
+            if one.startswith("builtin:"):
+                records += builtin_prompt_records(one.split(":", 1)[1])
+            else:
+                records += load_prompt_records(one)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"{key}: {e}") from None
+        except ValueError as e:
+            raise ConfigError(f"invalid config: {key}={one!r}: {e}") from None
     limit = cfg.data.max_prompt_chars
     for i, record in enumerate(records):
         if len(record["prompt"]) > limit:
