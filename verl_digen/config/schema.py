@@ -31,6 +31,17 @@ def _fail(key: str, value: Any, valid: str) -> None:
     raise ConfigError(f"invalid config: {key}={value!r}; {valid}")
 
 
+def prompt_sources(value: Any, key: str) -> list[str]:
+    """A prompt setting as a list: ``builtin:<name>``, one file, or a list of files (read in order
+    and concatenated, as veRL reads ``data.train_files``)."""
+    sources = [value] if isinstance(value, str) else list(value)
+    if not sources or not all(isinstance(s, str) and s for s in sources):
+        _fail(key, value, "give builtin:<name>, a prompt file, or a list of files")
+    if len(sources) > 1 and any(s.startswith("builtin:") for s in sources):
+        _fail(key, sources, "a builtin prompt set cannot be combined with files")
+    return sources
+
+
 def _finite(value: Any) -> bool:
     """A real number that is neither NaN nor infinite (NaN slips through ``x <= 0`` checks)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from verl_digen.config.schema import ConfigError, hydra_defaults
+from verl_digen.config.schema import ConfigError, hydra_defaults, prompt_sources
 
 # The two ways in: veRL's own entry point running our trainer mode, or our short form.
 MAIN_PPO = "main_ppo"
@@ -64,10 +64,7 @@ def _prompt_files(key: str) -> Callable[[Any, Mapping[str, Any]], Any]:
     """veRL's data files: one path or a list of paths (read in order and concatenated)."""
 
     def convert(value: Any, _: Mapping[str, Any]) -> Any:
-        files = [value] if isinstance(value, str) else list(value)
-        if not files or not all(isinstance(f, str) and f for f in files):
-            raise ConfigError(f"invalid config: {key}={value!r}; give a prompt file or a list of prompt files")
-        files = [os.path.expanduser(f) for f in files]
+        files = [os.path.expanduser(f) for f in prompt_sources(value, key)]
         return files[0] if len(files) == 1 else files
 
     return convert

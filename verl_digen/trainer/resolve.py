@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from verl_digen.config.schema import ConfigError, DigenConfig, digen_config_from_dict
+from verl_digen.config.schema import ConfigError, DigenConfig, digen_config_from_dict, prompt_sources
 from verl_digen.config.verl_keys import DIGEN_MAIN, RunConfig, resolve_run_config
 
 
@@ -149,13 +149,8 @@ def resolve_prompt_records(cfg: DigenConfig, source: Any = None) -> list[dict[st
 
     key = "digen.data.prompts" if source is None else "digen.validation.prompts"
     source = cfg.data.prompts if source is None else source
-    sources = [source] if isinstance(source, str) else list(source)
-    if not sources or not all(isinstance(s, str) and s for s in sources):
-        raise ConfigError(f"invalid config: {key}={source!r}: give builtin:<name>, a prompt file, or a list of files")
     records: list[dict[str, Any]] = []
-    for one in sources:
-        if one.startswith("builtin:") and len(sources) > 1:
-            raise ConfigError(f"invalid config: {key}={list(sources)!r}: a builtin prompt set cannot be combined with files")
+    for one in prompt_sources(source, key):
         try:
             if one.startswith("builtin:"):
                 records += builtin_prompt_records(one.split(":", 1)[1])
