@@ -159,21 +159,31 @@ def test_bf16_full_fine_tune_masters_survive_a_checkpoint(tiny_flux):
 
 def test_bf16_full_fine_tune_masters_and_their_adam_state_go_through_a_sharded_checkpoint(tiny_flux, tmp_path):
     """The checkpoint a trainer rank writes (DCP) holds the fp32 masters and their optimizer
-    state; a fresh bf16 model resumed from it has them bitwise and takes their bf16 rounding."""
+    state; a fresh bf16 model resumed from it has them bitwise and takes their bf16 rounding,
+    and gets the EMA and the RNG back as a run without master weights does."""
+    from verl_digen.workers.ema import EMA, named_trainable_parameters
     from verl_digen.workers.sampling import sample_groups
     from verl_digen.workers.sharded_state import load_rank_state, save_rank_state
 
     adapter, settings, updater = _full_ft(tiny_flux, "flux")
+    ema = EMA(named_trainable_parameters(adapter.transformer), decay=0.9)
     data = sample_groups(adapter, ["a cat"], [0], [0], group_size=2, settings=settings, training_step=0,
                          seed=3, policy_version=0)
     updater.train_micro_batch(data, torch.tensor([1.0, -1.0]))
     updater.optimizer_step(None)
-    kw = dict(ema=None, lora_only=False, rank=0, group=None)
+    ema.update()
+    kw = dict(lora_only=False, rank=0, group=None)
+    rng = torch.get_rng_state()
     save_rank_state(str(tmp_path), module=adapter.transformer, optimizer=updater.optimizer, version=1,
-                    master=updater.master, **kw)
+                    master=updater.master, ema=ema, **kw)
     adapter2, _, fresh = _full_ft(tiny_flux, "flux")
+    fresh_ema = EMA(named_trainable_parameters(adapter2.transformer), decay=0.9)
     assert any(not torch.equal(a, b) for a, b in zip(fresh.master.masters, updater.master.masters))
-    load_rank_state(str(tmp_path), module=adapter2.transformer, optimizer=fresh.optimizer, master=fresh.master, **kw)
+    torch.manual_seed(12345)
+    load_rank_state(str(tmp_path), module=adapter2.transformer, optimizer=fresh.optimizer, master=fresh.master,
+                    ema=fresh_ema, **kw)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert fresh_ema.num_updates == ema.num_updates == 1
     for a, b in zip(fresh.master.masters, updater.master.masters):
         assert torch.equal(a, b) and a.dtype == torch.float32
     for p, m in zip(fresh.params, fresh.master.masters):

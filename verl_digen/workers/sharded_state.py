@@ -178,15 +178,17 @@ def load_rank_state(
         raise CheckpointError(f"{path}: cannot be loaded into this model ({e.__class__.__name__}: "
                               f"{str(e).splitlines()[0][:300]})") from None
     set_model_state_dict(module, state[MODEL_KEY], options=StateDictOptions(strict=False))
-    if optimizer is not None and master is not None:  # loaded in place; the model takes their rounding
+    if optimizer is None:
+        return
+    if master is not None:  # loaded in place; the model takes their rounding
         master.copy_to_model()
-    elif optimizer is not None:
+    else:
         set_optimizer_state_dict(module, optimizer, state["optimizer"])
-        if ema is not None:
-            ema.load_state_dict(state["ema"])
-        own = os.path.join(directory, rank_file(rank))
-        extra = load_pt(own if os.path.exists(own) else os.path.join(directory, rank_file(0)))
-        torch.set_rng_state(extra["rng"])
+    if ema is not None:
+        ema.load_state_dict(state["ema"])
+    own = os.path.join(directory, rank_file(rank))
+    extra = load_pt(own if os.path.exists(own) else os.path.join(directory, rank_file(0)))
+    torch.set_rng_state(extra["rng"])
 
 
 def read_full_weights(directory: str) -> dict[str, torch.Tensor]:
