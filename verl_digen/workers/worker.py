@@ -15,6 +15,7 @@ can broadcast them (``ONE_TO_ALL``); the plan executor also calls them on single
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from typing import Any
 
@@ -26,7 +27,7 @@ from verl import DataProto
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 from verl_digen.config.schema import DigenConfig
-from verl_digen.sync.state import state_digest, trainable_state
+from verl_digen.sync.state import digest_update, state_digest, trainable_state
 from verl_digen.sync.transport import WeightSyncMixin
 from verl_digen.workers.sampling import (
     GroupRequest,
@@ -142,6 +143,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         trains = self.role in ("fused", "trainer")
         self.fsdp = trains and cfg.fsdp.enable
         self._sync_cache: dict[str, torch.Tensor] | None = None
+        self._sync_digest: str | None = None  # FSDP ranks other than 0, after a checkpoint load
         if trains and self.world_size > 1:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             if not dist.is_initialized():
@@ -353,26 +355,26 @@ class DiffusionWorker(Worker, WeightSyncMixin):
     def recompute_log_probs(self, data: DataProto) -> torch.Tensor:
         return self.trainer.recompute_log_probs(data) if self.trainer else _no_trainer(self.role)
 
-    def _refresh_sync_cache(self) -> None:
+    def _refresh_sync_cache(self, *, digest: bool = False) -> None:
         """FSDP: stream the full trained state out of the shards (a collective: every rank, once
         per version), one bucket at a time on the device. Rank 0 (the sender, and the source of
-        checkpoints and final weights) keeps it on CPU; every rank keeps its digest."""
+        checkpoints and final weights) keeps it on CPU and hashes it when asked; the other ranks
+        only take part, and hash what passes when ``digest`` (after a checkpoint load, whose
+        digest every rank reports): hashing the full model on every rank at every step would
+        cost more than the step's sync."""
         if self.fsdp:
-            import hashlib
-
-            from verl_digen.sync.state import digest_update
             from verl_digen.workers.fsdp import stream_full_state
 
             keep = self.rank == 0
-            h = hashlib.sha256()
+            h = hashlib.sha256() if digest and not keep else None
             cache: dict[str, torch.Tensor] = {}
             for name, full in stream_full_state(self.adapter.transformer, lora_only=self.cfg.model.lora.enable):
-                full = full.to("cpu", copy=True)
-                digest_update(h, name, full)
                 if keep:
-                    cache[name] = full
+                    cache[name] = full.to("cpu", copy=True)
+                elif h is not None:
+                    digest_update(h, name, full)
             self._sync_cache = cache if keep else None
-            self._sync_digest = h.hexdigest()
+            self._sync_digest = h.hexdigest() if h is not None else None
 
     def _full_state(self) -> dict[str, torch.Tensor]:
         if self.fsdp:
@@ -387,7 +389,12 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         return stats.as_dict()
 
     def weights_digest(self) -> str:
-        return self._sync_digest if self.fsdp else state_digest(self._full_state())
+        if self.fsdp and self.rank != 0:
+            if self._sync_digest is None:
+                raise RuntimeError(f"{self.role}{self.rank}: an FSDP rank other than 0 hashes the weights only "
+                                   "when it loads a checkpoint")
+            return self._sync_digest
+        return state_digest(self._full_state())
 
     def warm_prompt_cache(self, prompts: list[str]) -> dict[str, Any]:
         """Encode every prompt this worker may need once, then free the text encoders.
@@ -463,7 +470,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
             rank=self.rank, group=self._pg if trains else None, master=self.trainer.master if trains else None,
         )
         self.policy_version = version
-        self._refresh_sync_cache()
+        self._refresh_sync_cache(digest=True)
         return self.weights_digest()
 
     def save_final_weights(self, path: str) -> str:
