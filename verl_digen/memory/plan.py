@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from verl_digen.config.schema import ConfigError, DigenConfig
+from verl_digen.sync.transport import DEFAULT_BUCKET_BYTES
 
 GIB = 1 << 30
 OVERHEAD_BYTES = int(1.5 * GIB)  # CUDA context (~0.5), cuBLAS workspaces, NCCL buffers (~1): an allowance
-SYNC_BUCKET_BYTES = 1 << 30  # verl_digen.sync.transport.DEFAULT_BUCKET_BYTES: one bucket in flight, one filling
 VAE_WORKING_SET = 4  # live full-resolution feature maps in a VAE decoder (conv in/out, norm, residual)
 VIDEO_TILE = 256  # diffusers' video VAE tiling: 256x256-pixel tiles (tile_sample_min_height/width)
 HUNYUAN_TILE_FRAMES = 16  # AutoencoderKLHunyuanVideo's tile_sample_min_num_frames
@@ -392,7 +392,7 @@ def plan_roles(job: JobShape, gib: float) -> list[RolePlan]:
     decode = _vae_decode_bytes(job, samples)
     rollout_weights = dense_bytes + (lora_params * tb if job.lora else 0)
     sync_state = lora_params * tb if job.lora else dense_bytes
-    sync = min(sync_state, 2 * SYNC_BUCKET_BYTES)
+    sync = min(sync_state, 2 * DEFAULT_BUCKET_BYTES)  # one bucket in flight, one filling
     load_encoders = _encoder_activation_bytes(job)
 
     train_knobs = _training_knobs(job)

@@ -174,10 +174,6 @@ def _block_lists(model: torch.nn.Module) -> list[tuple[str, torch.nn.ModuleList]
     return [(name, child) for name, child in model.named_children() if isinstance(child, torch.nn.ModuleList)]
 
 
-def _top_level_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [block for _, blocks in _block_lists(model) for block in blocks]
-
-
 def _measure(model: torch.nn.Module, inputs: dict[str, Any], *, keep_blocks: int | None = 2) -> tuple[dict[str, int], int]:
     """(saved-for-backward accounting, no-grad live peak) of ``model(**inputs)``.
 
@@ -423,5 +419,7 @@ def module_bytes(module: torch.nn.Module) -> int:
 
 def largest_block_bytes(module: torch.nn.Module) -> int:
     """Parameter bytes of the largest top-level block (the FSDP all-gather unit)."""
-    return max((module_bytes(b) for b in _top_level_blocks(module)), default=module_bytes(module))
+    from verl_digen.workers.fsdp import block_modules  # the FSDP units whose gather this bounds
+
+    return max((module_bytes(b) for b in block_modules(module)), default=module_bytes(module))
 

@@ -40,15 +40,11 @@ def config_dir(family: str) -> str:
     return os.path.join(CONFIG_ROOT, family)
 
 
-def model_index(family: str) -> dict[str, Any]:
-    with open(os.path.join(config_dir(family), "model_index.json"), encoding="utf-8") as f:
-        return json.load(f)
-
-
 def scheduler_config(family: str) -> dict[str, Any]:
     """The family's real ``scheduler_config.json`` as a dict (``_class_name`` included)."""
-    with open(os.path.join(config_dir(family), "scheduler", "scheduler_config.json"), encoding="utf-8") as f:
-        return json.load(f)
+    from verl_digen.models.base import load_scheduler_config
+
+    return load_scheduler_config(config_dir(family))
 
 
 def build_scheduler(family: str):
@@ -62,11 +58,9 @@ def build_scheduler(family: str):
 def model_components(family: str, path: str | None = None) -> dict[str, tuple[str, str]]:
     """``{subfolder: (library, class name)}`` of the model components (not tokenizers or the
     scheduler) in ``model_index.json`` of ``path`` (default: the shipped configs)."""
-    if path is None:
-        index = model_index(family)
-    else:
-        with open(os.path.join(path, "model_index.json"), encoding="utf-8") as f:
-            index = json.load(f)
+    from verl_digen.models.base import read_model_index
+
+    index = read_model_index(path or config_dir(family))
     out = {}
     for name, entry in index.items():
         if name.startswith("_") or not isinstance(entry, list) or entry[0] is None:
