@@ -57,9 +57,10 @@ def patch_validate_config() -> bool:
 
     @functools.wraps(original)
     def validate_config(config: Any, use_reference_policy: bool, use_critic: bool) -> None:
-        if config.trainer.v1.get("trainer_mode") != "digen":
+        from verl_digen.config.verl_keys import MAIN_PPO, TRAINER_MODE
+
+        if config.trainer.v1.get("trainer_mode") != TRAINER_MODE:
             return original(config, use_reference_policy=use_reference_policy, use_critic=use_critic)
-        from verl_digen.config.verl_keys import MAIN_PPO
         from verl_digen.trainer.resolve import check_run_config
 
         check_run_config(config, entry=MAIN_PPO)

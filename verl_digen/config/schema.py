@@ -27,6 +27,9 @@ class ConfigError(ValueError):
     """A user configuration problem; the message names the key, the value and what is valid."""
 
 
+DEVICES = ("cuda", "cpu")  # trainer.device: veRL's two values that apply here
+
+
 def _fail(key: str, value: Any, valid: str) -> None:
     raise ConfigError(f"invalid config: {key}={value!r}; {valid}")
 

@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from verl_digen.config.schema import ConfigError, hydra_defaults, prompt_sources
+from verl_digen.config.schema import DEVICES, ConfigError, hydra_defaults, prompt_sources
 
 # The two ways in: veRL's own entry point running our trainer mode, or our short form.
 MAIN_PPO = "main_ppo"
@@ -224,9 +224,6 @@ class RunConfig:
     digen: dict[str, Any]
     origins: dict[str, str]
 
-    def user_key(self, digen_key: str) -> str:
-        return self.origins.get(digen_key, digen_key)
-
     def rename(self, message: str) -> str:
         """A message about ``digen.*`` keys, naming the veRL keys the user set instead."""
         for digen_key in sorted(self.origins, key=len, reverse=True):
@@ -371,8 +368,8 @@ def _check_rollout_and_algorithm(config: Mapping[str, Any], entry: str) -> None:
         raise ConfigError(f"invalid config: {_MANAGER_KEY}={manager!r}; the digen trainer mode generates with "
                           f"{AGENT_LOOP_MANAGER} (leave it unset)")
     device = _get(config, "trainer.device", "cuda")
-    if device not in ("cuda", "cpu"):
-        raise ConfigError(f"invalid config: trainer.device={device!r}; valid: cuda, cpu")
+    if device not in DEVICES:
+        raise ConfigError(f"invalid config: trainer.device={device!r}; valid: {', '.join(DEVICES)}")
     if not _get(config, "trainer.use_v1", True):
         raise ConfigError("invalid config: trainer.use_v1=False; the digen trainer mode is a v1 trainer")
 

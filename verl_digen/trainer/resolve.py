@@ -241,12 +241,7 @@ def check_run_config(config: Any, entry: str = DIGEN_MAIN) -> CheckedRun:
     run_config = resolve_run_config(container, entry)
     try:
         cfg = digen_config_from_dict(run_config.digen)
-        check_loggers(config.trainer)
-        from verl_digen.trainer.runtime import DEVICES
-
-        device = str(config.trainer.get("device", "cuda"))
-        if device not in DEVICES:
-            raise ConfigError(f"invalid config: trainer.device={device!r}; valid: {', '.join(DEVICES)}")
+        check_loggers(config.trainer)  # trainer.device was checked by resolve_run_config
         cluster = cluster_from_trainer_config(config.trainer)
         layout = pool_layout(cfg, cluster)
         records = resolve_prompt_records(cfg)

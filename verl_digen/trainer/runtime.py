@@ -14,7 +14,7 @@ import signal
 import threading
 from typing import Any, Callable, Iterator
 
-from verl_digen.config.schema import ConfigError, DigenConfig
+from verl_digen.config.schema import DEVICES, ConfigError, DigenConfig
 from verl_digen.placement.pools import (
     ClusterSpec,
     PoolLayout,
@@ -171,9 +171,6 @@ def device_kind(trainer_device: str, cluster_gpus: float) -> str:
         return "cuda"
     print("[verl-digen] the Ray cluster has no GPU: trainer.device=cuda runs on CPU slots", flush=True)
     return "cpu"
-
-
-DEVICES = ("cuda", "cpu")
 
 
 @contextlib.contextmanager
