@@ -49,7 +49,7 @@ import torch
 
 # The rank side reads checkpoint files too (workers/ may not import trainer/): its error and
 # safe loader are the ones used here.
-from verl_digen.workers.sharded_state import CheckpointError, load_pt
+from verl_digen.workers.sharded_state import CheckpointError, file_record, load_pt
 
 TRACKER = "latest_checkpointed_iteration.txt"
 LOCK_FILE = ".digen.lock"
@@ -199,8 +199,7 @@ def save_checkpoint(
         torch.save(controller_state, os.path.join(tmp, CONTROLLER_FILE))
         for name in own:
             path = os.path.join(tmp, name)
-            _fsync_file(path)
-            files[name] = {"sha256": _sha256(path), "bytes": os.path.getsize(path)}
+            files[name] = file_record(path)
         missing = [name for name in files if not os.path.isfile(os.path.join(tmp, name))]
         if missing:
             raise CheckpointError(f"files reported written but absent from {tmp}: {missing[:5]}")

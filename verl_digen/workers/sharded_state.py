@@ -101,7 +101,8 @@ def _dcp_args(group: dist.ProcessGroup | None) -> dict[str, Any]:
     return {"process_group": group} if group is not None else {"no_dist": True}
 
 
-def _sha256(path: str) -> dict[str, Any]:
+def file_record(path: str) -> dict[str, Any]:
+    """A written checkpoint file, synced to disk, as ``meta.json`` records it: sha256 and size."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -137,11 +138,11 @@ def save_rank_state(
     path = os.path.join(directory, STATE_DIR)
     dcp.save(state, checkpoint_id=path, **_dcp_args(group))
     torch.save({"rng": torch.get_rng_state(), "version": version}, os.path.join(directory, rank_file(rank)))
-    files = {rank_file(rank): _sha256(os.path.join(directory, rank_file(rank)))}
+    files = {rank_file(rank): file_record(os.path.join(directory, rank_file(rank)))}
     for name in sorted(os.listdir(path)):
         m = _DATA_FILE.match(name)
         if (m and int(m.group(1)) == rank) or (m is None and rank == 0):
-            files[f"{STATE_DIR}/{name}"] = _sha256(os.path.join(path, name))
+            files[f"{STATE_DIR}/{name}"] = file_record(os.path.join(path, name))
     return files
 
 
