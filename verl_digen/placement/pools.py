@@ -124,6 +124,11 @@ class PoolLayout:
     role_of_pool: dict[str, str]
     spec: StrategySpec
 
+    @property
+    def worker_counts(self) -> dict[str, int]:
+        """Workers per pool name, over all its nodes."""
+        return {name: sum(counts) for name, (counts, _accel) in self.pools.items()}
+
 
 def pool_layout(cfg: DigenConfig, cluster: ClusterSpec) -> PoolLayout:
     # The strategy fields the config fixes (the same mapping DigenConfig.validate checks).
@@ -172,8 +177,7 @@ def build_worker_groups(
     from verl_digen.workers.worker import DiffusionWorker
 
     if placement is None:
-        sizes = {name: sum(counts) for name, (counts, _accel) in layout.pools.items()}
-        placement = assign_nodes(sizes, cluster_nodes(ray.nodes(), "cuda" if use_gpu else "cpu"), None)
+        placement = assign_nodes(layout.worker_counts, cluster_nodes(ray.nodes(), "cuda" if use_gpu else "cpu"), None)
     groups: dict[str, Any] = {}
     actors: dict[WorkerId, Any] = {}
     remote_cls = ray.remote(DiffusionWorker)

@@ -154,13 +154,13 @@ class Plan:
             if dup:
                 raise PlanError(f"groups {dup[:5]} appear in more than one {kind.value} task")
         self._check_stages()
-        self._check_sample_slices()
-        pos = {t.id: i for i, t in enumerate(self.tasks)}
-        gen_of: dict[int, list[Task]] = defaultdict(list)
+        gen_of: dict[int, list[Task]] = defaultdict(list)  # group -> its final generate tasks
         for t in self.of_kind(TaskKind.GENERATE):
             if t.final:
                 for g in t.groups:
                     gen_of[g].append(t)
+        self._check_sample_slices(gen_of)
+        pos = {t.id: i for i, t in enumerate(self.tasks)}
         rew_of = {g: t for t in self.of_kind(TaskKind.REWARD) for g in t.groups}
         by_step: dict[tuple[TaskKind, int], list[Task]] = defaultdict(list)
         for t in self.tasks:
@@ -192,14 +192,10 @@ class Plan:
                     if g in rew_of and gen.id not in rew_of[g].deps:
                         raise PlanError(f"{rew_of[g].id} scores group {g} without waiting for {gen.id}")
 
-    def _check_sample_slices(self) -> None:
+    def _check_sample_slices(self, gen_of: dict[int, list[Task]]) -> None:
         """A group split below the group: its final generate tasks' sample slices tile ``[0, end)``."""
-        slices: dict[int, list[tuple[int, int] | None]] = defaultdict(list)
-        for t in self.of_kind(TaskKind.GENERATE):
-            if t.final:
-                for g in t.groups:
-                    slices[g].append(t.samples)
-        for g, ss in slices.items():
+        for g, gens in gen_of.items():
+            ss = [t.samples for t in gens]
             if len(ss) == 1 and ss[0] is None:
                 continue
             if None in ss:

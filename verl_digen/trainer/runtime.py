@@ -235,8 +235,7 @@ def real_worker_groups(
 
     def build(layout: PoolLayout) -> tuple[dict[str, Any], dict[WorkerId, Any]]:
         nodes = check_cluster(cluster_nodes(ray.nodes(), kind), cluster, kind)
-        sizes = {name: sum(counts) for name, (counts, _accel) in layout.pools.items()}
-        placement = assign_nodes(sizes, nodes, cluster.n_devices_per_node)
+        placement = assign_nodes(layout.worker_counts, nodes, cluster.n_devices_per_node)
         return build_worker_groups(layout, config=cfg, model_path=model_path, use_gpu=use_gpu, num_threads=threads,
                                    placement=placement)
 
