@@ -168,8 +168,7 @@ class StrategySpec:
     @property
     def sample_split(self) -> int:
         """Generate tasks per unit of ``groups_per_task`` groups: see :func:`sample_split`."""
-        lanes = self.pipelines if self.tsp_stages > 1 else self.rollout_workers
-        return sample_split(self.groups_per_step, self.groups_per_task, self.group_size, lanes)
+        return sample_split(self.groups_per_step, self.groups_per_task, self.group_size, self.pipelines)
 
     @property
     def name(self) -> str:

@@ -41,6 +41,7 @@ from verl_digen.sync.state import (
     iter_buckets,
     load_trainable_state,
     state_digest,
+    state_nbytes,
     trainable_state,
     unflatten_state,
 )
@@ -450,7 +451,7 @@ class WeightSyncMixin:
         for part, version in self._require_sync_channel().recv_buckets():
             load_trainable_state(self.sync_module, part, lora_only=self.sync_lora_only, partial=True)
             received |= part.keys()
-            nbytes += sum(t.numel() * t.element_size() for t in part.values())
+            nbytes += state_nbytes(part)
             del part
         if received != expected:
             raise ValueError(f"weight sync (lora_only={self.sync_lora_only}) missed {sorted(expected - received)[:5]}")
