@@ -24,6 +24,17 @@ class LazyDict(dict):
 
 
 @pytest.fixture(scope="session", autouse=True)
+def worker_attention_kernels():
+    """The attention kernels every worker runs with (``compute_device`` configures them), for the
+    tests that call models in-process too: cuDNN's fused attention backward fails on an H100
+    (``verl_digen.workers.worker.configure_attention_kernels``)."""
+    from verl_digen.workers.worker import configure_attention_kernels
+
+    configure_attention_kernels()
+    yield
+
+
+@pytest.fixture(scope="session", autouse=True)
 def isolated_cwd(tmp_path_factory):
     """Run every test from an empty directory: relative defaults (runs/, checkpoints/ for
     trainer.resume_mode=auto) must never leak between tests or into the checkout."""

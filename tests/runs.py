@@ -158,15 +158,21 @@ def _rank_entry(rank: int, world: int, port: int, backend: str, fn: Callable[[in
     import torch.distributed as dist
 
     try:
+        from verl_digen.workers.worker import configure_attention_kernels
+
         torch.set_num_threads(1)
+        configure_attention_kernels()  # as every worker does (compute_device)
+        extra = {}
         if backend == "nccl":
             torch.cuda.set_device(rank)
+            extra["device_id"] = torch.device("cuda", rank)  # eager NCCL communicator on this rank's GPU
         dist.init_process_group(
             backend,
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world,
             timeout=datetime.timedelta(seconds=60),
+            **extra,
         )
         try:
             result = fn(rank, world)

@@ -75,7 +75,24 @@ def sampling_settings(cfg: DigenConfig, fsdp_ranks: int = 1, rollout_lanes: int 
     )
 
 
+def configure_attention_kernels() -> None:
+    """Keep cuDNN's fused attention out of ``scaled_dot_product_attention``, process-wide.
+
+    On an H100 with torch 2.11 / CUDA 13, SDPA picks cuDNN's fused attention for the bf16
+    transformers, and its backward failed on real-size FLUX (``mha_graph.execute(...)
+    .is_good()``, then an illegal memory access that poisons the CUDA context: measured by
+    ``python -m verl_digen.gpu_check``, README "Measured on a GPU"). Flash / memory-efficient
+    attention run instead. A process-wide flag, not a context manager: activation checkpointing
+    recomputes the forward during ``backward()``, outside any ``with`` block of the forward,
+    and rollout and trainer processes must pick the same kernels for the same calls (on-policy
+    log-probs)."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def compute_device() -> torch.device:
+    """The worker's device (the current CUDA device, else the CPU), with the attention kernels
+    every transformer call of the run uses (:func:`configure_attention_kernels`)."""
+    configure_attention_kernels()
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
