@@ -134,6 +134,8 @@ class RolePlan:
     bytes: dict[str, int]
     device_gib: float
     knobs: list[str] = field(default_factory=list)  # what to turn when it does not fit
+    # Every phase of the role (the peak is one of them): phase -> category -> bytes.
+    phases: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def peak_bytes(self) -> int:
@@ -318,10 +320,13 @@ def _vae_decode_bytes(job: JobShape, samples: int) -> int:
     return features + pixels
 
 
-def _trace(job: JobShape):
+def plan_trace(job: JobShape):
     from verl_digen.memory.trace import TraceShape, trace_transformer
 
-    return trace_transformer(TraceShape(job.family, job.config_path, job.dtype, job.height, job.width, job.num_frames))
+    # LoRA jobs are traced as they train: frozen base, fp32 adapters (what autograd keeps differs)
+    lora = (job.lora_rank, tuple(job.lora_targets)) if job.lora else (0, ())
+    return trace_transformer(TraceShape(job.family, job.config_path, job.dtype, job.height, job.width, job.num_frames,
+                                        *lora))
 
 
 def _latent_bytes(job: JobShape) -> int:
@@ -352,7 +357,7 @@ class _RoleBuilder:
         first, then = (rollout_knobs, train_knobs) if phase in ("generate", "decode") else (train_knobs, rollout_knobs)
         knobs = list(dict.fromkeys(first + then))
         return RolePlan(role=self.role, devices=self.devices, phase=phase, bytes=bytes_, device_gib=self.gib,
-                        knobs=knobs)
+                        knobs=knobs, phases={name: dict(b) for name, b in self.phases.items()})
 
 
 def plan_roles(job: JobShape, gib: float) -> list[RolePlan]:
@@ -361,7 +366,7 @@ def plan_roles(job: JobShape, gib: float) -> list[RolePlan]:
         job.family, job.config_path, job.dtype, job.lora_targets, job.lora_rank
     )
     encoders, vae = _encoder_and_vae_bytes(job)
-    trace = _trace(job)
+    trace = plan_trace(job)
     tb = job.trainable_bytes
     f = job.fsdp
     reward = int(job.reward_params * 4)
