@@ -71,13 +71,12 @@ def trace_preset(name: str, overrides: list[str], configs_dir: str) -> dict[str,
 
     from verl_digen.config.compose import compose_config
     from verl_digen.config.schema import digen_config_from_dict
-    from verl_digen.memory.plan import GIB, job_shape
-    from verl_digen.memory.trace import TraceShape, trace_transformer
+    from verl_digen.memory.plan import GIB, job_shape, plan_trace
 
     cfg = compose_config(list(overrides), config_name=name, config_dir=configs_dir)
     digen = digen_config_from_dict(OmegaConf.to_container(cfg.digen, resolve=True))
     job = job_shape(digen, devices_per_node=int(cfg.trainer.n_gpus_per_node), nnodes=int(cfg.trainer.nnodes))
-    t = trace_transformer(TraceShape(job.family, job.config_path, job.dtype, job.height, job.width, job.num_frames))
+    t = plan_trace(job)  # the planner's own trace of the job (LoRA jobs with their adapters)
     return {
         "preset": name, "size": f"{job.height}x{job.width}x{job.num_frames}", "tokens": t.tokens,
         "text_tokens": t.text_tokens,

@@ -182,19 +182,21 @@ def _measure(model: torch.nn.Module, inputs: dict[str, Any], *, keep_blocks: int
     largest kept block; None runs every block. Meta-device ops are slow (tens of ms each in
     Python), and a 40-60 block forward twice would take a minute per model."""
     frozen = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
+    trainable = [p for p in model.parameters() if p.requires_grad]
     stacks = _block_lists(model)
     depth = {name: len(blocks) for name, blocks in stacks}
     if keep_blocks is not None:
         for name, blocks in stacks:
             setattr(model, name, torch.nn.ModuleList(list(blocks)[:keep_blocks]))
     try:
-        return _measure_kept(model, inputs, frozen, depth)
+        return _measure_kept(model, inputs, frozen, depth, trainable)
     finally:
         for name, blocks in stacks:
             setattr(model, name, blocks)
 
 
-def _measure_kept(model, inputs, frozen: set[int], depth: dict[str, int]) -> tuple[dict[str, int], int]:
+def _measure_kept(model, inputs, frozen: set[int], depth: dict[str, int],
+                  trainable: list[torch.Tensor]) -> tuple[dict[str, int], int]:
     kept = [(name, i, block) for name, blocks in _block_lists(model) for i, block in enumerate(blocks)]
     current: list[int | None] = [None]
     saved: dict[int, int] = {}  # storage -> bytes
@@ -238,7 +240,9 @@ def _measure_kept(model, inputs, frozen: set[int], depth: dict[str, int]) -> tup
         handles.append(block.register_forward_pre_hook(pre_hook(i), with_kwargs=True))
         handles.append(block.register_forward_hook(post_hook, with_kwargs=True))
     try:
-        model.requires_grad_(True)
+        model.requires_grad_(False)
+        for p in trainable:  # the parameters the job trains (all of them, or the LoRA adapters)
+            p.requires_grad_(True)
         with _patched_sdpa(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model(**inputs)
     finally:
@@ -294,6 +298,11 @@ class TraceShape:
     height: int
     width: int
     num_frames: int
+    # LoRA as the workers train it (frozen base, fp32 adapters of this rank on these modules);
+    # 0: a full fine-tune, every parameter trainable. What autograd keeps differs: a frozen
+    # linear keeps no input for a weight gradient, while each LoRA layer keeps its own fp32 copy.
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] = ()
 
 
 def latent_layout(shape: TraceShape) -> dict[str, int]:
@@ -397,6 +406,9 @@ def trace_transformer(shape: TraceShape) -> TransformerTrace:
     """Measure one row of the family's transformer at ``shape`` on the meta device (cached)."""
     dtype = torch_dtype(shape.dtype)
     model = build_on_meta(shape.family, "transformer", path=shape.config_path, dtype=dtype)
+    model.requires_grad_(not shape.lora_rank)
+    if shape.lora_rank:
+        _add_lora_on_meta(model, shape.lora_rank, shape.lora_targets)
     config = component_config(shape.family, "transformer", shape.config_path)
     inputs = _inputs(shape, config, dtype)
     saved, inference_peak = _measure(model, inputs)
@@ -407,6 +419,24 @@ def trace_transformer(shape: TraceShape) -> TransformerTrace:
         tokens=latent_layout(shape)["tokens"],
         text_tokens=text_tokens(shape.family),
     )
+
+
+def _add_lora_on_meta(model: torch.nn.Module, rank: int, targets: tuple[str, ...]) -> None:
+    """peft's LoRA on the meta model, as :func:`verl_digen.workers.training.add_lora` injects it
+    (the modules of ``targets`` the model has, fp32 adapters), the adapters the only trainable
+    parameters."""
+    from peft import LoraConfig
+
+    names = {n.split(".")[-1] for n, _ in model.named_modules()} | {".".join(n.split(".")[-2:]) for n, _ in model.named_modules()}
+    present = [t for t in targets if t in names]
+    if not present:
+        raise ValueError(f"LoRA targets {list(targets)} match no module of {type(model).__name__}")
+    with torch.device("meta"):
+        model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian", target_modules=present))
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.float()
+            p.requires_grad_(True)
 
 
 def module_bytes(module: torch.nn.Module) -> int:
