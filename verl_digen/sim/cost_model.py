@@ -128,6 +128,7 @@ class DeviceProfile:
     node_network_gbps: float = 0.0
     usd_per_hour: float = 0.0  # rental price of one device (docs/cost_model.md, "Prices")
     decode_mfu: float = 0.3  # convolutional VAE decoders reach less of the peak
+    encode_mfu: float = 0.0  # text encoders' achieved / peak (0: mfu_forward)
     forward_overhead_s: float = 0.005  # per forward call (launches, Python)
     train_pass_overhead_s: float = 0.01  # per forward+backward pass
     generate_overhead_s: float = 0.05  # per generate call (batching, latents, scheduler)
@@ -170,6 +171,9 @@ class SystemProfile:
     logprob_micro_batch: int = 0  # samples per log-prob recompute forward (0: the train micro-batch)
     whole_step_tasks: bool = False  # one generate and one train call per worker and step (an engine batches)
     step_fixed_s: float = 0.0  # per-step overhead that no device count shrinks (driver, engines, barriers)
+    # This stack's training passes run at train_efficiency x the device's mfu_train (the calibrated
+    # mfu_train is fitted to veRL-Omni's published steps; ours is measured: docs/cost_model.md).
+    train_efficiency: float = 1.0
     # -- stack constants
     nccl_efficiency: float = 0.8  # achieved collective bandwidth / link bandwidth
     comm_overlap: float = 0.5  # fraction of a pass's compute that hides its FSDP collectives
@@ -449,6 +453,9 @@ class CostModel:
     devices: Mapping[str, DeviceProfile]
     system: SystemProfile = field(default_factory=SystemProfile)
     reward: RewardProfile | None = None
+    # The training efficiency the zero-bubble bound charges, as a multiple of mfu_train: the best
+    # train_efficiency of the catalog's systems (one bound for every system on the same work).
+    bound_train_efficiency: float = 1.0
 
     @classmethod
     def from_catalog(
@@ -487,7 +494,8 @@ class CostModel:
                                f"valid: {RESIDENT}, {SWAP}")
         reward_name = w.reward if w.reward is not None else m.reward
         reward = catalog.reward(reward_name) if reward_name else None
-        return cls(model=m, workload=w, devices=devs, system=sys_profile, reward=reward)
+        best = max([s.train_efficiency for s in catalog.systems.values()] + [sys_profile.train_efficiency])
+        return cls(model=m, workload=w, devices=devs, system=sys_profile, reward=reward, bound_train_efficiency=best)
 
     def with_workload(self, **changes: Any) -> "CostModel":
         return replace(self, workload=replace(self.workload, **changes))
@@ -666,7 +674,7 @@ class CostModel:
     def encode_seconds(self, prompts: int, dev: DeviceProfile) -> float:
         m = self.model
         flops = 2.0 * m.text_encoder_params * m.text_encoder_tokens * prompts * self.workload.cfg_factor
-        return flops / (dev.flops * dev.mfu_forward)
+        return flops / (dev.flops * (dev.encode_mfu or dev.mfu_forward))
 
     def denoise_seconds(self, samples: int, dev: DeviceProfile, batch: int | None = None) -> float:
         """One denoising step of ``samples`` samples (both CFG branches), run as forwards of at
@@ -740,7 +748,7 @@ class CostModel:
         w = self.workload
         tokens = samples * w.cfg_factor * self.tokens()[1]
         compute = dev.train_pass_overhead_s + samples * w.cfg_factor * self.train_flops() / (
-            dev.flops * self.efficiency(dev, tokens, train=True)
+            dev.flops * self.efficiency(dev, tokens, train=True) * self.system.train_efficiency
         )
         return self._pass_seconds(compute, self.fsdp_comm_seconds(dev, group))
 
@@ -935,7 +943,8 @@ class CostModel:
         generate = w.num_steps * w.cfg_factor * self.forward_flops() / (dev.flops * dev.mfu_forward)
         generate += self.encode_seconds(1, dev) / w.group_size + self.decode_seconds(1, dev)
         reward = self.reward_flops_per_image() / (dev.flops * dev.mfu_forward)
-        train = w.trained_steps * w.cfg_factor * self.train_flops() / (dev.flops * dev.mfu_train)
+        best = max(self.bound_train_efficiency, self.system.train_efficiency)
+        train = w.trained_steps * w.cfg_factor * self.train_flops() / (dev.flops * dev.mfu_train * best)
         return {"generate": generate, "reward": reward, "train": train}
 
     def zero_bubble_bound(self, devices: Iterable[str]) -> float:
