@@ -622,3 +622,17 @@ def test_fsdp2_bf16_one_gpu_nccl() -> None:  # pragma: no cover - GPU only
     r = run_distributed("bf16", world=1, backend="nccl")[0]
     assert r["device"].startswith("cuda")
     _check_bf16(r)
+
+
+def test_one_sharded_trainer_rank_runs_the_job(tmp_path, tiny_flux) -> None:
+    """digen.fsdp.enable=true with a single trainer rank (one GPU): the worker makes a process
+    group of one for FSDP2's mesh (it raised 'apply_fsdp2 needs an initialised default process
+    group' before), so a one-GPU FSDP run exists."""
+    import math
+
+    from runs import run  # noqa: PLC0415 - the module-level import is run_ranks only
+
+    result = run(tmp_path, "one_rank", "trainer.n_gpus_per_node=1", "digen.fsdp.enable=true",
+                 "trainer.total_training_steps=1")
+    assert [m["step"] for m in result.metrics] == [1]
+    assert math.isfinite(result.metrics[0]["actor/grad_norm"]) and result.metrics[0]["actor/grad_norm"] > 0

@@ -161,10 +161,15 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         self.fsdp = trains and cfg.fsdp.enable
         self._sync_cache: dict[str, torch.Tensor] | None = None
         self._sync_digest: str | None = None  # FSDP ranks other than 0, after a checkpoint load
-        if trains and self.world_size > 1:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if trains and (self.world_size > 1 or self.fsdp):
+            # FSDP2 shards over the default group's mesh, so one sharded rank needs a group of one.
+            # On CUDA the group is bound to this worker's GPU (device_id: NCCL's communicator is
+            # created eagerly, on the right device, instead of at the first collective).
+            cuda = torch.cuda.is_available()
             if not dist.is_initialized():
-                dist.init_process_group(backend=backend, rank=self.rank, world_size=self.world_size)
+                extra = {"device_id": compute_device()} if cuda else {}
+                dist.init_process_group(backend="nccl" if cuda else "gloo", rank=self.rank,
+                                        world_size=self.world_size, **extra)
             self._pg = dist.group.WORLD
         reference = None
         if trains:
