@@ -128,3 +128,18 @@ def test_the_memory_planner_predicts_each_measured_phase_within_15_percent(measu
     ratios = {m: fp["phases"][m]["max_allocated_gib"] / plan[p]["without_overhead_gib"] for m, p in pairs.items()}
     off = {k: round(v, 3) for k, v in ratios.items() if not 0.85 <= v <= 1.15}
     assert not off, f"measured / planned outside +-15%: {off}"
+
+
+def test_the_real_size_flux_is_built_from_the_shipped_configs_in_bf16():
+    """The check's real-size FLUX (built on the meta device here; on the GPU there): the shipped
+    configs' 11.9B transformer, T5-XXL and CLIP-L, bf16 throughout, only the transformer trainable,
+    tokenizers at the real lengths."""
+    adapter = gpu_check.build_real_flux(torch.device("meta"), torch.bfloat16)
+    params = sum(p.numel() for p in adapter.transformer.parameters())
+    assert 11.8e9 < params < 12.0e9
+    assert sum(p.numel() for p in adapter.text_encoder_2.parameters()) > 4.5e9  # T5-XXL encoder
+    modules = (adapter.transformer, adapter.vae, adapter.text_encoder, adapter.text_encoder_2)
+    assert {p.dtype for m in modules for p in m.parameters()} == {torch.bfloat16}
+    assert not any(p.requires_grad for m in modules[1:] for p in m.parameters())
+    assert adapter.clip_max_length == 77 and adapter.max_sequence_length == 512
+    assert adapter.compute_dtype == torch.bfloat16

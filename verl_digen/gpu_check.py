@@ -197,11 +197,8 @@ def _preset_config(size: str, group_size: int, overrides: list[str]):
 def build_real_flux(device: torch.device, dtype: torch.dtype, seed: int = 0):
     """FLUX.1-dev at real size from the shipped configs, random weights, built on ``device`` in
     ``dtype`` (no fp32 copy first: 12B parameters in fp32 would need 48 GB on the way)."""
-    import diffusers
-    import transformers
-
     from verl_digen.models.flux import FluxAdapter
-    from verl_digen.models.real_configs import component_config, model_components, scheduler_config
+    from verl_digen.models.real_configs import instantiate, model_components, scheduler_config
     from verl_digen.models.tiny import build_clip_tokenizer, build_t5_tokenizer
 
     torch.manual_seed(seed)
@@ -209,16 +206,9 @@ def build_real_flux(device: torch.device, dtype: torch.dtype, seed: int = 0):
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        for name, (library, class_name) in model_components("flux").items():
-            config = component_config("flux", name)
+        for name in model_components("flux"):
             with torch.device(device):
-                if library == "diffusers":
-                    module = getattr(diffusers, class_name).from_config(config)
-                else:
-                    config_cls = transformers.AutoConfig.for_model(config["model_type"]).__class__
-                    hf_config = config_cls.from_dict({k: v for k, v in config.items() if k != "model_type"})
-                    module = getattr(transformers, class_name)(hf_config)
-            module = module.to(dtype).eval()
+                module = instantiate("flux", name).to(dtype).eval()
             if name != "transformer":
                 module.requires_grad_(False)
             modules[name] = module

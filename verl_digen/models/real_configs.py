@@ -81,21 +81,26 @@ def component_config(family: str, name: str, path: str | None = None) -> dict[st
         return json.load(f)
 
 
-def build_on_meta(family: str, name: str, *, path: str | None = None, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
-    """Component ``name`` of ``family`` at real size on the meta device (no memory, no weights),
-    in ``dtype``, from the configs of ``path`` (default: the shipped ones)."""
+def instantiate(family: str, name: str, *, path: str | None = None) -> torch.nn.Module:
+    """Component ``name`` of ``family`` built from its config (random weights), on the current
+    default device (``with torch.device(...)``) in the current default dtype."""
     import diffusers
     import transformers
 
     library, class_name = model_components(family, path)[name]
     config = component_config(family, name, path)
+    if library == "diffusers":
+        return getattr(diffusers, class_name).from_config(config)
+    config_cls = transformers.AutoConfig.for_model(config["model_type"]).__class__
+    hf_config = config_cls.from_dict({k: v for k, v in config.items() if k != "model_type"})
+    return getattr(transformers, class_name)(hf_config)
+
+
+def build_on_meta(family: str, name: str, *, path: str | None = None, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    """Component ``name`` of ``family`` at real size on the meta device (no memory, no weights),
+    in ``dtype``, from the configs of ``path`` (default: the shipped ones)."""
     with torch.device("meta"):
-        if library == "diffusers":
-            module = getattr(diffusers, class_name).from_config(config)
-        else:
-            config_cls = transformers.AutoConfig.for_model(config["model_type"]).__class__
-            hf_config = config_cls.from_dict({k: v for k, v in config.items() if k != "model_type"})
-            module = getattr(transformers, class_name)(hf_config)
+        module = instantiate(family, name, path=path)
     # As from_pretrained(torch_dtype=dtype) does: cast, but keep the modules the class names in
     # _keep_in_fp32_modules (Wan's time embedder, norms and modulation tables) in float32.
     keep = tuple(getattr(module, "_keep_in_fp32_modules", None) or ())
