@@ -359,9 +359,8 @@ def _scenario_bf16(rank: int, world: int) -> dict:
     sigma_next = torch.full((x.shape[0],), 0.7, device=device)
     out = sde_step_with_logprob(velocity, x, sigma, sigma_next, noise_level=0.7, prev_sample=x * 0.9)
     loss = -out.log_prob.mean()
-    # On an H100 (torch 2.11, NCCL) this backward raises CheckpointError: the recomputed blocks
-    # give fp32 tensors where the forward saved bf16 (README "Measured on a GPU": open). The
-    # workers never run this option (shard_for_training: param_dtype=None, no autocast).
+    # On an H100 (torch 2.11) this backward raised CheckpointError while apply_fsdp2 cast every
+    # block's inputs: see test_fsdp2_bf16_with_checkpointing_when_fsdp_does_not_recast_recomputed_inputs.
     loss.backward()
     grads_finite = all(bool(torch.isfinite(p.grad.full_tensor()).all()) for p in params)
     grad_dtypes = {p.grad.dtype for p in params}
@@ -458,7 +457,34 @@ def _scenario_streamed_sync_state(rank: int, world: int) -> dict:
     }
 
 
+def _scenario_bf16_uncast_recompute(rank: int, world: int) -> dict:
+    """The bf16 scenario with FSDP2 behaving as torch 2.11's did (and as the H100 run met it): a
+    block recomputed by activation checkpointing gets its inputs without ``cast_forward_inputs``'
+    cast (newer torch casts them again). Inputs cast once at the root (apply_fsdp2) give the
+    recomputation the forward's dtypes either way; casting per block raised CheckpointError."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    original = FSDPState._pre_forward
+
+    def pre_forward_of_torch_2_11(self, module, args, kwargs):
+        if self._training_state == TrainingState.PRE_BACKWARD:
+            for group in self._fsdp_param_groups:
+                if not group.is_unsharded:
+                    group.unshard()
+                    group.wait_for_unshard()
+            return args, kwargs  # no cast: torch 2.11
+        return original(self, module, args, kwargs)
+
+    FSDPState._pre_forward = pre_forward_of_torch_2_11
+    try:
+        return _scenario_bf16(rank, world)
+    finally:
+        FSDPState._pre_forward = original
+
+
 SCENARIOS = {
+    "bf16_uncast_recompute": _scenario_bf16_uncast_recompute,
     "streamed_sync_state": _scenario_streamed_sync_state,
     "lora_mean": _scenario_lora_mean,
     "sum_accum_clip": _scenario_sum_accum_clip,
@@ -605,6 +631,14 @@ def _check_bf16(r: dict) -> None:
     assert r["grads_finite"] and r["grad_dtypes"] == ["torch.float32"]  # fp32 reduce, fp32 master grads
     assert r["sharded_dtypes"] == ["torch.float32"]  # fp32 master weights stay sharded
     assert r["norm"] > 0 and r["sync_ok"] and r["moved"]
+
+
+def test_fsdp2_bf16_with_checkpointing_when_fsdp_does_not_recast_recomputed_inputs() -> None:
+    """The H100 failure of test_fsdp2_bf16_one_gpu_nccl, on CPU: torch 2.11's FSDP2 does not cast
+    a recomputed block's inputs; apply_fsdp2 casts the inputs at the root only, so the forward and
+    its recomputation see the same dtypes."""
+    r = run_distributed("bf16_uncast_recompute", world=1)[0]
+    _check_bf16(r)
 
 
 def test_fsdp2_bf16_two_cpu_ranks() -> None:

@@ -158,9 +158,9 @@ def apply_fsdp2(
         param_dtype: dtype parameters are all-gathered and computed in (``None``: their own,
             i.e. fp32 master weights). The sharded master copy, the gradients handed to the
             optimizer and the optimizer state stay in the parameters' original dtype. The
-            root casts floating-point forward inputs to it (``cast_forward_inputs``), position
-            ids included (exact in bf16 up to 256, enough for FLUX up to 2048 px), unless
-            ``cast_forward_inputs=False``.
+            root casts floating-point forward inputs to it (``cast_forward_inputs``, at the root
+            only: see the body), position ids included (exact in bf16 up to 256, enough for FLUX
+            up to 2048 px), unless ``cast_forward_inputs=False``.
         reduce_dtype: dtype of the gradient reduce-scatter (fp32 recommended with bf16).
         reshard_after_forward: free gathered parameters after each unit's forward (and
             re-gather in backward). ``False`` keeps them until backward: less communication,
@@ -191,12 +191,18 @@ def apply_fsdp2(
         raise ValueError(f"{type(transformer).__name__} is already sharded with fully_shard")
     if mesh is None:
         mesh = _default_mesh()
-    mp_policy = MixedPrecisionPolicy(
+    # Inputs are cast once, at the root. Casting at every block too broke activation checkpointing
+    # on torch 2.11 (an H100 run): FSDP2 there does not re-cast the inputs of a block that
+    # checkpointing recomputes in backward, so the recomputation saw other dtypes than the forward
+    # (CheckpointError); newer torch re-casts. Tensors a block receives from the root's own forward
+    # (RoPE tables, the timestep embedding) keep the dtype they are computed in, in both passes.
+    root_policy = MixedPrecisionPolicy(
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=cast_forward_inputs
     )
+    block_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     for block in block_modules(transformer):
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(transformer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=mesh, mp_policy=block_policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(transformer, mesh=mesh, mp_policy=root_policy, reshard_after_forward=reshard_after_forward)
     if grad_reduce == "sum":
         for module in transformer.modules():
             if isinstance(module, FSDPModule):
