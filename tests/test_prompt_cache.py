@@ -305,8 +305,11 @@ def test_first_step_update_is_the_same_with_the_cache(arch, tiny_dirs, tmp_path)
         # the update agrees to that rounding.
         for k in ("cond__prompt_embeds", "cond__pooled_prompt_embeds", "neg__pooled_prompt_embeds"):
             torch.testing.assert_close(data_cached.batch[k], data_plain.batch[k], atol=1e-6, rtol=1e-6)
-        for n in lora_plain:
-            torch.testing.assert_close(lora_cached[n], lora_plain[n], atol=1e-6, rtol=1e-5)
+        # Adam's first update is ~lr x sign(gradient), so that rounding reaches the weights
+        # (1.5e-6 on the AMD EPYC CI machine); it stays under 1% of the update itself.
+        update = max(float((lora_plain[n] - initial[n]).abs().max()) for n in lora_plain)
+        apart = max(float((lora_cached[n] - lora_plain[n]).abs().max()) for n in lora_plain)
+        assert apart < 1e-2 * update, (apart, update)
 
 
 def test_a_run_with_the_prompt_cache_gives_the_same_first_step_update(tmp_path, tiny_flux):

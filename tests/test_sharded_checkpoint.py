@@ -94,10 +94,15 @@ def test_resume_on_one_rank_reshards_the_checkpoint(tmp_path, straight):
     resumed = _resume_from_step_2(tmp_path, straight, "resumed_one", *ONE_RANK)
     a, b = _weights(straight[0]), _weights(resumed)
     assert a.keys() == b.keys()
-    for k in a:  # one rank: the same update up to the order of the gradient reduction
-        torch.testing.assert_close(b[k], a[k], atol=1e-6, rtol=1e-5)
     at_step_2 = checkpoint_at(os.path.join(straight[1], "global_step_2")).weights()
-    assert any(not torch.equal(a[k], at_step_2[k]) for k in a)  # step 3 really trained
+    # One rank runs step 3 in other transformer calls (no split over 2 FSDP ranks) and reduces
+    # the gradient in another order: the same update up to rounding, which Adam's normalisation
+    # carries to the weights (2.4e-5 on the AMD EPYC CI machine, whose GEMM bits depend on the
+    # row count), far under the step's own update; a resume that lost the optimizer state or the
+    # weights would differ by about the whole update.
+    update = max(float((a[k] - at_step_2[k]).abs().max()) for k in a)
+    apart = max(float((b[k] - a[k]).abs().max()) for k in a)
+    assert update > 0 and apart < 1e-2 * update, (apart, update)  # step 3 really trained, the same way
 
 
 def test_export_writes_a_lora_from_a_sharded_checkpoint(tmp_path, straight):
