@@ -273,7 +273,8 @@ def test_server_per_request_pixel_budget_is_413() -> None:
     with RewardServer("brightness", port=0, max_request_pixels=3 * 16 * 16, max_decode_pixels=3 * 16 * 16) as srv:
         ok = HttpReward(srv.url, batch_size=3, timeout_s=TIMEOUT)(quantised_rand(3, 3, 16, 16), list("abc"))
         assert ok.shape == (3,)
-        with pytest.raises(RewardServerError, match=r"HTTP 413.*1024 pixels, above the server's per-request budget of 768"):
+        over = r"HTTP 413.*1024 pixels, above the server's per-request budget of 768 \(--max-request-pixels\)"
+        with pytest.raises(RewardServerError, match=over):
             HttpReward(srv.url, batch_size=4, timeout_s=TIMEOUT)(quantised_rand(4, 3, 16, 16), list("abcd"))
 
 
@@ -310,6 +311,7 @@ def test_server_global_decode_budget_makes_concurrent_requests_wait_then_503() -
         status, data = _raw(srv.url, _post_head(str(len(body))), body)
         waited = time.monotonic() - start
         assert status == 503 and "decode budget of 512 pixels stayed full" in data["error"]
+        assert "--max-decode-pixels" in data["error"]  # the message names the option that raises it
         assert 0.4 < waited < 5.0  # it waited decode_wait_s for room, then gave up
         # A waiting request gets its turn as soon as the budget frees up.
         second: dict[str, object] = {}
@@ -377,17 +379,46 @@ def test_server_dripping_head_is_cut_at_the_deadline() -> None:
 
 
 def test_server_bounds_connections_with_a_json_503() -> None:
-    with RewardServer("brightness", port=0, max_connections=3) as srv:
+    """Two connection budgets (issue: 64 idle sockets made every request get 503 for 60 s).
+    Connections that have not sent a request head yet no longer count against
+    ``max_connections``: with 3 idle sockets and max_connections=3 a request is still served;
+    those that have (here: keep-alive connections, no token configured) do, and the next one
+    over the cap gets the JSON 503. One idle socket over ``max_unauthenticated_connections``
+    closes the oldest idle one with a JSON 503 (the test before the two budgets expected a 503
+    for the request after 3 idle sockets)."""
+    with RewardServer("brightness", port=0, max_connections=3, max_unauthenticated_connections=4) as srv:
         host, port = srv.url.removeprefix("http://").rsplit(":", 1)
+        body = _score_body()
         idle = [socket.create_connection((host, int(port)), timeout=TIMEOUT) for _ in range(3)]
+        kept: list[http.client.HTTPConnection] = []
         try:
-            time.sleep(1.0)  # let the server accept them
-            body = _score_body()
             status, data = _raw(srv.url, _post_head(str(len(body))), body)
-            assert status == 503 and "more than 3 connections" in data["error"]
+            assert status == 200 and len(data["rewards"]) == 1  # idle sockets do not starve it
+            for _ in range(3):  # three connections that sent a request, kept alive (uvicorn: 5 s)
+                conn = http.client.HTTPConnection(host, int(port), timeout=TIMEOUT)
+                conn.request("POST", "/score", body=body, headers={"Content-Type": "application/json"})
+                response = conn.getresponse()
+                assert response.status == 200, response.read()
+                response.read()
+                kept.append(conn)
+            status, data = _raw(srv.url, _post_head(str(len(body))), body)
+            assert status == 503 and "more than 3 authenticated connections (--max-connections)" in data["error"]
+            for _ in range(2):  # a fourth idle socket fits; a fifth closes the oldest
+                idle.append(socket.create_connection((host, int(port)), timeout=TIMEOUT))
+            answer = http.client.HTTPResponse(idle[0])  # the oldest idle one is closed with a 503
+            answer.begin()
+            assert answer.status == 503
+            assert "more than 4 connections have not authenticated (--max-unauthenticated-connections)" in json.loads(
+                answer.read())["error"]
         finally:
             for sock in idle:
                 sock.close()
-        time.sleep(0.3)
-        status, data = _raw(srv.url, _post_head(str(len(body))), body)
+            for conn in kept:
+                conn.close()
+        deadline = time.monotonic() + TIMEOUT
+        while True:  # the server notices the closed keep-alive connections
+            status, data = _raw(srv.url, _post_head(str(len(body))), body)
+            if status == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         assert status == 200

@@ -34,18 +34,34 @@ Every error is a JSON object ``{"error": "<message>"}``, whatever the method or 
 * 408: the request (head and body) did not arrive within ``read_timeout_s`` in total.
 * 411: no Content-Length (chunked bodies are not accepted).
 * 413: Content-Length above ``max_body_mb`` (answered before reading the body), more samples
-  than ``max_batch``, or more pixels than ``max_request_pixels`` in one request.
+  than ``max_batch``, more pixels than ``max_request_pixels`` in one request, or one sample
+  (an image, a clip) of more pixels than ``score_chunk_pixels``.
 * 415: a pickle body when pickle is off.
 * 500: the reward raised (message: exception type and text), or returned a wrong shape or
   non-finite values.
-* 503: more than ``max_connections`` connections, or the global decode budget
-  (``max_decode_pixels`` across concurrent requests) stayed full for ``decode_wait_s``
-  (``Retry-After`` is set; clients retry 503).
+* 503: more than ``max_connections`` authenticated connections; a new connection while
+  ``max_unauthenticated_connections`` others have not authenticated (the oldest of those is
+  closed with this answer); the body budget (``max_body_total_mb`` of bodies across concurrent
+  requests) or the decode budget (``max_decode_pixels``) stayed full for ``decode_wait_s``
+  (``Retry-After`` is set; clients retry 503). Every message names the option that raises it.
+
+Memory: a request's body is held (counted against ``max_body_total_mb``) while it is read and
+parsed; its images are then decoded straight into one uint8 ``[N, F, H, W, 3]`` array (3 bytes
+per pixel, counted against ``max_decode_pixels``; PIL's decoded image, 4 bytes per pixel of
+the image being decoded, is copied out in bands), and converted to float32 for the reward a
+chunk of at most ``score_chunk_pixels`` at a time, under the reward lock (so one float chunk
+exists at a time). Peak above idle, worst case: 3 B x ``max_decode_pixels`` + 4 B x
+min(``max_decode_pixels``, ``decode_threads`` x ``max_image_pixels``) + 12 B x
+``score_chunk_pixels`` + 3 x ``max_body_total_mb`` (body, text and parsed strings), plus the
+reward's own working memory: 928 MiB with the defaults (``docs/reward_server.md``; measured by
+``benchmarks/reward_server_memory.py``).
 
 Bounds: the event loop reads requests without a thread per connection; parsing, decoding and
 scoring run on ``decode_threads`` threads; reward calls are serialised with a lock (rewards
-are not assumed thread-safe), so one slow client never blocks another. Binds 127.0.0.1 by
-default; binding another interface without a token logs a loud warning.
+are not assumed thread-safe), so one slow client never blocks another. Connections that have
+not authenticated (no request head with the token yet; without a token: no request head yet)
+have a budget of their own, so idle sockets never starve token-bearing clients. Binds
+127.0.0.1 by default; binding another interface without a token logs a loud warning.
 """
 
 from __future__ import annotations
@@ -80,7 +96,7 @@ from PIL import Image
 from verl_digen.rewards.base import RewardFn, build_reward
 from verl_digen.rewards.safe_pickle import UnsafePickleError, safe_dumps, safe_loads
 
-__all__ = ["RewardServer", "RequestError", "TOKEN_ENV", "MAX_JSON_DEPTH", "main"]
+__all__ = ["RewardServer", "RequestError", "TOKEN_ENV", "MAX_JSON_DEPTH", "memory_budget_bytes", "main"]
 
 logger = logging.getLogger("verl_digen.rewards.serve")
 
@@ -92,6 +108,46 @@ _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _JPEG_SIGNATURE = b"\xff\xd8\xff"
 _PICKLE_TYPES = ("application/octet-stream", "application/x-pickle", "application/python-pickle")
 _MAX_HEAD_BYTES = 64 * 1024
+_MI = 1024 * 1024
+
+# Defaults, shared by RewardServer and the CLI. With them the server's decode and parse memory
+# stays under 1 GiB above idle, whatever the clients send (docs/reward_server.md, "Memory").
+DEFAULT_MAX_BODY_MB = 64.0
+DEFAULT_MAX_BODY_TOTAL_MB = 64.0
+DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
+DEFAULT_MAX_REQUEST_PIXELS = 64 * _MI
+DEFAULT_MAX_DECODE_PIXELS = 96 * _MI
+DEFAULT_SCORE_CHUNK_PIXELS = 16 * _MI
+DEFAULT_DECODE_WAIT_S = 30.0
+DEFAULT_READ_TIMEOUT_S = 60.0
+DEFAULT_MAX_CONNECTIONS = 64
+DEFAULT_MAX_UNAUTHENTICATED_CONNECTIONS = 64
+DEFAULT_DECODE_THREADS = 4
+
+
+def memory_budget_bytes(
+    *,
+    max_decode_pixels: int = DEFAULT_MAX_DECODE_PIXELS,
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    decode_threads: int = DEFAULT_DECODE_THREADS,
+    score_chunk_pixels: int = DEFAULT_SCORE_CHUNK_PIXELS,
+    max_body_total_mb: float = DEFAULT_MAX_BODY_TOTAL_MB,
+) -> int:
+    """The most the server's request handling may hold above idle, all concurrent requests
+    together (the reward's own working memory not included), in bytes:
+
+    * 3 B per pixel of the uint8 images of every request admitted to the decode budget;
+    * 4 B per pixel of the images PIL is decoding (one per decode thread, each within the
+      decode budget);
+    * 12 B per pixel of the one float32 chunk being scored (conversions run under the reward lock);
+    * 3 B per byte of the bodies in the body budget (the body, its text and the parsed strings).
+    """
+    return (
+        3 * max_decode_pixels
+        + 4 * min(max_decode_pixels, decode_threads * max_image_pixels)
+        + 12 * score_chunk_pixels
+        + 3 * int(max_body_total_mb * _MI)
+    )
 
 
 class RequestError(Exception):
@@ -116,24 +172,62 @@ def is_loopback(host: str) -> bool:
 
 # --------------------------------------------------------------------------- request parsing
 
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_DEPTH_CHUNK = 1 << 20  # bytes scanned at a time by json_depth_exceeds
+_JSON_CLASS = np.zeros(256, dtype=np.int8)  # what json_depth_exceeds looks for: 0 = nothing
+_JSON_CLASS[[ord("["), ord("{")]] = 1
+_JSON_CLASS[[ord("]"), ord("}")]] = -1
+_JSON_CLASS[ord('"')] = 2
+_JSON_CLASS[ord("\\")] = 3
 
 
 def json_depth_exceeds(body: bytes, limit: int) -> bool:
     """True when the JSON text ``body`` nests arrays/objects deeper than ``limit``.
 
     Python's json parser recurses and fails with RecursionError (a 500 that clients retry) on
-    deep input; no parser option bounds depth, so we measure it first: strings are blanked out,
-    then the running bracket depth is summed in 1 MiB numpy chunks (bounded memory)."""
-    structure = np.frombuffer(_JSON_STRING.sub(b'""', body), dtype=np.uint8)
-    depth = 0
-    for start in range(0, structure.size, 1 << 20):
-        chunk = structure[start : start + (1 << 20)]
-        steps = (chunk == ord("[")).astype(np.int32) + (chunk == ord("{")) - (chunk == ord("]")) - (chunk == ord("}"))
-        running = np.cumsum(steps, dtype=np.int64) + depth
-        if running.size and int(running.max()) > limit:
-            return True
-        depth = int(running[-1]) if running.size else depth
+    deep input; no parser option bounds depth, so we measure it first, in 1 MiB numpy chunks
+    (about 2 bytes of scratch per byte of a chunk, plus 8 per bracket, quote or backslash):
+    brackets inside strings are skipped (a quote opens or closes a string unless an odd run of
+    backslashes precedes it; the string state and a trailing backslash run carry over between
+    chunks) and the running depth of the others is summed. (A regular expression that blanked
+    strings out first took 8 bytes of memory and ~0.1 us per body byte: 480 MiB and 6 s for a
+    60 MiB body of images.) Only valid JSON is measured exactly; json.loads rejects the rest."""
+    data = np.frombuffer(body, dtype=np.uint8)
+    depth, in_string, carry = 0, 0, 0  # carry: the backslashes that ended the previous chunk
+    for start in range(0, data.size, _DEPTH_CHUNK):
+        classes = _JSON_CLASS[data[start : start + _DEPTH_CHUNK]]
+        size = classes.size
+        where = np.flatnonzero(classes)
+        kinds = classes[where]
+        backslashes = where[kinds == 3]
+        quotes = where[kinds == 2]
+        escaped = np.zeros(quotes.size, dtype=bool)
+        run_starts = backslashes[:0]
+        if backslashes.size:
+            starts = np.ones(backslashes.size, dtype=bool)
+            starts[1:] = backslashes[1:] != backslashes[:-1] + 1
+            run_starts = backslashes[starts]
+            run_ends = np.append(backslashes[np.flatnonzero(starts)[1:] - 1], backslashes[-1])
+            if quotes.size:  # the run of backslashes right before each quote, if any
+                before = quotes - 1
+                run = np.searchsorted(run_starts, before, side="right") - 1
+                safe = np.maximum(run, 0)
+                length = before - run_starts[safe] + 1 + np.where(run_starts[safe] == 0, carry, 0)
+                escaped = (run >= 0) & (run_ends[safe] == before) & (length % 2 == 1)
+        if carry % 2 and quotes.size and quotes[0] == 0:
+            escaped[0] = True
+        live = quotes[~escaped]  # the quotes that open or close a string
+        brackets = where[(kinds == 1) | (kinds == -1)]
+        outside = (np.searchsorted(live, brackets) + in_string) % 2 == 0
+        running = np.cumsum(classes[brackets[outside]], dtype=np.int64) + depth
+        if running.size:
+            if int(running.max()) > limit:
+                return True
+            depth = int(running[-1])
+        in_string = (in_string + live.size) % 2
+        if backslashes.size and backslashes[-1] == size - 1:
+            carry = int(size - run_starts[-1]) + (carry if run_starts[-1] == 0 else 0)
+        else:
+            carry = 0
     return False
 
 
@@ -144,9 +238,11 @@ class ScoreRequest:
     protocol: str  # json | pickle
     prompts: list[str]
     metadata: list[dict[str, Any]]
-    items: list[list[bytes]]  # per sample: one image, or the frames of a clip
+    items: list[list[bytes]]  # per sample: one image, or the frames of a clip (emptied as they are decoded)
     video: bool
     pixels: int  # total decoded pixels
+    sample_shape: tuple[int, int, int] = (1, 1, 1)  # (frames, height, width) of every sample
+    encoded_bytes: int = 0  # total size of the encoded images
 
 
 def parse_score_request(
@@ -156,9 +252,11 @@ def parse_score_request(
     max_batch: int,
     max_image_pixels: int,
     max_request_pixels: int,
+    max_sample_pixels: int | None = None,
 ) -> ScoreRequest:
     """Validate a scoring request body and measure its images (no decoding yet); raises
-    :class:`RequestError` (400/413)."""
+    :class:`RequestError` (400/413). ``max_sample_pixels``: most pixels of one sample (an image,
+    or all frames of a clip), the server's ``score_chunk_pixels``."""
     data = _load_body(body, protocol)
     if not isinstance(data, dict):
         raise RequestError(400, f"request body must be a JSON object, got {type(data).__name__}")
@@ -173,7 +271,7 @@ def parse_score_request(
     if len(prompts) != len(samples):
         raise RequestError(400, f"got {len(prompts)} prompts but {len(samples)} {kind}; they must match")
     if len(samples) > max_batch:
-        raise RequestError(413, f"batch of {len(samples)} {kind} exceeds the server limit of {max_batch}")
+        raise RequestError(413, f"batch of {len(samples)} {kind} exceeds the server limit of {max_batch} (--max-batch)")
     for index, prompt in enumerate(prompts):
         if not isinstance(prompt, str):
             raise RequestError(400, f"prompt {index} must be a string, got {type(prompt).__name__}")
@@ -192,13 +290,23 @@ def parse_score_request(
         else:
             frames = [_raw_image(sample, f"image {index}", protocol)]
         items.append(frames)
-    pixels = _measure(items, kind, protocol, max_image_pixels)
+    pixels, shape = _measure(items, kind, protocol, max_image_pixels)
     if pixels > max_request_pixels:
         raise RequestError(
-            413, f"request decodes to {pixels} pixels, above the server's per-request budget of {max_request_pixels}; "
-            "send smaller batches"
+            413, f"request decodes to {pixels} pixels, above the server's per-request budget of {max_request_pixels} "
+            "(--max-request-pixels); send smaller batches"
         )
-    return ScoreRequest(protocol, list(prompts), metadata, items, kind == "videos", pixels)
+    sample = shape[0] * shape[1] * shape[2]
+    if max_sample_pixels is not None and sample > max_sample_pixels:
+        what = f"an image of {shape[2]}x{shape[1]}"
+        if kind == "videos":
+            what = f"a clip of {shape[0]} frames of {shape[2]}x{shape[1]}"
+        raise RequestError(
+            413, f"{what} is {sample} pixels, above the {max_sample_pixels} pixels the server converts for the reward "
+            "at once (--score-chunk-pixels); send smaller samples or raise that option"
+        )
+    encoded = sum(len(raw) for frames in items for raw in frames)
+    return ScoreRequest(protocol, list(prompts), metadata, items, kind == "videos", pixels, shape, encoded)
 
 
 def _load_body(body: bytes, protocol: str) -> Any:
@@ -266,8 +374,11 @@ def _name(kind: str, index: int, frame: int) -> str:
     return f"image {index}" if kind == "images" else f"video {index} frame {frame}"
 
 
-def _measure(items: list[list[bytes]], kind: str, protocol: str, max_image_pixels: int) -> int:
-    """Read every image's header (no decompression): per-image limit, equal sizes, total pixels."""
+def _measure(
+    items: list[list[bytes]], kind: str, protocol: str, max_image_pixels: int
+) -> tuple[int, tuple[int, int, int]]:
+    """Read every image's header (no decompression): per-image limit, equal sizes; returns the
+    total pixels and the (frames, height, width) of every sample."""
     first: tuple[int, int, int] | None = None
     total = 0
     for index, frames in enumerate(items):
@@ -281,7 +392,9 @@ def _measure(items: list[list[bytes]], kind: str, protocol: str, max_image_pixel
                     400, f"{what} could not be decoded as {'/'.join(_formats(protocol))}: {type(exc).__name__}: {exc}"
                 ) from None
             if width * height > max_image_pixels:
-                raise RequestError(400, f"{what} is {width}x{height}, above the limit of {max_image_pixels} pixels")
+                raise RequestError(
+                    400, f"{what} is {width}x{height}, above the limit of {max_image_pixels} pixels (--max-image-pixels)"
+                )
             shape = (len(frames), height, width)
             if first is None:
                 first = shape
@@ -292,63 +405,120 @@ def _measure(items: list[list[bytes]], kind: str, protocol: str, max_image_pixel
                     f"{first[1:]} ({first[0]} frames); all samples in a request must have the same size",
                 )
             total += width * height
-    return total
+    return total, first or (1, 1, 1)
 
 
-def decode_request(request: ScoreRequest) -> torch.Tensor:
-    """Decode the measured images: float32 ``[N, 3, H, W]`` (or ``[N, 3, F, H, W]``) in ``[0, 1]``."""
+_BAND_PIXELS = 1 << 18  # pixels copied out of PIL's decoded image at a time
+
+
+def decode_request(request: ScoreRequest) -> np.ndarray:
+    """Decode the measured images straight into one uint8 ``[N, F, H, W, 3]`` array (RGB).
+
+    3 bytes per pixel; while an image is decoded PIL holds it too (4 bytes per pixel for RGB),
+    and it is copied out a band of rows at a time (never a second whole copy). Each image's
+    encoded bytes are dropped from ``request.items`` once it is decoded."""
     kind = "videos" if request.video else "images"
-    samples = []
-    for index, frames in enumerate(request.items):
-        arrays = []
-        for frame, raw in enumerate(frames):
+    frames, height, width = request.sample_shape
+    if not request.items:
+        return np.zeros((0, frames, height, width, 3), dtype=np.uint8)
+    out = np.empty((len(request.items), frames, height, width, 3), dtype=np.uint8)
+    formats = _formats(request.protocol)
+    for index, sample in enumerate(request.items):
+        for frame, raw in enumerate(sample):
             try:
-                with Image.open(io.BytesIO(raw), formats=_formats(request.protocol)) as image:
-                    arrays.append(np.asarray(image.convert("RGB")))
+                _decode_into(raw, out[index, frame], formats)
             except Exception as exc:  # truncated data, bad chunks, decompression bomb, ...
                 what = _name(kind, index, frame)
-                formats = "/".join(_formats(request.protocol))
-                raise RequestError(400, f"{what} could not be decoded as {formats}: {type(exc).__name__}: {exc}") from None
-        samples.append(np.stack(arrays))  # [F, H, W, 3]
-    if not samples:
-        return torch.zeros(0, 3, 1, 1)
-    pixels = torch.from_numpy(np.stack(samples)).float().div_(255.0)  # [N, F, H, W, 3]
-    if request.video:
-        return pixels.permute(0, 4, 1, 2, 3).contiguous()
-    return pixels[:, 0].permute(0, 3, 1, 2).contiguous()
+                raise RequestError(
+                    400, f"{what} could not be decoded as {'/'.join(formats)}: {type(exc).__name__}: {exc}"
+                ) from None
+            sample[frame] = b""
+    return out
 
 
-# --------------------------------------------------------------------------- decode budget
+def _decode_into(raw: bytes, out: np.ndarray, formats: list[str]) -> None:
+    """Decode one image into ``out`` (uint8 ``[H, W, 3]``), converting to RGB band by band."""
+    height, width = out.shape[:2]
+    with Image.open(io.BytesIO(raw), formats=formats) as image:
+        if image.size != (width, height):
+            raise ValueError(f"decoded size {image.size} differs from the header's {(width, height)}")
+        image.load()
+        rows = max(1, _BAND_PIXELS // width)
+        for top in range(0, height, rows):
+            bottom = min(height, top + rows)
+            band = image.crop((0, top, width, bottom))
+            if band.mode != "RGB":
+                band = band.convert("RGB")
+            out[top:bottom] = np.asarray(band)
 
 
-class PixelBudget:
-    """Pixels being decoded or scored across all requests, at most ``total`` at once.
+def to_float(pixels: np.ndarray, *, video: bool, frames_first: bool = False) -> torch.Tensor:
+    """uint8 ``[n, F, H, W, 3]`` -> float32 in ``[0, 1]``: ``[n, 3, H, W]`` for images,
+    ``[n, 3, F, H, W]`` for clips, in one new tensor (the only float copy).
 
-    A request waits (asynchronously) until its pixels fit, for at most ``wait_s``; then
-    :class:`RequestError` 503. Made on the server's event loop."""
+    ``frames_first``: lay a clip out as ``[n, F, 3, H, W]`` in memory and return it as a
+    ``[n, 3, F, H, W]`` view, so that a reward scoring frame by frame (:class:`RewardFn`
+    flattens to ``[n * F, 3, H, W]``) needs no second copy."""
+    source = torch.from_numpy(pixels)
+    count, frames, height, width, _ = source.shape
+    if not video:
+        out = torch.empty(count, 3, height, width, dtype=torch.float32)
+        out.copy_(source[:, 0].permute(0, 3, 1, 2))
+    elif frames_first:
+        out = torch.empty(count, frames, 3, height, width, dtype=torch.float32)
+        out.copy_(source.permute(0, 1, 4, 2, 3))
+    else:
+        out = torch.empty(count, 3, frames, height, width, dtype=torch.float32)
+        out.copy_(source.permute(0, 4, 1, 2, 3))
+    out.div_(255.0)
+    return out.permute(0, 2, 1, 3, 4) if video and frames_first else out
 
-    def __init__(self, total: int, wait_s: float) -> None:
+
+# --------------------------------------------------------------------------- budgets
+
+
+class Budget:
+    """An amount (pixels being decoded or scored, bytes of request bodies) held across all
+    requests, at most ``total`` at once.
+
+    A request waits (asynchronously) until its amount fits, for at most ``wait_s``; then
+    :class:`RequestError` 503 naming ``option``. Used on the server's event loop only;
+    :meth:`release` is synchronous, so it is safe in a ``finally`` of a cancelled task."""
+
+    def __init__(self, total: int, wait_s: float, *, what: str, unit: str, option: str) -> None:
         self.total = total
         self.wait_s = wait_s
+        self.what = what
+        self.unit = unit
+        self.option = option
         self.used = 0
-        self._cond = asyncio.Condition()
+        self._freed: asyncio.Event | None = None
 
-    async def acquire(self, pixels: int) -> None:
-        async with self._cond:
+    async def acquire(self, amount: int) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.wait_s
+        while self.used + amount > self.total:
+            remaining = deadline - loop.time()
+            if self._freed is None:
+                self._freed = asyncio.Event()
             try:
-                await asyncio.wait_for(self._cond.wait_for(lambda: self.used + pixels <= self.total), self.wait_s)
+                if remaining <= 0:
+                    raise asyncio.TimeoutError
+                await asyncio.wait_for(self._freed.wait(), remaining)
             except asyncio.TimeoutError:
                 raise RequestError(
                     503,
-                    f"server busy: the decode budget of {self.total} pixels stayed full for {self.wait_s:g} s; retry later",
+                    f"server busy: the {self.what} of {self.total} {self.unit} stayed full for {self.wait_s:g} s; "
+                    f"retry later (the server's {self.option} sets it, --decode-wait-s the wait)",
                     headers={"Retry-After": "1"},
                 ) from None
-            self.used += pixels
+        self.used += amount
 
-    async def release(self, pixels: int) -> None:
-        async with self._cond:
-            self.used -= pixels
-            self._cond.notify_all()
+    def release(self, amount: int) -> None:
+        self.used -= amount
+        if amount and self._freed is not None:
+            self._freed.set()  # wakes every waiter; each re-checks whether it fits now
+            self._freed = None
 
 
 # --------------------------------------------------------------------------- the app
@@ -393,12 +563,22 @@ def _raw_json_response(status: int, reason: str, message: str) -> bytes:
 def _protocol_class(server: RewardServer) -> type:
     """uvicorn's h11 protocol with what uvicorn has no setting for, each answered in JSON:
 
-    * a connection cap (``max_connections``; uvicorn's ``limit_concurrency`` answers in plain text);
+    * two connection budgets: ``max_unauthenticated_connections`` for connections that have not
+      authenticated yet (no complete request head with the right token; with no token
+      configured, no complete request head yet) and ``max_connections`` for the others. A new
+      connection that would exceed the first closes the *oldest* unauthenticated one with a
+      503, so idle or dripping sockets can never starve a client that sends its token: that
+      client's head arrives right after its connect. An authenticated connection over the
+      second gets the 503 (uvicorn's ``limit_concurrency`` answers in plain text, and counts
+      every socket alike);
     * a deadline for the request head (uvicorn waits forever for a dripping head);
     * strict ``Content-Length``: digits only and at most one header (h11 merges identical
       duplicates, RFC 9110 8.6 allows that; behind a proxy it is a request-smuggling vector);
     * its 400 for malformed HTTP in JSON (uvicorn's is plain text)."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    pending: dict[Any, None] = {}  # connections that have not authenticated, oldest first
+    authenticated: set[Any] = set()
 
     class RewardProtocol(H11Protocol):
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -406,10 +586,21 @@ def _protocol_class(server: RewardServer) -> type:
             self._head = b""
             self._in_head = True
             self._head_timer: asyncio.TimerHandle | None = None
-            if len(self.connections) > server.max_connections:
-                logger.warning("refusing a connection: %d open (max_connections)", len(self.connections) - 1)
-                self._refuse(503, "Service Unavailable", f"server busy: more than {server.max_connections} connections")
-                return
+            self._authenticated = False
+            pending[self] = None
+            if len(pending) > server.max_unauthenticated_connections:
+                oldest = next(iter(pending))
+                del pending[oldest]
+                logger.warning(
+                    "closing the oldest of %d connections that have not authenticated (max_unauthenticated_connections)",
+                    len(pending) + 1,
+                )
+                oldest._refuse(
+                    503,
+                    "Service Unavailable",
+                    f"server busy: more than {server.max_unauthenticated_connections} connections have not "
+                    "authenticated (--max-unauthenticated-connections); the oldest is closed",
+                )
             self._arm_head_timer()
 
         def _arm_head_timer(self) -> None:
@@ -421,12 +612,32 @@ def _protocol_class(server: RewardServer) -> type:
         def _head_timeout(self, marker: Any) -> None:
             idle = self.cycle is marker and (self.cycle is None or self.cycle.response_complete)
             if idle and self._in_head and not self.transport.is_closing():
-                self._refuse(408, "Request Timeout", f"the request head did not arrive within {server.read_timeout_s:g} s")
+                self._refuse(
+                    408, "Request Timeout",
+                    f"the request head did not arrive within {server.read_timeout_s:g} s (--read-timeout-s)",
+                )
 
         def _refuse(self, status: int, reason: str, message: str) -> None:
             if not self.transport.is_closing():
                 self.transport.write(_raw_json_response(status, reason, message))
                 self.transport.close()
+
+        def _authenticate(self, head: bytes) -> bool:
+            """Move this connection to the authenticated budget when ``head`` carries the token
+            (any head, when the server has none); False when it was refused instead."""
+            if self._authenticated or not server._head_authorized(head):
+                return True
+            pending.pop(self, None)
+            if len(authenticated) >= server.max_connections:
+                logger.warning("refusing a connection: %d authenticated open (max_connections)", len(authenticated))
+                self._refuse(
+                    503, "Service Unavailable",
+                    f"server busy: more than {server.max_connections} authenticated connections (--max-connections)",
+                )
+                return False
+            self._authenticated = True
+            authenticated.add(self)
+            return True
 
         def data_received(self, data: bytes) -> None:
             if self.transport.is_closing():
@@ -435,11 +646,14 @@ def _protocol_class(server: RewardServer) -> type:
                 self._head += data
                 end = self._head.find(b"\r\n\r\n")
                 if end >= 0 or len(self._head) > _MAX_HEAD_BYTES:
-                    problem = _head_problem(self._head[: end if end >= 0 else _MAX_HEAD_BYTES])
+                    head = self._head[: end if end >= 0 else _MAX_HEAD_BYTES]
+                    problem = _head_problem(head)
                     self._in_head, self._head = False, b""
                     if problem:
                         logger.warning("refusing a request: %s", problem)
                         self._refuse(400, "Bad Request", problem)
+                        return
+                    if end >= 0 and not self._authenticate(head):
                         return
             super().data_received(data)
 
@@ -452,12 +666,23 @@ def _protocol_class(server: RewardServer) -> type:
         def connection_lost(self, exc: Exception | None) -> None:
             if getattr(self, "_head_timer", None) is not None:
                 self._head_timer.cancel()
+            pending.pop(self, None)
+            authenticated.discard(self)
             super().connection_lost(exc)
 
         def send_400_response(self, msg: str) -> None:
             self._refuse(400, "Bad Request", f"malformed HTTP request: {msg}")
 
     return RewardProtocol
+
+
+def _head_authorization(head: bytes) -> bytes | None:
+    """The first ``Authorization`` header's value in a raw request head, if any."""
+    for line in head.split(b"\r\n")[1:]:
+        name, sep, value = line.partition(b":")
+        if sep and name.strip().lower() == b"authorization":
+            return value.strip()
+    return None
 
 
 def _head_problem(head: bytes) -> str | None:
@@ -492,18 +717,30 @@ class RewardServer:
         port: TCP port; 0 picks a free one (see :attr:`port` after construction).
         token: bearer token required on scoring requests; ``None`` or ``""``: no auth.
         max_body_mb: largest accepted request body, MiB (default 64).
+        max_body_total_mb: most request-body bytes held (read, parsed, their encoded images
+            until scored) across concurrent requests, MiB; a request waits for room up to
+            ``decode_wait_s``, then gets a 503 (default 64).
         max_batch: most samples per request (default 256).
         max_image_pixels: largest accepted image or frame, width * height (default 4096 * 4096).
         max_request_pixels: most pixels (all images, all frames) one request may decode
             (default 64 Mi: 64 images of 1024x1024).
-        max_decode_pixels: most pixels being decoded or scored across concurrent requests;
-            a request waits for room up to ``decode_wait_s``, then gets a 503 (default 128 Mi).
+        max_decode_pixels: most pixels being decoded or scored across concurrent requests
+            (3 bytes each, uint8 RGB); a request waits for room up to ``decode_wait_s``, then
+            gets a 503 (default 96 Mi).
+        score_chunk_pixels: most pixels converted to float32 (12 bytes each) for one reward
+            call; a request's samples are scored in chunks of at most this many pixels, and a
+            sample (an image, a clip) above it gets a 413 (default 16 Mi).
         decode_wait_s: see above (default 30 s).
         read_timeout_s: total deadline for a request's head, and separately its body, to arrive
             (default 60 s).
-        max_connections: most open connections; more get a 503 (default 64).
+        max_connections: most open authenticated connections (that sent a request head with
+            the token; with no token, any request head); more get a 503 (default 64).
+        max_unauthenticated_connections: most open connections that have not authenticated;
+            one more closes the oldest of them with a 503 (default 64).
         decode_threads: threads that parse, decode and score (default 4).
         allow_pickle: accept the pickle protocol (restricted to plain data; default True).
+
+    :func:`memory_budget_bytes` gives the memory these bounds allow.
     """
 
     def __init__(
@@ -514,15 +751,18 @@ class RewardServer:
         host: str = "127.0.0.1",
         port: int = 0,
         token: str | None = None,
-        max_body_mb: float = 64.0,
+        max_body_mb: float = DEFAULT_MAX_BODY_MB,
+        max_body_total_mb: float = DEFAULT_MAX_BODY_TOTAL_MB,
         max_batch: int = 256,
-        max_image_pixels: int = 4096 * 4096,
-        max_request_pixels: int = 64 * 1024 * 1024,
-        max_decode_pixels: int = 128 * 1024 * 1024,
-        decode_wait_s: float = 30.0,
-        read_timeout_s: float = 60.0,
-        max_connections: int = 64,
-        decode_threads: int = 4,
+        max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+        max_request_pixels: int = DEFAULT_MAX_REQUEST_PIXELS,
+        max_decode_pixels: int = DEFAULT_MAX_DECODE_PIXELS,
+        score_chunk_pixels: int = DEFAULT_SCORE_CHUNK_PIXELS,
+        decode_wait_s: float = DEFAULT_DECODE_WAIT_S,
+        read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        max_unauthenticated_connections: int = DEFAULT_MAX_UNAUTHENTICATED_CONNECTIONS,
+        decode_threads: int = DEFAULT_DECODE_THREADS,
         allow_pickle: bool = True,
     ) -> None:
         if isinstance(reward, str):
@@ -531,13 +771,15 @@ class RewardServer:
             raise ValueError("reward_kwargs is only used when reward is given by name")
         if not isinstance(reward, RewardFn):
             raise TypeError(f"reward must be a RewardFn or a registered name, got {type(reward).__name__}")
-        for key, value in (("max_body_mb", max_body_mb), ("read_timeout_s", read_timeout_s),
-                           ("decode_wait_s", decode_wait_s)):
+        for key, value in (("max_body_mb", max_body_mb), ("max_body_total_mb", max_body_total_mb),
+                           ("read_timeout_s", read_timeout_s), ("decode_wait_s", decode_wait_s)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise ValueError(f"{key} must be a finite number > 0, got {value!r}")
         for key, value in (("max_batch", max_batch), ("max_image_pixels", max_image_pixels),
                            ("max_request_pixels", max_request_pixels), ("max_decode_pixels", max_decode_pixels),
-                           ("max_connections", max_connections), ("decode_threads", decode_threads)):
+                           ("score_chunk_pixels", score_chunk_pixels), ("max_connections", max_connections),
+                           ("max_unauthenticated_connections", max_unauthenticated_connections),
+                           ("decode_threads", decode_threads)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{key} must be an int >= 1, got {value!r}")
         if max_request_pixels > max_decode_pixels:
@@ -545,24 +787,33 @@ class RewardServer:
                 f"max_request_pixels={max_request_pixels} exceeds max_decode_pixels={max_decode_pixels}: "
                 "such a request could never be decoded"
             )
+        if max_body_mb > max_body_total_mb:
+            raise ValueError(
+                f"max_body_mb={max_body_mb} exceeds max_body_total_mb={max_body_total_mb}: "
+                "such a body could never be read"
+            )
         self.reward = reward
         self.reward_name = reward.name
         self.token = token or None
         self.max_body_bytes = int(max_body_mb * 1024 * 1024)
+        self.max_body_total_bytes = int(max_body_total_mb * 1024 * 1024)
         self.max_batch = max_batch
         self.max_image_pixels = int(max_image_pixels)
         self.max_request_pixels = int(max_request_pixels)
         self.max_decode_pixels = int(max_decode_pixels)
+        self.score_chunk_pixels = int(score_chunk_pixels)
         self.decode_wait_s = float(decode_wait_s)
         self.read_timeout_s = float(read_timeout_s)
         self.max_connections = max_connections
+        self.max_unauthenticated_connections = max_unauthenticated_connections
         self.decode_threads = decode_threads
         self.allow_pickle = allow_pickle
         self.host = host
         self._reward_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._uvicorn: Any = None
-        self._budget: PixelBudget | None = None
+        self._pixel_budget: Budget | None = None
+        self._body_budget: Budget | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=decode_threads, thread_name_prefix="reward-decode")
         if not self.token and not is_loopback(host):
             logger.warning(
@@ -612,30 +863,66 @@ class RewardServer:
         self._check_auth(request.headers.get("authorization"))
         length = self._content_length(request.headers)
         protocol = self._protocol(request.headers.get("content-type"))
-        body = await self._read_body(request, length)
-        if protocol is None:  # no Content-Type: a pickle starts with the PROTO opcode
-            protocol = "pickle" if body[:1] == b"\x80" else "json"
-        if protocol == "pickle" and not self.allow_pickle:
-            raise RequestError(415, "this server does not accept pickle bodies (started with --no-pickle); send JSON")
-        loop = asyncio.get_running_loop()
-        limits = {"max_batch": self.max_batch, "max_image_pixels": self.max_image_pixels,
-                  "max_request_pixels": self.max_request_pixels}
-        parsed = await loop.run_in_executor(self._pool, lambda: parse_score_request(body, protocol, **limits))
-        del body
-        if self._budget is None:
-            self._budget = PixelBudget(self.max_decode_pixels, self.decode_wait_s)
-        await self._budget.acquire(parsed.pixels)
+        if self._body_budget is None:  # made on the event loop
+            self._body_budget = Budget(self.max_body_total_bytes, self.decode_wait_s, what="request-body budget",
+                                       unit="bytes", option="--max-body-total-mb")
+            self._pixel_budget = Budget(self.max_decode_pixels, self.decode_wait_s, what="decode budget",
+                                        unit="pixels", option="--max-decode-pixels")
+        bodies, pixels = self._body_budget, self._pixel_budget
+        await bodies.acquire(length)
+        held = length
         try:
-            scores = await loop.run_in_executor(self._pool, self._decode_and_score, parsed)
+            body = await self._read_body(request, length)
+            if protocol is None:  # no Content-Type: a pickle starts with the PROTO opcode
+                protocol = "pickle" if body[:1] == b"\x80" else "json"
+            if protocol == "pickle" and not self.allow_pickle:
+                raise RequestError(415, "this server does not accept pickle bodies (started with --no-pickle); send JSON")
+            loop = asyncio.get_running_loop()
+            limits = {"max_batch": self.max_batch, "max_image_pixels": self.max_image_pixels,
+                      "max_request_pixels": self.max_request_pixels, "max_sample_pixels": self.score_chunk_pixels}
+            parsed = await loop.run_in_executor(self._pool, lambda: parse_score_request(body, protocol, **limits))
+            del body
+            bodies.release(held - min(held, parsed.encoded_bytes))  # the encoded images stay until decoded
+            held = min(held, parsed.encoded_bytes)
+            await pixels.acquire(parsed.pixels)
+            try:
+                scores = await loop.run_in_executor(self._pool, self._decode_and_score, parsed)
+            finally:
+                pixels.release(parsed.pixels)
         finally:
-            await self._budget.release(parsed.pixels)
+            bodies.release(held)
         if protocol == "pickle":
             return Response(safe_dumps({"scores": scores, "rewards": scores}), media_type="application/octet-stream")
         return JSONResponse({"rewards": scores})
 
     def _decode_and_score(self, request: ScoreRequest) -> list[float]:
-        images = decode_request(request)
-        return self.score(images, request.prompts, request.metadata)
+        """Decode into uint8, then score chunks of at most ``score_chunk_pixels``, each converted
+        to float32 under the reward lock (one float chunk at a time, whatever the concurrency)."""
+        pixels = decode_request(request)
+        count = len(request.prompts)
+        frames, height, width = request.sample_shape
+        step = max(1, self.score_chunk_pixels // (frames * height * width))
+        frames_first = request.video and not self.reward.supports_video
+        scores: list[float] = []
+        for start in range(0, count, step):
+            stop = min(count, start + step)
+            with self._reward_lock:
+                images = to_float(pixels[start:stop], video=request.video, frames_first=frames_first)
+                try:
+                    scores += self._score_locked(images, request.prompts[start:stop], request.metadata[start:stop])
+                finally:
+                    del images
+        return scores
+
+    def _head_authorized(self, head: bytes) -> bool:
+        """Whether a raw request head carries the token (always, when there is none)."""
+        if not self.token:
+            return True
+        value = _head_authorization(head)
+        if value is None:
+            return False
+        scheme, _, provided = value.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(provided.strip(), self.token.encode())
 
     def _check_auth(self, header: str | None) -> None:
         if not self.token:
@@ -659,8 +946,8 @@ class RewardServer:
         if length > self.max_body_bytes:
             raise RequestError(
                 413,
-                f"request body of {length} bytes exceeds the server limit of {self.max_body_bytes} bytes; "
-                "send smaller batches",
+                f"request body of {length} bytes exceeds the server limit of {self.max_body_bytes} bytes "
+                "(--max-body-mb); send smaller batches",
             )
         return length
 
@@ -685,7 +972,9 @@ class RewardServer:
         try:
             body = await asyncio.wait_for(read(), self.read_timeout_s)
         except asyncio.TimeoutError:
-            raise RequestError(408, f"the request body did not arrive within {self.read_timeout_s:g} s") from None
+            raise RequestError(
+                408, f"the request body did not arrive within {self.read_timeout_s:g} s (--read-timeout-s)"
+            ) from None
         if len(body) != length:
             raise RequestError(400, f"request body ended after {len(body)} of {length} bytes")
         return body
@@ -694,15 +983,20 @@ class RewardServer:
         self, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]] | None = None
     ) -> list[float]:
         """Run the reward (serialised); raises :class:`RequestError` (500) on failure."""
+        with self._reward_lock:
+            return self._score_locked(images, prompts, metadata)
+
+    def _score_locked(
+        self, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]] | None
+    ) -> list[float]:
         if len(prompts) == 0:
             return []
-        with self._reward_lock:
-            try:
-                with torch.inference_mode():
-                    scores = self.reward(images, prompts, metadata)
-            except Exception as exc:
-                logger.exception("reward %r raised", self.reward_name)
-                raise RequestError(500, f"reward {self.reward_name!r} failed: {type(exc).__name__}: {exc}") from None
+        try:
+            with torch.inference_mode():
+                scores = self.reward(images, prompts, metadata)
+        except Exception as exc:
+            logger.exception("reward %r raised", self.reward_name)
+            raise RequestError(500, f"reward {self.reward_name!r} failed: {type(exc).__name__}: {exc}") from None
         if not isinstance(scores, torch.Tensor) or scores.shape != (len(prompts),):
             got = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
             raise RequestError(500, f"reward {self.reward_name!r} returned {got}, expected ({len(prompts)},)")
@@ -728,7 +1022,7 @@ class RewardServer:
             access_log=False,
             timeout_keep_alive=5,
             timeout_graceful_shutdown=2,
-            backlog=max(64, self.max_connections),
+            backlog=max(64, self.max_connections + self.max_unauthenticated_connections),
         )
         self._uvicorn = uvicorn.Server(config)
         self._thread = threading.Thread(
@@ -740,7 +1034,13 @@ class RewardServer:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"reward server on {self.url} did not start")
             time.sleep(0.01)
-        logger.info("serving reward %r on %s (auth: %s)", self.reward_name, self.url, "token" if self.token else "none")
+        budget = memory_budget_bytes(
+            max_decode_pixels=self.max_decode_pixels, max_image_pixels=self.max_image_pixels,
+            decode_threads=self.decode_threads, score_chunk_pixels=self.score_chunk_pixels,
+            max_body_total_mb=self.max_body_total_bytes / _MI,
+        )
+        logger.info("serving reward %r on %s (auth: %s; request memory up to %.0f MiB above idle, the reward's aside)",
+                    self.reward_name, self.url, "token" if self.token else "none", budget / _MI)
         return self
 
     def stop(self) -> None:
@@ -766,6 +1066,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m verl_digen.rewards.serve",
         description="Serve a registered verl_digen reward over HTTP (the protocols of the 'http' reward).",
+        epilog="Memory: request handling stays within 3 B x --max-decode-pixels + 4 B x min(--max-decode-pixels, "
+               "--decode-threads x --max-image-pixels) + 12 B x --score-chunk-pixels + 3 x --max-body-total-mb "
+               f"above idle, the reward's own memory aside: {memory_budget_bytes() / _MI:g} MiB with the defaults "
+               "(docs/reward_server.md).",
     )
     parser.add_argument("--reward", required=True, help="registered reward name, e.g. brightness, clip_score")
     parser.add_argument("--reward-kwargs", default="{}", help="JSON object of keyword arguments for the reward")
@@ -774,14 +1078,44 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--token", default=None, help=f"bearer token required from clients (default: ${TOKEN_ENV}; prefer the env var)"
     )
-    parser.add_argument("--max-body-mb", type=float, default=64.0, help="largest request body, MiB (default 64)")
+    mib = _MI
+    parser.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_MB,
+                        help=f"largest request body, MiB; larger: 413 before reading (default {DEFAULT_MAX_BODY_MB:g})")
+    parser.add_argument("--max-body-total-mb", type=float, default=DEFAULT_MAX_BODY_TOTAL_MB,
+                        help="most request-body MiB held across concurrent requests (while read and parsed; their "
+                             "encoded images until scored); more wait up to --decode-wait-s, then 503 "
+                             f"(default {DEFAULT_MAX_BODY_TOTAL_MB:g})")
     parser.add_argument("--max-batch", type=int, default=256, help="most samples per request (default 256)")
-    parser.add_argument("--max-request-pixels", type=int, default=64 * 1024 * 1024,
-                        help="most decoded pixels per request (default 64 Mi)")
-    parser.add_argument("--max-decode-pixels", type=int, default=128 * 1024 * 1024,
-                        help="most decoded pixels across concurrent requests (default 128 Mi)")
-    parser.add_argument("--max-connections", type=int, default=64, help="most open connections (default 64)")
-    parser.add_argument("--decode-threads", type=int, default=4, help="threads that decode and score (default 4)")
+    parser.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
+                        help="largest image or frame, width x height, read from its header; larger: 400 "
+                             f"(default {DEFAULT_MAX_IMAGE_PIXELS // mib} Mi = 4096x4096)")
+    parser.add_argument("--max-request-pixels", type=int, default=DEFAULT_MAX_REQUEST_PIXELS,
+                        help="most decoded pixels per request; more: 413 "
+                             f"(default {DEFAULT_MAX_REQUEST_PIXELS // mib} Mi)")
+    parser.add_argument("--max-decode-pixels", type=int, default=DEFAULT_MAX_DECODE_PIXELS,
+                        help="most decoded pixels (3 bytes each) across concurrent requests; more wait up to "
+                             f"--decode-wait-s, then 503 (default {DEFAULT_MAX_DECODE_PIXELS // mib} Mi)")
+    parser.add_argument("--score-chunk-pixels", type=int, default=DEFAULT_SCORE_CHUNK_PIXELS,
+                        help="most pixels converted to float32 (12 bytes each) for one reward call; requests are "
+                             "scored in chunks of this size, a larger sample (image or clip) gets 413 "
+                             f"(default {DEFAULT_SCORE_CHUNK_PIXELS // mib} Mi)")
+    parser.add_argument("--decode-wait-s", type=float, default=DEFAULT_DECODE_WAIT_S,
+                        help="how long a request waits for room in the body or decode budget before its 503, "
+                             f"seconds (default {DEFAULT_DECODE_WAIT_S:g})")
+    parser.add_argument("--read-timeout-s", type=float, default=DEFAULT_READ_TIMEOUT_S,
+                        help="how long the server waits for a request's head, and then separately for its body, "
+                             "in total (not per read), seconds; a slower client gets 408 and is disconnected "
+                             f"(default {DEFAULT_READ_TIMEOUT_S:g})")
+    parser.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                        help="most open authenticated connections (that sent a request with the token; without a "
+                             f"token, any request); more: 503 (default {DEFAULT_MAX_CONNECTIONS})")
+    parser.add_argument("--max-unauthenticated-connections", type=int,
+                        default=DEFAULT_MAX_UNAUTHENTICATED_CONNECTIONS,
+                        help="most open connections that have not authenticated yet (idle, or no token sent); one "
+                             "more closes the oldest of them with 503, so they never starve clients with the token "
+                             f"(default {DEFAULT_MAX_UNAUTHENTICATED_CONNECTIONS})")
+    parser.add_argument("--decode-threads", type=int, default=DEFAULT_DECODE_THREADS,
+                        help=f"threads that parse, decode and score (default {DEFAULT_DECODE_THREADS})")
     parser.add_argument("--no-pickle", action="store_true", help="refuse the pickle protocol")
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     args = parser.parse_args(argv)
@@ -796,8 +1130,27 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _fix_mmap_threshold() -> None:
+    """Have glibc give image-sized blocks (1 MiB and up) back to the OS when they are freed.
+
+    glibc raises its mmap threshold (up to 32 MiB) each time it frees a large block, so later
+    blocks of that size come from per-thread arenas, which keep their high-water mark: with four
+    decode threads the idle RSS then drifts up by tens of MiB per thread. Setting the threshold
+    (``mallopt(M_MMAP_THRESHOLD)``, as ``MALLOC_MMAP_THRESHOLD_`` would) turns that off. Only the
+    CLI does this: it owns its process; an embedding program keeps its own malloc settings."""
+    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD = -3 in glibc's malloc.h
+    except (OSError, AttributeError):  # not glibc (musl, ...): nothing to fix
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
+    _fix_mmap_threshold()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         server = RewardServer(
@@ -807,10 +1160,16 @@ def main(argv: list[str] | None = None) -> int:
             port=args.port,
             token=args.token,
             max_body_mb=args.max_body_mb,
+            max_body_total_mb=args.max_body_total_mb,
             max_batch=args.max_batch,
+            max_image_pixels=args.max_image_pixels,
             max_request_pixels=args.max_request_pixels,
             max_decode_pixels=args.max_decode_pixels,
+            score_chunk_pixels=args.score_chunk_pixels,
+            decode_wait_s=args.decode_wait_s,
+            read_timeout_s=args.read_timeout_s,
             max_connections=args.max_connections,
+            max_unauthenticated_connections=args.max_unauthenticated_connections,
             decode_threads=args.decode_threads,
             allow_pickle=not args.no_pickle,
         )
