@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from verl_digen.config.schema import ConfigError, DigenConfig, digen_config_from_dict, prompt_sources
-from verl_digen.config.verl_keys import DIGEN_MAIN, RunConfig, resolve_run_config
+from verl_digen.config.verl_keys import DIGEN_MAIN, MAIN_PPO, RunConfig, resolve_run_config
 
 
 def total_steps(trainer_cfg: Any, num_prompts: int, groups_per_step: int) -> int:
@@ -170,18 +170,103 @@ def resolve_prompt_records(cfg: DigenConfig, source: Any = None) -> list[dict[st
     return records
 
 
+def logger_list(trainer_cfg: Any) -> list[str]:
+    """``trainer.logger`` as a list (veRL accepts one name as a string)."""
+    loggers = trainer_cfg.get("logger") or []
+    return [loggers] if isinstance(loggers, str) else list(loggers)
+
+
 def check_loggers(trainer_cfg: Any) -> None:
-    """``trainer.logger`` names only backends veRL's ``Tracking`` knows."""
+    """``trainer.logger`` names only backends veRL's ``Tracking`` knows (what each needs to start:
+    :func:`check_logger_setup`)."""
     from verl.utils.tracking import Tracking
 
-    loggers = trainer_cfg.get("logger") or []
-    if isinstance(loggers, str):
-        loggers = [loggers]
+    loggers = logger_list(trainer_cfg)
     unknown = [b for b in loggers if b not in Tracking.supported_backend]
     if unknown:
         raise ConfigError(
             f"invalid config: trainer.logger={list(loggers)!r}: unknown {unknown}; valid: {', '.join(Tracking.supported_backend)}"
         )
+
+
+#: The package each of veRL's ``Tracking`` backends imports when it starts (console and file need none).
+LOGGER_PACKAGES = {"wandb": "wandb", "mlflow": "mlflow", "swanlab": "swanlab", "vemlp_wandb": "volcengine_ml_platform",
+                   "tensorboard": "tensorboard", "clearml": "clearml", "trackio": "trackio", "rl_insight": "rl_insight"}
+#: Environment variables veRL's ``Tracking`` reads with ``os.environ[...]`` (a KeyError when unset).
+LOGGER_ENV = {"vemlp_wandb": ("VOLC_ACCESS_KEY_ID", "VOLC_SECRET_ACCESS_KEY", "MLP_TRACKING_REGION")}
+
+
+def check_logger_setup(loggers: list[str]) -> None:
+    """What each ``trainer.logger`` backend needs in order to start, checked before Ray: its
+    package, and the credentials whose absence stops veRL's ``Tracking`` (after Ray and every
+    worker started, with a raw traceback). Only what fails for certain is checked: W&B's API key
+    (:func:`wandb_key_problem`) and ``vemlp_wandb``'s environment variables; a backend that
+    carries on without its server (mlflow, which veRL retries and then skips) is not refused."""
+    import importlib.util
+
+    for backend in loggers:
+        package = LOGGER_PACKAGES.get(backend)
+        if package is not None and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"invalid config: trainer.logger has {backend!r} but the {package} package is not "
+                              f"installed in this environment: pip install {package.replace('_', '-')}, or remove "
+                              f"{backend} from trainer.logger")
+        missing = [k for k in LOGGER_ENV.get(backend, ()) if not os.environ.get(k)]
+        if missing:
+            raise ConfigError(f"invalid config: trainer.logger has {backend!r}, which reads {', '.join(missing)} from "
+                              "the environment: set them, or remove it from trainer.logger")
+    if "wandb" in loggers:
+        problem = wandb_key_problem()
+        if problem:
+            raise ConfigError(
+                f"invalid config: trainer.logger has 'wandb' but {problem}: set WANDB_API_KEY (your key: "
+                "https://wandb.ai/authorize), run `wandb login` once on this machine, or set WANDB_MODE=offline "
+                "(logs under ./wandb, `wandb sync` later) or WANDB_MODE=disabled; or remove wandb from trainer.logger"
+            )
+
+
+def wandb_key_problem() -> str | None:
+    """Why ``wandb.init`` would stop for want of credentials in this process, or None.
+
+    Asks wandb itself, as ``wandb.init`` will: its settings (``WANDB_MODE`` and the settings files
+    ``wandb offline`` writes; offline and disabled runs need no key), then the credentials it
+    finds without prompting (``WANDB_API_KEY``, ``WANDB_IDENTITY_TOKEN_FILE``, the ``.netrc``
+    entry ``wandb login`` writes, an ``api_key`` in its settings). With a wandb whose internals
+    differ, the documented sources are read instead (``WANDB_MODE``, ``WANDB_API_KEY``, the
+    ``.netrc`` of ``NETRC`` or the home directory)."""
+    try:
+        from wandb.sdk import wandb_setup
+        from wandb.sdk.lib import wbauth
+    except ImportError:
+        return _wandb_key_problem_documented()
+    try:
+        settings = wandb_setup.singleton().settings
+        if settings._offline or settings._noop:
+            return None
+        host = settings.base_url
+        auth = wbauth.authenticate_session(host=host, source="verl-digen", prompt=False, update_session=False)
+    except AttributeError:  # another wandb's internals
+        return _wandb_key_problem_documented()
+    except Exception as e:  # noqa: BLE001 - wandb found credentials it refuses (a malformed key)
+        return f"its credentials are not usable ({type(e).__name__}: {e})"
+    if auth is None:
+        return f"no W&B API key is configured for {host} (WANDB_API_KEY, the .netrc entry `wandb login` writes)"
+    return None
+
+
+def _wandb_key_problem_documented() -> str | None:
+    import netrc
+    from urllib.parse import urlsplit
+
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_API_KEY"):
+        return None
+    host = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc
+    path = os.path.expanduser(os.environ.get("NETRC") or "~/.netrc")
+    try:
+        if netrc.netrc(path).authenticators(host):
+            return None
+    except (OSError, netrc.NetrcParseError):
+        pass
+    return f"no W&B API key is configured for {host} (WANDB_API_KEY, or the entry in {path} `wandb login` writes)"
 
 
 def output_dir_for(cfg: DigenConfig, trainer_cfg: Any) -> str:
@@ -210,6 +295,23 @@ def preflight_reward(cfg: DigenConfig) -> None:
                 raise ConfigError(f"invalid config: {e}") from None
 
 
+def preflight_ray(container: dict[str, Any]) -> None:
+    """``main_ppo``: the Ray cluster veRL's driver is about to join answers (the probe
+    ``verl_digen.main`` makes in :func:`verl_digen.trainer.runtime.init_ray`), so that a stale
+    ``ray_current_cluster`` marker or a dead ``RAY_ADDRESS`` stops the job in one line instead of
+    ``ray.init`` retrying it for minutes. Nothing to check once Ray runs (inside veRL's TaskRunner)."""
+    import ray
+
+    from verl_digen.trainer.runtime import check_ray_target, ray_target
+
+    if ray.is_initialized():
+        return
+    address = ((container.get("ray_kwargs") or {}).get("ray_init") or {}).get("address")
+    target, source = ray_target(address)
+    if target is not None:
+        check_ray_target(target, source)
+
+
 @dataclass
 class CheckedRun:
     """A run's config, checked before anything starts (see :func:`check_run_config`)."""
@@ -228,9 +330,10 @@ class CheckedRun:
 def check_run_config(config: Any, entry: str = DIGEN_MAIN) -> CheckedRun:
     """Every check a run makes before Ray starts, writing nothing: veRL's keys mapped onto ours
     (and the ones that cannot apply refused), the typed config, the pools against the cluster,
-    the prompt files, the step count, the reward (a custom file loads, a server answers) and the
-    model directory (the tiny model is built when none is given). Errors name the key the user
-    wrote. Both entry points run it: ``verl_digen.main`` through :class:`DigenTrainer`, and
+    the prompt files, the step count, the loggers (their packages and credentials: a W&B key), the
+    reward (a custom file loads, a server answers), the model directory (the tiny model is built
+    when none is given) and, under ``main_ppo``, the Ray cluster veRL is about to join. Errors name
+    the key the user wrote. Both entry points run it: ``verl_digen.main`` through :class:`DigenTrainer`, and
     ``main_ppo`` in its driver, as the digen mode's ``validate_config`` (:mod:`verl_digen.verl_hooks`)."""
     from omegaconf import OmegaConf
 
@@ -257,6 +360,11 @@ def check_run_config(config: Any, entry: str = DIGEN_MAIN) -> CheckedRun:
 
             check_job_memory(cfg, devices_per_node=int(config.trainer.n_gpus_per_node),
                              nnodes=int(config.trainer.get("nnodes", 1) or 1), model_path=model_path)
+        # Last: with veRL's default trainer.logger=[console,wandb], a missing W&B key must not hide
+        # the errors above.
+        check_logger_setup(logger_list(config.trainer))
+        if entry == MAIN_PPO:
+            preflight_ray(container)
     except (ConfigError, FileNotFoundError) as e:
         raise type(e)(run_config.rename(str(e))) from None
     return CheckedRun(container, run_config, cfg, layout, cluster, records, val_records, steps, model_path)

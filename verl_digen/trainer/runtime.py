@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import threading
 from typing import Any, Callable, Iterator
@@ -97,19 +98,107 @@ def stop_signals() -> Iterator[None]:
             signal.signal(s, handler)
 
 
-def ray_address(explicit: str | None) -> str | None:
-    """The Ray cluster to connect to, or None to start a local instance.
+#: How long a Ray cluster's GCS has to accept a TCP connection before the job gives up on it
+#: (``ray.init`` itself retries a dead address for minutes, printing only "Failed to connect to GCS").
+GCS_PROBE_S = 5.0
+#: ``RAY_ADDRESS`` / ``ray_kwargs.ray_init.address``: Ray's own word for "start a new local instance".
+LOCAL = "local"
+
+
+def ray_marker_file() -> str:
+    """The file in which ``ray start`` records the cluster it started on this machine (the one
+    ``ray.init()`` with no address joins): ``ray_current_cluster`` in Ray's temp directory
+    (``$RAY_TMPDIR/ray``, else ``$TMPDIR/ray``, else ``/tmp/ray``)."""
+    try:
+        from ray._private.utils import get_ray_address_file
+    except ImportError:  # a Ray without the helper: its documented default place
+        return os.path.join(os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp", "ray",
+                            "ray_current_cluster")
+    return get_ray_address_file(None)
+
+
+def ray_target(explicit: str | None) -> tuple[str | None, str]:
+    """The Ray cluster to connect to and where its address comes from; ``(None, ...)`` to start a
+    local instance.
 
     In order: ``explicit`` (``ray_kwargs.ray_init.address``), ``RAY_ADDRESS``, then the cluster
-    that ``ray start`` last started on this machine (the address file Ray itself reads:
-    ``ray.init()`` with no address connects to it too). Ray's own lookup is used so that the
-    job finds exactly the cluster ``ray.init()`` would.
+    that ``ray start`` last started on this machine (:func:`ray_marker_file`, read by Ray's own
+    lookup, so that the job finds exactly the cluster ``ray.init()`` would). ``local`` in either
+    key starts a local instance whatever the marker says; ``auto`` is Ray's lookup (the marker,
+    else a GCS process running here), as ``ray.init(address="auto")`` reads it.
     """
     from ray._private.services import get_ray_address_from_environment
 
-    if explicit:
-        return explicit
-    return get_ray_address_from_environment(None, None)
+    env = os.environ.get("RAY_ADDRESS") or None
+    if explicit and explicit != "auto":
+        address, source = explicit, "ray_kwargs.ray_init.address"
+    elif env and env != "auto":
+        address, source = env, "RAY_ADDRESS"
+    else:
+        try:
+            address = get_ray_address_from_environment(explicit, None)  # explicit: None or "auto"
+        except ConnectionError as e:  # "auto" and no cluster runs here
+            key = "ray_kwargs.ray_init.address" if explicit else "RAY_ADDRESS"
+            raise ConfigError(f"invalid config: {key}=auto finds no Ray cluster on this machine ({e}); start one "
+                              f"with `ray start --head`, or set it to {LOCAL} to start a local instance") from None
+        from ray._private.utils import read_ray_address
+
+        marker = ray_marker_file()
+        if address is not None and address == read_ray_address(None):
+            source = f"the marker file {marker}"
+        else:
+            source = "a Ray GCS process running on this machine (address=auto)"
+    if address == LOCAL:
+        return None, source
+    return address, source
+
+
+def ray_address(explicit: str | None) -> str | None:
+    """The Ray cluster to connect to, or None to start a local instance (:func:`ray_target`)."""
+    return ray_target(explicit)[0]
+
+
+def gcs_unreachable(address: str, timeout_s: float = GCS_PROBE_S) -> str | None:
+    """Why nothing accepts a TCP connection at ``address`` (``host:port``, or ``ray://host:port``)
+    within ``timeout_s``; None when something does, or when the address is not ``host:port``
+    (then Ray reads it itself)."""
+    import socket
+
+    host, _, port = address.split("://", 1)[-1].rstrip("/").rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit():
+        return None
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return None
+    except socket.timeout:
+        return f"no answer within {timeout_s:g} s"
+    except OSError as e:
+        return e.strerror or str(e)
+
+
+def check_ray_target(address: str, source: str, timeout_s: float = GCS_PROBE_S) -> None:
+    """Refuse, in one line, a Ray cluster whose GCS does not accept a connection within
+    ``timeout_s``: ``ray.init`` would retry it for minutes with nothing but Ray's own
+    "Failed to connect to GCS" warnings. The message names where the address came from and what
+    to do (a stale marker file: remove it, start that cluster, or choose another)."""
+    why = gcs_unreachable(address, timeout_s)
+    if why is None:
+        return
+    if source.startswith("the marker file "):
+        marker = source[len("the marker file "):]
+        raise ConfigError(
+            f"the Ray cluster at {address} does not answer ({why}); that address comes from {marker}, left by an "
+            f"earlier `ray start`: remove that file (the job then starts a local Ray instance), start "
+            f"that cluster again, or set RAY_ADDRESS={LOCAL} (or ray_kwargs.ray_init.address={LOCAL}) for a local "
+            f"instance, RAY_ADDRESS=<host:port> for another cluster")
+    if source in ("RAY_ADDRESS", "ray_kwargs.ray_init.address"):
+        raise ConfigError(
+            f"the Ray cluster at {source}={address} does not answer ({why}); start that cluster, correct "
+            f"{source}, or set {source}={LOCAL} to start a local Ray instance")
+    raise ConfigError(
+        f"the Ray cluster at {address} ({source}) does not answer ({why}); set RAY_ADDRESS=<host:port> to "
+        f"join a cluster, or RAY_ADDRESS={LOCAL} to start a local Ray instance")
 
 
 def init_ray(devices: int, cfg: DigenConfig, *, address: str | None = None, num_cpus: int | None = None) -> bool:
@@ -117,10 +206,12 @@ def init_ray(devices: int, cfg: DigenConfig, *, address: str | None = None, num_
     (then :func:`release` disconnects, or stops the local instance); False when the caller had
     already initialised Ray.
 
-    ``address``: ``ray_kwargs.ray_init.address`` (see :func:`ray_address` for the others).
+    ``address``: ``ray_kwargs.ray_init.address`` (see :func:`ray_target` for the others).
     Connecting passes no resource counts: the cluster's nodes declared theirs at ``ray start``
     (and Ray refuses counts from a connecting driver), so ``digen.ray_num_cpus`` /
-    ``ray_kwargs.ray_init.num_cpus`` set while connecting is an error.
+    ``ray_kwargs.ray_init.num_cpus`` set while connecting is an error. A cluster whose GCS does
+    not accept a connection within :data:`GCS_PROBE_S` is refused (:func:`check_ray_target`)
+    instead of being retried by ``ray.init`` for minutes.
 
     The instance the job starts is a single node: every Ray process (GCS, raylet, workers,
     dashboard agent) listens on 127.0.0.1 only, and no dashboard is started; ``devices``
@@ -131,7 +222,7 @@ def init_ray(devices: int, cfg: DigenConfig, *, address: str | None = None, num_
     if ray.is_initialized():
         return False
     env = {"env_vars": {**QUIET_ENV, "OMP_NUM_THREADS": "1"}}
-    target = ray_address(address)
+    target, source = ray_target(address)
     counts = cfg.ray_num_cpus or num_cpus
     if target is not None:
         if counts:
@@ -140,18 +231,71 @@ def init_ray(devices: int, cfg: DigenConfig, *, address: str | None = None, num_
                 f"invalid config: {key}={counts} sizes a Ray instance the job starts, but the job connects to the "
                 f"Ray cluster at {target} (whose nodes declared their resources at `ray start`); unset it"
             )
+        check_ray_target(target, source)
         ray.init(address=target, log_to_driver=True, runtime_env=env)
         print(f"[verl-digen] connected to the Ray cluster at {target} ({len(ray.nodes())} node(s))", flush=True)
         return True
     with _loopback_node():
         ray.init(
+            address=LOCAL,  # never the marker file's cluster: ray_target found none, or was told local
             num_cpus=counts or max(devices + 2, os.cpu_count() or 1),
             include_dashboard=False,
             ignore_reinit_error=True,
             log_to_driver=True,
             runtime_env=env,
         )
+    _start_reaper()
     return True
+
+
+_reaper: Any = None  # the subprocess.Popen of ray_reaper.py for the local instance the job started
+
+
+def _start_reaper() -> None:
+    """Bind the Ray agents of the local instance just started to this driver's life
+    (:mod:`verl_digen.trainer.ray_reaper`: without it they outlive a SIGKILLed driver by about
+    a minute). The reaper gets the raylet's processes (agents, prestarted workers) and stops
+    those still alive when this process is gone; Linux only (the kernel-level fate sharing Ray
+    relies on for the rest is Linux's too). Best effort: a reaper that cannot start is said once."""
+    import subprocess
+    import sys
+
+    global _reaper
+    if not sys.platform.startswith("linux"):
+        return
+    import psutil
+
+    from verl_digen.trainer import ray_reaper
+
+    try:
+        raylets = [c for c in psutil.Process().children() if c.name() == "raylet"]
+        procs = [p for r in raylets for p in r.children(recursive=True)]
+        lines = [f"{p.pid} {t}\n" for p in procs if (t := ray_reaper.start_time(p.pid)) is not None]
+        reaper = subprocess.Popen([sys.executable, "-I", ray_reaper.__file__], stdin=subprocess.PIPE,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        reaper.stdin.write("".join(lines).encode())
+        reaper.stdin.flush()
+    except (OSError, psutil.Error) as e:
+        print(f"[verl-digen] warning: no reaper for the Ray agents ({e}); if this process is killed, they "
+              "exit about a minute later", flush=True)
+        return
+    _reaper = reaper
+
+
+def _stop_reaper() -> None:
+    """After ``ray.shutdown``: close the reaper's pipe (it stops whatever of the instance is
+    left, normally nothing, and exits)."""
+    global _reaper
+    reaper, _reaper = _reaper, None
+    if reaper is None:
+        return
+    import subprocess
+
+    try:
+        reaper.stdin.close()
+        reaper.wait(timeout=15)
+    except (OSError, subprocess.TimeoutExpired):
+        reaper.kill()
 
 
 def device_kind(trainer_device: str, cluster_gpus: float) -> str:
@@ -196,6 +340,96 @@ def _loopback_node() -> Iterator[None]:
         ray_constants.ENABLE_RAY_CLUSTER = before
 
 
+class WorkerError(RuntimeError):
+    """A Ray task's or actor's failure in :func:`error_summary`'s few words; the Ray error, with
+    its remote traceback, is the ``__cause__`` (and goes to the run's ``error.log``)."""
+
+
+#: The file under the run's output directory that receives a stopped run's full tracebacks.
+ERROR_LOG = "error.log"
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_LINE_CHARS = 400  # a kept line is clipped to this many characters
+
+
+def error_summary(error: BaseException) -> str:
+    """A failure in one line: what the user reads when a run stops, instead of Ray's traceback.
+
+    A Ray task error becomes its remote cause (``OSError: [Errno 28] No space left on device``)
+    and where it ran (``in DiffusionWorker.save_checkpoint_shard, pid 1234``); a message of many
+    lines (a traceback inside it, DCP's per-rank failures) keeps its first and last line, joined
+    by ``[...]``. The type is named unless the text starts with it or it is one of the run's own
+    stop errors, whose messages already say what failed. The full text belongs in the log (:func:`write_error_log`)."""
+    import ray
+
+    cause, where, root = error, "", ""
+    while isinstance(cause, ray.exceptions.RayTaskError) and cause.cause is not None and cause.cause is not cause:
+        where = where or _task_site(cause)
+        root = root or _root_cause_line(str(cause))
+        cause = cause.cause
+    inner = cause  # raise ... from e, in this process (the run's own errors already word their causes)
+    while (inner.__cause__ is not None and inner.__cause__ is not inner and not _ours(cause)
+           and not isinstance(inner.__cause__, ray.exceptions.RayError)):
+        inner = inner.__cause__
+    if inner is not cause:
+        root = f"{type(inner).__name__}: {inner}".splitlines()[0]
+    lines = [line.strip() for line in _ANSI.sub("", str(cause)).splitlines() if line.strip()]
+    lines = [line if len(line) <= _LINE_CHARS else line[:_LINE_CHARS] + "..." for line in lines]
+    text = " ".join(lines) if len(lines) <= 2 else f"{lines[0]} [...] {lines[-1]}"
+    name = type(cause).__name__
+    if not _ours(cause) and not text.startswith(name):
+        text = f"{name}: {text}" if text else name
+    root = root[:_LINE_CHARS]
+    if root and root not in text:
+        text += f" (caused by {root})"
+    return text + where
+
+
+def _ours(error: BaseException) -> bool:
+    """One of the run's own stop errors (WorkerFailure, WorkerError, ...): its message says what failed."""
+    return type(error).__module__.startswith("verl_digen.trainer")
+
+
+_CHAINED = "The above exception was the direct cause of the following exception:"
+
+
+def _root_cause_line(text: str) -> str:
+    """The first exception's last line in a remote traceback text whose exceptions are chained
+    (``raise ... from e`` in the worker: Ray keeps that chain as text only), else ''."""
+    text = _ANSI.sub("", text)
+    if _CHAINED not in text:
+        return ""
+    lines = [line.strip() for line in text.split(_CHAINED, 1)[0].splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def _task_site(error: Any) -> str:
+    """`` (in DiffusionWorker.save_checkpoint_shard, pid 1234)``: where a Ray task error ran. The
+    instance ``ray.get`` raises (``RayTaskError(OSError)``) keeps only its cause and its text, so
+    the text's first line (``ray::DiffusionWorker.save_checkpoint_shard() (pid=1234, ...``) is read."""
+    found = re.search(r"ray::([\w.]+)\(\)\s*\(pid=(\d+)", _ANSI.sub("", str(error)))
+    return f" (in {found.group(1)}, pid {found.group(2)})" if found else ""
+
+
+def write_error_log(output_dir: str, error: BaseException, also: list[BaseException] | tuple = ()) -> str:
+    """Append ``error``'s full traceback (with its causes and, for a Ray error, the remote
+    traceback), and those of ``also``, to ``<output_dir>/error.log``; return the line that says
+    where. If the log cannot be written (a full disk), the tracebacks go to stderr instead."""
+    import sys
+    import time
+    import traceback
+
+    text = "".join("".join(traceback.format_exception(e)) + "\n" for e in (error, *also))
+    text = _ANSI.sub("", text)
+    path = os.path.join(output_dir, ERROR_LOG)
+    try:
+        with open(path, "a") as f:
+            f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}\n{text}")
+        return f"[verl-digen] full traceback: {path}"
+    except OSError as e:
+        print(text, file=sys.stderr, flush=True)
+        return f"[verl-digen] full traceback: above ({path} could not be written: {e.strerror or e})"
+
+
 def release(groups: dict[str, Any], owns_ray: bool) -> None:
     """Kill the run's actors, free their placement groups, and stop (or disconnect from) Ray if
     the job initialised it."""
@@ -209,6 +443,7 @@ def release(groups: dict[str, Any], owns_ray: bool) -> None:
             remove_placement_group(pg)
     if owns_ray:
         ray.shutdown()
+        _stop_reaper()
 
 
 def finish_tracking(tracker: Any) -> None:

@@ -91,7 +91,14 @@ class DigenPPOTrainer(PPOTrainer):
     def fit(self, agent_loop_manager: DiffusionAgentLoopManager) -> None:  # type: ignore[override]
         if not isinstance(agent_loop_manager, DiffusionAgentLoopManager):
             raise TypeError(f"the digen trainer mode needs a {AGENT_LOOP_MANAGER}, got {type(agent_loop_manager)!r}")
-        self.result = self.digen.run()
+        from verl_digen.trainer.loop import RunStopped
+
+        try:
+            self.result = self.digen.run()
+        except RunStopped as e:
+            # Already printed, few lines, the full traceback in the run's error.log: what reaches veRL's
+            # driver (in Ray's traceback of this actor's task) is that message, not its causes again.
+            raise RunStopped(str(e)) from None
 
     # The step hooks of veRL's LLM loop; the digen loop's steps are planned (verl_digen.schedule).
     def on_step_end(self) -> None:
