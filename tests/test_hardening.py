@@ -125,7 +125,7 @@ def test_a_bit_flip_in_the_latest_checkpoint_falls_back_to_the_previous_one(tmp_
     chosen = select_resume({"resume_mode": "auto"}, str(tmp_path))
     assert chosen.step == 1
     out = capsys.readouterr().out
-    assert "skipping corrupt checkpoint" in out and "global_step_2/weights.safetensors" in out
+    assert "skipping damaged checkpoint" in out and "global_step_2/weights.safetensors" in out
     # Asked for by path, the corrupt one is refused with the file named.
     with pytest.raises(CheckpointError, match=r"weights\.safetensors"):
         select_resume({"resume_mode": "resume_path", "resume_from_path": bad.path}, str(tmp_path))

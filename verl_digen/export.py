@@ -13,7 +13,7 @@ import os
 import shutil
 import sys
 
-from verl_digen.trainer.checkpoint import Checkpoint, checkpoint_at
+from verl_digen.trainer.checkpoint import Checkpoint, CheckpointError, checkpoint_at, damage
 
 
 def _pipeline_class(model_path: str):
@@ -33,6 +33,9 @@ def export_checkpoint(ckpt: Checkpoint, out_dir: str, *, model_path: str | None 
     from verl_digen.sync.state import load_trainable_state
     from verl_digen.workers.training import add_lora
 
+    why = damage(ckpt)  # the checksums and the DCP metadata, as a resume checks them
+    if why is not None:
+        raise CheckpointError(f"not exported: {why}")
     meta = ckpt.meta()
     model_path = model_path or meta["model_path"]
     adapter = load_adapter(model_path, meta.get("arch"))
@@ -69,7 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--model-path", default=None, help="base model directory (default: the one trained)")
     args = parser.parse_args(argv)
-    out = export_checkpoint(checkpoint_at(args.ckpt), args.out, model_path=args.model_path)
+    try:
+        out = export_checkpoint(checkpoint_at(args.ckpt), args.out, model_path=args.model_path)
+    except CheckpointError as e:
+        print(f"[verl-digen] export: {e}", file=sys.stderr)
+        return 2
     print(f"[verl-digen] exported to {out}")
     return 0
 

@@ -349,6 +349,39 @@ class ValidationConfig:
             _fail(f"{key}.num_prompts", self.num_prompts, "must be >= 1")
 
 
+# What makes a resumed run the run that wrote the checkpoint (``meta.json``'s ``identity``,
+# written and compared by verl_digen.trainer.checkpoint): identity key -> the config key behind it.
+IDENTITY_KEYS = {
+    "model_fingerprint": "digen.model.path (the model's files)",
+    "arch": "digen.model.arch",
+    "lora_only": "digen.model.lora.enable",
+    "lora_rank": "digen.model.lora.rank",
+    "lora_alpha": "digen.model.lora.alpha",
+    "lora_target_modules": "digen.model.lora.target_modules",
+    "dtype": "digen.model.dtype",
+    "trainable_dtype": "digen.model.trainable_dtype",
+    "group_size": "digen.batch.group_size (actor_rollout_ref.rollout.n)",
+    "ema": "digen.ema.enable",
+}
+
+
+@dataclass
+class ResumeConfig:
+    """How a run resumes (with ``trainer.resume_mode``)."""
+
+    # resume_mode=auto finds checkpoints but none intact: start fresh anyway (else stop, listing
+    # each and why); damaged checkpoints are never written over.
+    fresh_if_damaged: bool = False
+    # Identity keys (IDENTITY_KEYS) allowed to differ from the
+    # checkpoint's, e.g. [model_fingerprint] for a base model re-saved on purpose.
+    allow_changes: list[str] = field(default_factory=list)
+
+    def validate(self, key: str) -> None:
+        unknown = [k for k in self.allow_changes if k not in IDENTITY_KEYS]
+        if unknown:
+            _fail(f"{key}.allow_changes", unknown, f"valid: {', '.join(IDENTITY_KEYS)}")
+
+
 @dataclass
 class EmaConfig:
     """EMA of the trained weights, used for validation when on."""
@@ -428,6 +461,7 @@ class DigenConfig:
     emulate: EmulateConfig = field(default_factory=EmulateConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     ema: EmaConfig = field(default_factory=EmaConfig)
+    resume: ResumeConfig = field(default_factory=ResumeConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     progress_bar: bool = True
     ray_num_cpus: Optional[int] = None
@@ -473,6 +507,7 @@ class DigenConfig:
         self.validation.validate("digen.validation")
         self.emulate.validate("digen.emulate")
         self.ema.validate("digen.ema")
+        self.resume.validate("digen.resume")
         self.memory.validate("digen.memory")
         # Placement, TCSS/TSP/TAG/FSDP and batch divisibility: the planner's own rules.
         fields = self.strategy_fields()

@@ -34,6 +34,7 @@ its holder, so a second run on the same directory stops with an error naming the
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -43,12 +44,13 @@ import socket
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 # The rank side reads checkpoint files too (workers/ may not import trainer/): its error and
 # safe loader are the ones used here.
+from verl_digen.config.schema import IDENTITY_KEYS
 from verl_digen.workers.sharded_state import CheckpointError, file_record, load_pt
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -125,7 +127,10 @@ class Checkpoint:
 
     def meta(self) -> dict[str, Any]:
         with open(self._file("meta.json")) as f:
-            return json.load(f)
+            meta = json.load(f)
+        if not isinstance(meta, dict):
+            raise ValueError(f"holds a JSON {type(meta).__name__}, not an object")
+        return meta
 
     def verify(self) -> None:
         """Check every file against the checksums in ``meta.json``; raise naming the first bad one."""
@@ -158,8 +163,7 @@ def _atomic_write_text(path: str, text: str) -> None:
 
 def is_complete(path: str) -> bool:
     try:
-        with open(os.path.join(path, "meta.json")) as f:
-            return bool(json.load(f).get("complete"))
+        return bool(Checkpoint(path, 0).meta().get("complete"))
     except (OSError, ValueError):
         return False
 
@@ -211,7 +215,7 @@ def save_checkpoint(
             os.fsync(f.fileno())
         _fsync_dir(tmp)
         if os.path.exists(final):
-            shutil.rmtree(final)
+            _replace_existing(Checkpoint(final, step))
         os.replace(tmp, final)
         _fsync_dir(root)
     except BaseException:
@@ -224,16 +228,41 @@ def save_checkpoint(
     return Checkpoint(final, step)
 
 
-def _complete_steps(root: str) -> list[tuple[int, str]]:
-    out = []
+def _replace_existing(ckpt: Checkpoint) -> None:
+    """Make room for a new checkpoint of the same step (a fresh start in a used directory): an
+    intact one is removed, as veRL's trainers overwrite theirs; a damaged one is never written
+    over but moved aside to ``global_step_<k>.damaged[-n]``, which no resume picks up."""
+    try:
+        ckpt.verify()
+        if not is_complete(ckpt.path):
+            raise CheckpointError(f"{ckpt.path}: no meta.json with complete=true")
+    except CheckpointError as e:
+        aside = f"{ckpt.path}.damaged"
+        n = 0
+        while os.path.exists(aside):
+            n += 1
+            aside = f"{ckpt.path}.damaged-{n}"
+        os.replace(ckpt.path, aside)
+        print(f"[verl-digen] {ckpt.path} is damaged ({e}); kept as {aside}, not overwritten", flush=True)
+        return
+    shutil.rmtree(ckpt.path)
+
+
+def _step_dirs(root: str) -> list[tuple[int, str]]:
+    """Every ``global_step_<k>`` directory under ``root``, complete or not."""
     if not os.path.isdir(root):
-        return out
+        return []
+    out = []
     for name in os.listdir(root):
         m = _STEP_DIR.match(name)
         path = os.path.join(root, name)
-        if m and is_complete(path):
+        if m and os.path.isdir(path):
             out.append((int(m.group(1)), path))
     return out
+
+
+def _complete_steps(root: str) -> list[tuple[int, str]]:
+    return [(step, path) for step, path in _step_dirs(root) if is_complete(path)]
 
 
 def find_latest(root: str) -> Checkpoint | None:
@@ -250,17 +279,47 @@ def find_latest(root: str) -> Checkpoint | None:
     return Checkpoint(path, step)
 
 
-def find_latest_intact(root: str) -> Checkpoint | None:
-    """The newest complete checkpoint whose files match their checksums; a corrupt newer one
-    is skipped with a message naming the bad file."""
-    for step, path in sorted(_complete_steps(root), reverse=True):
-        ckpt = Checkpoint(path, step)
-        try:
-            ckpt.verify()
-            return ckpt
-        except CheckpointError as e:
-            print(f"[verl-digen] skipping corrupt checkpoint: {e}; falling back to an older one", flush=True)
+def damage(ckpt: Checkpoint) -> str | None:
+    """Why ``ckpt`` cannot be resumed from (None: intact): no usable completion marker, a file
+    that does not match its checksum, or DCP metadata that is refused or unreadable."""
+    try:
+        meta = ckpt.meta()
+    except FileNotFoundError:
+        return f"{ckpt._file('meta.json')}: missing (the checkpoint was never completed, or is not verl-digen's)"
+    except (OSError, ValueError) as e:
+        return f"{ckpt._file('meta.json')}: unreadable ({e.__class__.__name__}: {e})"
+    if not isinstance(meta, dict) or not meta.get("complete"):
+        return f"{ckpt._file('meta.json')}: not marked complete"
+    try:
+        ckpt.verify()
+        if ckpt.sharded:  # read here, before any worker, with the same safe reader the ranks use
+            from verl_digen.workers.sharded_state import SafeFileSystemReader
+
+            SafeFileSystemReader(ckpt._file("state")).read_metadata()
+    except CheckpointError as e:
+        return str(e)
     return None
+
+
+def find_latest_intact(root: str) -> Checkpoint | None:
+    """The newest checkpoint that is complete and whose files match their checksums; every
+    directory skipped on the way is named with why."""
+    intact, _ = scan_checkpoints(root)
+    return intact
+
+
+def scan_checkpoints(root: str) -> tuple[Checkpoint | None, list[str]]:
+    """The newest intact checkpoint under ``root`` and, newest first, why each newer
+    ``global_step_<k>`` directory was skipped (each printed as it is skipped)."""
+    skipped = []
+    for step, path in sorted(_step_dirs(root), reverse=True):
+        ckpt = Checkpoint(path, step)
+        why = damage(ckpt)
+        if why is None:
+            return ckpt, skipped
+        skipped.append(why)
+        print(f"[verl-digen] skipping damaged checkpoint {path}: {why}", flush=True)
+    return None, skipped
 
 
 def checkpoint_at(path: str) -> Checkpoint:
@@ -276,10 +335,13 @@ def checkpoint_at(path: str) -> Checkpoint:
 
 
 class RootLock:
-    """An exclusive lock on a checkpoint root for the lifetime of a run (``fcntl.flock``)."""
+    """An exclusive lock on a run's directory for the lifetime of the run (``fcntl.flock``):
+    the checkpoint root (``trainer.default_local_dir``) or the run output (``digen.output_dir``)."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, key: str = "trainer.default_local_dir",
+                 what: str = "two runs writing one checkpoint directory would overwrite each other's checkpoints") -> None:
         self.root = root
+        self.key, self.what = key, what
         self.path = os.path.join(root, LOCK_FILE)
         self._fd: int | None = None
 
@@ -294,9 +356,8 @@ class RootLock:
             with os.fdopen(fd) as f:
                 who = f.read().strip() or "unknown holder"
             raise CheckpointError(
-                f"trainer.default_local_dir={self.root} is in use by another run ({who}); two runs writing one "
-                "checkpoint directory would overwrite each other's checkpoints: give this run its own "
-                "trainer.default_local_dir, or wait for the other to finish"
+                f"{self.key}={self.root} is in use by another run ({who}); {self.what}: give this run its own "
+                f"{self.key}, or wait for the other to finish"
             ) from None
         os.ftruncate(fd, 0)
         info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S"), **holder}
@@ -312,26 +373,173 @@ class RootLock:
             self._fd = None
 
 
+def remove_stale_temporaries(root: str) -> list[str]:
+    """Remove the temporary directories and files a killed run left under ``root``
+    (``.tmp-global_step_*`` being written when it died). Call only while holding
+    :class:`RootLock`: no live run can be writing them then. Returns what was removed."""
+    removed = []
+    if not os.path.isdir(root):
+        return removed
+    for name in sorted(os.listdir(root)):
+        if not name.startswith(".tmp-"):
+            continue
+        path = os.path.join(root, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.remove(path)
+        removed.append(path)
+        print(f"[verl-digen] removed {path}, left by a run that stopped while writing a checkpoint", flush=True)
+    return removed
+
+
+@contextlib.contextmanager
+def locked_run_directories(output_dir: str, checkpoint_root: str | None) -> Iterator[None]:
+    """Hold the run's output directory and (unless None) its checkpoint root for the run, then
+    remove the temporaries a killed run left in the root (no live run writes them then)."""
+    locks = [RootLock(output_dir, "digen.output_dir",
+                      "two runs writing one output directory would interleave their metrics and images")]
+    if checkpoint_root is not None and os.path.realpath(checkpoint_root) != os.path.realpath(output_dir):
+        locks.append(RootLock(checkpoint_root))
+    held: list[RootLock] = []
+    try:
+        for lock in locks:
+            lock.acquire({"output_dir": output_dir})
+            held.append(lock)
+        if checkpoint_root is not None:
+            remove_stale_temporaries(checkpoint_root)
+        yield
+    finally:
+        for lock in reversed(held):
+            lock.release()
+
+
+# ---------------------------------------------------------------------------- the same run?
+
+def model_fingerprint(path: str) -> str:
+    """SHA-256 naming a model directory's content without reading its weights: every file's
+    relative path and size, configs and other small files by content, and each safetensors
+    file's header (tensor names, shapes, dtypes, offsets). Another model, or the same one with
+    other weights files, gets another fingerprint; a copy of the same files the same one."""
+    import struct
+
+    h = hashlib.sha256()
+    for root, dirs, files in os.walk(path, followlinks=True):
+        dirs.sort()
+        for name in sorted(files):
+            file = os.path.join(root, name)
+            rel = os.path.relpath(file, path)
+            size = os.path.getsize(file)
+            h.update(f"\0{rel}\0{size}\0".encode())
+            with open(file, "rb") as f:
+                if name.endswith(".safetensors") and size >= 8:
+                    (n,) = struct.unpack("<Q", f.read(8))
+                    h.update(f.read(min(n, size - 8)))
+                elif size <= (1 << 20):
+                    h.update(f.read())
+    return h.hexdigest()
+
+
+def run_identity(cfg: Any, model_path: str) -> dict[str, Any]:
+    """What a checkpoint records, and a resume compares, to say it is the same run (see
+    :data:`IDENTITY_KEYS`); ``cfg`` is the run's ``DigenConfig``."""
+    from verl_digen.models.registry import detect_arch
+
+    lora = cfg.model.lora
+    return {
+        "model_path": model_path,
+        "model_fingerprint": model_fingerprint(model_path),
+        "arch": cfg.model.arch or detect_arch(model_path),
+        "lora_only": bool(lora.enable),
+        "lora_rank": lora.rank if lora.enable else None,
+        "lora_alpha": float(lora.alpha) if lora.enable else None,
+        "lora_target_modules": sorted(lora.target_modules) if lora.enable else None,
+        "dtype": cfg.model.dtype,
+        "trainable_dtype": cfg.model.trainable_dtype,
+        "group_size": cfg.batch.group_size,
+        "ema": bool(cfg.ema.enable),
+    }
+
+
+def check_same_run(ckpt: Checkpoint, identity: dict[str, Any], allow_changes: list[str] | tuple[str, ...] = ()) -> None:
+    """Refuse to resume ``ckpt`` into a run that differs from the one that wrote it, listing
+    every difference; ``allow_changes`` (``digen.resume.allow_changes``) names the identity keys
+    that may differ. Checkpoints written before identities were recorded are not compared."""
+    saved = ckpt.meta().get("identity")
+    if not isinstance(saved, dict):
+        print(f"[verl-digen] {ckpt.path} was written before checkpoints recorded their run's identity "
+              "(model, LoRA, dtype, group size): not compared", flush=True)
+        return
+    diffs = []
+    for key, where in IDENTITY_KEYS.items():
+        if key in allow_changes or saved.get(key) == identity.get(key):
+            continue
+        if key == "model_fingerprint":
+            diffs.append(f"  - {where}: the checkpoint was trained from {saved.get('model_path')}, this run loads "
+                         f"{identity.get('model_path')}, and their files differ")
+        else:
+            diffs.append(f"  - {where}: checkpoint {saved.get(key)!r}, this run {identity.get(key)!r}")
+    if diffs:
+        raise CheckpointError(
+            f"{ckpt.path} was written by a different run:\n" + "\n".join(diffs) + "\n"
+            "Resume with the checkpoint's settings, start fresh (trainer.resume_mode=disable or another "
+            "trainer.default_local_dir), or accept a change on purpose with digen.resume.allow_changes=["
+            + ",".join(k for k in IDENTITY_KEYS if any(IDENTITY_KEYS[k] in d for d in diffs)) + "]"
+        )
+    if saved.get("model_path") != identity.get("model_path"):
+        print(f"[verl-digen] resuming with the model at {identity.get('model_path')} (the checkpoint names "
+              f"{saved.get('model_path')}; same files)", flush=True)
+
+
 # ---------------------------------------------------------------------------- a run's checkpoints
 
 
-def select_resume(trainer_cfg: Any, root: str) -> Checkpoint | None:
-    """The checkpoint ``trainer.resume_mode`` asks for (None: start fresh)."""
+def select_resume(trainer_cfg: Any, root: str, *, fresh_if_damaged: bool = False) -> Checkpoint | None:
+    """The checkpoint ``trainer.resume_mode`` asks for (None: start fresh).
+
+    ``auto`` with checkpoints present but none intact stops, listing each and why, unless
+    ``fresh_if_damaged`` (``digen.resume.fresh_if_damaged``): a fresh run never writes over
+    them (see :func:`save_checkpoint`)."""
     from verl_digen.config.schema import ConfigError
 
     mode = trainer_cfg.get("resume_mode", "auto")
     if mode == "disable":
         return None
     if mode == "auto":
-        return find_latest_intact(root)
+        ckpt, skipped = scan_checkpoints(root)
+        if ckpt is None and skipped and not fresh_if_damaged:
+            listing = "\n".join(f"  - {why}" for why in skipped)
+            raise CheckpointError(
+                f"trainer.resume_mode=auto: {root} holds {len(skipped)} checkpoint(s) and none is intact:\n{listing}\n"
+                "Repair or remove them, resume a specific one with trainer.resume_mode=resume_path, or start "
+                "fresh anyway with digen.resume.fresh_if_damaged=true (damaged checkpoints are then kept aside "
+                "as global_step_<k>.damaged, never overwritten)"
+            )
+        if ckpt is None and skipped:
+            print(f"[verl-digen] digen.resume.fresh_if_damaged=true: starting fresh; the {len(skipped)} damaged "
+                  "checkpoint(s) stay where they are and are moved aside, not overwritten, if a step collides",
+                  flush=True)
+        return ckpt
     if mode == "resume_path":
         path = trainer_cfg.get("resume_from_path")
         if not path:
             raise ConfigError("invalid config: trainer.resume_mode=resume_path needs trainer.resume_from_path")
         ckpt = checkpoint_at(str(path))
-        ckpt.verify()
+        why = damage(ckpt)
+        if why is not None:
+            raise CheckpointError(why)
         return ckpt
     raise ConfigError(f"invalid config: trainer.resume_mode={mode!r}; valid: auto, disable, resume_path")
+
+
+def resume_point(trainer_cfg: Any, root: str, cfg: Any, model_path: str) -> tuple[Checkpoint | None, dict[str, Any]]:
+    """The checkpoint to resume (None: start fresh), checked to be this run's, and this run's
+    identity for the checkpoints it writes; ``cfg`` is the run's ``DigenConfig``."""
+    identity = run_identity(cfg, model_path)
+    ckpt = select_resume(trainer_cfg, root, fresh_if_damaged=cfg.resume.fresh_if_damaged)
+    if ckpt is not None:
+        check_same_run(ckpt, identity, cfg.resume.allow_changes)
+    return ckpt, identity
 
 
 class RunCheckpoints:
@@ -350,6 +558,7 @@ class RunCheckpoints:
         self.timeout_s = timeout_s
         self.sampler_before: dict[int, dict[str, Any]] = {}
         self.last_saved = 0
+        self.failed_saves: list[BaseException] = []  # Ray errors of failed saves, for the run's error.log
 
     def note_sampler(self, step: int, state: dict[str, Any]) -> None:
         """The sampler's position before step ``step``'s prompts were drawn."""
@@ -357,7 +566,22 @@ class RunCheckpoints:
 
     def save(self, actors: dict[Any, Any], step: int, metrics: list[dict[str, Any]]) -> str:
         """Checkpoint after ``step``: every trainer rank writes its own shards (DCP) into the
-        checkpoint's temporary directory; the driver receives their file names and checksums."""
+        checkpoint's temporary directory; the driver receives their file names and checksums.
+
+        A trainer rank's failure (a full disk) raises a one-line :class:`runtime.WorkerError`
+        naming its cause instead of Ray's traceback of every rank; the Ray error is kept in
+        :attr:`failed_saves` for the run's ``error.log``."""
+        import ray
+
+        from verl_digen.trainer import runtime
+
+        try:
+            return self._save(actors, step, metrics)
+        except ray.exceptions.RayError as e:
+            self.failed_saves.append(e)
+            raise runtime.WorkerError(runtime.error_summary(e)) from e
+
+    def _save(self, actors: dict[Any, Any], step: int, metrics: list[dict[str, Any]]) -> str:
         import ray
 
         trainer_actors = [actors[w] for w in self.spec.trainers]
@@ -417,11 +641,12 @@ class RunCheckpoints:
                 saved = f"not written ({e.__class__.__name__}: {e})"
         elif self.last_saved > 0:
             saved = os.path.join(self.root, f"global_step_{self.last_saved}")
-        how = (
-            f"resume with trainer.resume_mode=auto trainer.default_local_dir={self.root}"
-            if self.last_saved > 0 or (saved and not str(saved).startswith("not"))
-            else "no checkpoint exists yet (set trainer.save_freq to write them)"
-        )
+        if self.last_saved > 0 or (saved and not str(saved).startswith("not")):
+            how = f"resume with trainer.resume_mode=auto trainer.default_local_dir={self.root}"
+        elif saved:
+            how = "no checkpoint could be written, none was written before"
+        else:
+            how = "no checkpoint exists yet (set trainer.save_freq to write them)"
         kind = "interrupted" if isinstance(error, KeyboardInterrupt) else "stopped"
         return (f"[verl-digen] run {kind} after {done} completed steps: {error}\n"
                 f"[verl-digen] checkpoint: {saved or 'none'}; {how}")

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,27 +35,8 @@ from verl_digen.schedule.elastic import balanced_spec
 from verl_digen.schedule.plan import TaskKind, WorkerId, group_ids
 from verl_digen.schedule.timeline import save_gantt
 from verl_digen.trainer import resolve, runtime
-from verl_digen.trainer.checkpoint import RootLock, RunCheckpoints, select_resume
+from verl_digen.trainer.checkpoint import RunCheckpoints, locked_run_directories, resume_point
 from verl_digen.trainer.ray_executor import RayPlanExecutor
-
-
-class _RunCheckpoints(RunCheckpoints):
-    """The run's checkpoints, whose failed saves read as one line: a trainer rank's error (a full
-    disk) becomes a :class:`runtime.WorkerError` naming its cause, instead of Ray's traceback of
-    every rank inside the stop message; the Ray errors are kept for the run's ``error.log``."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.failed_saves: list[BaseException] = []
-
-    def save(self, *args: Any, **kwargs: Any) -> str:
-        import ray
-
-        try:
-            return super().save(*args, **kwargs)
-        except ray.exceptions.RayError as e:
-            self.failed_saves.append(e)
-            raise runtime.WorkerError(runtime.error_summary(e)) from e
 
 
 class RunStopped(RuntimeError):
@@ -119,7 +99,10 @@ class DigenTrainer:
         self.worker_groups = worker_groups
         root = str(self.trainer_cfg.default_local_dir)
         self.save_freq = -1 if self.emulated else int(self.trainer_cfg.get("save_freq", -1) or -1)
-        self.resume_from = None if self.emulated else select_resume(self.trainer_cfg, root)
+        if not self.emulated:
+            resolve.check_directory(root, "trainer.default_local_dir")
+        self.resume_from, identity = (None, None) if self.emulated else resume_point(self.trainer_cfg, root, cfg,
+                                                                                     self.model_path)
         self.start_step = self.resume_from.step if self.resume_from else 0
         if self.start_step >= self.total_steps:
             raise ConfigError(
@@ -128,9 +111,10 @@ class DigenTrainer:
                 "or start fresh with trainer.resume_mode=disable"
             )
         meta = {"model_path": self.model_path, "lora_only": cfg.model.lora.enable,
-                "lora": dataclasses.asdict(cfg.model.lora), "arch": cfg.model.arch, "output_dir": self.output_dir}
-        self.checkpoints = _RunCheckpoints(root, self.spec, meta=meta, timeout_s=cfg.task_timeout_s,
-                                           max_to_keep=self.trainer_cfg.get("max_actor_ckpt_to_keep"))
+                "lora": dataclasses.asdict(cfg.model.lora), "arch": cfg.model.arch, "output_dir": self.output_dir,
+                "identity": identity}
+        self.checkpoints = RunCheckpoints(root, self.spec, meta=meta, timeout_s=cfg.task_timeout_s,
+                                          max_to_keep=self.trainer_cfg.get("max_actor_ckpt_to_keep"))
         self.history: list[dict[str, Any]] = []
         self.val_before_train: dict[str, float] | None = None
         self._completed = self.start_step
@@ -152,24 +136,22 @@ class DigenTrainer:
 
         cfg = self.cfg
         runtime.quiet_logs()
-        lock = RootLock(self.checkpoints.root)
-        if not self.emulated:  # emulated runs write no checkpoints
-            lock.acquire({"output_dir": self.output_dir})
         owns_ray, self._groups = False, {}
-        try:
-            owns_ray = runtime.init_ray(max(self.spec.devices, self.cluster.devices), cfg,
-                                        address=self.ray_address, num_cpus=self.ray_num_cpus)
-            use_gpu = runtime.device_kind(self.trainer_device, ray.cluster_resources().get("GPU", 0)) == "cuda"
-            with runtime.stop_signals():
-                try:
-                    metrics, extra = self._run_on_ray(use_gpu)
-                except KeyboardInterrupt as e:  # SIGINT/SIGTERM: exit 128 + signal (main.py)
-                    raise runtime.as_interrupt(e) from None
-                except (ray.exceptions.RayError, OSError) as e:  # outside the steps: start, load, final sync
-                    raise self._failed(e) from e
-        finally:
-            runtime.release(self._groups, owns_ray)
-            lock.release()
+        # emulated runs write no checkpoints
+        with locked_run_directories(self.output_dir, None if self.emulated else self.checkpoints.root):
+            try:
+                owns_ray = runtime.init_ray(max(self.spec.devices, self.cluster.devices), cfg,
+                                            address=self.ray_address, num_cpus=self.ray_num_cpus)
+                use_gpu = runtime.device_kind(self.trainer_device, ray.cluster_resources().get("GPU", 0)) == "cuda"
+                with runtime.stop_signals():
+                    try:
+                        metrics, extra = self._run_on_ray(use_gpu)
+                    except KeyboardInterrupt as e:  # SIGINT/SIGTERM: exit 128 + signal (main.py)
+                        raise runtime.as_interrupt(e) from None
+                    except (ray.exceptions.RayError, OSError) as e:  # outside the steps: start, load, final sync
+                        raise self._failed(e) from e
+            finally:
+                runtime.release(self._groups, owns_ray)
         print(f"[verl-digen] run output: {self.output_dir}")
         return RunResult(output_dir=self.output_dir, metrics=metrics, strategy=self.spec.name,
                          devices=self.spec.devices, wall_s=self._wall_s, extra=extra)
@@ -307,29 +289,21 @@ class DigenTrainer:
         return out["metrics"]
 
     def _stopped(self, error: BaseException, actors: dict[WorkerId, Any]) -> BaseException:
-        """Turn a failure into a clean stop: checkpoint what completed, say how to resume. The
-        message is a few lines (the failure as :func:`runtime.error_summary` words it); the full
-        tracebacks go to the run's ``error.log``, which the message names."""
+        """Turn a failure into a clean stop: checkpoint what completed, say how to resume, in a few
+        lines (:func:`runtime.stop_message`; the full tracebacks go to the run's ``error.log``)."""
         if isinstance(error, KeyboardInterrupt):
             error = runtime.as_interrupt(error)
-            message = self.checkpoints.on_stop(error, self._completed, actors, self._metrics_so_far())
-            print(message, file=sys.stderr, flush=True)
-            return error
-        self.checkpoints.failed_saves.clear()
-        summary = runtime.WorkerError(runtime.error_summary(error))
-        message = self.checkpoints.on_stop(summary, self._completed, actors, self._metrics_so_far())
-        also = [e for e in self.checkpoints.failed_saves if e is not error.__cause__]
-        message += "\n" + runtime.write_error_log(self.output_dir, error, also)
-        print(message, file=sys.stderr, flush=True)
-        return RunStopped(message)
+        message = runtime.stop_message(error, self.output_dir, self.checkpoints,
+                                       lambda e: self.checkpoints.on_stop(e, self._completed, actors,
+                                                                          self._metrics_so_far()))
+        return error if isinstance(error, KeyboardInterrupt) else RunStopped(message)
 
     def _failed(self, error: BaseException) -> RunStopped:
         """A failure outside the training steps (workers starting or loading, the final sync): the
         short message and the log, as :meth:`_stopped`, without a checkpoint (the steps wrote theirs)."""
-        message = (f"[verl-digen] run failed after {self._completed} completed steps: {runtime.error_summary(error)}\n"
-                   + runtime.write_error_log(self.output_dir, error))
-        print(message, file=sys.stderr, flush=True)
-        return RunStopped(message)
+        return RunStopped(runtime.stop_message(
+            error, self.output_dir, None,
+            lambda e: f"[verl-digen] run failed after {self._completed} completed steps: {e}"))
 
     def _metrics_so_far(self) -> list[dict[str, Any]]:
         path = os.path.join(self.output_dir, "metrics.jsonl")

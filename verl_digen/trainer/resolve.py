@@ -58,6 +58,7 @@ def resolve_model_path(cfg: DigenConfig) -> str:
         raise ConfigError(f"invalid config: digen.model.arch={cfg.model.arch!r}; known: {', '.join(sorted(ADAPTERS))}")
     arch = cfg.model.arch or detect_arch(path)  # names a missing model_index.json or an unsupported pipeline
     check_safetensors(path)
+    check_component_weights(path)
     from verl_digen.models.base import SampleSpec
 
     s = cfg.sampling
@@ -134,6 +135,41 @@ def check_safetensors(path: str) -> None:
                     raise ValueError(f"{size} bytes, the header needs {need} (truncated)")
             except (ValueError, KeyError, TypeError, struct.error) as e:
                 raise ConfigError(f"invalid model: {file} is not a whole safetensors file ({e})") from None
+
+
+def check_component_weights(path: str) -> None:
+    """Every model component that ``model_index.json`` lists and that has a ``config.json`` (the
+    networks: transformer, VAE, text encoders; schedulers and tokenizers have none) has its
+    weights: a file with a weights suffix, or a sharded index whose shards are all present. A
+    folder missing them stops here, naming it, instead of inside a worker's ``from_pretrained``."""
+    import json
+
+    from verl_digen.models.base import has_component, read_model_index
+    from verl_digen.models.prompt_cache import WEIGHT_SUFFIXES
+
+    index = read_model_index(path)
+    for name in sorted(index):
+        folder = os.path.join(path, name)
+        if not has_component(index, name) or not os.path.isfile(os.path.join(folder, "config.json")):
+            continue
+        files = os.listdir(folder)
+        for shard_index in (f for f in files if f.endswith(".index.json")):
+            try:
+                with open(os.path.join(folder, shard_index)) as f:
+                    shards = set(json.load(f)["weight_map"].values())
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ConfigError(f"invalid model: {os.path.join(folder, shard_index)} is not a readable "
+                                  f"sharded-weights index ({e})") from None
+            missing = sorted(s for s in shards if not os.path.isfile(os.path.join(folder, s)))
+            if missing:
+                raise ConfigError(f"invalid model: {folder} lacks {len(missing)} weight shard(s) its "
+                                  f"{shard_index} lists: {', '.join(missing[:5])}")
+        if not any(f.endswith(WEIGHT_SUFFIXES) for f in files):
+            raise ConfigError(
+                f"invalid model: component '{name}' ({folder}) has a config.json but no weights file "
+                f"(expected e.g. diffusion_pytorch_model.safetensors or model.safetensors); the download or "
+                "copy is incomplete"
+            )
 
 
 def resolve_prompts(cfg: DigenConfig, source: str | None = None) -> list[str]:
@@ -275,8 +311,23 @@ def output_dir_for(cfg: DigenConfig, trainer_cfg: Any) -> str:
     else:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         path = os.path.join("runs", str(trainer_cfg.project_name), f"{trainer_cfg.experiment_name}-{stamp}")
-    os.makedirs(path, exist_ok=True)
-    return os.path.abspath(path)
+    return check_directory(path, "digen.output_dir")
+
+
+def check_directory(path: str, key: str) -> str:
+    """Create the run directory ``key`` names (absolute path returned); a path that is, or lies
+    under, a regular file, or that cannot be created, is a :class:`ConfigError` naming both."""
+    path = os.path.abspath(os.path.expanduser(path))
+    probe = path
+    while probe and not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if probe and not os.path.isdir(probe):
+        raise ConfigError(f"invalid config: {key}={path} cannot be a directory: {probe} is a file")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"invalid config: {key}={path} cannot be created ({e.strerror or e})") from None
+    return path
 
 
 def preflight_reward(cfg: DigenConfig) -> None:

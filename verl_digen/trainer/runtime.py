@@ -410,6 +410,26 @@ def _task_site(error: Any) -> str:
     return f" (in {found.group(1)}, pid {found.group(2)})" if found else ""
 
 
+def stop_message(error: BaseException, output_dir: str, checkpoints: Any,
+                 describe: Callable[[BaseException], str]) -> str:
+    """Print and return the few-line message of a stopped run: ``describe`` words the failure
+    (given it as a one-line :class:`WorkerError`, or the interrupt itself) and the checkpoint
+    taken at the stop; every traceback (the failure's and a failed stop checkpoint's) goes to
+    ``<output_dir>/error.log``, which the message names. An interrupt needs no log."""
+    import sys
+
+    if isinstance(error, KeyboardInterrupt):
+        message = describe(error)
+    else:
+        failed_saves = checkpoints.failed_saves if checkpoints is not None else []
+        failed_saves.clear()
+        message = describe(WorkerError(error_summary(error)))
+        also = [e for e in failed_saves if e is not error.__cause__]
+        message += "\n" + write_error_log(output_dir, error, also)
+    print(message, file=sys.stderr, flush=True)
+    return message
+
+
 def write_error_log(output_dir: str, error: BaseException, also: list[BaseException] | tuple = ()) -> str:
     """Append ``error``'s full traceback (with its causes and, for a Ray error, the remote
     traceback), and those of ``also``, to ``<output_dir>/error.log``; return the line that says

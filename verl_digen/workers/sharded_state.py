@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 import re
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -101,6 +105,122 @@ def _dcp_args(group: dist.ProcessGroup | None) -> dict[str, Any]:
     return {"process_group": group} if group is not None else {"no_dist": True}
 
 
+# ---------------------------------------------------------------- reading DCP without running code
+#
+# torch.distributed.checkpoint reads two pickles from a checkpoint directory: ``.metadata``
+# (``FileSystemReader.read_metadata``: plain ``pickle.load``) and every non-tensor item of the
+# ``.distcp`` files (``DefaultLoadPlanner.load_bytes``: ``torch.load(weights_only=False)``).
+# Checkpoints come from outside and meta.json's checksums can be rewritten by whoever writes
+# the files, so both would run a crafted payload. DCP has no restricted mode; the pickle
+# documentation's way ("Restricting Globals": override ``find_class``) is used for the
+# metadata, and torch's own ``weights_only`` unpickler for the items.
+
+# Every global DCP's metadata pickle names (torch 2.11-2.13, FileSystemWriter): the metadata
+# dataclasses, the file index entry, torch.Size, the layout helper torch registers with copyreg,
+# the checkpoint id path, and torch dtypes (checked below as any ``torch.<name>`` that is a dtype).
+_DCP_METADATA_GLOBALS = frozenset({
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+})
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _DCP_METADATA_GLOBALS or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"global '{module}.{name}' is not a type checkpoint metadata holds")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError(f"persistent id {pid!r} is not something checkpoint metadata holds")
+
+
+def _refused(path: Any, e: BaseException) -> CheckpointError:
+    return CheckpointError(
+        f"{path}: refused ({e.__class__.__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}); a checkpoint "
+        "holds only tensors, plain containers and torch.distributed.checkpoint's metadata, and this file holds "
+        "something else (a damaged or crafted file): do not resume from or export this checkpoint"
+    )
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """DCP's file reader with its ``.metadata`` unpickled through :class:`_MetadataUnpickler`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        path = os.path.join(str(self.path), ".metadata" if rank is None else f"__{rank}.metadata")
+        try:
+            with open(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except OSError as e:
+            raise CheckpointError(f"{path}: unreadable ({e})") from None
+        except Exception as e:  # UnpicklingError for a refused global, anything else for damage
+            raise _refused(path, e) from None
+        if not isinstance(metadata, Metadata):
+            raise _refused(path, TypeError(f"holds a {type(metadata).__name__}, not DCP Metadata"))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner with every non-tensor item read by torch's ``weights_only``
+    unpickler first (tensors and plain containers only); what passes is then loaded as DCP does."""
+
+    def __init__(self, state_dir: str) -> None:
+        super().__init__()
+        self.state_dir = state_dir
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        try:
+            torch.load(value, weights_only=True)
+        except Exception as e:
+            info = (self.metadata.storage_data or {}).get(read_item.storage_index) if self.metadata else None
+            where = getattr(info, "relative_path", None) or "a .distcp file"
+            raise _refused(f"{self.state_dir}/{where} (item {read_item.dest_index.fqn})", e) from None
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+def dcp_load(state: dict[str, Any], path: str, **dist_args: Any) -> None:
+    """``dcp.load`` of ``state`` from ``path`` with the safe reader and planner; a refused file
+    or a failure on any rank raises :class:`CheckpointError` naming the file.
+
+    torch's ``CheckpointException`` (raised for a failure on any rank) derives from
+    ``BaseException``, so ``except Exception`` alone would let it through unnamed.
+    """
+    # Read (and refuse) the metadata here first: inside dcp.load a refused global metadata is
+    # followed by a per-rank metadata lookup and reported as an AssertionError of both.
+    SafeFileSystemReader(path).read_metadata()
+    try:
+        dcp.load(state, checkpoint_id=path, storage_reader=SafeFileSystemReader(path),
+                 planner=SafeLoadPlanner(path), **dist_args)
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as e:
+        raise _first_cause(e, path) from None
+
+
+def _first_cause(e: BaseException, path: str) -> CheckpointError:
+    """The error of the first failed rank (a :class:`CheckpointError` as it was raised), or one
+    naming ``path`` and DCP's own reason (a missing key, a shape that does not fit)."""
+    if isinstance(e, CheckpointException):
+        for _rank, (cause, _trace) in sorted(e.failures.items()):
+            if isinstance(cause, CheckpointError):
+                return cause
+            return _first_cause(cause, path)
+    return CheckpointError(f"{path}: cannot be loaded into this model ({e.__class__.__name__}: "
+                           f"{(str(e).splitlines() or [''])[0][:300]})")
+
+
 def file_record(path: str) -> dict[str, Any]:
     """A written checkpoint file, synced to disk, as ``meta.json`` records it: sha256 and size."""
     h = hashlib.sha256()
@@ -172,12 +292,7 @@ def load_rank_state(
     if optimizer is not None:
         if ema is not None:
             state["ema"] = ema.state_dict()
-    path = os.path.join(directory, STATE_DIR)
-    try:
-        dcp.load(state, checkpoint_id=path, **_dcp_args(group))
-    except Exception as e:  # a missing key or a shape that does not fit, named by DCP
-        raise CheckpointError(f"{path}: cannot be loaded into this model ({e.__class__.__name__}: "
-                              f"{str(e).splitlines()[0][:300]})") from None
+    dcp_load(state, os.path.join(directory, STATE_DIR), **_dcp_args(group))
     set_model_state_dict(module, state[MODEL_KEY], options=StateDictOptions(strict=False))
     if optimizer is None:
         return
@@ -201,12 +316,12 @@ def read_full_weights(directory: str) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     path = os.path.join(directory, STATE_DIR)
-    metadata = dcp.FileSystemReader(path).read_metadata()
+    metadata = SafeFileSystemReader(path).read_metadata()
     prefix = MODEL_KEY + "."
     weights = {
         key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
         for key, meta in metadata.state_dict_metadata.items()
         if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
     }
-    dcp.load({MODEL_KEY: weights}, checkpoint_id=path, no_dist=True)
+    dcp_load({MODEL_KEY: weights}, path, no_dist=True)
     return dict(sorted(weights.items()))
