@@ -104,6 +104,36 @@ def test_a_score_that_is_not_a_finite_number_is_refused(tmp_path):
         reward(torch.rand(1, 3, 8, 8), ["x"])
 
 
+@pytest.mark.parametrize("expr", ["np.float32(len(prompt))", "torch.tensor(float(len(prompt)))",
+                                  "np.array(len(prompt), dtype=np.int64)", "np.int32(len(prompt))"])
+def test_numpy_and_torch_scalars_are_scores(tmp_path, expr):
+    source = f"import numpy as np, torch\ndef compute_score(source, image, prompt, truth, info):\n    return {expr}\n"
+    reward = build_reward("custom", path=_write(tmp_path, source))
+    assert reward(torch.rand(2, 3, 8, 8), ["ab", "abc"]).tolist() == [2.0, 3.0]
+
+
+@pytest.mark.parametrize("expr", ["np.array([len(p) for p in prompts], dtype=np.float32)",
+                                  "torch.tensor([float(len(p)) for p in prompts])",
+                                  "tuple(np.float32(len(p)) for p in prompts)"])
+def test_the_batched_form_may_return_a_1d_array(tmp_path, expr):
+    source = f"import numpy as np, torch\ndef score(sources, images, prompts, truths, infos):\n    return {expr}\n"
+    reward = build_reward("custom", path=_write(tmp_path, source), function="score", batched=True)
+    assert reward(torch.rand(2, 3, 8, 8), ["ab", "abc"]).tolist() == [2.0, 3.0]
+
+
+@pytest.mark.parametrize(("expr", "message"), [
+    ("np.ones((2, 1), dtype=np.float32)", r"returned an array of shape \(2, 1\); expected one score per sample"),
+    ("[True, False]", r"returned True for prompt 'ab'; expected a finite float"),
+    ("[np.float32('inf'), 1.0]", r"returned .*inf.* for prompt 'ab'; expected a finite float"),
+    ("3.0", r"returned 3.0; expected a list of scores"),
+])
+def test_batched_results_that_are_not_one_finite_score_per_sample_are_refused(tmp_path, expr, message):
+    source = f"import numpy as np\ndef score(sources, images, prompts, truths, infos):\n    return {expr}\n"
+    reward = build_reward("custom", path=_write(tmp_path, source), function="score", batched=True)
+    with pytest.raises(CustomRewardError, match=message):
+        reward(torch.rand(2, 3, 8, 8), ["ab", "abc"])
+
+
 @pytest.mark.parametrize(("key", "value", "message"), [
     ("path", "/no/such_reward.py", r"reward.custom_reward_function.path: reward file '/no/such_reward.py' does not exist"),
     ("function", "nope", r"reward.custom_reward_function.name: .* defines no 'nope'"),

@@ -81,10 +81,11 @@ class CustomFunctionReward(RewardFn):
             extra["fps"] = self.fps
         if self.batched:
             try:
-                scores = list(self.fn([f[0] for f in fields], media, list(prompts), [f[1] for f in fields],
-                                      [f[2] for f in fields], **extra))
+                scores = self.fn([f[0] for f in fields], media, list(prompts), [f[1] for f in fields],
+                                 [f[2] for f in fields], **extra)
             except Exception:
                 raise self._error(f"on a batch of {len(prompts)} samples, prompts {list(prompts)!r}") from None
+            scores = self._score_list(scores)
             if len(scores) != len(prompts):
                 raise CustomRewardError(f"{self._where()} returned {len(scores)} scores for {len(prompts)} samples")
         else:
@@ -96,16 +97,47 @@ class CustomFunctionReward(RewardFn):
                     raise self._error(f"on sample {i}, prompt {prompt!r}") from None
         out = []
         for i, s in enumerate(scores):
-            if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(float(s)):
+            value = _as_number(s)
+            if value is None or not math.isfinite(value):
                 raise CustomRewardError(f"{self._where()} returned {s!r} for prompt {prompts[i]!r}; expected a finite float")
-            out.append(float(s))
+            out.append(value)
         return torch.tensor(out, dtype=torch.float32)
+
+    def _score_list(self, scores: Any) -> list[Any]:
+        """The batched form's result as a list: a list or tuple, or a 1-d numpy array or tensor."""
+        ndim = getattr(scores, "ndim", None)
+        if ndim is not None:  # numpy array or torch tensor
+            if ndim != 1:
+                raise CustomRewardError(f"{self._where()} returned an array of shape {tuple(scores.shape)}; "
+                                        "expected one score per sample (a list or a 1-d array)")
+            scores = scores.detach().cpu() if isinstance(scores, torch.Tensor) else scores
+            return scores.tolist()
+        try:
+            return list(scores)
+        except TypeError:
+            raise CustomRewardError(f"{self._where()} returned {scores!r}; expected a list of scores (batched=True)") from None
 
     def _where(self) -> str:
         return f"reward.custom_reward_function {self.path}:{self.function}"
 
     def _error(self, sample: str) -> CustomRewardError:
         return CustomRewardError(f"{self._where()} failed {sample}:\n{traceback.format_exc()}")
+
+
+def _as_number(s: Any) -> float | None:
+    """A score as a float: Python, numpy and 0-d torch / numpy numbers (bools are not scores); None
+    for anything else."""
+    import numpy as np
+
+    if isinstance(s, (bool, np.bool_)):
+        return None
+    if isinstance(s, torch.Tensor) and s.dim() == 0 and s.dtype != torch.bool and not s.is_complex():
+        return float(s.item())
+    if isinstance(s, np.ndarray) and s.ndim == 0 and s.dtype.kind in "iuf":
+        return float(s)
+    if isinstance(s, (int, float, np.integer, np.floating)):
+        return float(s)
+    return None
 
 
 def _fields(record: Mapping[str, Any], fps: float | None) -> tuple[Any, Any, dict[str, Any]]:
