@@ -58,7 +58,6 @@ def resolve_model_path(cfg: DigenConfig) -> str:
         raise ConfigError(f"invalid config: digen.model.arch={cfg.model.arch!r}; known: {', '.join(sorted(ADAPTERS))}")
     arch = cfg.model.arch or detect_arch(path)  # names a missing model_index.json or an unsupported pipeline
     check_safetensors(path)
-    check_component_weights(path)
     from verl_digen.models.base import SampleSpec
 
     s = cfg.sampling
@@ -411,6 +410,8 @@ def check_run_config(config: Any, entry: str = DIGEN_MAIN) -> CheckedRun:
 
             check_job_memory(cfg, devices_per_node=int(config.trainer.n_gpus_per_node),
                              nnodes=int(config.trainer.get("nnodes", 1) or 1), model_path=model_path)
+        if cfg.emulate.model is None:  # after the memory plan: a job that cannot fit is the first thing to fix
+            check_component_weights(model_path)
         # Last: with veRL's default trainer.logger=[console,wandb], a missing W&B key must not hide
         # the errors above.
         check_logger_setup(logger_list(config.trainer))
