@@ -191,9 +191,13 @@ def test_validate_config_runs_the_digen_checks_in_the_digen_mode_only():
                         use_reference_policy=False, use_critic=False)
 
 
-def test_digen_mode_needs_no_critic_and_no_llm_keys_from_the_user(tmp_path, tiny_flux):
-    """veRL's defaults (adv_estimator=gae: a critic; no log-prob micro-batch sizes) pass the digen mode's checks."""
+def test_digen_mode_needs_no_critic_and_no_llm_keys_from_the_user(tmp_path, tiny_flux, monkeypatch):
+    """veRL's defaults (adv_estimator=gae: a critic; no log-prob micro-batch sizes) pass the digen mode's checks.
+    veRL's default trainer.logger includes wandb, whose missing key is refused up front
+    (test_run_failures.py): W&B is switched off here as a user without a key would."""
     from verl.utils.config import validate_config
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
 
     validate_config(_verl_config("trainer.v1.trainer_mode=digen", "trainer.total_training_steps=1",
                                  f"trainer.default_local_dir={tmp_path}"), use_reference_policy=False, use_critic=True)

@@ -140,6 +140,9 @@ class Checkpoint:
             raise CheckpointError(f"{self._file('meta.json')}: unreadable ({e})") from None
         if files is None:  # written before checksums existed: nothing to check against
             return
+        if not isinstance(files, dict) or not all(isinstance(w, dict) and {"bytes", "sha256"} <= set(w)
+                                                  for w in files.values()):
+            raise CheckpointError(f"{self._file('meta.json')}: malformed 'files' (expected name -> sha256 and bytes)")
         for name, want in files.items():
             path = self._file(name)
             if not os.path.isfile(path):
@@ -314,6 +317,9 @@ def scan_checkpoints(root: str) -> tuple[Checkpoint | None, list[str]]:
     skipped = []
     for step, path in sorted(_step_dirs(root), reverse=True):
         ckpt = Checkpoint(path, step)
+        if not os.path.lexists(ckpt._file("meta.json")):  # never completed, or not verl-digen's: not a checkpoint
+            print(f"[verl-digen] ignoring {path}: no meta.json (not a verl-digen checkpoint)", flush=True)
+            continue
         why = damage(ckpt)
         if why is None:
             return ckpt, skipped
@@ -425,8 +431,9 @@ def model_fingerprint(path: str) -> str:
 
     h = hashlib.sha256()
     for root, dirs, files in os.walk(path, followlinks=True):
-        dirs.sort()
-        for name in sorted(files):
+        # Dot-files and folders are not the model (hf download's .cache/ rewrites its metadata).
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(f for f in files if not f.startswith(".")):
             file = os.path.join(root, name)
             rel = os.path.relpath(file, path)
             size = os.path.getsize(file)

@@ -152,7 +152,9 @@ def check_component_weights(path: str) -> None:
         if not has_component(index, name) or not os.path.isfile(os.path.join(folder, "config.json")):
             continue
         files = os.listdir(folder)
-        for shard_index in (f for f in files if f.endswith(".index.json")):
+        indexes = [f for f in files if f.endswith(".index.json")]
+        complete = []
+        for shard_index in indexes:
             try:
                 with open(os.path.join(folder, shard_index)) as f:
                     shards = set(json.load(f)["weight_map"].values())
@@ -160,9 +162,13 @@ def check_component_weights(path: str) -> None:
                 raise ConfigError(f"invalid model: {os.path.join(folder, shard_index)} is not a readable "
                                   f"sharded-weights index ({e})") from None
             missing = sorted(s for s in shards if not os.path.isfile(os.path.join(folder, s)))
-            if missing:
+            complete.append(not missing)
+            if missing and len(indexes) == 1:
                 raise ConfigError(f"invalid model: {folder} lacks {len(missing)} weight shard(s) its "
                                   f"{shard_index} lists: {', '.join(missing[:5])}")
+        if indexes and not any(complete):  # e.g. only one format of a two-format repo downloaded is fine
+            raise ConfigError(f"invalid model: {folder}: none of its sharded-weights indexes "
+                              f"({', '.join(sorted(indexes))}) has all its shards")
         if not any(f.endswith(WEIGHT_SUFFIXES) for f in files):
             raise ConfigError(
                 f"invalid model: component '{name}' ({folder}) has a config.json but no weights file "

@@ -125,9 +125,8 @@ _DCP_METADATA_GLOBALS = frozenset({
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-})
+    *((module, name) for module in ("pathlib", "pathlib._local") for name in ("PosixPath", "PurePosixPath")),
+})  # pathlib._local: how Python 3.13 names the path classes in a pickle
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -197,9 +196,11 @@ def dcp_load(state: dict[str, Any], path: str, **dist_args: Any) -> None:
     torch's ``CheckpointException`` (raised for a failure on any rank) derives from
     ``BaseException``, so ``except Exception`` alone would let it through unnamed.
     """
-    # Read (and refuse) the metadata here first: inside dcp.load a refused global metadata is
-    # followed by a per-rank metadata lookup and reported as an AssertionError of both.
-    SafeFileSystemReader(path).read_metadata()
+    # One process: read (and refuse) the metadata here first, since inside dcp.load a refused
+    # global metadata is followed by a per-rank lookup and reported as an AssertionError of both.
+    # With a process group every rank must enter dcp.load, which gathers a failure on any rank.
+    if dist_args.get("no_dist"):
+        SafeFileSystemReader(path).read_metadata()
     try:
         dcp.load(state, checkpoint_id=path, storage_reader=SafeFileSystemReader(path),
                  planner=SafeLoadPlanner(path), **dist_args)
