@@ -230,3 +230,49 @@ def run_ranks(
     assert not errors, "\n".join(errors)
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     return results
+
+
+_HOLD = """
+import json, sys, time
+from verl_digen.trainer.checkpoint import RootLock
+RootLock(sys.argv[1], *json.loads(sys.argv[2])).acquire(json.loads(sys.argv[3]))
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+@contextlib.contextmanager
+def lock_holder(path: str, holder: dict[str, Any], *lock_args: str) -> Iterator[Any]:
+    """Another process holding ``RootLock(path, *lock_args)`` (a second run) until the block ends;
+    yields its ``Popen``, killed and reaped on the way out."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD, path, json.dumps(lock_args), json.dumps(holder)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def gate_reward() -> Any:
+    """A reward that blocks in ``score_images`` until ``.release`` is set (``.entered`` says it
+    was reached), so a request keeps its server budgets while a test sends others."""
+    from verl_digen.rewards import RewardFn
+
+    class GateReward(RewardFn):
+        name = "gate"
+
+        def __init__(self) -> None:
+            self.entered = threading.Event()
+            self.release = threading.Event()
+
+        def score_images(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+            self.entered.set()
+            assert self.release.wait(20)
+            return images.mean(dim=(1, 2, 3))
+
+    return GateReward()

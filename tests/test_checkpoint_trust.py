@@ -16,20 +16,17 @@ import json
 import os
 import pickle
 import shutil
-import subprocess
-import sys
 
 import pytest
 import ray
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from runs import run_config
+from runs import lock_holder, run_config
 from verl_digen.config.schema import ConfigError
 from verl_digen.trainer.checkpoint import (
     Checkpoint,
     CheckpointError,
-    RootLock,
     checkpoint_at,
     damage,
     save_checkpoint,
@@ -325,22 +322,11 @@ def test_a_crafted_metadata_stops_a_resume_before_ray(one_step, tmp_path):
 # ----------------------------------------------------------------------------- one run per output dir
 
 
-_HOLD = """
-import sys, time
-from verl_digen.trainer.checkpoint import RootLock
-RootLock(sys.argv[1], "digen.output_dir", "two runs would interleave").acquire({"output_dir": sys.argv[1]})
-print("held", flush=True)
-time.sleep(120)
-"""
-
-
 def test_a_second_run_on_the_same_output_dir_is_refused(tmp_path, tiny_flux):
     from verl_digen.trainer.loop import run_training
 
     out = tmp_path / "shared"
-    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(out)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "held"
+    with lock_holder(str(out), {"output_dir": str(out)}, "digen.output_dir", "two runs would interleave") as holder:
         # Another checkpoint directory, the same output directory: refused, naming the holder.
         cfg = run_config(tmp_path, "unused", "trainer.total_training_steps=1", f"digen.output_dir={out}",
                          f"trainer.default_local_dir={tmp_path}/ck2")
@@ -348,9 +334,6 @@ def test_a_second_run_on_the_same_output_dir_is_refused(tmp_path, tiny_flux):
             run_training(cfg)
         assert not ray.is_initialized()
         assert not os.path.exists(out / "metrics.jsonl")
-    finally:
-        holder.kill()
-        holder.wait(timeout=30)
 
 
 # ----------------------------------------------------------------------------- named before Ray

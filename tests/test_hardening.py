@@ -20,7 +20,7 @@ import pytest
 import ray
 import torch
 
-from runs import QUIET, run_config
+from runs import QUIET, lock_holder, run_config
 from verl_digen.config.schema import ConfigError
 from verl_digen.trainer.checkpoint import (
     CheckpointError,
@@ -146,30 +146,16 @@ def test_a_truncated_weights_file_is_named(tmp_path):
 # ----------------------------------------------------------------------------- one run per directory
 
 
-_HOLD = """
-import sys, time
-from verl_digen.trainer.checkpoint import RootLock
-RootLock(sys.argv[1]).acquire({"output_dir": "first-run"})
-print("held", flush=True)
-time.sleep(120)
-"""
-
-
 def test_a_second_run_on_the_same_checkpoint_directory_is_refused_naming_the_first(tmp_path, tiny_flux):
     from verl_digen.trainer.loop import run_training
 
     ck = tmp_path / "ck"
-    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(ck)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "held"
+    with lock_holder(str(ck), {"output_dir": "first-run"}) as holder:
         with pytest.raises(CheckpointError, match=rf"in use by another run .*\"pid\": {holder.pid}.*first-run"):
             RootLock(str(ck)).acquire({})
         with pytest.raises(CheckpointError, match="trainer.default_local_dir"):
             run_training(run_config(tmp_path, "b", "trainer.total_training_steps=1", f"trainer.default_local_dir={ck}"))
         assert not ray.is_initialized()  # refused before Ray or any worker started
-    finally:
-        holder.kill()
-        holder.wait(timeout=30)
     lock = RootLock(str(ck))
     lock.acquire({})  # the OS released the dead holder's lock
     lock.release()

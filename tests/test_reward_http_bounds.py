@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 import torch
 
-from verl_digen.rewards import HttpReward, RewardFn, RewardServerError, UnsafePickleError, safe_dumps, safe_loads
+from verl_digen.rewards import HttpReward, RewardServerError, UnsafePickleError, safe_dumps, safe_loads
 from verl_digen.rewards.serve import MAX_JSON_DEPTH, RewardServer
 
-from runs import JsonHandler, quantised_rand, serve
+from runs import JsonHandler, gate_reward, quantised_rand, serve
 
 pytestmark = pytest.mark.usefixtures("loopback_no_proxy")
 TIMEOUT = 10.0
@@ -278,23 +278,8 @@ def test_server_per_request_pixel_budget_is_413() -> None:
             HttpReward(srv.url, batch_size=4, timeout_s=TIMEOUT)(quantised_rand(4, 3, 16, 16), list("abcd"))
 
 
-class _Gate(RewardFn):
-    """A reward that blocks until released (so a request keeps its decode budget)."""
-
-    name = "gate"
-
-    def __init__(self) -> None:
-        self.entered = threading.Event()
-        self.release = threading.Event()
-
-    def score_images(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        self.entered.set()
-        assert self.release.wait(20)
-        return images.mean(dim=(1, 2, 3))
-
-
 def test_server_global_decode_budget_makes_concurrent_requests_wait_then_503() -> None:
-    gate = _Gate()
+    gate = gate_reward()
     budget = 2 * 16 * 16  # one 2-image request fills it
     with RewardServer(gate, port=0, max_request_pixels=budget, max_decode_pixels=budget, decode_wait_s=0.5) as srv:
         images = quantised_rand(2, 3, 16, 16)

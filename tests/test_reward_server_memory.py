@@ -38,7 +38,7 @@ from verl_digen.rewards.serve import (
     to_float,
 )
 
-from runs import quantised_rand
+from runs import gate_reward, quantised_rand
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from reward_server_memory import (  # noqa: E402
@@ -195,21 +195,8 @@ def test_requests_are_scored_in_chunks_of_score_chunk_pixels() -> None:
 # --------------------------------------------------------------------------- the body budget
 
 
-class _Gate(RewardFn):
-    name = "gate"
-
-    def __init__(self) -> None:
-        self.entered = threading.Event()
-        self.release = threading.Event()
-
-    def score_images(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        self.entered.set()
-        assert self.release.wait(20)
-        return images.mean(dim=(1, 2, 3))
-
-
 def test_body_budget_makes_a_request_wait_then_503_naming_the_option() -> None:
-    gate = _Gate()
+    gate = gate_reward()
     body = black_png_request(4, 64)
     encoded = sum(len(base64.b64decode(png)) for png in json.loads(body)["images"])
     total_mb = (len(body) + encoded // 2) / 2**20  # room for one body, not for a second next to 4 images
