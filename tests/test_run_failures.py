@@ -172,6 +172,26 @@ def test_wandb_key_sources_that_let_a_run_start(tmp_path, setting):
         assert answer == "None", answer
 
 
+def test_wandb_mode_set_after_wandb_read_its_settings_is_honoured(tmp_path):
+    """wandb builds its settings once per process; a WANDB_MODE set later (a test's monkeypatch, a
+    driver that sets it before main) is what ``wandb.init`` reads, so the check reads it too."""
+    script = (
+        "import os\n"
+        "from verl_digen.trainer.resolve import wandb_key_problem\n"
+        "before = wandb_key_problem()\n"
+        "os.environ['WANDB_MODE'] = 'disabled'\n"
+        "print(repr(before)); print(repr(wandb_key_problem()))\n"
+    )
+    env = _env(NETRC=str(tmp_path / "no_netrc"), WANDB_CONFIG_DIR=str(tmp_path / "wandb_settings"),
+               WANDB_BASE_URL="https://api.example.invalid")
+    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    before, after = out.stdout.strip().splitlines()[-2:]
+    assert before.startswith("'no W&B API key is configured for https://api.example.invalid"), before
+    assert after == "None", after
+
+
 def test_a_logger_whose_package_or_variables_are_missing_is_named(monkeypatch):
     from verl_digen.trainer import resolve
 

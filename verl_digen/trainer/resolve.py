@@ -274,6 +274,10 @@ def wandb_key_problem() -> str | None:
     entry ``wandb login`` writes, an ``api_key`` in its settings). With a wandb whose internals
     differ, the documented sources are read instead (``WANDB_MODE``, ``WANDB_API_KEY``, the
     ``.netrc`` of ``NETRC`` or the home directory)."""
+    # The environment first: wandb's settings singleton is built once per process and keeps the
+    # WANDB_MODE it saw then, while wandb.init reads the environment again.
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun"):
+        return None
     try:
         from wandb.sdk import wandb_setup
         from wandb.sdk.lib import wbauth
