@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from verl_digen.schedule.plan import Plan, PlanError, Task, TaskKind, WorkerId
+from verl_digen.schedule.plan import Plan, PlanError, Task, TaskId, TaskKind, WorkerId
 from verl_digen.schedule.runner import PlanRunner
 from verl_digen.schedule.strategies import StepCosts, StepPlanner, StrategySpec
 
@@ -79,7 +79,7 @@ def test_execution_respects_dependencies_and_worker_exclusivity(spec):
     start = {r.task: r.start for r in runner.timeline.records}
     for t in planner.plan.tasks:
         for d in t.deps:
-            assert start[t.id] >= end[d], f"{t.id} started before {d} ended"
+            assert start[str(t.id)] >= end[str(d)], f"{t.id} started before {d} ended"
     assert len(runner.timeline.records) == len(planner.plan.tasks)
 
 
@@ -93,7 +93,7 @@ def test_sync_plan_trains_only_after_the_whole_batch_is_rewarded():
 def test_gap_plan_trains_each_micro_batch_after_only_its_own_groups():
     planner = _planned(SPECS[3], steps=1)
     for t in planner.plan.of_kind(TaskKind.TRAIN, 0):
-        assert len(t.deps) == 1 and t.deps[0] == f"reward:{t.groups[0]}"
+        assert t.deps == (TaskId.reward((t.groups[0],)),) and str(t.deps[0]) == f"reward:{t.groups[0]}"
 
 
 def test_gap_starts_training_before_generation_ends():
@@ -130,7 +130,7 @@ def test_tcss_plan_overlaps_next_step_generation_with_the_drain():
     run.run_until(None)
     rec = {r.task: r for r in run.timeline.records}
     # Some stale generation runs while the trainer is still training the previous step.
-    assert any(rec[t.id].start < rec[f"opt:{t.step - 1}"].end for t in stale)
+    assert any(rec[str(t.id)].start < rec[f"opt:{t.step - 1}"].end for t in stale)
 
 
 def test_tcss_makes_the_same_work_faster_than_on_policy():
@@ -160,14 +160,14 @@ def test_plan_check_rejects_a_group_trained_twice():
     plan = planner.plan
     t = plan.of_kind(TaskKind.TRAIN, 0)[0]
     with pytest.raises(PlanError, match="more than one train"):
-        plan.add(Task("train:dup", TaskKind.TRAIN, t.workers, 0, t.deps, t.groups))
+        plan.add(Task(TaskId.train(0, 99), TaskKind.TRAIN, t.workers, 0, t.deps, t.groups))
         plan.check()
 
 
 def test_plan_check_rejects_staleness_above_the_bound():
     w = [WorkerId("rollout", 0), WorkerId("trainer", 0)]
     plan = Plan(workers=w, max_staleness=0)
-    plan.add(Task("gen:0", TaskKind.GENERATE, (w[0],), step=1, groups=(0,), version=0))
+    plan.add(Task(TaskId.generate((0,)), TaskKind.GENERATE, (w[0],), step=1, groups=(0,), version=0))
     with pytest.raises(PlanError, match="staleness 1"):
         plan.check(complete_steps=[])
 
@@ -175,7 +175,7 @@ def test_plan_check_rejects_staleness_above_the_bound():
 def test_plan_rejects_dependency_on_a_later_task():
     plan = Plan(workers=[WorkerId("fused", 0)])
     with pytest.raises(PlanError, match="not earlier"):
-        plan.add(Task("a", TaskKind.REWARD, (WorkerId("fused", 0),), 0, deps=("b",)))
+        plan.add(Task(TaskId.reward((0,)), TaskKind.REWARD, (WorkerId("fused", 0),), 0, deps=(TaskId.generate((0,)),)))
 
 
 def test_every_group_is_generated_rewarded_and_trained_exactly_once():

@@ -17,7 +17,7 @@ import random
 import pytest
 import yaml
 
-from verl_digen.schedule.plan import Task, TaskKind, WorkerId
+from verl_digen.schedule.plan import Task, TaskId, TaskKind, WorkerId
 from verl_digen.schedule.runner import PlanRunner
 from verl_digen.schedule.strategies import StepCosts, StepPlanner, StrategySpec
 from verl_digen.sim.cost_model import (
@@ -189,8 +189,8 @@ def test_colocated_workers_pay_a_switch_each_way(catalog):
     c = _costs(catalog, "flux-12b")
     cluster = Cluster({"fused": PoolPlacement(8, 1, "H800")})
     w = WorkerId("fused", 0)
-    train = Task("t", TaskKind.TRAIN, (w,), 0, groups=(0,), images=12)
-    gen = Task("g", TaskKind.GENERATE, (w,), 0, groups=(0,), images=12)
+    train = Task(TaskId.train(0, 0), TaskKind.TRAIN, (w,), 0, groups=(0,), images=12)
+    gen = Task(TaskId.generate((0,)), TaskKind.GENERATE, (w,), 0, groups=(0,), images=12)
     assert c.task_seconds(train, w, cluster, switch_from="generate") > c.task_seconds(train, w, cluster, switch_from="train")
     assert c.task_seconds(gen, w, cluster, switch_from="train") > c.task_seconds(gen, w, cluster, switch_from="generate")
 
@@ -459,12 +459,12 @@ def test_emulated_runtime_matches_the_simulator_on_the_same_plan():
         if owns:
             ray.shutdown()
     planner.plan.check(complete_steps=range(3))
-    assert {r.task for r in run.timeline.records} == {t.id for t in planner.plan.tasks}
+    assert {r.task for r in run.timeline.records} == {str(t.id) for t in planner.plan.tasks}
     run.timeline.check_exclusive(eps=1e-3)
     end = {r.task: r.end for r in run.timeline.records}
     start = {r.task: r.start for r in run.timeline.records}
     for t in planner.plan.tasks:
-        assert all(start[t.id] >= end[d] - 1e-6 for d in t.deps), t.id
+        assert all(start[str(t.id)] >= end[str(d)] - 1e-6 for d in t.deps), t.id
     gap = run.opt_end[2] / opt_sim[2] - 1
     assert -0.02 < gap < 0.40, f"emulated {run.opt_end[2]:.3f}s vs simulated {opt_sim[2]:.3f}s"
 

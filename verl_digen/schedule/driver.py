@@ -17,13 +17,9 @@ from typing import Any, Callable
 
 from verl_digen.schedule.elastic import rebalanced_spec, tag_decision
 from verl_digen.schedule.metrics import step_timing_metrics
-from verl_digen.schedule.plan import Plan
+from verl_digen.schedule.plan import Plan, TaskId
 from verl_digen.schedule.runner import PlanRunner
 from verl_digen.schedule.strategies import StepCosts, StepPlanner, StrategySpec, measure_costs
-
-
-def optimizer_task_id(step: int) -> str:
-    return f"opt:{step}"
 
 
 class StepDriver:
@@ -76,7 +72,7 @@ class StepDriver:
                 self.spec = self.planner.spec = spec
         has_next = self.total_steps is None or step + 1 < self.total_steps
         self.planner.plan_step(step, self.costs, has_next=has_next, tag_groups=tag_groups)
-        ex.run_until([optimizer_task_id(step)])
+        ex.run_until([TaskId.optimizer_step(step)])
         t1 = ex.now()
         self.step_end[step] = t1
         metrics = step_timing_metrics(self.spec, ex.timeline, step, t0, t1)

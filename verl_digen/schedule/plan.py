@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import total_ordering
 from typing import Iterable
 
 
@@ -38,13 +39,93 @@ class WorkerId:
         return f"{self.pool}{self.rank}"
 
 
+@total_ordering
+@dataclass(frozen=True, eq=True)
+class TaskId:
+    """A task's identity: its kind and what it serves, as fields (plans look tasks up by it).
+
+    Built with one constructor per kind; :func:`format_task_id` is its one text form, used for
+    display, error messages and timeline records. Ids order as their text does: the executor
+    sorts a micro-batch's generate tasks, and that order (the order of its inputs) must not
+    change with the type.
+    """
+
+    kind: TaskKind
+    groups: tuple[int, ...] = ()  # GENERATE / REWARD: the task's groups
+    step: int | None = None  # TRAIN / OPTIMIZER_STEP: the training step
+    version: int | None = None  # SYNC: the weights version it delivers
+    micro_batch: int | None = None  # TRAIN: the micro-batch's index in its step
+    part: int | None = None  # TRAIN under the time-step split: this rank's part
+    sample_slice: int | None = None  # GENERATE split below the group: the slice's index
+    stage: int | None = None  # GENERATE under TSP: the stage index
+    _text: str = field(default="", init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Formatted once: ids are hashed and compared by their text on every plan lookup.
+        object.__setattr__(self, "_text", format_task_id(self))
+
+    @classmethod
+    def generate(cls, groups: tuple[int, ...], *, sample_slice: int | None = None,
+                 stage: int | None = None) -> "TaskId":
+        return cls(TaskKind.GENERATE, groups=tuple(groups), sample_slice=sample_slice, stage=stage)
+
+    @classmethod
+    def reward(cls, groups: tuple[int, ...]) -> "TaskId":
+        return cls(TaskKind.REWARD, groups=tuple(groups))
+
+    @classmethod
+    def train(cls, step: int, micro_batch: int, *, part: int | None = None) -> "TaskId":
+        return cls(TaskKind.TRAIN, step=step, micro_batch=micro_batch, part=part)
+
+    @classmethod
+    def optimizer_step(cls, step: int) -> "TaskId":
+        return cls(TaskKind.OPTIMIZER_STEP, step=step)
+
+    @classmethod
+    def sync(cls, version: int) -> "TaskId":
+        return cls(TaskKind.SYNC, version=version)
+
+    def __str__(self) -> str:
+        return self._text
+
+    def __repr__(self) -> str:
+        return f"TaskId({self._text!r})"
+
+    def __hash__(self) -> int:
+        return hash(self._text)  # the text is one-to-one with the fields
+
+    def __lt__(self, other: "TaskId") -> bool:
+        if not isinstance(other, TaskId):
+            return NotImplemented
+        return self._text < other._text
+
+
+def format_task_id(tid: TaskId) -> str:
+    """The one text form of a task id: ``gen:<groups>[:k<slice>][:s<stage>]``,
+    ``reward:<groups>``, ``train:<step>:<micro-batch>[:p<part>]``, ``opt:<step>``,
+    ``sync:<version>`` (groups joined by ``-``)."""
+    groups = "-".join(str(g) for g in tid.groups)
+    if tid.kind == TaskKind.GENERATE:
+        text = f"gen:{groups}"
+        if tid.sample_slice is not None:
+            text += f":k{tid.sample_slice}"
+        return text if tid.stage is None else f"{text}:s{tid.stage}"
+    if tid.kind == TaskKind.REWARD:
+        return f"reward:{groups}"
+    if tid.kind == TaskKind.TRAIN:
+        return f"train:{tid.step}:{tid.micro_batch}" + ("" if tid.part is None else f":p{tid.part}")
+    if tid.kind == TaskKind.OPTIMIZER_STEP:
+        return f"opt:{tid.step}"
+    return f"sync:{tid.version}"
+
+
 @dataclass(frozen=True)
 class Task:
-    id: str
+    id: TaskId
     kind: TaskKind
     workers: tuple[WorkerId, ...]
     step: int  # the training step whose batch this task serves
-    deps: tuple[str, ...] = ()
+    deps: tuple[TaskId, ...] = ()
     groups: tuple[int, ...] = ()  # global group ids: step * groups_per_step + index
     # GENERATE: the weights version the worker must hold (the trajectory's only version).
     # OPTIMIZER_STEP / SYNC: the version it produces / delivers.
@@ -76,7 +157,7 @@ class Plan:
     start_version: int = 0  # weights version every worker holds when the plan starts (resume)
 
     def __post_init__(self) -> None:
-        self._index: dict[str, Task] = {t.id: t for t in self.tasks}
+        self._index: dict[TaskId, Task] = {t.id: t for t in self.tasks}
 
     def add(self, task: Task) -> Task:
         if task.id in self._index:
@@ -91,10 +172,10 @@ class Plan:
         self._index[task.id] = task
         return task
 
-    def __getitem__(self, task_id: str) -> Task:
+    def __getitem__(self, task_id: TaskId) -> Task:
         return self._index[task_id]
 
-    def __contains__(self, task_id: str) -> bool:
+    def __contains__(self, task_id: TaskId) -> bool:
         return task_id in self._index
 
     def of_kind(self, kind: TaskKind, step: int | None = None) -> list[Task]:
@@ -125,14 +206,14 @@ class Plan:
         self._check_groups(steps)
         self._check_versions()
 
-    def _depends_on(self, task_id: str, target_id: str, pos: dict[str, int]) -> bool:
+    def _depends_on(self, task_id: TaskId, target_id: TaskId, pos: dict[TaskId, int]) -> bool:
         """Whether ``task_id`` (transitively) waits for ``target_id``.
 
         Dependencies only point backwards, so the search never follows a task placed before
         the target: it stays within the few steps between them, however long the plan.
         """
         floor = pos[target_id]
-        seen: set[str] = set()
+        seen: set[TaskId] = set()
         stack = [task_id]
         while stack:
             for d in self._index[stack.pop()].deps:

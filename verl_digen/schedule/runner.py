@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 from typing import Any
 
-from verl_digen.schedule.plan import Plan, PlanError, Task, WorkerId
+from verl_digen.schedule.plan import Plan, PlanError, Task, TaskId, WorkerId
 from verl_digen.schedule.timeline import TaskRecord, Timeline
 
 
@@ -20,9 +20,9 @@ class PlanRunner(abc.ABC):
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
         self.timeline = Timeline(workers=[str(w) for w in plan.workers])
-        self.done: set[str] = set()
-        self.finished_order: list[str] = []
-        self.running: dict[str, float] = {}  # task id -> start time
+        self.done: set[TaskId] = set()
+        self.finished_order: list[TaskId] = []
+        self.running: dict[TaskId, float] = {}  # task id -> start time
         self._queues: dict[WorkerId, list[Task]] = {w: [] for w in plan.workers}
         self._head: dict[WorkerId, int] = {w: 0 for w in plan.workers}
         self._busy: set[WorkerId] = set()
@@ -38,7 +38,7 @@ class PlanRunner(abc.ABC):
         """Start ``task`` on its workers."""
 
     @abc.abstractmethod
-    def _wait_one(self) -> tuple[str, Any]:
+    def _wait_one(self) -> tuple[TaskId, Any]:
         """Block until one running task finishes; return its id and its result."""
 
     def _on_finish(self, task: Task, result: Any, start: float, end: float) -> None:
@@ -69,7 +69,7 @@ class PlanRunner(abc.ABC):
     def launchable(self) -> list[Task]:
         self._sync_queues()
         out: list[Task] = []
-        seen: set[str] = set()
+        seen: set[TaskId] = set()
         for w in self.plan.workers:
             if w in self._busy:
                 continue
@@ -83,7 +83,7 @@ class PlanRunner(abc.ABC):
                 seen.add(t.id)
         return out
 
-    def run_until(self, task_ids: list[str] | None = None) -> None:
+    def run_until(self, task_ids: list[TaskId] | None = None) -> None:
         """Run until every task in ``task_ids`` is done (all planned tasks when None)."""
         while True:
             targets = task_ids if task_ids is not None else [t.id for t in self.plan.tasks]
@@ -107,7 +107,7 @@ class PlanRunner(abc.ABC):
             self.finished_order.append(tid)
             self.timeline.add(
                 TaskRecord(
-                    task=tid,
+                    task=str(tid),  # the id's text form: timelines are written as JSON
                     kind=task.kind.value,
                     workers=[str(w) for w in task.workers],
                     start=start,

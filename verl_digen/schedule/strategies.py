@@ -13,11 +13,32 @@ controller can re-plan with measured costs while the executor is running.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 
-from verl_digen.schedule.plan import Plan, Task, TaskKind, WorkerId, chunk, group_ids, sample_slices
+from verl_digen.schedule.mechanisms import (
+    AfterStep,
+    FsdpGang,
+    Generation,
+    Lookahead,
+    OwnGroups,
+    PipelineGeneration,
+    RewardInPlace,
+    RewardPlacement,
+    RewardPool,
+    RoundRobinGeneration,
+    RoundRobinTrainers,
+    Stage,
+    StepCosts,
+    TimestepSplit,
+    TrainPlacement,
+    TrainWaits,
+    Turns,
+    WeightSync,
+    WhereGenerated,
+    WholeStep,
+)
+from verl_digen.schedule.plan import Plan, Task, TaskId, TaskKind, WorkerId, chunk, group_ids, sample_slices
 
 
 PLACEMENTS = ("colocated", "disaggregated")
@@ -216,33 +237,84 @@ class StrategySpec:
         return [WorkerId("trainer", r) for r in range(self.trainer_workers)]
 
 
-@dataclass
-class StepCosts:
-    """Seconds per unit of work, measured or modelled; only used for look-ahead decisions."""
+@dataclass(frozen=True)
+class StepLayout:
+    """A step plan's mechanisms, one per question (see :mod:`verl_digen.schedule.mechanisms`)."""
 
-    generate_per_group: float = 1.0
-    reward_per_group: float = 0.05
-    train_per_group: float = 2.0
-    optimizer_step: float = 0.05
-    sync: float = 0.05
+    generation: Generation  # the step's groups on the generators
+    assist: Generation | None  # TAG: the trainers' share (None: TAG off)
+    reward: RewardPlacement
+    waits: TrainWaits
+    training: TrainPlacement
+    after_step: tuple[AfterStep, ...]
+
+
+def layout_of(spec: StrategySpec) -> StepLayout:
+    """The mechanisms ``spec`` switches on: the one place the planner reads its switches."""
+    trainers = tuple(spec.trainers)
+    if spec.tsp_stages > 1:
+        generation: Generation = PipelineGeneration(spec.pipelines, spec.bounds, spec.sample_split)
+    else:
+        generation = RoundRobinGeneration(tuple(spec.generators), spec.sample_split, "generate")
+    return StepLayout(
+        generation=generation,
+        # TAG tasks take whole groups: trainers are few, and they train right after.
+        assist=RoundRobinGeneration(trainers, 1, "tag") if spec.tag else None,
+        reward=RewardPool(spec.reward_workers) if spec.reward_workers else RewardInPlace(),
+        waits=OwnGroups() if spec.gap else WholeStep(),
+        training=_training_of(spec, trainers),
+        after_step=_after_step_of(spec),
+    )
+
+
+def _training_of(spec: StrategySpec, trainers: tuple[WorkerId, ...]) -> TrainPlacement:
+    """Where micro-batches train; FSDP first: its gang spans fused workers too when colocated."""
+    if spec.fsdp:
+        return FsdpGang(trainers)
+    if spec.placement == "colocated":
+        return WhereGenerated()
+    if spec.train_split == "timestep":
+        return TimestepSplit(trainers)
+    return RoundRobinTrainers(trainers)
+
+
+def _after_step_of(spec: StrategySpec) -> tuple[AfterStep, ...]:
+    """Colocated: nothing (weights change in place); disaggregated: the TCSS look-ahead (planned
+    before the sync it runs ahead of), then the weight sync."""
+    if spec.placement == "colocated":
+        return ()
+    lookahead: tuple[AfterStep, ...] = ()
+    if spec.max_staleness >= 1:
+        lookahead = (Lookahead(spec.groups_per_step, spec.groups_per_task, spec.rollout_workers,
+                               spec.trainer_workers, spec.train_micro_batch_groups),)
+    return (*lookahead, WeightSync(spec.rollout_workers))
 
 
 class StepPlanner:
-    """Appends the tasks of one training step at a time to ``self.plan``."""
+    """Appends the tasks of one training step at a time to ``self.plan``, composing the
+    mechanisms of ``layout_of(spec)``."""
 
     def __init__(self, spec: StrategySpec, *, start_step: int = 0) -> None:
         """``start_step > 0`` continues a resumed run: every worker holds version ``start_step``."""
         self.spec = spec
         self.plan = Plan(workers=spec.workers(), max_staleness=spec.max_staleness, start_version=start_step)
-        self._next_gen_slot = 0  # round-robin position over generators
+        self._turns = Turns()
         # Generate tasks of step s+1 already planned ahead of SYNC(s+1) (TCSS): step -> groups.
         self._planned_ahead: dict[int, list[int]] = {}
         self._version: dict[WorkerId, int] = {w: start_step for w in self.plan.workers}
         self._reward_of: dict[int, Task] = {}  # group -> its reward task
-        self._gen_of: dict[int, Task] = {}  # first group of a generate task -> its final generate task
-        self._next_tag_slot = 0
-        self._next_reward_slot = 0
-        self._position: dict[str, int] = {}  # task id -> index in the plan
+        self._gen_of: dict[int, Task] = {}  # first group of a generate task -> its first final task
+        self._position: dict[TaskId, int] = {}  # reward task id -> index in the plan
+
+    @property
+    def spec(self) -> StrategySpec:
+        return self._spec
+
+    @spec.setter
+    def spec(self, spec: StrategySpec) -> None:
+        """A new spec (re-balanced TSP stages) takes effect from the next planned task on."""
+        self._spec = spec
+        self.layout = layout_of(spec)
 
     # ----------------------------------------------------------------- public
 
@@ -256,186 +328,112 @@ class StepPlanner:
         """
         costs = costs or StepCosts()
         start = len(self.plan.tasks)
-        spec = self.spec
-        groups = group_ids(step, spec.groups_per_step)
+        groups = group_ids(step, self.spec.groups_per_step)
         ahead = set(self._planned_ahead.pop(step, []))
         remaining = [g for g in groups if g not in ahead]
         if tag_groups:
-            if not spec.tag:
-                raise ValueError("tag_groups > 0 needs a StrategySpec with tag=True")
-            n = min(tag_groups, len(remaining)) // spec.groups_per_task * spec.groups_per_task
-            self._add_generation(step, remaining[:n], on_trainers=True)
-            remaining = remaining[n:]
-        sync_dep = f"sync:{step}" if f"sync:{step}" in self.plan else None
-        self._add_generation(step, remaining, extra_deps=(sync_dep,) if sync_dep else ())
+            remaining = self._assist(step, remaining, tag_groups)
+        sync = TaskId.sync(step)
+        self._add_generation(step, remaining, self.layout.generation, deps=(sync,) if sync in self.plan else ())
         self._add_training(step, groups)
-        if spec.placement == "disaggregated":
-            if spec.max_staleness >= 1 and has_next:
-                self._add_lookahead(step + 1, costs)
-            # Also after the last step: rollout ends holding the final weights.
-            self._add_sync(step + 1)
+        for mechanism in self.layout.after_step:
+            mechanism.after_step(self, step, costs, has_next)
         return self.plan.tasks[start:]
+
+    def add(self, task: Task) -> Task:
+        """Append ``task``; track the weights version each worker will hold after it."""
+        self.plan.add(task)
+        if task.kind == TaskKind.OPTIMIZER_STEP:
+            for w in task.workers:
+                self._version[w] = task.version
+        elif task.kind == TaskKind.SYNC:
+            for w in task.workers:
+                if w.pool != "trainer":  # the sender already holds it
+                    self._version[w] = task.version
+        return task
+
+    def generate_ahead(self, step: int, groups: list[int]) -> None:
+        """Plan ``groups`` of ``step`` now, on the weights the generators hold (TCSS)."""
+        self._planned_ahead[step] = groups
+        self._add_generation(step, groups, self.layout.generation)
 
     # ----------------------------------------------------------------- pieces
 
-    def _add_generation(
-        self,
-        step: int,
-        groups: list[int],
-        *,
-        extra_deps: tuple[str, ...] = (),
-        on_trainers: bool = False,
-    ) -> None:
-        """Generate + reward tasks for ``groups``: round-robin over the rollout workers, over
-        the TSP pipelines (one chained task per stage), or over the trainers (TAG)."""
-        spec = self.spec
-        tsp = not on_trainers and spec.tsp_stages > 1
-        generators = spec.trainers if on_trainers else spec.generators
-        lanes = spec.pipelines if tsp else len(generators)
-        split = 1 if on_trainers else spec.sample_split
-        for task_groups in chunk(groups, spec.groups_per_task):
-            tag = "-".join(str(g) for g in task_groups)
-            deps = tuple(d for d in extra_deps if d)
-            finals: list[Task] = []
-            for part, samples in enumerate(sample_slices(spec.group_size, split)):
-                if on_trainers:
-                    lane = self._next_tag_slot % lanes
-                    self._next_tag_slot += 1
-                else:
-                    lane = self._next_gen_slot % lanes
-                    self._next_gen_slot += 1
-                if tsp:  # one chained task per stage, each on its own worker of the pipeline
-                    workers = [WorkerId("rollout", lane * spec.tsp_stages + k) for k in range(spec.tsp_stages)]
-                    stages: list[tuple[WorkerId, int | None]] = list(zip(workers, range(spec.tsp_stages)))
-                else:
-                    stages = [(generators[lane], None)]
-                version = self._version[stages[0][0]]
-                base = f"gen:{tag}" if samples is None else f"gen:{tag}:k{part}"
-                per_group = spec.group_size if samples is None else samples[1] - samples[0]
-                gen: Task | None = None
-                for worker, k in stages:
-                    gen = self.plan.add(
-                        Task(
-                            id=base if k is None else f"{base}:s{k}",
-                            kind=TaskKind.GENERATE,
-                            workers=(worker,),
-                            step=step,
-                            deps=deps + ((gen.id,) if gen else ()),
-                            groups=task_groups,
-                            version=version,
-                            images=len(task_groups) * per_group,
-                            denoise=None if k is None else (spec.bounds[k], spec.bounds[k + 1]),
-                            final=k is None or k == spec.tsp_stages - 1,
-                            stage=k,
-                            samples=samples,
-                        )
-                    )
-                assert gen is not None
-                finals.append(gen)
-            if spec.reward_workers:
-                self._next_reward_slot += 1
-                rw = WorkerId("reward", (self._next_reward_slot - 1) % spec.reward_workers)
-            else:
-                rw = finals[-1].worker
-            # The reward scores whole groups: it waits for every sample slice (reassembly).
-            rew = self.plan.add(
-                Task(
-                    id=f"reward:{tag}",
-                    kind=TaskKind.REWARD,
-                    workers=(rw,),
-                    step=step,
-                    deps=tuple(g.id for g in finals),
-                    groups=task_groups,
-                    images=sum(g.images for g in finals),
-                )
-            )
-            self._gen_of[task_groups[0]] = finals[0]
-            self._position[rew.id] = len(self.plan.tasks)
-            for g in task_groups:
-                self._reward_of[g] = rew
+    def _assist(self, step: int, remaining: list[int], tag_groups: int) -> list[int]:
+        """TAG: the trainers generate the first ``tag_groups`` (whole tasks); the rest remain."""
+        if self.layout.assist is None:
+            raise ValueError("tag_groups > 0 needs a StrategySpec with tag=True")
+        per_task = self.spec.groups_per_task
+        n = min(tag_groups, len(remaining)) // per_task * per_task
+        self._add_generation(step, remaining[:n], self.layout.assist)
+        return remaining[n:]
 
-    def _reward_task_of(self, group: int) -> Task:
-        return self._reward_of[group]
+    def _add_generation(
+        self, step: int, groups: list[int], generation: Generation, *, deps: tuple[TaskId, ...] = ()
+    ) -> None:
+        """Generate + reward tasks for ``groups``, placed by ``generation``."""
+        spec = self.spec
+        for task_groups in chunk(groups, spec.groups_per_task):
+            finals = [
+                self._add_slice(step, task_groups, generation.stages(self._turns), part, samples, deps)
+                for part, samples in enumerate(sample_slices(spec.group_size, generation.split))
+            ]
+            self._add_reward(step, task_groups, finals)
+
+    def _add_slice(
+        self, step: int, groups: tuple[int, ...], stages: tuple[Stage, ...], part: int,
+        samples: tuple[int, int] | None, deps: tuple[TaskId, ...],
+    ) -> Task:
+        """One sample slice of ``groups`` (all samples when None) as a chain of ``stages``;
+        returns its final task. Every stage generates with the first stage worker's weights."""
+        version = self._version[stages[0].worker]
+        per_group = self.spec.group_size if samples is None else samples[1] - samples[0]
+        gen: Task | None = None
+        for stage in stages:
+            gen = self.add(Task(
+                id=TaskId.generate(groups, sample_slice=None if samples is None else part, stage=stage.index),
+                kind=TaskKind.GENERATE, workers=(stage.worker,), step=step,
+                deps=deps + ((gen.id,) if gen else ()), groups=groups, version=version,
+                images=len(groups) * per_group, denoise=stage.denoise, final=stage.final, stage=stage.index,
+                samples=samples,
+            ))
+        assert gen is not None
+        return gen
+
+    def _add_reward(self, step: int, groups: tuple[int, ...], finals: list[Task]) -> None:
+        """The reward scores whole groups: it waits for every sample slice (reassembly)."""
+        rew = self.add(Task(
+            id=TaskId.reward(groups), kind=TaskKind.REWARD, workers=(self.layout.reward.worker(finals, self._turns),),
+            step=step, deps=tuple(g.id for g in finals), groups=groups, images=sum(g.images for g in finals),
+        ))
+        self._gen_of[groups[0]] = finals[0]
+        self._position[rew.id] = len(self.plan.tasks)
+        for g in groups:
+            self._reward_of[g] = rew
+
+    def _generated_on(self, group: int) -> WorkerId:
+        """The worker that generated (the first slice of) ``group``'s generate task."""
+        return self._gen_of[self._reward_of[group].groups[0]].worker
 
     def _add_training(self, step: int, groups: list[int]) -> None:
+        """The step's micro-batches, in the order their groups become available (planned-ahead
+        groups first), then its optimizer step."""
         spec = self.spec
-        rewards_of_step = sorted({self._reward_task_of(g).id for g in groups})
-        # Train in the order groups become available: planned-ahead groups first.
-        order = sorted(groups, key=lambda g: self._position[self._reward_task_of(g).id])
-        trainers = spec.trainers
-        train_ids = []
+        whole_step = tuple(sorted({self._reward_of[g].id for g in groups}))
+        order = sorted(groups, key=lambda g: self._position[self._reward_of[g].id])
+        train_ids: list[TaskId] = []
         for j, mb in enumerate(chunk(order, spec.train_micro_batch_groups)):
-            own = sorted({self._reward_task_of(g).id for g in mb})
-            deps = tuple(own) if spec.gap else tuple(rewards_of_step)
-            if spec.fsdp:  # every training rank (trainers, or fused workers when colocated) in lockstep
-                placements = [(tuple(trainers), None)]
-            elif spec.placement == "colocated":
-                # Train where the data was generated: no transfer between devices.
-                placements = [(self._gen_of[self._reward_task_of(mb[0]).groups[0]].worker, None)]
-            elif spec.train_split == "timestep":
-                # Every rank takes a share of this micro-batch's steps: a lone (drain) micro-batch
-                # still keeps all trainer ranks busy.
-                placements = [(w, (r, len(trainers))) for r, w in enumerate(trainers)]
-            else:
-                placements = [(trainers[j % len(trainers)], None)]
-            for worker, part in placements:
-                suffix = f":p{part[0]}" if part else ""
-                t = self.plan.add(
-                    Task(
-                        id=f"train:{step}:{j}{suffix}",
-                        kind=TaskKind.TRAIN,
-                        workers=worker if isinstance(worker, tuple) else (worker,),
-                        step=step,
-                        deps=deps,
-                        groups=mb,
-                        images=len(mb) * spec.group_size,
-                        train_part=part,
-                    )
-                )
+            own = tuple(sorted({self._reward_of[g].id for g in mb}))
+            deps = self.layout.waits.deps(own, whole_step)
+            for workers, part in self.layout.training.parts(j, mb[0], self._generated_on):
+                t = self.add(Task(
+                    id=TaskId.train(step, j, part=part[0] if part else None), kind=TaskKind.TRAIN,
+                    workers=workers, step=step, deps=deps, groups=mb, images=len(mb) * spec.group_size,
+                    train_part=part,
+                ))
                 train_ids.append(t.id)
-        opt = self.plan.add(
-            Task(
-                id=f"opt:{step}",
-                kind=TaskKind.OPTIMIZER_STEP,
-                workers=tuple(trainers),
-                step=step,
-                deps=tuple(train_ids),
-                version=step + 1,
-            )
-        )
-        for w in opt.workers:
-            self._version[w] = opt.version
-
-    def _add_lookahead(self, next_step: int, costs: StepCosts) -> None:
-        """TCSS: the first groups of the next step, on the previous weights, during the drain."""
-        spec = self.spec
-        n_tasks = spec.groups_per_step // spec.groups_per_task
-        per_worker = math.ceil(n_tasks / spec.rollout_workers)
-        gen_task = costs.generate_per_group * spec.groups_per_task
-        gen_total = costs.generate_per_group * spec.groups_per_step / spec.rollout_workers
-        train_total = costs.train_per_group * spec.groups_per_step / spec.trainer_workers
-        last_mb = costs.train_per_group * spec.train_micro_batch_groups
-        drain = max(train_total - gen_total, 0.0) + last_mb + costs.optimizer_step + costs.sync
-        k = max(1, min(per_worker, int(drain // max(gen_task, 1e-9))))
-        groups = group_ids(next_step, spec.groups_per_step)[: k * spec.rollout_workers * spec.groups_per_task]
-        self._planned_ahead[next_step] = groups
-        self._add_generation(next_step, groups)
-
-    def _add_sync(self, version: int) -> None:
-        spec = self.spec
-        workers = (WorkerId("trainer", 0), *[WorkerId("rollout", r) for r in range(spec.rollout_workers)])
-        self.plan.add(
-            Task(
-                id=f"sync:{version}",
-                kind=TaskKind.SYNC,
-                workers=workers,
-                step=version - 1,
-                deps=(f"opt:{version - 1}",),
-                version=version,
-            )
-        )
-        for w in workers[1:]:
-            self._version[w] = version
+        self.add(Task(id=TaskId.optimizer_step(step), kind=TaskKind.OPTIMIZER_STEP, workers=tuple(spec.trainers),
+                      step=step, deps=tuple(train_ids), version=step + 1))
 
 
 def measure_costs(records: list, step: int, spec: StrategySpec, fallback: StepCosts) -> StepCosts:
