@@ -221,7 +221,8 @@ def test_task_id_text_forms_and_order():
         TaskId.generate((4, 5)), TaskId.generate((3,), sample_slice=1), TaskId.generate((3,), sample_slice=1, stage=2),
         TaskId.generate((7,), stage=0), TaskId.reward((4, 5)), TaskId.train(2, 3), TaskId.train(2, 3, part=1),
         TaskId.optimizer_step(2), TaskId.sync(3),
-    )] == ["gen:4-5", "gen:3:k1", "gen:3:k1:s2", "gen:7:s0", "reward:4-5", "train:2:3", "train:2:3:p1", "opt:2", "sync:3"]
+    )] == ["gen:4-5", "gen:3:k1", "gen:3:k1:s2", "gen:7:s0", "reward:4-5", "train:2:3", "train:2:3:p1", "opt:2",
+           "sync:3"]
     assert TaskId.reward((1,)) == TaskId.reward((1,)) != TaskId.generate((1,))
     assert len({TaskId.sync(1), TaskId.sync(1), TaskId.optimizer_step(1)}) == 2
     # Ids order as their text does (the executor's input order for a micro-batch depends on it).
@@ -243,5 +244,6 @@ def test_a_planner_keeps_its_rotations_when_the_spec_is_rebalanced():
     planner.plan.check()
     firsts = [t for t in planner.plan.of_kind(TaskKind.GENERATE) if t.stage == 0]
     assert [t.worker.rank for t in firsts] == [0, 2, 0, 2, 0, 2]  # 3 groups a step over 2 pipelines
-    assert {t.denoise for t in firsts if t.step == 0} == {(0, 4)} and {t.denoise for t in firsts if t.step == 1} == {(0, 6)}
+    assert {t.denoise for t in firsts if t.step == 0} == {(0, 4)}
+    assert {t.denoise for t in firsts if t.step == 1} == {(0, 6)}
     assert WorkerId("rollout", 3) in {t.worker for t in planner.plan.tasks}

@@ -8,7 +8,9 @@
   the previous weights while the trainers drain, then receives the new weights.
 
 :class:`StepPlanner` appends one step at a time to a growing :class:`Plan`, so the
-controller can re-plan with measured costs while the executor is running.
+controller can re-plan with measured costs while the executor is running. It composes one
+mechanism per question of a step plan (:mod:`verl_digen.schedule.mechanisms`), chosen from the
+spec by :func:`layout_of`: a new mechanism is a class there and a line here.
 """
 
 from __future__ import annotations
