@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from verl_digen.schedule.driver import StepDriver
 from verl_digen.schedule.elastic import balanced_spec
-from verl_digen.schedule.plan import Plan, Task, WorkerId
+from verl_digen.schedule.plan import Plan, Task, TaskId, WorkerId
 from verl_digen.schedule.runner import PlanRunner
 from verl_digen.schedule.strategies import StepCosts, StrategySpec
 from verl_digen.schedule.timeline import Timeline, save_gantt
@@ -59,8 +59,8 @@ class SimulatedExecutor(PlanRunner):
         self.mode: dict[WorkerId, str] = {w: costs.initial_mode(w) for w in plan.workers}
         self._t = 0.0
         self._seq = 0
-        self._events: list[tuple[float, int, str]] = []
-        self._switched: dict[str, list[str]] = {}
+        self._events: list[tuple[float, int, TaskId]] = []
+        self._switched: dict[TaskId, list[str]] = {}
         self._pending: list[Task] = []  # launched this instant, durations not fixed yet
 
     def now(self) -> float:
@@ -87,7 +87,7 @@ class SimulatedExecutor(PlanRunner):
         self._seq += 1
         heapq.heappush(self._events, (self._t + duration, self._seq, task.id))
 
-    def _wait_one(self) -> tuple[str, Any]:
+    def _wait_one(self) -> tuple[TaskId, Any]:
         for task in self._pending:
             self._start(task)
         self._pending.clear()
