@@ -99,7 +99,7 @@ class PipelineGeneration:
     split: int
 
     def stages(self, turns: Turns) -> tuple[Stage, ...]:
-        lane = turns.next("generate", self.pipelines)
+        lane = turns.next("generate", self.pipelines)  # the generators' rotation, as without TSP
         k = len(self.bounds) - 1
         return tuple(
             Stage(WorkerId("rollout", lane * k + i), i, (self.bounds[i], self.bounds[i + 1]), i == k - 1)
