@@ -157,7 +157,7 @@ class RayPlanExecutor(PlanRunner):
             pending = list(self._ref_task)
             ready, _ = ray.wait(pending, num_returns=1, timeout=self.timeout_s)
             if not ready:
-                running = {tid: [str(w) for w in self.plan[tid].workers] for tid in self.running}
+                running = {str(tid): [str(w) for w in self.plan[tid].workers] for tid in self.running}
                 raise WorkerFailure(
                     f"no task finished within digen.task_timeout_s={self.timeout_s}s; running: {running}. "
                     "A worker may be hung; the run stops here."
