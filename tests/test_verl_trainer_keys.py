@@ -47,6 +47,7 @@ def test_the_keys_are_read_as_veRL_writes_them():
                                            "experiment_name": 2024, "v1": {"trainer_mode": "digen"}}})
     assert keys.logger == ("console",) and keys.test_freq == -1 and keys.save_freq == -1
     assert keys.experiment_name == "2024" and keys.trainer_mode == "digen"
+    assert VerlTrainerKeys.of({"trainer": {"logger": None}}).logger == ()  # no backend
 
 
 def test_a_composed_run_config_carries_its_trainer_keys():

@@ -241,6 +241,16 @@ def _is_str(value: Any) -> bool:
     return isinstance(value, str)
 
 
+def _backends(logger: Any) -> Any:
+    """``trainer.logger`` as a tuple: veRL takes one name, a list, or null (no backend); any
+    other value is left for the check to name."""
+    if isinstance(logger, str):
+        return (logger,)
+    if logger is None or isinstance(logger, (list, tuple)):
+        return tuple(logger or ())
+    return logger
+
+
 @dataclass(frozen=True)
 class VerlTrainerKeys:
     """veRL's ``trainer.*`` keys this project reads, typed, built once when the run is checked
@@ -290,13 +300,12 @@ class VerlTrainerKeys:
     def of(cls, config: Mapping[str, Any]) -> "VerlTrainerKeys":
         """The keys of ``config`` (the whole run config, resolved, as plain data), read as veRL
         writes them: ``logger`` may be one name, a ``*_freq`` of null means never, and names and
-        paths Hydra read as numbers are the text the user wrote. A missing key takes its default."""
+        paths Hydra read as numbers are the text the user wrote. A missing key takes its default
+        (``logger: null`` means no backend)."""
         found = {f.name: _get(config, cls.key(f.name)) for f in fields(cls)}
         values = {name: value for name, value in found.items() if value is not _UNSET}
-        if isinstance(values.get("logger"), str):
-            values["logger"] = (values["logger"],)
-        elif isinstance(values.get("logger"), (list, tuple)):
-            values["logger"] = tuple(values["logger"])
+        if "logger" in values:
+            values["logger"] = _backends(values["logger"])
         for name in ("test_freq", "save_freq"):
             if name in values and values[name] is None:
                 values[name] = -1

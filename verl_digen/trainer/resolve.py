@@ -2,10 +2,10 @@
 
 :func:`check_run_config` runs every check, for both entry points, writing nothing;
 :func:`prepare_run` adds the run's directories and resume point: the one object the controller
-works from. Each function names the config key at fault: the number of steps, the model directory (a local directory, a hub id
-resolved to its snapshot in the Hugging Face cache, or the tiny model built in its place), the
-prompt sets, the output directory, a reachable remote reward, and whether every role fits its
-GPU's memory.
+works from. Each function names the config key at fault: the number of steps, the model
+directory (a local directory, a hub id resolved to its snapshot in the Hugging Face cache, or
+the tiny model built in its place), the prompt sets, the output directory, a reachable remote
+reward, and whether every role fits its GPU's memory.
 """
 
 from __future__ import annotations
