@@ -13,10 +13,13 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from verl_digen.config.schema import ConfigError, DigenConfig, digen_config_from_dict, prompt_sources
 from verl_digen.config.verl_keys import DIGEN_MAIN, MAIN_PPO, RunConfig, VerlTrainerKeys, resolve_run_config
+
+if TYPE_CHECKING:  # checkpoint.py imports torch: only when a run is prepared
+    from verl_digen.trainer.checkpoint import Checkpoint
 
 
 def resolve_model_path(cfg: DigenConfig) -> str:
@@ -451,7 +454,7 @@ class PreparedRun(CheckedRun):
 
     output_dir: str  # digen.output_dir, created
     checkpoint_root: str  # trainer.default_local_dir as written, created unless emulated
-    resume_from: Any  # the verl_digen.trainer.checkpoint.Checkpoint to resume, or None: start fresh
+    resume_from: Checkpoint | None  # the checkpoint to resume; None: start fresh
     identity: dict[str, Any] | None  # this run's identity, for the checkpoints it writes (None: emulated)
 
     @property
