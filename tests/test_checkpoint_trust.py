@@ -301,7 +301,7 @@ def test_a_different_base_model_is_refused_and_a_copy_of_the_same_one_resumes(on
         _trainer(tmp, ck, "d", f"digen.model.path={other}")
     # Accepted on purpose:
     assert _trainer(tmp, ck, "e", f"digen.model.path={other}",
-                    "digen.resume.allow_changes=[model_fingerprint]").resume_from.step == 1
+                    "digen.resume.allow_changes=[model_fingerprint]").job.resume_from.step == 1
     with pytest.raises(ConfigError, match=r"digen.resume.allow_changes=\['lr'\]; valid: model_fingerprint"):
         _trainer(tmp, ck, "f", "digen.resume.allow_changes=[lr]")
 
