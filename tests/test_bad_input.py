@@ -99,7 +99,7 @@ def test_staleness_above_one_is_refused():
 
 def test_null_total_training_steps_counts_epochs_like_verl():
     # veRL's rule: whole batches of the training prompts (32 built-in prompts, 4 per step), times the epochs.
-    assert _trainer("trainer.total_training_steps=null", "trainer.total_epochs=3").total_steps == 32 // 4 * 3
+    assert _trainer("trainer.total_training_steps=null", "trainer.total_epochs=3").job.total_steps == 32 // 4 * 3
 
 
 def test_null_total_training_steps_without_epochs_is_named():

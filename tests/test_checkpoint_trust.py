@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from runs import lock_holder, run_config
 from verl_digen.config.schema import ConfigError
+from verl_digen.config.verl_keys import VerlTrainerKeys
 from verl_digen.trainer.checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -141,7 +142,7 @@ def test_a_crafted_dcp_metadata_is_refused_by_the_rank_the_resume_check_and_expo
         read_full_weights(ckpt.path)
     assert path in damage(ckpt)  # what resume (auto and resume_path) checks before any worker
     with pytest.raises(CheckpointError, match=rf"{path}: refused"):
-        select_resume({"resume_mode": "resume_path", "resume_from_path": ckpt.path}, str(tmp_path / "ck"))
+        select_resume(VerlTrainerKeys(resume_mode="resume_path", resume_from_path=ckpt.path), str(tmp_path / "ck"))
     assert export_main(["--ckpt", ckpt.path, "--out", str(tmp_path / "out")]) == 2
     assert not marker.exists()
 
@@ -187,7 +188,7 @@ def test_auto_resume_with_every_checkpoint_damaged_stops_listing_each(tmp_path, 
     with open(os.path.join(two.path, "meta.json"), "r+") as f:
         f.truncate(40)  # a truncated marker
     with pytest.raises(CheckpointError) as e:
-        select_resume({"resume_mode": "auto"}, str(root))
+        select_resume(VerlTrainerKeys(resume_mode="auto"), str(root))
     msg = str(e.value)
     assert "holds 2 checkpoint(s) and none is intact" in msg
     assert f"{two.path}/meta.json: unreadable" in msg and f"{one.path}/state/__0_0.distcp: SHA-256" in msg
@@ -195,7 +196,7 @@ def test_auto_resume_with_every_checkpoint_damaged_stops_listing_each(tmp_path, 
     out = capsys.readouterr().out
     assert out.count("skipping damaged checkpoint") == 2  # every skip is logged, the truncated marker too
     # Starting fresh anyway: the damaged ones are never written over, only moved aside.
-    assert select_resume({"resume_mode": "auto"}, str(root), fresh_if_damaged=True) is None
+    assert select_resume(VerlTrainerKeys(resume_mode="auto"), str(root), fresh_if_damaged=True) is None
     damaged_bytes = open(os.path.join(one.path, "state", "__0_0.distcp"), "rb").read()
     fresh = _sharded(root, 1)
     assert damage(fresh) is None
@@ -203,7 +204,7 @@ def test_auto_resume_with_every_checkpoint_damaged_stops_listing_each(tmp_path, 
     assert open(os.path.join(kept, "state", "__0_0.distcp"), "rb").read() == damaged_bytes
     assert "is damaged" in capsys.readouterr().out
     # Resume now picks the fresh step 1, skipping (and saying so) the damaged step 2.
-    assert select_resume({"resume_mode": "auto"}, str(root)).path == fresh.path
+    assert select_resume(VerlTrainerKeys(resume_mode="auto"), str(root)).path == fresh.path
 
 
 def test_a_damaged_newer_marker_is_skipped_with_a_message(tmp_path, capsys):
@@ -211,7 +212,7 @@ def test_a_damaged_newer_marker_is_skipped_with_a_message(tmp_path, capsys):
     one = _sharded(root, 1)
     two = _sharded(root, 2)
     open(os.path.join(two.path, "meta.json"), "w").write("{\"step\": 2, \"comp")
-    assert select_resume({"resume_mode": "auto"}, str(root)).path == one.path
+    assert select_resume(VerlTrainerKeys(resume_mode="auto"), str(root)).path == one.path
     assert f"skipping damaged checkpoint {two.path}: {two.path}/meta.json: unreadable" in capsys.readouterr().out
 
 
@@ -287,7 +288,7 @@ def test_a_different_base_model_is_refused_and_a_copy_of_the_same_one_resumes(on
     copy = tmp / "same_model"
     shutil.copytree(tiny_flux, copy)
     trainer = _trainer(tmp, ck, "c", f"digen.model.path={copy}")
-    assert trainer.resume_from.step == 1
+    assert trainer.job.resume_from.step == 1
     assert "same files" in capsys.readouterr().out
     other = tmp / "other_model"
     shutil.copytree(tiny_flux, other)
@@ -300,7 +301,7 @@ def test_a_different_base_model_is_refused_and_a_copy_of_the_same_one_resumes(on
         _trainer(tmp, ck, "d", f"digen.model.path={other}")
     # Accepted on purpose:
     assert _trainer(tmp, ck, "e", f"digen.model.path={other}",
-                    "digen.resume.allow_changes=[model_fingerprint]").resume_from.step == 1
+                    "digen.resume.allow_changes=[model_fingerprint]").job.resume_from.step == 1
     with pytest.raises(ConfigError, match=r"digen.resume.allow_changes=\['lr'\]; valid: model_fingerprint"):
         _trainer(tmp, ck, "f", "digen.resume.allow_changes=[lr]")
 

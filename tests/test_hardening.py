@@ -22,6 +22,7 @@ import torch
 
 from runs import QUIET, lock_holder, run_config
 from verl_digen.config.schema import ConfigError
+from verl_digen.config.verl_keys import VerlTrainerKeys
 from verl_digen.trainer.checkpoint import (
     CheckpointError,
     RootLock,
@@ -122,13 +123,13 @@ def test_a_bit_flip_in_the_latest_checkpoint_falls_back_to_the_previous_one(tmp_
     open(path, "wb").write(bytes(data))
     with pytest.raises(CheckpointError, match=r"global_step_2/weights\.safetensors: SHA-256 does not match"):
         bad.verify()
-    chosen = select_resume({"resume_mode": "auto"}, str(tmp_path))
+    chosen = select_resume(VerlTrainerKeys(resume_mode="auto"), str(tmp_path))
     assert chosen.step == 1
     out = capsys.readouterr().out
     assert "skipping damaged checkpoint" in out and "global_step_2/weights.safetensors" in out
     # Asked for by path, the corrupt one is refused with the file named.
     with pytest.raises(CheckpointError, match=r"weights\.safetensors"):
-        select_resume({"resume_mode": "resume_path", "resume_from_path": bad.path}, str(tmp_path))
+        select_resume(VerlTrainerKeys(resume_mode="resume_path", resume_from_path=bad.path), str(tmp_path))
 
 
 def test_a_truncated_weights_file_is_named(tmp_path):

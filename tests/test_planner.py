@@ -88,15 +88,17 @@ def test_hydra_overrides_of_the_best_configuration_build_the_same_strategy(catal
 
     from verl_digen.config.compose import compose_config
     from verl_digen.config.schema import digen_config_from_dict
-    from verl_digen.placement.pools import cluster_from_trainer_config, pool_layout
+    from verl_digen.config.verl_keys import VerlTrainerKeys
+    from verl_digen.placement.pools import cluster_from_trainer_keys, pool_layout
 
     costs = _costs(catalog, "flux-12b", groups_per_step=32)
     inv = Inventory({"H800": 32})
     result = search(costs, inv, mechanisms=["disaggregated+gap+tcss"], micro_batches=(2,), steps=3, warmup=1)
     best = result.best
     cfg = compose_config(hydra_overrides(best.candidate, costs, inv))
-    digen = digen_config_from_dict(OmegaConf.to_container(cfg, resolve=True)["digen"])
-    layout = pool_layout(digen, cluster_from_trainer_config(cfg.trainer))
+    container = OmegaConf.to_container(cfg, resolve=True)
+    digen = digen_config_from_dict(container["digen"])
+    layout = pool_layout(digen, cluster_from_trainer_keys(VerlTrainerKeys.of(container)))
     spec = best.candidate.spec
     for field in ("placement", "rollout_workers", "trainer_workers", "groups_per_step", "group_size",
                   "groups_per_task", "train_micro_batch_groups", "gap", "max_staleness"):

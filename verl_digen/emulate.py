@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     costs = CostModel.from_catalog(
         catalog, args.model, devices=[args.device_type], group_size=spec.group_size, groups_per_step=spec.groups_per_step
     )
-    cluster = cluster_for_layout(trainer.layout, args.device_type)
+    cluster = cluster_for_layout(trainer.job.layout, args.device_type)
     if args.time_scale is None:
         gen = costs.step_costs(spec, cluster).generate_per_group * spec.groups_per_task
         args.time_scale = 0.2 / max(gen, 1e-9)
@@ -149,8 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         costs, device=args.device_type, time_scale=args.time_scale, group_size=spec.group_size
     )
     result = trainer.run()
-    sim = simulate(spec, costs, cluster, steps=trainer.total_steps, warmup=min(1, trainer.total_steps - 1),
-                   mirror_loop=True, tag_switch_s=trainer.cfg.tag.switch_cost_s, tsp_balance=trainer.cfg.tsp.balance)
+    job = trainer.job
+    sim = simulate(spec, costs, cluster, steps=job.total_steps, warmup=min(1, job.total_steps - 1),
+                   mirror_loop=True, tag_switch_s=job.cfg.tag.switch_cost_s, tsp_balance=job.cfg.tsp.balance)
     print(f"[verl-digen] emulated {spec.name} on {spec.devices} x {args.device_type} ({args.model}), "
           f"time scale {args.time_scale:.3g} real s per modelled s")
     for line in _step_table(result.metrics, sim.step_metrics, args.time_scale):
@@ -158,10 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     real = sum(m["step_time_s"] for m in result.metrics[1:]) / args.time_scale
     virt = sum(m["step_time_s"] for m in sim.step_metrics[1:])
     if virt > 0:
-        n_tasks = len(sim.plan.tasks) / max(trainer.total_steps, 1)
-        print(f"steps 2..{trainer.total_steps}: emulated {real:.2f} s vs simulated {virt:.2f} s (modelled seconds): "
+        n_tasks = len(sim.plan.tasks) / max(job.total_steps, 1)
+        print(f"steps 2..{job.total_steps}: emulated {real:.2f} s vs simulated {virt:.2f} s (modelled seconds): "
               f"runtime overhead {100 * (real / virt - 1):.1f}% "
-              f"= {1000 * (real - virt) * args.time_scale / max(trainer.total_steps - 1, 1) / n_tasks:.2f} ms per task")
+              f"= {1000 * (real - virt) * args.time_scale / max(job.total_steps - 1, 1) / n_tasks:.2f} ms per task")
     return 0
 
 

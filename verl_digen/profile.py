@@ -507,7 +507,7 @@ def check_against_real_runs(
         trainer = DigenTrainer(cfg)
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
         result = trainer.run()
-        cluster = cluster_for_layout(trainer.layout, device)
+        cluster = cluster_for_layout(trainer.job.layout, device)
         predicted = {
             label: simulate(trainer.spec, c, cluster, steps=steps, warmup=1, mirror_loop=True) for label, c in costs.items()
         }

@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping
 
 from verl_digen.config.schema import DEVICES, ConfigError, hydra_defaults, prompt_sources
@@ -35,6 +35,9 @@ AGENT_LOOP_MANAGER = "verl_digen.trainer.verl_mode.DiffusionAgentLoopManager"
 _MANAGER_KEY = "actor_rollout_ref.rollout.agent.agent_loop_manager_class"
 
 _UNSET = object()
+
+#: ``trainer.resume_mode``: resume the newest intact checkpoint, start fresh, or resume ``resume_from_path``.
+RESUME_MODES = ("auto", "disable", "resume_path")
 
 
 @dataclass(frozen=True)
@@ -105,8 +108,8 @@ MAPPED: tuple[Mapped, ...] = (
            "main_ppo hands it to ray.init itself)"),
 )
 
-# veRL keys whose value we check or read but that set no digen.* field (see _derived_settings
-# and the loop, which reads trainer.* itself).
+# veRL keys whose value we check or read but that set no digen.* field (see _derived_settings,
+# and VerlTrainerKeys for trainer.*).
 READ_DIRECTLY: dict[str, str] = {
     "actor_rollout_ref.actor.ppo_mini_batch_size": "must equal data.train_batch_size: one optimizer step per step",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu":
@@ -216,13 +219,133 @@ def _kl_beta(config: Mapping[str, Any]) -> float:
     return float(_get(config, "actor_rollout_ref.actor.kl_loss_coef"))
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_positive_int(value: Any) -> bool:
+    return _is_int(value) and value >= 1
+
+
+def _is_optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda value: value is None or check(value)
+
+
+def _key(default: Any, check: Callable[[Any], bool], rule: str, key: str | None = None) -> Any:
+    """A field of :class:`VerlTrainerKeys`: its default (written here only), the check of its
+    value and the rule a bad value breaks; ``key``: its path under ``trainer.`` when not its name."""
+    return field(default=default, metadata={"check": check, "rule": rule, "key": key})
+
+
+def _is_str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _backends(logger: Any) -> Any:
+    """``trainer.logger`` as a tuple: veRL takes one name, a list, or null (no backend); any
+    other value is left for the check to name."""
+    if isinstance(logger, str):
+        return (logger,)
+    if logger is None or isinstance(logger, (list, tuple)):
+        return tuple(logger or ())
+    return logger
+
+
+@dataclass(frozen=True)
+class VerlTrainerKeys:
+    """veRL's ``trainer.*`` keys this project reads, typed, built once when the run is checked
+    (:func:`resolve_run_config`); a bad value is a :class:`ConfigError` naming its key.
+
+    Each default is written once, here: veRL's own (``_generated_ppo_trainer.yaml``; a test
+    checks they agree). Composed configs always hold every key, so a default matters only for a
+    mapping that lacks one. The field ``name`` is the key ``trainer.<name>`` unless it says otherwise.
+    """
+
+    total_training_steps: int | None = _key(None, _is_optional(_is_positive_int), "must be a positive integer")
+    # Only read when total_training_steps is null: checked then (steps_for), not before.
+    total_epochs: Any = _key(30, lambda value: True, "")
+    project_name: str = _key("verl_examples", _is_str, "must be a name")
+    experiment_name: str = _key("gsm8k", _is_str, "must be a name")
+    logger: tuple[str, ...] = _key(("console", "wandb"), lambda v: isinstance(v, tuple) and all(map(_is_str, v)),
+                                   "must be a backend name or a list of them")
+    n_gpus_per_node: int = _key(8, _is_positive_int, "must be a positive integer")
+    nnodes: int = _key(1, _is_positive_int, "must be a positive integer")
+    device: str = _key("cuda", lambda value: value in DEVICES, f"valid: {', '.join(DEVICES)}")
+    val_before_train: bool = _key(True, lambda value: isinstance(value, bool), "must be true or false")
+    test_freq: int = _key(-1, _is_int, "must be an integer (<= 0 or null: never)")  # null reads as -1
+    save_freq: int = _key(-1, _is_int, "must be an integer (<= 0 or null: never)")  # null reads as -1
+    resume_mode: str = _key("auto", lambda value: value in RESUME_MODES, f"valid: {', '.join(RESUME_MODES)}")
+    resume_from_path: str | None = _key(None, _is_optional(_is_str), "must be a checkpoint directory")
+    # None: veRL's interpolation, checkpoints/<project_name>/<experiment_name> (see checkpoint_root)
+    default_local_dir: str | None = _key(None, _is_optional(_is_str), "must be a directory")
+    max_actor_ckpt_to_keep: int | None = _key(None, _is_optional(_is_int), "must be an integer or null")
+    use_v1: bool = _key(True, bool, "the digen trainer mode is a v1 trainer")
+    trainer_mode: str = _key("sync", _is_str, "must be a trainer mode's name", key="v1.trainer_mode")
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not f.metadata["check"](value):
+                raise ConfigError(f"invalid config: {self.key(f.name)}={value!r}; {f.metadata['rule']}")
+        if self.resume_mode == "resume_path" and not self.resume_from_path:
+            raise ConfigError("invalid config: trainer.resume_mode=resume_path needs trainer.resume_from_path")
+
+    @classmethod
+    def key(cls, name: str) -> str:
+        """The full veRL key of field ``name`` (``trainer.v1.trainer_mode`` for ``trainer_mode``)."""
+        meta = next(f.metadata for f in fields(cls) if f.name == name)
+        return f"trainer.{meta['key'] or name}"
+
+    @classmethod
+    def of(cls, config: Mapping[str, Any]) -> "VerlTrainerKeys":
+        """The keys of ``config`` (the whole run config, resolved, as plain data), read as veRL
+        writes them: ``logger`` may be one name, a ``*_freq`` of null means never, and names and
+        paths Hydra read as numbers are the text the user wrote. A missing key takes its default
+        (``logger: null`` means no backend)."""
+        found = {f.name: _get(config, cls.key(f.name)) for f in fields(cls)}
+        values = {name: value for name, value in found.items() if value is not _UNSET}
+        if "logger" in values:
+            values["logger"] = _backends(values["logger"])
+        for name in ("test_freq", "save_freq"):
+            if name in values and values[name] is None:
+                values[name] = -1
+        for name in ("project_name", "experiment_name", "default_local_dir"):
+            if isinstance(values.get(name), (int, float)) and not isinstance(values[name], bool):
+                values[name] = str(values[name])
+        return cls(**values)
+
+    @property
+    def checkpoint_root(self) -> str:
+        """``trainer.default_local_dir``, or veRL's default from the project and experiment names."""
+        if self.default_local_dir is not None:
+            return self.default_local_dir
+        return os.path.join("checkpoints", self.project_name, self.experiment_name)
+
+    def steps_for(self, num_prompts: int, groups_per_step: int) -> int:
+        """``trainer.total_training_steps``, or, when it is null, veRL's rule: the steps of
+        ``trainer.total_epochs`` epochs of whole batches (``num_prompts // train_batch_size`` each)."""
+        if self.total_training_steps is not None:
+            return self.total_training_steps
+        epochs = self.total_epochs
+        if not _is_positive_int(epochs):
+            raise ConfigError(f"invalid config: trainer.total_epochs={epochs!r}; must be a positive integer "
+                              "(or set trainer.total_training_steps)")
+        steps = num_prompts // groups_per_step * epochs
+        if steps < 1:
+            raise ConfigError(f"invalid config: trainer.total_training_steps=None: {num_prompts} training prompts "
+                              f"make no whole batch of data.train_batch_size={groups_per_step}")
+        return steps
+
+
 @dataclass
 class RunConfig:
     """What a run reads: the ``digen`` mapping with veRL's keys applied, and, for every
-    ``digen.*`` key a veRL key set, that veRL key (errors name the key the user wrote)."""
+    ``digen.*`` key a veRL key set, that veRL key (errors name the key the user wrote); and
+    veRL's ``trainer.*`` keys, typed."""
 
     digen: dict[str, Any]
     origins: dict[str, str]
+    trainer: VerlTrainerKeys
 
     def rename(self, message: str) -> str:
         """A message about ``digen.*`` keys, naming the veRL keys the user set instead."""
@@ -269,9 +392,10 @@ def resolve_run_config(config: Mapping[str, Any], entry: str = DIGEN_MAIN) -> Ru
         put("digen.model.lora.enable", True, "actor_rollout_ref.model.lora_rank")
 
     _derived_settings(config, digen, ours, put)
-    _check_rollout_and_algorithm(config, entry)
+    trainer = VerlTrainerKeys.of(config)
+    _check_rollout_and_algorithm(config, trainer, entry)
     _check_inapplicable(config, entry)
-    return RunConfig(digen=digen, origins=origins)
+    return RunConfig(digen=digen, origins=origins, trainer=trainer)
 
 
 def _derived_settings(config: Mapping[str, Any], digen: dict[str, Any], ours: dict[str, Any],
@@ -350,7 +474,7 @@ def _custom_reward(config: Mapping[str, Any]) -> tuple[Any, Any, Any]:
     return picks[0][1], picks[0][2], manager
 
 
-def _check_rollout_and_algorithm(config: Mapping[str, Any], entry: str) -> None:
+def _check_rollout_and_algorithm(config: Mapping[str, Any], trainer: VerlTrainerKeys, entry: str) -> None:
     name = _get(config, "actor_rollout_ref.rollout.name", "???")
     if name not in ("???", None, "hf"):
         raise ConfigError(f"invalid config: actor_rollout_ref.rollout.name={name!r} cannot apply: "
@@ -359,19 +483,13 @@ def _check_rollout_and_algorithm(config: Mapping[str, Any], entry: str) -> None:
     if adv not in ("gae", "grpo"):
         raise ConfigError(f"invalid config: algorithm.adv_estimator={adv!r}; verl-digen trains with GRPO "
                           "advantages (grpo)")
-    mode = _get(config, "trainer.v1.trainer_mode", "sync")
     valid = (TRAINER_MODE,) if entry == MAIN_PPO else (TRAINER_MODE, "sync")
-    if mode not in valid:
-        raise ConfigError(f"invalid config: trainer.v1.trainer_mode={mode!r}; valid: {', '.join(valid)}")
+    if trainer.trainer_mode not in valid:
+        raise ConfigError(f"invalid config: trainer.v1.trainer_mode={trainer.trainer_mode!r}; valid: {', '.join(valid)}")
     manager = _get(config, _MANAGER_KEY, None)
     if manager not in (None, AGENT_LOOP_MANAGER):
         raise ConfigError(f"invalid config: {_MANAGER_KEY}={manager!r}; the digen trainer mode generates with "
                           f"{AGENT_LOOP_MANAGER} (leave it unset)")
-    device = _get(config, "trainer.device", "cuda")
-    if device not in DEVICES:
-        raise ConfigError(f"invalid config: trainer.device={device!r}; valid: {', '.join(DEVICES)}")
-    if not _get(config, "trainer.use_v1", True):
-        raise ConfigError("invalid config: trainer.use_v1=False; the digen trainer mode is a v1 trainer")
 
 
 def _check_inapplicable(config: Mapping[str, Any], entry: str) -> None:

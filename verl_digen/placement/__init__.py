@@ -4,6 +4,6 @@ from verl_digen.placement.pools import (  # noqa: F401
     ClusterSpec,
     PoolLayout,
     build_worker_groups,
-    cluster_from_trainer_config,
+    cluster_from_trainer_keys,
     pool_layout,
 )

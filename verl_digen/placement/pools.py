@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from verl_digen.config.schema import ConfigError, DigenConfig
+from verl_digen.config.verl_keys import VerlTrainerKeys
 from verl_digen.schedule.plan import WorkerId
 from verl_digen.schedule.strategies import StrategySpec
 
@@ -39,13 +40,10 @@ class ClusterSpec:
         return self.n_devices_per_node * self.nnodes
 
 
-def cluster_from_trainer_config(trainer_cfg: Any) -> ClusterSpec:
-    n = trainer_cfg.get("n_gpus_per_node")
-    nodes = trainer_cfg.get("nnodes")
-    for key, val in (("trainer.n_gpus_per_node", n), ("trainer.nnodes", nodes)):
-        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-            raise ConfigError(f"invalid config: {key}={val!r}; must be a positive integer")
-    return ClusterSpec(n_devices_per_node=n, nnodes=nodes)
+def cluster_from_trainer_keys(trainer: VerlTrainerKeys) -> ClusterSpec:
+    """The declared cluster: ``trainer.nnodes`` x ``trainer.n_gpus_per_node`` (checked positive
+    when the keys were read)."""
+    return ClusterSpec(n_devices_per_node=trainer.n_gpus_per_node, nnodes=trainer.nnodes)
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ import torch
 # The rank side reads checkpoint files too (workers/ may not import trainer/): its error and
 # safe loader are the ones used here.
 from verl_digen.config.schema import IDENTITY_KEYS
+from verl_digen.config.verl_keys import VerlTrainerKeys
 from verl_digen.workers.sharded_state import CheckpointError, file_record, load_pt
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -501,15 +502,14 @@ def check_same_run(ckpt: Checkpoint, identity: dict[str, Any], allow_changes: li
 # ---------------------------------------------------------------------------- a run's checkpoints
 
 
-def select_resume(trainer_cfg: Any, root: str, *, fresh_if_damaged: bool = False) -> Checkpoint | None:
-    """The checkpoint ``trainer.resume_mode`` asks for (None: start fresh).
+def select_resume(trainer: VerlTrainerKeys, root: str, *, fresh_if_damaged: bool = False) -> Checkpoint | None:
+    """The checkpoint ``trainer.resume_mode`` asks for (None: start fresh); ``trainer``: veRL's
+    ``trainer.*`` keys, typed (the mode and its path were checked when they were read).
 
     ``auto`` with checkpoints present but none intact stops, listing each and why, unless
     ``fresh_if_damaged`` (``digen.resume.fresh_if_damaged``): a fresh run never writes over
     them (see :func:`save_checkpoint`)."""
-    from verl_digen.config.schema import ConfigError
-
-    mode = trainer_cfg.get("resume_mode", "auto")
+    mode = trainer.resume_mode
     if mode == "disable":
         return None
     if mode == "auto":
@@ -527,23 +527,18 @@ def select_resume(trainer_cfg: Any, root: str, *, fresh_if_damaged: bool = False
                   "checkpoint(s) stay where they are and are moved aside, not overwritten, if a step collides",
                   flush=True)
         return ckpt
-    if mode == "resume_path":
-        path = trainer_cfg.get("resume_from_path")
-        if not path:
-            raise ConfigError("invalid config: trainer.resume_mode=resume_path needs trainer.resume_from_path")
-        ckpt = checkpoint_at(str(path))
-        why = damage(ckpt)
-        if why is not None:
-            raise CheckpointError(why)
-        return ckpt
-    raise ConfigError(f"invalid config: trainer.resume_mode={mode!r}; valid: auto, disable, resume_path")
+    ckpt = checkpoint_at(str(trainer.resume_from_path))  # resume_path
+    why = damage(ckpt)
+    if why is not None:
+        raise CheckpointError(why)
+    return ckpt
 
 
-def resume_point(trainer_cfg: Any, root: str, cfg: Any, model_path: str) -> tuple[Checkpoint | None, dict[str, Any]]:
+def resume_point(trainer: VerlTrainerKeys, root: str, cfg: Any, model_path: str) -> tuple[Checkpoint | None, dict[str, Any]]:
     """The checkpoint to resume (None: start fresh), checked to be this run's, and this run's
     identity for the checkpoints it writes; ``cfg`` is the run's ``DigenConfig``."""
     identity = run_identity(cfg, model_path)
-    ckpt = select_resume(trainer_cfg, root, fresh_if_damaged=cfg.resume.fresh_if_damaged)
+    ckpt = select_resume(trainer, root, fresh_if_damaged=cfg.resume.fresh_if_damaged)
     if ckpt is not None:
         check_same_run(ckpt, identity, cfg.resume.allow_changes)
     return ckpt, identity

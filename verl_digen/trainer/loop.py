@@ -28,14 +28,13 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from verl_digen.config.schema import ConfigError
 from verl_digen.config.verl_keys import DIGEN_MAIN, MAIN_PPO
 from verl_digen.schedule.driver import StepDriver
 from verl_digen.schedule.elastic import balanced_spec
 from verl_digen.schedule.plan import TaskKind, WorkerId, group_ids
 from verl_digen.schedule.timeline import save_gantt
 from verl_digen.trainer import resolve, runtime
-from verl_digen.trainer.checkpoint import RunCheckpoints, locked_run_directories, resume_point
+from verl_digen.trainer.checkpoint import RunCheckpoints, locked_run_directories
 from verl_digen.trainer.ray_executor import RayPlanExecutor
 
 
@@ -67,82 +66,49 @@ class DigenTrainer:
 
     def __init__(self, config: DictConfig, worker_groups: runtime.WorkerGroupFactory | None = None,
                  entry: str = DIGEN_MAIN) -> None:
-        checked = resolve.check_run_config(config, entry)
-        self.full_config = checked.container
-        self.trainer_cfg = config.trainer
-        self.run_config = checked.run_config
-        try:
-            self._prepare(checked, worker_groups, entry)
-        except (ConfigError, FileNotFoundError) as e:  # name the key the user wrote (veRL's or ours)
-            raise type(e)(self.run_config.rename(str(e))) from None
-
-    def _prepare(self, checked: resolve.CheckedRun, worker_groups: runtime.WorkerGroupFactory | None, entry: str) -> None:
-        self.cfg = cfg = checked.cfg
-        self.layout = checked.layout
-        self.cluster = checked.cluster
-        self.trainer_device = str(self.trainer_cfg.get("device", "cuda"))
-        ray_init = (checked.container.get("ray_kwargs") or {}).get("ray_init") or {}
-        self.ray_address, self.ray_num_cpus = ray_init.get("address"), ray_init.get("num_cpus")
-        self.spec = self.layout.spec
-        self.prompt_records = checked.prompt_records  # each prompt's record: its rewards' metadata
-        self.total_steps = checked.total_steps
-        self.prompts = [record["prompt"] for record in self.prompt_records]
-        self.emulated = cfg.emulate.model is not None
-        self.test_freq = -1 if self.emulated else int(self.trainer_cfg.get("test_freq", -1) or -1)
-        self.val_records = checked.val_records
-        self.val_prompts = [record["prompt"] for record in self.val_records]
-        self.model_path = checked.model_path
-        if cfg.model.path is None and not self.emulated and entry == MAIN_PPO:
+        # Everything the config decides, checked, with the run's directories and resume point:
+        # read from here, never copied (resolve.PreparedRun).
+        self.job = job = resolve.prepare_run(config, entry)
+        if job.cfg.model.path is None and not job.emulated and entry == MAIN_PPO:
             print(f"[verl-digen] actor_rollout_ref.model.path is at veRL's default: training the tiny "
-                  f"random {cfg.model.tiny_arch} model ({self.model_path})", flush=True)
-        self.output_dir = resolve.output_dir_for(cfg, self.trainer_cfg)
+                  f"random {job.cfg.model.tiny_arch} model ({job.model_path})", flush=True)
         self.worker_groups = worker_groups
-        root = str(self.trainer_cfg.default_local_dir)
-        self.save_freq = -1 if self.emulated else int(self.trainer_cfg.get("save_freq", -1) or -1)
-        if not self.emulated:
-            resolve.check_directory(root, "trainer.default_local_dir")
-        self.resume_from, identity = (None, None) if self.emulated else resume_point(self.trainer_cfg, root, cfg,
-                                                                                     self.model_path)
-        self.start_step = self.resume_from.step if self.resume_from else 0
-        if self.start_step >= self.total_steps:
-            raise ConfigError(
-                f"checkpoint {self.resume_from.path} is at step {self.start_step}, which already reaches "
-                f"trainer.total_training_steps={self.total_steps}; raise total_training_steps to continue, "
-                "or start fresh with trainer.resume_mode=disable"
-            )
-        meta = {"model_path": self.model_path, "lora_only": cfg.model.lora.enable,
-                "lora": dataclasses.asdict(cfg.model.lora), "arch": cfg.model.arch, "output_dir": self.output_dir,
-                "identity": identity}
-        self.checkpoints = RunCheckpoints(root, self.spec, meta=meta, timeout_s=cfg.task_timeout_s,
-                                          max_to_keep=self.trainer_cfg.get("max_actor_ckpt_to_keep"))
+        self.spec = job.layout.spec  # the strategy run now (TSP re-balancing replaces it)
+        cfg = job.cfg
+        meta = {"model_path": job.model_path, "lora_only": cfg.model.lora.enable,
+                "lora": dataclasses.asdict(cfg.model.lora), "arch": cfg.model.arch, "output_dir": job.output_dir,
+                "identity": job.identity}
+        self.checkpoints = RunCheckpoints(job.checkpoint_root, self.spec, meta=meta, timeout_s=cfg.task_timeout_s,
+                                          max_to_keep=job.trainer.max_actor_ckpt_to_keep)
         self.history: list[dict[str, Any]] = []
         self.val_before_train: dict[str, float] | None = None
-        self._completed = self.start_step
+        self._completed = job.start_step
 
     def _default_worker_groups(self, use_gpu: bool) -> runtime.WorkerGroupFactory:
-        if self.emulated:
+        job = self.job
+        if job.emulated:
             from verl_digen.workers.emulated import emulated_worker_groups, emulation_costs
 
-            em = self.cfg.emulate
+            em = job.cfg.emulate
             return emulated_worker_groups(emulation_costs(em.model, em.device_type), device=em.device_type,
-                                          time_scale=em.time_scale, group_size=self.cfg.batch.group_size)
-        return runtime.real_worker_groups(self.cfg, self.model_path, use_gpu=use_gpu,
-                                          devices=self.spec.devices, cluster=self.cluster)
+                                          time_scale=em.time_scale, group_size=job.cfg.batch.group_size)
+        return runtime.real_worker_groups(job.cfg, job.model_path, use_gpu=use_gpu,
+                                          devices=self.spec.devices, cluster=job.cluster)
 
     # ------------------------------------------------------------------ run
 
     def run(self) -> RunResult:
         import ray
 
-        cfg = self.cfg
+        job = self.job
         runtime.quiet_logs()
         owns_ray, self._groups = False, {}
         # emulated runs write no checkpoints
-        with locked_run_directories(self.output_dir, None if self.emulated else self.checkpoints.root):
+        with locked_run_directories(job.output_dir, None if job.emulated else self.checkpoints.root):
             try:
-                owns_ray = runtime.init_ray(max(self.spec.devices, self.cluster.devices), cfg,
-                                            address=self.ray_address, num_cpus=self.ray_num_cpus)
-                use_gpu = runtime.device_kind(self.trainer_device, ray.cluster_resources().get("GPU", 0)) == "cuda"
+                owns_ray = runtime.init_ray(max(self.spec.devices, job.cluster.devices), job.cfg,
+                                            address=job.ray_address, num_cpus=job.ray_num_cpus)
+                use_gpu = runtime.device_kind(job.trainer.device, ray.cluster_resources().get("GPU", 0)) == "cuda"
                 with runtime.stop_signals():
                     try:
                         metrics, extra = self._run_on_ray(use_gpu)
@@ -152,8 +118,8 @@ class DigenTrainer:
                         raise self._failed(e) from e
             finally:
                 runtime.release(self._groups, owns_ray)
-        print(f"[verl-digen] run output: {self.output_dir}")
-        return RunResult(output_dir=self.output_dir, metrics=metrics, strategy=self.spec.name,
+        print(f"[verl-digen] run output: {job.output_dir}")
+        return RunResult(output_dir=job.output_dir, metrics=metrics, strategy=self.spec.name,
                          devices=self.spec.devices, wall_s=self._wall_s, extra=extra)
 
     def _run_on_ray(self, use_gpu: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -162,30 +128,29 @@ class DigenTrainer:
 
         from verl_digen.data import PromptSampler
 
-        cfg = self.cfg
-        self._groups, actors = (self.worker_groups or self._default_worker_groups(use_gpu))(self.layout)
+        job, cfg = self.job, self.job.cfg
+        self._groups, actors = (self.worker_groups or self._default_worker_groups(use_gpu))(job.layout)
         infos = ray.get([a.init_model.remote() for a in actors.values()], timeout=cfg.task_timeout_s)
-        with open(os.path.join(self.output_dir, "workers.json"), "w") as f:
+        with open(os.path.join(job.output_dir, "workers.json"), "w") as f:
             json.dump([{**i, "worker": str(w)} for w, i in zip(actors, infos)], f, indent=2)
-        if cfg.prompt_cache.enable and not self.emulated:
+        if cfg.prompt_cache.enable and not job.emulated:
             encoders = [a for w, a in actors.items() if w.pool != "reward"]
-            stats = ray.get([a.warm_prompt_cache.remote(self.prompts + self.val_prompts) for a in encoders],
+            stats = ray.get([a.warm_prompt_cache.remote(job.prompts + job.val_prompts) for a in encoders],
                             timeout=cfg.task_timeout_s)
             self.prompt_cache_stats = stats[0]
-        sampler = PromptSampler(self.prompts, seed=cfg.seed, shuffle=cfg.data.shuffle)
-        if self.resume_from is not None:
-            self.history = self.checkpoints.load(self.resume_from, actors, sampler)
+        sampler = PromptSampler(job.prompts, seed=cfg.seed, shuffle=cfg.data.shuffle)
+        if job.resume_from is not None:
+            self.history = self.checkpoints.load(job.resume_from, actors, sampler)
         if self.spec.placement == "disaggregated":
             runtime.open_weight_channel(self.spec, actors, cfg, use_gpu)
-        tracker = Tracking(project_name=self.trainer_cfg.project_name, config=self.full_config,
-                           experiment_name=self.trainer_cfg.experiment_name,
-                           default_backend=list(self.trainer_cfg.logger))
+        tracker = Tracking(project_name=job.trainer.project_name, config=job.container,
+                           experiment_name=job.trainer.experiment_name, default_backend=list(job.trainer.logger))
         try:
             metrics = self._train(actors, sampler, tracker)
         except BaseException as e:
             raise self._stopped(e, actors) from e
-        extra = runtime.finish_weights(self.spec, actors, cfg, self.output_dir,
-                                       save=cfg.save_final_weights and not self.emulated)
+        extra = runtime.finish_weights(self.spec, actors, cfg, job.output_dir,
+                                       save=cfg.save_final_weights and not job.emulated)
         if self.val_before_train is not None:
             extra["val_before_train"] = self.val_before_train
         runtime.finish_tracking(tracker)
@@ -194,7 +159,8 @@ class DigenTrainer:
     def _train(self, actors: dict[WorkerId, Any], sampler: Any, tracker: Any) -> list[dict[str, Any]]:
         from tqdm import tqdm
 
-        cfg, first, last = self.cfg, self.start_step, self.total_steps
+        job, cfg = self.job, self.job.cfg
+        first, last = job.start_step, job.total_steps
         if self.spec.tsp_stages > 1 and cfg.tsp.balance:
             self.spec = self._balanced_stages(actors)
         driver = StepDriver(
@@ -216,30 +182,30 @@ class DigenTrainer:
                 ids = group_ids(prompts_until, self.spec.groups_per_step)
                 for g, (idx, prompt) in zip(ids, sampler.next(len(ids))):
                     executor.prompts[g] = (idx, prompt)
-                    executor.metadata[g] = self.prompt_records[idx]
+                    executor.metadata[g] = job.prompt_records[idx]
             self.checkpoints.note_sampler(prompts_until + 1, sampler.state_dict())
 
         self.checkpoints.note_sampler(first, sampler.state_dict())
-        if not self.emulated and first == 0 and self.trainer_cfg.get("val_before_train", False):
+        if not job.emulated and first == 0 and job.trainer.val_before_train:
             # veRL's key, with veRL's meaning (whatever trainer.test_freq says): validate the initial
             # weights (grid val_step000000.png; not a step's metrics).
             self.val_before_train = self._validate(actors, 0)
             tracker.log(data=self.val_before_train, step=0)
-            with open(os.path.join(self.output_dir, "val_before_train.json"), "w") as f:
+            with open(os.path.join(job.output_dir, "val_before_train.json"), "w") as f:
                 json.dump(self.val_before_train, f, indent=2)
         all_metrics = list(self.history)
         nonfinite = sum(int(m.get("actor/skipped_nonfinite", 0)) for m in all_metrics)
         t_run0 = time.time()
         bar = tqdm(range(first, last), desc=f"digen {self.spec.name}", disable=not cfg.progress_bar,
                    initial=first, total=last)
-        with open(os.path.join(self.output_dir, "metrics.jsonl"), "w") as mf:
+        with open(os.path.join(job.output_dir, "metrics.jsonl"), "w") as mf:
             for m in all_metrics:
                 mf.write(json.dumps(m) + "\n")
             for s in range(first, last):
                 assign_prompts(min(s + lookahead, last - 1))
                 # generate -> reward -> advantage -> train -> optimizer step -> sync, as planned
                 m = driver.run_step(s)
-                if self.test_freq > 0 and ((s + 1) % self.test_freq == 0 or s + 1 == last):
+                if job.test_freq > 0 and ((s + 1) % job.test_freq == 0 or s + 1 == last):
                     m.update(self._validate(actors, s + 1))
                 all_metrics.append(m)
                 self._completed = s + 1
@@ -254,7 +220,7 @@ class DigenTrainer:
                         f"{nonfinite} optimizer steps skipped for non-finite gradients "
                         f"(digen.max_nonfinite_steps={cfg.max_nonfinite_steps})"
                     )
-                if self.save_freq > 0 and ((s + 1) % self.save_freq == 0 or s + 1 == last):
+                if job.save_freq > 0 and ((s + 1) % job.save_freq == 0 or s + 1 == last):
                     self.checkpoints.save(actors, s + 1, all_metrics)
             bar.close()
             driver.finish()  # nothing may be left running (e.g. a final sync); the plan checks out
@@ -262,7 +228,7 @@ class DigenTrainer:
         self.spec = driver.spec
         if driver.stage_changes:
             self._write_stage_profile(rebalanced=driver.stage_changes)
-        executor.timeline.write_jsonl(os.path.join(self.output_dir, "timeline.jsonl"), t0=t_run0)
+        executor.timeline.write_jsonl(os.path.join(job.output_dir, "timeline.jsonl"), t0=t_run0)
         self._save_gantt(driver, t_run0)
         return all_metrics
 
@@ -274,17 +240,17 @@ class DigenTrainer:
 
         from verl_digen.trainer.media import log_images_tensorboard, log_images_wandb
 
+        job = self.job
         ranks = self.spec.trainers if self.spec.fsdp else self.spec.trainers[:1]  # FSDP: lockstep forwards
-        val_dir = os.path.join(self.output_dir, "val")
-        out = ray.get([actors[w].validate.remote(self.val_prompts, step, val_dir, self.val_records) for w in ranks],
-                      timeout=self.cfg.task_timeout_s)[0]
+        val_dir = os.path.join(job.output_dir, "val")
+        out = ray.get([actors[w].validate.remote(job.val_prompts, step, val_dir, job.val_records) for w in ranks],
+                      timeout=job.cfg.task_timeout_s)[0]
         grid = np.asarray(Image.open(out["grid_path"]).convert("RGB"))
-        loggers = list(self.trainer_cfg.logger)
-        if "tensorboard" in loggers:
+        if "tensorboard" in job.trainer.logger:
             tb_dir = os.environ.get("TENSORBOARD_DIR", os.path.join(
-                "tensorboard_log", str(self.trainer_cfg.project_name), str(self.trainer_cfg.experiment_name)))
+                "tensorboard_log", job.trainer.project_name, job.trainer.experiment_name))
             log_images_tensorboard(tb_dir, "val/images", grid, step)
-        if "wandb" in loggers:
+        if "wandb" in job.trainer.logger:
             log_images_wandb("val/images", grid, step)
         return out["metrics"]
 
@@ -293,7 +259,7 @@ class DigenTrainer:
         lines (:func:`runtime.stop_message`; the full tracebacks go to the run's ``error.log``)."""
         if isinstance(error, KeyboardInterrupt):
             error = runtime.as_interrupt(error)
-        message = runtime.stop_message(error, self.output_dir, self.checkpoints,
+        message = runtime.stop_message(error, self.job.output_dir, self.checkpoints,
                                        lambda e: self.checkpoints.on_stop(e, self._completed, actors,
                                                                           self._metrics_so_far()))
         return error if isinstance(error, KeyboardInterrupt) else RunStopped(message)
@@ -302,11 +268,11 @@ class DigenTrainer:
         """A failure outside the training steps (workers starting or loading, the final sync): the
         short message and the log, as :meth:`_stopped`, without a checkpoint (the steps wrote theirs)."""
         return RunStopped(runtime.stop_message(
-            error, self.output_dir, None,
+            error, self.job.output_dir, None,
             lambda e: f"[verl-digen] run failed after {self._completed} completed steps: {e}"))
 
     def _metrics_so_far(self) -> list[dict[str, Any]]:
-        path = os.path.join(self.output_dir, "metrics.jsonl")
+        path = os.path.join(self.job.output_dir, "metrics.jsonl")
         if not os.path.exists(path):
             return []
         with open(path) as f:
@@ -316,7 +282,7 @@ class DigenTrainer:
         """TSP: stage ranges balanced by the per-step cost measured on a rollout worker."""
         import ray
 
-        prof = ray.get(actors[WorkerId("rollout", 0)].profile_step_costs.remote(), timeout=self.cfg.task_timeout_s)
+        prof = ray.get(actors[WorkerId("rollout", 0)].profile_step_costs.remote(), timeout=self.job.cfg.task_timeout_s)
         spec = balanced_spec(self.spec, prof)
         self._stage_profile = {**prof, "bounds": list(spec.bounds)}
         self._write_stage_profile()
@@ -324,16 +290,16 @@ class DigenTrainer:
         return spec
 
     def _write_stage_profile(self, **extra: Any) -> None:
-        with open(os.path.join(self.output_dir, "tsp_stages.json"), "w") as f:
+        with open(os.path.join(self.job.output_dir, "tsp_stages.json"), "w") as f:
             json.dump({**self._stage_profile, **extra}, f, indent=2)
 
     def _save_gantt(self, driver: StepDriver, t_run0: float) -> None:
-        last = max(1, self.cfg.gantt_last_steps)
-        first = max(0, self.total_steps - last)
+        last, total = max(1, self.job.cfg.gantt_last_steps), self.job.total_steps
+        first = max(0, total - last)
         t0 = driver.step_end.get(first - 1, t_run0)
         t1 = max(r.end for r in driver.timeline.records if r.kind == TaskKind.OPTIMIZER_STEP.value)
-        save_gantt(driver.timeline, os.path.join(self.output_dir, "gantt.png"), t0=t0, t1=t1,
-                   title=f"{self.spec.name}, {self.spec.devices} devices, steps {first + 1}-{self.total_steps}")
+        save_gantt(driver.timeline, os.path.join(self.job.output_dir, "gantt.png"), t0=t0, t1=t1,
+                   title=f"{self.spec.name}, {self.spec.devices} devices, steps {first + 1}-{total}")
 
 
 def run_training(config: DictConfig, worker_groups: runtime.WorkerGroupFactory | None = None,

@@ -1,10 +1,11 @@
 """Turn a composed config into what a run needs, failing before any worker starts.
 
-:func:`check_run_config` runs every check, for both entry points. Each function names the
-config key at fault: the number of steps, the model directory (a local directory, a hub id
-resolved to its snapshot in the Hugging Face cache, or the tiny model built in its place), the
-prompt sets, the output directory, a reachable remote reward, and whether every role fits its
-GPU's memory.
+:func:`check_run_config` runs every check, for both entry points, writing nothing;
+:func:`prepare_run` adds the run's directories and resume point: the one object the controller
+works from. Each function names the config key at fault: the number of steps, the model
+directory (a local directory, a hub id resolved to its snapshot in the Hugging Face cache, or
+the tiny model built in its place), the prompt sets, the output directory, a reachable remote
+reward, and whether every role fits its GPU's memory.
 """
 
 from __future__ import annotations
@@ -12,29 +13,13 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from verl_digen.config.schema import ConfigError, DigenConfig, digen_config_from_dict, prompt_sources
-from verl_digen.config.verl_keys import DIGEN_MAIN, MAIN_PPO, RunConfig, resolve_run_config
+from verl_digen.config.verl_keys import DIGEN_MAIN, MAIN_PPO, RunConfig, VerlTrainerKeys, resolve_run_config
 
-
-def total_steps(trainer_cfg: Any, num_prompts: int, groups_per_step: int) -> int:
-    """``trainer.total_training_steps``, or, when it is null, veRL's rule: the steps of
-    ``trainer.total_epochs`` epochs of whole batches (``num_prompts // train_batch_size`` each)."""
-    steps = trainer_cfg.get("total_training_steps")
-    if steps is None:
-        epochs = trainer_cfg.get("total_epochs")
-        if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
-            raise ConfigError(f"invalid config: trainer.total_epochs={epochs!r}; must be a positive integer "
-                              "(or set trainer.total_training_steps)")
-        steps = num_prompts // groups_per_step * epochs
-        if steps < 1:
-            raise ConfigError(f"invalid config: trainer.total_training_steps=None: {num_prompts} training prompts "
-                              f"make no whole batch of data.train_batch_size={groups_per_step}")
-        return steps
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise ConfigError(f"invalid config: trainer.total_training_steps={steps!r}; must be a positive integer")
-    return steps
+if TYPE_CHECKING:  # checkpoint.py imports torch: only when a run is prepared
+    from verl_digen.trainer.checkpoint import Checkpoint
 
 
 def resolve_model_path(cfg: DigenConfig) -> str:
@@ -177,10 +162,6 @@ def check_component_weights(path: str) -> None:
             )
 
 
-def resolve_prompts(cfg: DigenConfig, source: str | None = None) -> list[str]:
-    return [record["prompt"] for record in resolve_prompt_records(cfg, source)]
-
-
 def resolve_prompt_records(cfg: DigenConfig, source: Any = None) -> list[dict[str, Any]]:
     """The prompt records (``{"prompt": ..., <ground truth and other fields>}``) of the run.
 
@@ -211,18 +192,11 @@ def resolve_prompt_records(cfg: DigenConfig, source: Any = None) -> list[dict[st
     return records
 
 
-def logger_list(trainer_cfg: Any) -> list[str]:
-    """``trainer.logger`` as a list (veRL accepts one name as a string)."""
-    loggers = trainer_cfg.get("logger") or []
-    return [loggers] if isinstance(loggers, str) else list(loggers)
-
-
-def check_loggers(trainer_cfg: Any) -> None:
+def check_loggers(loggers: tuple[str, ...]) -> None:
     """``trainer.logger`` names only backends veRL's ``Tracking`` knows (what each needs to start:
     :func:`check_logger_setup`)."""
     from verl.utils.tracking import Tracking
 
-    loggers = logger_list(trainer_cfg)
     unknown = [b for b in loggers if b not in Tracking.supported_backend]
     if unknown:
         raise ConfigError(
@@ -237,7 +211,7 @@ LOGGER_PACKAGES = {"wandb": "wandb", "mlflow": "mlflow", "swanlab": "swanlab", "
 LOGGER_ENV = {"vemlp_wandb": ("VOLC_ACCESS_KEY_ID", "VOLC_SECRET_ACCESS_KEY", "MLP_TRACKING_REGION")}
 
 
-def check_logger_setup(loggers: list[str]) -> None:
+def check_logger_setup(loggers: tuple[str, ...] | list[str]) -> None:
     """What each ``trainer.logger`` backend needs in order to start, checked before Ray: its
     package, and the credentials whose absence stops veRL's ``Tracking`` (after Ray and every
     worker started, with a raw traceback). Only what fails for certain is checked: W&B's API key
@@ -314,12 +288,13 @@ def _wandb_key_problem_documented() -> str | None:
     return f"no W&B API key is configured for {host} (WANDB_API_KEY, or the entry in {path} `wandb login` writes)"
 
 
-def output_dir_for(cfg: DigenConfig, trainer_cfg: Any) -> str:
+def output_dir_for(cfg: DigenConfig, trainer: VerlTrainerKeys) -> str:
+    """``digen.output_dir``, or ``runs/<project_name>/<experiment_name>-<time>``, created."""
     if cfg.output_dir:
         path = cfg.output_dir
     else:
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        path = os.path.join("runs", str(trainer_cfg.project_name), f"{trainer_cfg.experiment_name}-{stamp}")
+        path = os.path.join("runs", trainer.project_name, f"{trainer.experiment_name}-{stamp}")
     return check_directory(path, "digen.output_dir")
 
 
@@ -355,36 +330,73 @@ def preflight_reward(cfg: DigenConfig) -> None:
                 raise ConfigError(f"invalid config: {e}") from None
 
 
-def preflight_ray(container: dict[str, Any]) -> None:
+def ray_init_keys(container: dict[str, Any]) -> tuple[str | None, int | None]:
+    """``ray_kwargs.ray_init.address`` and ``.num_cpus`` (None when unset)."""
+    ray_init = (container.get("ray_kwargs") or {}).get("ray_init") or {}
+    return ray_init.get("address"), ray_init.get("num_cpus")
+
+
+def preflight_ray(address: str | None) -> None:
     """``main_ppo``: the Ray cluster veRL's driver is about to join answers (the probe
     ``verl_digen.main`` makes in :func:`verl_digen.trainer.runtime.init_ray`), so that a stale
     ``ray_current_cluster`` marker or a dead ``RAY_ADDRESS`` stops the job in one line instead of
-    ``ray.init`` retrying it for minutes. Nothing to check once Ray runs (inside veRL's TaskRunner)."""
+    ``ray.init`` retrying it for minutes. Nothing to check once Ray runs (inside veRL's TaskRunner).
+    ``address``: ``ray_kwargs.ray_init.address``."""
     import ray
 
     from verl_digen.trainer.runtime import check_ray_target, ray_target
 
     if ray.is_initialized():
         return
-    address = ((container.get("ray_kwargs") or {}).get("ray_init") or {}).get("address")
     target, source = ray_target(address)
     if target is not None:
         check_ray_target(target, source)
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckedRun:
-    """A run's config, checked before anything starts (see :func:`check_run_config`)."""
+    """A run's config, checked before anything starts (see :func:`check_run_config`); read by
+    the controller, never copied."""
 
     container: dict[str, Any]  # the whole config, resolved, as plain data
     run_config: RunConfig  # the digen mapping with veRL's keys applied, and where each came from
     cfg: DigenConfig
     layout: Any  # verl_digen.placement.pools.PoolLayout
     cluster: Any  # verl_digen.placement.pools.ClusterSpec: trainer.nnodes x trainer.n_gpus_per_node
-    prompt_records: list[dict[str, Any]]
+    prompt_records: list[dict[str, Any]]  # each training prompt's record: its rewards' metadata
     val_records: list[dict[str, Any]]
     total_steps: int
     model_path: str
+    ray_address: str | None  # ray_kwargs.ray_init.address
+    ray_num_cpus: int | None  # ray_kwargs.ray_init.num_cpus
+
+    @property
+    def trainer(self) -> VerlTrainerKeys:
+        """veRL's ``trainer.*`` keys, typed."""
+        return self.run_config.trainer
+
+    @property
+    def emulated(self) -> bool:
+        """An emulated cluster (``digen.emulate.model``): no model, no checkpoints, no validation."""
+        return self.cfg.emulate.model is not None
+
+    @property
+    def prompts(self) -> list[str]:
+        return [record["prompt"] for record in self.prompt_records]
+
+    @property
+    def val_prompts(self) -> list[str]:
+        return [record["prompt"] for record in self.val_records]
+
+    @property
+    def test_freq(self) -> int:
+        """Validate every this many steps (<= 0: never; an emulated run never validates)."""
+        return -1 if self.emulated else self.trainer.test_freq
+
+    @property
+    def save_freq(self) -> int:
+        """Checkpoint every this many steps (<= 0: never; an emulated run writes no checkpoints)."""
+        return -1 if self.emulated else self.trainer.save_freq
 
 
 def check_run_config(config: Any, entry: str = DIGEN_MAIN) -> CheckedRun:
@@ -393,22 +405,24 @@ def check_run_config(config: Any, entry: str = DIGEN_MAIN) -> CheckedRun:
     the prompt files, the step count, the loggers (their packages and credentials: a W&B key), the
     reward (a custom file loads, a server answers), the model directory (the tiny model is built
     when none is given) and, under ``main_ppo``, the Ray cluster veRL is about to join. Errors name
-    the key the user wrote. Both entry points run it: ``verl_digen.main`` through :class:`DigenTrainer`, and
+    the key the user wrote. Both entry points run it: ``verl_digen.main`` through :func:`prepare_run`, and
     ``main_ppo`` in its driver, as the digen mode's ``validate_config`` (:mod:`verl_digen.verl_hooks`)."""
     from omegaconf import OmegaConf
 
-    from verl_digen.placement.pools import cluster_from_trainer_config, pool_layout
+    from verl_digen.placement.pools import cluster_from_trainer_keys, pool_layout
 
     container = OmegaConf.to_container(config, resolve=True)
     assert isinstance(container, dict)
-    run_config = resolve_run_config(container, entry)
+    run_config = resolve_run_config(container, entry)  # also types and checks veRL's trainer.* keys
+    trainer = run_config.trainer
+    ray_address, ray_num_cpus = ray_init_keys(container)
     try:
         cfg = digen_config_from_dict(run_config.digen)
-        check_loggers(config.trainer)  # trainer.device was checked by resolve_run_config
-        cluster = cluster_from_trainer_config(config.trainer)
+        check_loggers(trainer.logger)
+        cluster = cluster_from_trainer_keys(trainer)
         layout = pool_layout(cfg, cluster)
         records = resolve_prompt_records(cfg)
-        steps = total_steps(config.trainer, len(records), cfg.batch.groups_per_step)
+        steps = trainer.steps_for(len(records), cfg.batch.groups_per_step)
         val_records = resolve_prompt_records(cfg, cfg.validation.prompts)[: cfg.validation.num_prompts]
         preflight_reward(cfg)
         # An emulated cluster has no model, no weights to save and nothing to resume.
@@ -418,15 +432,60 @@ def check_run_config(config: Any, entry: str = DIGEN_MAIN) -> CheckedRun:
             # names the knob). The built-in tiny models (no model.path) are kilobytes.
             from verl_digen.memory import check_job_memory
 
-            check_job_memory(cfg, devices_per_node=int(config.trainer.n_gpus_per_node),
-                             nnodes=int(config.trainer.get("nnodes", 1) or 1), model_path=model_path)
+            check_job_memory(cfg, devices_per_node=trainer.n_gpus_per_node, nnodes=trainer.nnodes,
+                             model_path=model_path)
         if cfg.emulate.model is None:  # after the memory plan: a job that cannot fit is the first thing to fix
             check_component_weights(model_path)
         # Last: with veRL's default trainer.logger=[console,wandb], a missing W&B key must not hide
         # the errors above.
-        check_logger_setup(logger_list(config.trainer))
+        check_logger_setup(trainer.logger)
         if entry == MAIN_PPO:
-            preflight_ray(container)
+            preflight_ray(ray_address)
     except (ConfigError, FileNotFoundError) as e:
         raise type(e)(run_config.rename(str(e))) from None
-    return CheckedRun(container, run_config, cfg, layout, cluster, records, val_records, steps, model_path)
+    return CheckedRun(container, run_config, cfg, layout, cluster, records, val_records, steps, model_path,
+                      ray_address, ray_num_cpus)
+
+
+@dataclass(frozen=True)
+class PreparedRun(CheckedRun):
+    """A checked run with its directories made and its starting point found
+    (:func:`prepare_run`): what the controller works from."""
+
+    output_dir: str  # digen.output_dir, created
+    checkpoint_root: str  # trainer.default_local_dir as written, created unless emulated
+    resume_from: Checkpoint | None  # the checkpoint to resume; None: start fresh
+    identity: dict[str, Any] | None  # this run's identity, for the checkpoints it writes (None: emulated)
+
+    @property
+    def start_step(self) -> int:
+        return self.resume_from.step if self.resume_from is not None else 0
+
+
+def prepare_run(config: Any, entry: str = DIGEN_MAIN) -> PreparedRun:
+    """:func:`check_run_config`, then what a run needs before Ray starts: its output directory
+    and checkpoint root created, and the checkpoint ``trainer.resume_mode`` asks for, checked to
+    be this run's and to leave steps to run. Errors name the key the user wrote."""
+    from dataclasses import fields
+
+    from verl_digen.trainer.checkpoint import resume_point
+
+    checked = check_run_config(config, entry)
+    cfg, trainer = checked.cfg, checked.trainer
+    try:
+        output_dir = output_dir_for(cfg, trainer)
+        root = trainer.checkpoint_root
+        resume_from, identity = None, None
+        if not checked.emulated:
+            check_directory(root, "trainer.default_local_dir")  # the root stays as written (messages name it)
+            resume_from, identity = resume_point(trainer, root, cfg, checked.model_path)
+        if resume_from is not None and resume_from.step >= checked.total_steps:
+            raise ConfigError(
+                f"checkpoint {resume_from.path} is at step {resume_from.step}, which already reaches "
+                f"trainer.total_training_steps={checked.total_steps}; raise total_training_steps to continue, "
+                "or start fresh with trainer.resume_mode=disable"
+            )
+    except (ConfigError, FileNotFoundError) as e:
+        raise type(e)(checked.run_config.rename(str(e))) from None
+    return PreparedRun(**{f.name: getattr(checked, f.name) for f in fields(checked)}, output_dir=output_dir,
+                       checkpoint_root=root, resume_from=resume_from, identity=identity)
