@@ -13,7 +13,8 @@ The record of a trajectory (what the trainer needs to recompute each trained ste
 - ``sde_mask``  ``[B, S]``             steps inside the SDE window (stochastic, log-prob recorded)
 - ``train_mask`` ``[B, S]``            steps that are trained (SDE window, subsampled)
 - ``images``    ``[B, 3, H, W]``       decoded pixels, uint8 in [0, 255] (video: ``[B, 3, F, H, W]``)
-- ``cond__<k>`` / ``neg__<k>``         conditioning (and CFG negative) tensors
+- ``cond`` / ``neg``                   conditioning (and CFG negative): nested tables of ``[B, ...]``
+                                        tensors, one per name the adapter's ``encode_prompts`` gives
 
 The same functions sample deterministically for validation (``begin_groups(..., ode=True)``):
 every step is an Euler ODE step and only the newest latents are kept; :func:`decode_groups`
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from tensordict import TensorDict
 
 from verl import DataProto
 from verl_digen.algos.sde import ode_step, sde_step_with_logprob
@@ -36,9 +38,6 @@ from verl_digen.models.base import Conditioning, DiffusionAdapter, SampleSpec, o
 
 if TYPE_CHECKING:
     from verl_digen.workers.messages import GenerateRequest
-
-COND_PREFIX = "cond__"
-NEG_PREFIX = "neg__"
 
 
 @dataclass(frozen=True)
@@ -340,9 +339,10 @@ def finish_groups(adapter: DiffusionAdapter, state: GroupsInFlight, settings: Sa
         "sde_mask": sde_mask,
         "images": images,
     }
-    tensors.update({COND_PREFIX + k: v for k, v in state.cond.items()})
+    # Nested tables: cut by rows with the rest of the record (select, concat), read back whole.
+    tensors["cond"] = TensorDict(state.cond, batch_size=[batch])
     if state.neg is not None:
-        tensors.update({NEG_PREFIX + k: v for k, v in state.neg.items()})
+        tensors["neg"] = TensorDict(state.neg, batch_size=[batch])
     non_tensors = {
         "prompt": np.array([p for p in request.prompts for _ in range(g)], dtype=object),
         "group_id": np.array([x for x in request.group_ids for _ in range(g)], dtype=np.int64),
@@ -391,6 +391,7 @@ def _sde_with_noise(v, x, sigma, sigma_next, noise, settings: SamplingSettings):
 
 
 def conditioning_from(data: DataProto) -> tuple[Conditioning, Conditioning | None]:
-    cond = {k[len(COND_PREFIX):]: v for k, v in data.batch.items() if k.startswith(COND_PREFIX)}
-    neg = {k[len(NEG_PREFIX):]: v for k, v in data.batch.items() if k.startswith(NEG_PREFIX)}
-    return cond, (neg or None)
+    """A trajectory record's conditioning and CFG negative (None without CFG), ``{name: [B, ...]}``."""
+    cond = dict(data.batch["cond"].items())
+    neg = dict(data.batch["neg"].items()) if "neg" in data.batch.keys() else None
+    return cond, neg

@@ -49,6 +49,7 @@ from verl_digen.workers.sampling import (
 )
 from verl_digen.workers.training import PolicyUpdater, TrainSettings, add_lora
 
+
 @dataclass(frozen=True)
 class RoleCapabilities:
     """What :meth:`DiffusionWorker.init_model` builds for a role.
@@ -270,6 +271,8 @@ class DiffusionWorker(Worker, WeightSyncMixin):
                 shard_for_training(module, reshard_after_forward=self.cfg.fsdp.reshard_after_forward)
 
     def _train_settings(self) -> TrainSettings:
+        """What the updater needs of the run: the loss, the sampler's settings (it recomputes the
+        rollout's transformer calls), the trained parameters and their dtype, EMA."""
         cfg = self.cfg
         return TrainSettings(
             algo=cfg.algo,
