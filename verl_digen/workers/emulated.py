@@ -1,11 +1,12 @@
 """An emulated cluster: the real Ray executor driving N workers that sleep instead of compute.
 
 Each :class:`EmulatedWorker` is a Ray actor with the task methods of
-:class:`~verl_digen.workers.worker.DiffusionWorker` (``generate``, ``compute_reward``,
-``train_micro_batch``, ``optimizer_step``, ``sync_send``, ``sync_recv``, plus the set-up
-calls the training loop makes). A call sleeps for the cost model's duration of the task, times
-``time_scale``, and returns the smallest data the executor and the loop consume: reward
-vectors as tensors, train and optimizer metrics, sync statistics. Weights versions are kept
+:class:`~verl_digen.workers.worker.DiffusionWorker` (:class:`~verl_digen.workers.messages.WorkerTasks`:
+``generate``, ``compute_reward``, ``train_micro_batch``, ``optimizer_step``, ``sync_send``,
+``sync_recv``, plus the set-up calls the training loop makes), taking the same requests. A call
+sleeps for the cost model's duration of the task, times ``time_scale``, and returns the same
+typed results with the smallest data the executor and the loop consume: reward vectors, zero
+train and optimizer metrics, sync statistics. Weights versions are kept
 and checked as the real worker does, and each worker tracks its generate/train mode, so
 switches cost what the simulator charges.
 

@@ -7,9 +7,12 @@
 - ``reward``  (disaggregated): scores images.
 
 Like veRL's ``ActorRolloutRefWorker(role=...)``, the role decides what is built in
-``init_model``. Methods are registered with veRL's ``@register`` so a ``RayWorkerGroup``
-can broadcast them (``ONE_TO_ALL``); the plan executor also calls them on single actors
-(``wg.workers[i].generate.remote(...)``), which is how tasks land on the worker a plan names.
+``init_model``: one table, :data:`ROLE_CAPABILITIES`, says which of loading the policy,
+preparing training and building the reward each role does. The task methods take and return
+the typed messages of :mod:`verl_digen.workers.messages`. ``init_model`` is registered with
+veRL's ``@register`` so a ``RayWorkerGroup`` can broadcast it (``ONE_TO_ALL``); the plan executor
+calls the task methods on single actors (``wg.workers[i].generate.remote(...)``), which is how
+tasks land on the worker a plan names.
 """
 
 from __future__ import annotations
