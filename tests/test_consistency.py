@@ -45,10 +45,10 @@ def test_recomputed_log_probs_equal_behaviour_log_probs(arch, sde_type, guidance
     add_lora(adapter, LoraConfigSpec(rank=4))
     settings = _settings(sde_type, guidance)
     data = _sample(adapter, settings)
-    trainer = PolicyUpdater(
+    updater = PolicyUpdater(
         adapter, TrainSettings(algo=AlgoConfig(), sampling=settings, lora_only=True, images_per_step=len(data))
     )
-    recomputed = trainer.recompute_log_probs(data)
+    recomputed = updater.recompute_log_probs(data)
     window = data.batch["sde_mask"][0]
     assert window.sum() == 3
     behaviour = data.batch["log_probs"][:, window]
@@ -61,13 +61,13 @@ def test_first_training_step_sees_ratio_one_and_no_clipping(tiny_flux):
     add_lora(adapter, LoraConfigSpec(rank=4))
     settings = _settings()
     data = _sample(adapter, settings)
-    trainer = PolicyUpdater(
+    updater = PolicyUpdater(
         adapter, TrainSettings(algo=AlgoConfig(), sampling=settings, lora_only=True, images_per_step=len(data))
     )
-    metrics = trainer.train_micro_batch(data, torch.tensor([1.0, -1.0, 0.5, -0.5]))
+    metrics = updater.train_micro_batch(data, torch.tensor([1.0, -1.0, 0.5, -0.5]))
     assert abs(metrics["actor/ratio_mean"] - 1.0) < 1e-5
     assert metrics["actor/clip_frac"] == 0.0
-    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in trainer.params)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in updater.params)
 
 
 def test_a_group_is_the_same_trajectory_whichever_batch_samples_it(tiny_flux):

@@ -341,10 +341,10 @@ def test_recomputed_log_probs_equal_behaviour_log_probs(arch, guidance, distille
         policy_version=0,
     )
     assert len(data) == 2 and data.batch["images"].shape == PIXEL_SHAPE[arch]
-    trainer = PolicyUpdater(
+    updater = PolicyUpdater(
         adapter, TrainSettings(algo=AlgoConfig(), sampling=settings, lora_only=True, images_per_step=len(data))
     )
-    recomputed = trainer.recompute_log_probs(data)
+    recomputed = updater.recompute_log_probs(data)
     window = data.batch["sde_mask"][0]
     assert window.sum() == 2
     behaviour = data.batch["log_probs"][:, window]

@@ -125,14 +125,14 @@ def test_on_policy_ratio_is_one_with_the_preset_settings(toy_digits):
                                 window=SdeWindowConfig(mode="fixed", start=0, size=3), timestep_fraction=1.0)
     data = sample_groups(adapter, PROMPTS, [0, 1], [0, 1], group_size=4, settings=settings, training_step=0,
                          seed=42, policy_version=0)
-    trainer = PolicyUpdater(adapter, TrainSettings(algo=AlgoConfig(lr=3e-4), sampling=settings, lora_only=True,
+    updater = PolicyUpdater(adapter, TrainSettings(algo=AlgoConfig(lr=3e-4), sampling=settings, lora_only=True,
                                                    images_per_step=len(data)))
-    recomputed = trainer.recompute_log_probs(data)
+    recomputed = updater.recompute_log_probs(data)
     window = data.batch["sde_mask"][0]
     assert window.tolist() == [True] * 3 + [False] * 7
     ratio = torch.exp(recomputed[:, window] - data.batch["log_probs"][:, window])
     torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=1e-5, rtol=0)
-    metrics = trainer.train_micro_batch(data, torch.linspace(-1, 1, len(data)))
+    metrics = updater.train_micro_batch(data, torch.linspace(-1, 1, len(data)))
     assert metrics["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-5) and metrics["actor/clip_frac"] == 0.0
 
 

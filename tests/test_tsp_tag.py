@@ -3,6 +3,7 @@ time-step training split, and TAG's version rules."""
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 
 import pytest
@@ -12,6 +13,7 @@ from safetensors.torch import load_file
 
 from verl_digen.config.schema import digen_config_from_dict
 from verl_digen.models.registry import load_adapter
+from verl_digen.workers.messages import GenerateRequest
 from runs import run, timeline_records
 from verl_digen.workers.sampling import GroupRequest, begin_groups, denoise, finish_groups, sample_groups
 from verl_digen.workers.worker import sampling_settings
@@ -66,12 +68,13 @@ def test_tsp_pipeline_of_worker_processes_matches_one_worker_bitwise(ray_cluster
     try:
         rollout = [a for w, a in sorted(actors.items()) if w.pool == "rollout"]
         ray.get([a.init_model.remote() for a in rollout], timeout=300)
-        request = {"group_ids": [2, 3], "prompts": ["a cat", "a dog"], "prompt_indices": [0, 1], "step": 1, "version": 0}
+        request = GenerateRequest(group_ids=(2, 3), prompts=("a cat", "a dog"), prompt_indices=(0, 1),
+                                  metadata=({}, {}), step=1, version=0)
         single = ray.get(rollout[0].generate.remote(request), timeout=300)
         bounds = layout.spec.bounds
         state = None
         for k, actor in enumerate(rollout):
-            req = dict(request, denoise=(bounds[k], bounds[k + 1]))
+            req = dataclasses.replace(request, denoise=(bounds[k], bounds[k + 1]))
             state = actor.generate.remote(req, *([state] if state is not None else []))
         staged = ray.get(state, timeout=300)
         for key in TENSORS:

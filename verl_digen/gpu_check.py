@@ -404,9 +404,9 @@ def part_flux_phases(size: str, device_name: str, *, group_size: int, pipeline_r
         torch.cuda.empty_cache()
     add_lora(adapter, dcfg.model.lora, dtype=torch.float32)
     out["gradient_checkpointing_on"] = checkpointing and enable_gradient_checkpointing(adapter.transformer)
-    trainer = PolicyUpdater(adapter, TrainSettings(algo=dcfg.algo, sampling=settings, lora_only=True,
+    updater = PolicyUpdater(adapter, TrainSettings(algo=dcfg.algo, sampling=settings, lora_only=True,
                                                    images_per_step=group_size, trainable_dtype=torch.float32))
-    out["trainable_params"] = sum(p.numel() for p in trainer.params)
+    out["trainable_params"] = sum(p.numel() for p in updater.params)
     steps = len(step_plan(settings, training_step=0, seed=3)[1])
     out.update(_predictions(dcfg, "H100", group_size, settings.num_steps, steps, settings.forward_rows))
 
@@ -419,7 +419,7 @@ def part_flux_phases(size: str, device_name: str, *, group_size: int, pipeline_r
     out["rewards_finite"] = bool(torch.isfinite(rewards).all())
     window = [int(j) for j in torch.nonzero(data.batch["sde_mask"][0]).flatten()]
     with meter.phase("recompute", steps=len(window)):
-        recomputed = trainer.recompute_log_probs(data)
+        recomputed = updater.recompute_log_probs(data)
     old = data.batch["log_probs"][:, window]
     diff = (recomputed[:, window] - old).abs()
     out["on_policy"] = {"max_abs_logp_diff": float(diff.max()), "window": window,
@@ -429,10 +429,10 @@ def part_flux_phases(size: str, device_name: str, *, group_size: int, pipeline_r
     if not torch.isfinite(advantages).all() or float(advantages.abs().max()) == 0.0:
         advantages = torch.linspace(-1.0, 1.0, group_size)  # random weights can give equal rewards
     with meter.phase("train", passes=steps, rows=group_size):
-        train_metrics = trainer.train_micro_batch(data, advantages)
+        train_metrics = updater.train_micro_batch(data, advantages)
     out["train_metrics"] = train_metrics
     with meter.phase("optimizer"):
-        opt = trainer.optimizer_step()
+        opt = updater.optimizer_step()
     out["grad_norm"] = opt["actor/grad_norm"]
     with meter.phase("sync", what="trainable_state + flatten into device buckets"):
         state = trainable_state(adapter.transformer, lora_only=True)
@@ -560,22 +560,22 @@ def _fsdp_dcp_child(out_file: str, device_name: str) -> None:
             adapter = load_adapter(path, "flux", device=device, dtype=dtype)
             add_lora(adapter, LoraConfigSpec(rank=4))
             shard_for_training(adapter.transformer)
-            trainer = PolicyUpdater(adapter, TrainSettings(AlgoConfig(), settings, lora_only=True, images_per_step=2))
-            return adapter, trainer
+            updater = PolicyUpdater(adapter, TrainSettings(AlgoConfig(), settings, lora_only=True, images_per_step=2))
+            return adapter, updater
 
-        adapter, trainer = model()
+        adapter, updater = model()
         data = sample_groups(adapter, ["a cat"], [0], [0], group_size=2, settings=settings, training_step=0, seed=1,
                              policy_version=0)
-        trainer.train_micro_batch(data, torch.tensor([1.0, -1.0]))
-        trainer.optimizer_step(dist.group.WORLD)
+        updater.train_micro_batch(data, torch.tensor([1.0, -1.0]))
+        updater.optimizer_step(dist.group.WORLD)
         with tempfile.TemporaryDirectory() as ck:
             t0 = time.perf_counter()
-            save_rank_state(ck, module=adapter.transformer, optimizer=trainer.optimizer, ema=None, lora_only=True,
+            save_rank_state(ck, module=adapter.transformer, optimizer=updater.optimizer, ema=None, lora_only=True,
                             version=1, rank=0, group=dist.group.WORLD)
             saved_s = time.perf_counter() - t0
-            fresh, fresh_trainer = model()
+            fresh, fresh_updater = model()
             t0 = time.perf_counter()
-            load_rank_state(ck, module=fresh.transformer, optimizer=fresh_trainer.optimizer, ema=None,
+            load_rank_state(ck, module=fresh.transformer, optimizer=fresh_updater.optimizer, ema=None,
                             lora_only=True, rank=0, group=dist.group.WORLD)
             loaded_s = time.perf_counter() - t0
 
@@ -585,8 +585,8 @@ def _fsdp_dcp_child(out_file: str, device_name: str) -> None:
         a = {n: local(p).detach() for n, p in adapter.transformer.named_parameters() if "lora_" in n}
         b = {n: local(p).detach() for n, p in fresh.transformer.named_parameters() if "lora_" in n}
         weights_equal = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-        sa, sb = trainer.optimizer.state, fresh_trainer.optimizer.state
-        pa, pb = trainer.opt_params, fresh_trainer.opt_params
+        sa, sb = updater.optimizer.state, fresh_updater.optimizer.state
+        pa, pb = updater.opt_params, fresh_updater.opt_params
         opt_equal = all(
             torch.equal(local(sa[x]["exp_avg"]), local(sb[y]["exp_avg"]))
             and torch.equal(local(sa[x]["exp_avg_sq"]), local(sb[y]["exp_avg_sq"]))

@@ -8,6 +8,7 @@ fetched by the driver, which computes the group-normalised advantages.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -19,6 +20,14 @@ import torch
 from verl_digen.algos.advantages import group_advantages
 from verl_digen.schedule.plan import Plan, Task, TaskKind, WorkerId
 from verl_digen.schedule.runner import PlanRunner
+from verl_digen.workers.messages import (
+    GenerateRequest,
+    OptimizerResult,
+    RewardResult,
+    SyncResult,
+    TrainRequest,
+    TrainResult,
+)
 
 
 _PHASE = {
@@ -40,9 +49,9 @@ class StepResults:
 
     rewards: dict[int, torch.Tensor] = field(default_factory=dict)  # group -> [G]
     versions: dict[int, int] = field(default_factory=dict)  # group -> weights version it was sampled with
-    train: list[dict[str, float]] = field(default_factory=list)
-    optimizer: dict[str, float] = field(default_factory=dict)
-    sync: list[dict[str, Any]] = field(default_factory=list)
+    train: list[TrainResult] = field(default_factory=list)
+    optimizer: OptimizerResult | None = None
+    sync: list[SyncResult] = field(default_factory=list)
 
 
 class RayPlanExecutor(PlanRunner):
@@ -81,18 +90,16 @@ class RayPlanExecutor(PlanRunner):
 
     def generate(self, task: Task) -> list[ray.ObjectRef]:
         """Sample the task's groups (or one TSP stage of them) with behaviour log-probs."""
-        request = {
-            "group_ids": list(task.groups),
-            "prompts": [self.prompts[g][1] for g in task.groups],
-            "prompt_indices": [self.prompts[g][0] for g in task.groups],
-            "metadata": [self.metadata.get(g, {}) for g in task.groups],
-            "step": task.step,
-            "version": task.version,
-        }
-        if task.denoise is not None:
-            request["denoise"] = task.denoise
-        if task.samples is not None:
-            request["samples"] = task.samples
+        request = GenerateRequest(
+            group_ids=tuple(task.groups),
+            prompts=tuple(self.prompts[g][1] for g in task.groups),
+            prompt_indices=tuple(self.prompts[g][0] for g in task.groups),
+            metadata=tuple(self.metadata.get(g, {}) for g in task.groups),
+            step=task.step,
+            version=task.version,
+            denoise=tuple(task.denoise) if task.denoise is not None else None,
+            samples=tuple(task.samples) if task.samples is not None else None,
+        )
         # A TSP stage after the first takes the previous stage's in-flight state.
         prev = [d for d in task.deps if self.plan[d].kind == TaskKind.GENERATE]
         args = [self.outputs.pop(prev[0])] if prev else []
@@ -125,12 +132,13 @@ class RayPlanExecutor(PlanRunner):
     def train(self, task: Task) -> list[ray.ObjectRef]:
         """One micro-batch: recompute log-probs, clipped surrogate (+KL), accumulate gradients."""
         gen_ids = sorted({i for g in task.groups for i in self.gen_of_group[g]})
-        request = {"groups": list(task.groups), "advantages": self.advantages(task), "train_part": task.train_part}
+        part = tuple(task.train_part) if task.train_part is not None else None
+        request = TrainRequest(groups=tuple(task.groups), advantages=self.advantages(task), train_part=part)
         inputs = [self.outputs[i] for i in gen_ids]
         if len(task.workers) == 1:
             return [self.actors[task.worker].train_micro_batch.remote(request, *inputs)]
         n = len(task.workers)  # FSDP gang: every rank, in lockstep, on its share of the samples
-        return [self.actors[w].train_micro_batch.remote({**request, "row_part": (r, n)}, *inputs)
+        return [self.actors[w].train_micro_batch.remote(dataclasses.replace(request, row_part=(r, n)), *inputs)
                 for r, w in enumerate(task.workers)]
 
     def optimizer_step(self, task: Task) -> list[ray.ObjectRef]:
@@ -218,11 +226,9 @@ class RayPlanExecutor(PlanRunner):
     def _on_finish(self, task: Task, result: Any, start: float, end: float) -> None:
         res = self.results[task.step]
         if task.kind == TaskKind.REWARD:
-            out = result[0]
+            out: RewardResult = result[0]
             for g in task.groups:
-                sel = out["group_id"] == g
-                res.rewards[g] = out["rewards"][sel]
-                res.versions[g] = int(out["policy_version"][sel][0])
+                res.rewards[g], res.versions[g] = out.of_group(g)
         elif task.kind == TaskKind.TRAIN:
             res.train.extend(result)
         elif task.kind == TaskKind.OPTIMIZER_STEP:
@@ -236,7 +242,7 @@ class RayPlanExecutor(PlanRunner):
 
     def _record_extra(self, task: Task, result: Any) -> dict[str, Any]:
         if task.kind == TaskKind.SYNC:
-            return {"bytes": result[0].get("nbytes", 0)}
+            return {"bytes": result[0].nbytes}
         return {}
 
     def step_metrics(self, step: int) -> dict[str, Any]:
@@ -247,11 +253,12 @@ class RayPlanExecutor(PlanRunner):
         m: dict[str, Any] = {
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std(unbiased=False)),
-            "max_staleness_seen": int(max((t["staleness_max"] for t in res.train), default=0)),
+            "max_staleness_seen": int(max((t.staleness_max for t in res.train), default=0)),
         }
-        for k in sorted({k for t in res.train for k in t if k.startswith("actor/")}):
-            values = [t[k] for t in res.train if k in t]
+        for k in sorted({k for t in res.train for k in t.metrics if k.startswith("actor/")}):
+            values = [t.metrics[k] for t in res.train if k in t.metrics]
             m[k] = float(sum(values) / len(values))
-        m.update(res.optimizer)
+        if res.optimizer is not None:
+            m.update(res.optimizer.metrics)
         m["policy_version"] = step + 1
         return m

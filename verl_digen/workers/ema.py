@@ -4,7 +4,7 @@ Usage on a trainer rank::
 
     ema = EMA(named_trainable_parameters(adapter.transformer), decay=0.999)
     ...
-    trainer.optimizer_step(); ema.update()        # after every optimizer step
+    updater.optimizer_step(); ema.update()        # after every optimizer step
     with ema.swapped_in():                         # EMA weights live, briefly
         run_validation(adapter, ...)
     ckpt["ema"] = ema.state_dict()                 # and ema.load_state_dict(ckpt["ema"])

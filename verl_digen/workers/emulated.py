@@ -1,11 +1,12 @@
 """An emulated cluster: the real Ray executor driving N workers that sleep instead of compute.
 
 Each :class:`EmulatedWorker` is a Ray actor with the task methods of
-:class:`~verl_digen.workers.worker.DiffusionWorker` (``generate``, ``compute_reward``,
-``train_micro_batch``, ``optimizer_step``, ``sync_send``, ``sync_recv``, plus the set-up
-calls the training loop makes). A call sleeps for the cost model's duration of the task, times
-``time_scale``, and returns the smallest data the executor and the loop consume: reward
-vectors as tensors, train and optimizer metrics, sync statistics. Weights versions are kept
+:class:`~verl_digen.workers.worker.DiffusionWorker` (:class:`~verl_digen.workers.messages.WorkerTasks`:
+``generate``, ``compute_reward``, ``train_micro_batch``, ``optimizer_step``, ``sync_send``,
+``sync_recv``, plus the set-up calls the training loop makes), taking the same requests. A call
+sleeps for the cost model's duration of the task, times ``time_scale``, and returns the same
+typed results with the smallest data the executor and the loop consume: reward vectors, zero
+train and optimizer metrics, sync statistics. Weights versions are kept
 and checked as the real worker does, and each worker tracks its generate/train mode, so
 switches cost what the simulator charges.
 
@@ -31,6 +32,14 @@ from typing import Any, Callable
 
 from verl_digen.schedule.plan import Task, TaskKind, WorkerId
 from verl_digen.sim.cost_model import Cluster, CostModel, PoolPlacement
+from verl_digen.workers.messages import (
+    GenerateRequest,
+    OptimizerResult,
+    RewardResult,
+    SyncResult,
+    TrainRequest,
+    TrainResult,
+)
 
 
 def _as_tensor(values: list, dtype: str) -> Any:
@@ -67,7 +76,8 @@ def emulated_reward(group: int, index: int) -> float:
 
 
 class EmulatedWorker:
-    """Sleeps for the cost model's seconds; returns what the executor expects."""
+    """Sleeps for the cost model's seconds; returns what the executor expects. Provides
+    :class:`~verl_digen.workers.messages.WorkerTasks` with the real worker's signatures."""
 
     def __init__(
         self, worker: WorkerId, costs: Any, cluster: Cluster, *, group_size: int, time_scale: float = 1.0
@@ -125,72 +135,77 @@ class EmulatedWorker:
 
     # ------------------------------------------------------------------ tasks
 
-    def generate(self, request: dict[str, Any], *previous_stage: EmulatedTrajectories) -> EmulatedTrajectories:
-        """Whole groups, or one TSP stage (``request["denoise"]``) continuing ``previous_stage``."""
-        if request["version"] != self.policy_version:
+    def generate(
+        self, request: GenerateRequest, previous: EmulatedTrajectories | None = None
+    ) -> EmulatedTrajectories:
+        """Whole groups, or one TSP stage (``request.denoise``) continuing ``previous``."""
+        if request.version != self.policy_version:
             raise RuntimeError(
                 f"{self.worker} holds weights version {self.policy_version} but the plan generates groups "
-                f"{request['group_ids']} with version {request['version']}"
+                f"{list(request.group_ids)} with version {request.version}"
             )
-        groups = tuple(request["group_ids"])
+        groups = request.group_ids
         fields: dict[str, Any] = {}
-        denoise = request.get("denoise")
+        denoise = request.denoise
         if denoise is not None:
             total = getattr(getattr(self.costs, "workload", None), "num_steps", denoise[1])
-            fields = {"denoise": tuple(denoise), "final": denoise[1] >= total}
-        samples = tuple(request["samples"]) if request.get("samples") else None
-        if samples is not None:
-            fields["samples"] = samples
-        self._work(TaskKind.GENERATE, groups=groups, step=request["step"], version=request["version"], **fields)
-        return EmulatedTrajectories(groups, self.group_size, self.policy_version, samples)
+            fields = {"denoise": denoise, "final": denoise[1] >= total}
+        if request.samples is not None:
+            fields["samples"] = request.samples
+        self._work(TaskKind.GENERATE, groups=groups, step=request.step, version=request.version, **fields)
+        return EmulatedTrajectories(groups, self.group_size, self.policy_version, request.samples)
 
-    def profile_step_costs(self) -> dict[str, Any]:
-        """What TSP's stage balancing asks a rollout worker (modelled, not measured)."""
+    def profile_step_costs(self, repeats: int = 2) -> dict[str, Any]:
+        """What TSP's stage balancing asks a rollout worker (modelled, not measured: ``repeats``
+        is the real worker's and changes nothing here)."""
         if hasattr(self.costs, "step_profile"):
             return self.costs.step_profile(self.costs.device(self.cluster.device_of(self.worker)), self.group_size)
         steps = getattr(getattr(self.costs, "workload", None), "num_steps", 8)
         return {"step_s": [1.0] * steps, "head_s": 0.0, "tail_s": 0.0}
 
-    def compute_reward(self, *slices: EmulatedTrajectories) -> dict[str, Any]:
-        """Whole groups: one generate output, or a group's sample slices."""
+    def compute_reward(self, *slices: EmulatedTrajectories) -> RewardResult:
+        """Whole groups: one generate output, or a group's sample slices. The vectors become
+        tensors when the driver unpickles them (:class:`TensorData`)."""
         groups = slices[0].group_ids
         self._work(TaskKind.REWARD, groups=groups)
         rows = [(g, i) for g in groups for i in range(self.group_size)]
-        return {
-            "group_id": TensorData([g for g, _ in rows], "int64"),
-            "rewards": TensorData([emulated_reward(g, i) for g, i in rows], "float32"),
-            "policy_version": TensorData([slices[0].policy_version] * len(rows), "int64"),
-        }
+        return RewardResult(
+            group_id=TensorData([g for g, _ in rows], "int64"),
+            rewards=TensorData([emulated_reward(g, i) for g, i in rows], "float32"),
+            policy_version=TensorData([slices[0].policy_version] * len(rows), "int64"),
+        )
 
-    def train_micro_batch(self, request: dict[str, Any], *trajectories: EmulatedTrajectories) -> dict[str, float]:
-        groups = tuple(request["groups"])
+    def train_micro_batch(self, request: TrainRequest, *trajectories: EmulatedTrajectories) -> TrainResult:
+        groups = request.groups
         versions = [t.policy_version for t in trajectories if set(t.group_ids) & set(groups)]
         if not versions:
             raise KeyError(f"groups {groups} are in none of the trajectories passed to {self.worker}")
-        part = request.get("train_part")
-        seconds = self._work(TaskKind.TRAIN, groups=groups, **({"train_part": tuple(part)} if part else {}))
-        return {
-            "actor/loss": 0.0,
-            "actor/emulated_s": seconds,
-            "staleness_max": float(self.policy_version - min(versions)),
-            "staleness_min": float(self.policy_version - max(versions)),
-        }
+        part = request.train_part
+        seconds = self._work(TaskKind.TRAIN, groups=groups, **({"train_part": part} if part else {}))
+        return TrainResult(
+            metrics={"actor/loss": 0.0, "actor/emulated_s": seconds},
+            staleness_max=float(self.policy_version - min(versions)),
+            staleness_min=float(self.policy_version - max(versions)),
+        )
 
-    def optimizer_step(self) -> dict[str, float]:
+    def optimizer_step(self) -> OptimizerResult:
         self._work(TaskKind.OPTIMIZER_STEP)
         self.policy_version += 1
-        return {"actor/grad_norm": 0.0, "actor/lr": 0.0, "actor/skipped_nonfinite": 0.0, "policy_version": float(self.policy_version)}
+        return OptimizerResult(
+            metrics={"actor/grad_norm": 0.0, "actor/lr": 0.0, "actor/skipped_nonfinite": 0.0},
+            policy_version=self.policy_version,
+        )
 
-    def _sync_stats(self, version: int, seconds: float) -> dict[str, Any]:
+    def _sync_stats(self, version: int, seconds: float) -> SyncResult:
         nbytes = int(getattr(self.costs, "sync_bytes", 0))
-        return {"version": version, "nbytes": nbytes, "seconds": seconds * self.time_scale, "num_tensors": 0}
+        return SyncResult(version=version, nbytes=nbytes, seconds=seconds * self.time_scale, num_tensors=0)
 
-    def sync_send(self, version: int) -> dict[str, Any]:
+    def sync_send(self, version: int) -> SyncResult:
         seconds = self._work(TaskKind.SYNC, version=version)
         self.policy_version = version
         return self._sync_stats(version, seconds)
 
-    def sync_recv(self) -> dict[str, Any]:
+    def sync_recv(self) -> SyncResult:
         seconds = self._work(TaskKind.SYNC)
         self.policy_version += 1  # syncs deliver versions in order
         return self._sync_stats(self.policy_version, seconds)

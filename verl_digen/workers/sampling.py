@@ -13,7 +13,8 @@ The record of a trajectory (what the trainer needs to recompute each trained ste
 - ``sde_mask``  ``[B, S]``             steps inside the SDE window (stochastic, log-prob recorded)
 - ``train_mask`` ``[B, S]``            steps that are trained (SDE window, subsampled)
 - ``images``    ``[B, 3, H, W]``       decoded pixels, uint8 in [0, 255] (video: ``[B, 3, F, H, W]``)
-- ``cond__<k>`` / ``neg__<k>``         conditioning (and CFG negative) tensors
+- ``cond`` / ``neg``                   conditioning (and CFG negative): nested tables of ``[B, ...]``
+                                        tensors, one per name the adapter's ``encode_prompts`` gives
 
 The same functions sample deterministically for validation (``begin_groups(..., ode=True)``):
 every step is an Euler ODE step and only the newest latents are kept; :func:`decode_groups`
@@ -22,19 +23,21 @@ gives the images (``verl_digen.workers.validation`` is the caller).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from tensordict import TensorDict
 
 from verl import DataProto
 from verl_digen.algos.sde import ode_step, sde_step_with_logprob
 from verl_digen.algos.window import SdeWindowConfig, select_sde_window, subsample_timesteps
 from verl_digen.models.base import Conditioning, DiffusionAdapter, SampleSpec, onloaded, pixels_to_uint8
 
-COND_PREFIX = "cond__"
-NEG_PREFIX = "neg__"
+if TYPE_CHECKING:
+    from verl_digen.workers.messages import GenerateRequest
 
 
 @dataclass(frozen=True)
@@ -132,7 +135,7 @@ def _repeat_cond(cond: Conditioning, n: int) -> Conditioning:
     return {k: v.repeat_interleave(n, dim=0) for k, v in cond.items()}
 
 
-@dataclass
+@dataclass(frozen=True)
 class GroupRequest:
     """Which groups to sample: ``group_size`` images of each of ``prompts``.
 
@@ -142,17 +145,38 @@ class GroupRequest:
     ``metadata[k]`` is prompt ``k``'s record (ground truth, ...): every sample of the group
     carries it to the reward. ``samples = (start, end)`` samples only that slice of each group
     (the same trajectories as in a whole-group call); None: all of them.
+
+    A worker builds it from the controller's :class:`~verl_digen.workers.messages.GenerateRequest`
+    (:meth:`for_generate`), adding what only the worker knows (its group size and seed).
     """
 
-    prompts: list[str]
-    group_ids: list[int]
-    prompt_indices: list[int]
+    prompts: Sequence[str]
+    group_ids: Sequence[int]
+    prompt_indices: Sequence[int]
     group_size: int
     training_step: int
     seed: int
     policy_version: int
-    metadata: list[dict[str, Any]] | None = field(default=None, kw_only=True)
+    metadata: Sequence[dict[str, Any]] | None = field(default=None, kw_only=True)
     samples: tuple[int, int] | None = field(default=None, kw_only=True)
+
+    @classmethod
+    def for_generate(
+        cls, request: GenerateRequest, *, group_size: int, seed: int, policy_version: int
+    ) -> GroupRequest:
+        """The groups a controller's generate request names, sampled with this worker's
+        ``group_size``, ``seed`` and weights ``policy_version``."""
+        return cls(
+            request.prompts,
+            request.group_ids,
+            request.prompt_indices,
+            group_size=group_size,
+            training_step=request.step,
+            seed=seed,
+            policy_version=policy_version,
+            metadata=request.metadata,
+            samples=request.samples,
+        )
 
     @property
     def sample_range(self) -> range:
@@ -165,14 +189,15 @@ class GroupRequest:
 
 
 @dataclass
-class GroupsInFlight(GroupRequest):
+class GroupsInFlight:
     """A :class:`GroupRequest` part-way through sampling: what a TSP stage hands to the next one.
 
-    Everything is on CPU so it can travel between processes (Ray object store); the
-    generators travel as their states, so stage k+1 draws exactly the noise a single
-    worker would have drawn.
+    ``request`` is the request itself (not a copy of its fields). Everything is on CPU so it can
+    travel between processes (Ray object store); the generators travel as their states, so stage
+    k+1 draws exactly the noise a single worker would have drawn.
     """
 
+    request: GroupRequest
     window: list[int]
     trained: list[int]
     cond: Conditioning
@@ -202,7 +227,7 @@ def begin_groups(
     output depends on the batch size, e.g. SD3's CLIP projection, the two differ by ~1 ulp).
     """
     spec = settings.spec
-    prompts, rows = request.prompts, request.rows_per_group
+    prompts, rows = list(request.prompts), request.rows_per_group
     if request.samples is not None and not 0 <= request.samples[0] < request.samples[1] <= request.group_size:
         raise ValueError(f"samples={request.samples} is not a slice of a group of {request.group_size}")
     if ode:
@@ -223,15 +248,7 @@ def begin_groups(
     x = torch.cat([adapter.prepare_latents(1, spec, gen) for gen in generators], dim=0)
     sigmas = adapter.sigmas(settings.num_steps, spec).to(dtype=torch.float32).cpu()  # [S+1]
     return GroupsInFlight(
-        prompts=list(prompts),
-        group_ids=list(request.group_ids),
-        prompt_indices=list(request.prompt_indices),
-        group_size=request.group_size,
-        training_step=request.training_step,
-        seed=request.seed,
-        policy_version=request.policy_version,
-        metadata=request.metadata,
-        samples=request.samples,
+        request=request,
         window=window,
         trained=trained,
         cond={k: v.cpu() for k, v in cond.items()},
@@ -291,7 +308,7 @@ def decode_groups(adapter: DiffusionAdapter, state: GroupsInFlight, settings: Sa
     ``settings.vae_decode_chunk`` samples per VAE call (0: all at once), so the VAE's activations
     (large for video) stay bounded whatever the batch."""
     if state.next_step != settings.num_steps:
-        raise ValueError(f"groups {state.group_ids} finished at step {state.next_step} of {settings.num_steps}")
+        raise ValueError(f"groups {list(state.request.group_ids)} finished at step {state.next_step} of {settings.num_steps}")
     latents = state.latents[-1]
     chunk = settings.vae_decode_chunk if settings.vae_decode_chunk > 0 else latents.shape[0]
     out = []
@@ -306,9 +323,10 @@ def decode_groups(adapter: DiffusionAdapter, state: GroupsInFlight, settings: Sa
 def finish_groups(adapter: DiffusionAdapter, state: GroupsInFlight, settings: SamplingSettings) -> DataProto:
     """Decode the final latents and pack the trajectory record (the tail of sampling)."""
     if state.ode:
-        raise ValueError(f"groups {state.group_ids} were sampled with ode=True (no trajectory): use decode_groups")
+        raise ValueError(f"groups {list(state.request.group_ids)} were sampled with ode=True (no trajectory): use decode_groups")
     images = pixels_to_uint8(decode_groups(adapter, state, settings))  # crosses processes as uint8
-    batch, g = state.batch, state.rows_per_group
+    request = state.request
+    batch, g = state.batch, request.rows_per_group
     train_mask = torch.zeros(batch, settings.num_steps, dtype=torch.bool)
     train_mask[:, state.trained] = True
     sde_mask = torch.zeros_like(train_mask)
@@ -321,24 +339,26 @@ def finish_groups(adapter: DiffusionAdapter, state: GroupsInFlight, settings: Sa
         "sde_mask": sde_mask,
         "images": images,
     }
-    tensors.update({COND_PREFIX + k: v for k, v in state.cond.items()})
+    # Nested tables: cut by rows with the rest of the record (select, concat), read back whole.
+    tensors["cond"] = TensorDict(state.cond, batch_size=[batch])
     if state.neg is not None:
-        tensors.update({NEG_PREFIX + k: v for k, v in state.neg.items()})
+        tensors["neg"] = TensorDict(state.neg, batch_size=[batch])
     non_tensors = {
-        "prompt": np.array([p for p in state.prompts for _ in range(g)], dtype=object),
-        "group_id": np.array([x for x in state.group_ids for _ in range(g)], dtype=np.int64),
-        "sample_index": np.array([i for _ in state.group_ids for i in state.sample_range], dtype=np.int64),
-        "prompt_index": np.array([p for p in state.prompt_indices for _ in range(g)], dtype=np.int64),
-        "policy_version": np.full(batch, state.policy_version, dtype=np.int64),
+        "prompt": np.array([p for p in request.prompts for _ in range(g)], dtype=object),
+        "group_id": np.array([x for x in request.group_ids for _ in range(g)], dtype=np.int64),
+        "sample_index": np.array([i for _ in request.group_ids for i in request.sample_range], dtype=np.int64),
+        "prompt_index": np.array([p for p in request.prompt_indices for _ in range(g)], dtype=np.int64),
+        "policy_version": np.full(batch, request.policy_version, dtype=np.int64),
     }
-    if state.metadata is not None:  # each sample carries its prompt's record to the reward
+    if request.metadata is not None:  # each sample carries its prompt's record to the reward
         records = np.empty(batch, dtype=object)
-        records[:] = [record for record in state.metadata for _ in range(g)]
+        records[:] = [record for record in request.metadata for _ in range(g)]
         non_tensors["metadata"] = records
     return DataProto.from_dict(
         tensors=tensors,
         non_tensors=non_tensors,
-        meta_info={"training_step": state.training_step, "policy_version": state.policy_version, "window": state.window},
+        meta_info={"training_step": request.training_step, "policy_version": request.policy_version,
+                   "window": state.window},
     )
 
 
@@ -371,6 +391,7 @@ def _sde_with_noise(v, x, sigma, sigma_next, noise, settings: SamplingSettings):
 
 
 def conditioning_from(data: DataProto) -> tuple[Conditioning, Conditioning | None]:
-    cond = {k[len(COND_PREFIX):]: v for k, v in data.batch.items() if k.startswith(COND_PREFIX)}
-    neg = {k[len(NEG_PREFIX):]: v for k, v in data.batch.items() if k.startswith(NEG_PREFIX)}
-    return cond, (neg or None)
+    """A trajectory record's conditioning and CFG negative (None without CFG), ``{name: [B, ...]}``."""
+    cond = dict(data.batch["cond"].items())
+    neg = dict(data.batch["neg"].items()) if "neg" in data.batch.keys() else None
+    return cond, neg

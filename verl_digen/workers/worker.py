@@ -7,9 +7,12 @@
 - ``reward``  (disaggregated): scores images.
 
 Like veRL's ``ActorRolloutRefWorker(role=...)``, the role decides what is built in
-``init_model``. Methods are registered with veRL's ``@register`` so a ``RayWorkerGroup``
-can broadcast them (``ONE_TO_ALL``); the plan executor also calls them on single actors
-(``wg.workers[i].generate.remote(...)``), which is how tasks land on the worker a plan names.
+``init_model``: one table, :data:`ROLE_CAPABILITIES`, says which of loading the policy,
+preparing training and building the reward each role does. The task methods take and return
+the typed messages of :mod:`verl_digen.workers.messages`. ``init_model`` is registered with
+veRL's ``@register`` so a ``RayWorkerGroup`` can broadcast it (``ONE_TO_ALL``); the plan executor
+calls the task methods on single actors (``wg.workers[i].generate.remote(...)``), which is how
+tasks land on the worker a plan names.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,6 +33,14 @@ from verl.single_controller.base.decorator import Dispatch, register
 from verl_digen.config.schema import DigenConfig
 from verl_digen.sync.state import digest_update, state_digest, trainable_state
 from verl_digen.sync.transport import WeightSyncMixin
+from verl_digen.workers.messages import (
+    GenerateRequest,
+    OptimizerResult,
+    RewardResult,
+    SyncResult,
+    TrainRequest,
+    TrainResult,
+)
 from verl_digen.workers.sampling import (
     GroupRequest,
     GroupsInFlight,
@@ -40,7 +52,33 @@ from verl_digen.workers.sampling import (
 )
 from verl_digen.workers.training import PolicyUpdater, TrainSettings, add_lora
 
-ROLES = ("fused", "rollout", "trainer", "reward")
+
+@dataclass(frozen=True)
+class RoleCapabilities:
+    """What :meth:`DiffusionWorker.init_model` builds for a role.
+
+    ``policy``: loads the denoiser (to generate, train, or both); ``trains``: the training state
+    (process group, gradient checkpointing, KL reference, FSDP, the updater); ``scores``: builds
+    the reward; ``scores_when_generating``: builds it when the role generates part of a step
+    (TAG) and no reward pool exists; ``offloads``: what stays on CPU between uses on a GPU
+    (``"text_encoders"``, ``"vae"``)."""
+
+    policy: bool
+    trains: bool
+    scores: bool
+    scores_when_generating: bool = False
+    offloads: tuple[str, ...] = ()
+
+
+ROLE_CAPABILITIES: dict[str, RoleCapabilities] = {
+    "fused": RoleCapabilities(policy=True, trains=True, scores=True, offloads=("text_encoders",)),
+    "rollout": RoleCapabilities(policy=True, trains=False, scores=True),
+    # Trainers decode only for validation or TAG: the VAE waits on CPU too.
+    "trainer": RoleCapabilities(policy=True, trains=True, scores=False, scores_when_generating=True,
+                                offloads=("text_encoders", "vae")),
+    "reward": RoleCapabilities(policy=False, trains=False, scores=True),
+}
+ROLES = tuple(ROLE_CAPABILITIES)
 
 
 def sampling_settings(cfg: DigenConfig, fsdp_ranks: int = 1, rollout_lanes: int = 1) -> SamplingSettings:
@@ -99,6 +137,9 @@ def compute_device() -> torch.device:
 
 
 class DiffusionWorker(Worker, WeightSyncMixin):
+    """A worker of one role (:data:`ROLE_CAPABILITIES`); its task methods are
+    :class:`~verl_digen.workers.messages.WorkerTasks`."""
+
     def __init__(self, role: str, config: DigenConfig, model_path: str, num_threads: int = 1) -> None:
         """``config``: the driver's validated :class:`DigenConfig` (it pickles through Ray)."""
         super().__init__()
@@ -115,104 +156,140 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         self.num_threads = num_threads
         self.policy_version = 0
         self.adapter = None
-        self.trainer: PolicyUpdater | None = None
+        self.updater: PolicyUpdater | None = None
         self.reward_fn = None
         self._pg: dist.ProcessGroup | None = None
+        self.fsdp = ROLE_CAPABILITIES[role].trains and config.fsdp.enable
+        self._sync_cache: dict[str, torch.Tensor] | None = None
+        self._sync_digest: str | None = None  # FSDP ranks other than 0, after a checkpoint load
 
     # ------------------------------------------------------------------ set-up
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict[str, Any]:
+        """Build what this worker's role needs (:data:`ROLE_CAPABILITIES`), in this order: the
+        policy, then the training state, then the reward. Returns a record of what was built
+        (the run's ``workers.json``)."""
         torch.set_num_threads(self.num_threads)
-        cfg = self.cfg
         import ray
 
+        caps = ROLE_CAPABILITIES[self.role]
         info: dict[str, Any] = {"role": self.role, "rank": self.rank, "pid": os.getpid(),
                                 "node_id": ray.get_runtime_context().get_node_id()}
-        if self.role in ("fused", "rollout", "trainer"):
-            from verl_digen.models.base import resolve_dtype
-            from verl_digen.models.registry import load_adapter
-
-            device = compute_device()
-            # One precision path for rollout and trainer: weights in the run's dtype, LoRA (and
-            # full fine-tune masters) in the trainable dtype, no autocast anywhere.
-            dtype = resolve_dtype(cfg.model.dtype, device)
-            self.trainable_dtype = resolve_dtype(cfg.model.trainable_dtype, device, key="digen.model.trainable_dtype")
-            self.adapter = load_adapter(self.model_path, cfg.model.arch, device=device, dtype=dtype)
-            if cfg.model.lora.enable:
-                add_lora(self.adapter, cfg.model.lora, dtype=self.trainable_dtype)
-            self.sync_module = self.adapter.transformer
-            self.sync_lora_only = cfg.model.lora.enable
-            self.settings = sampling_settings(cfg, self._fsdp_ranks(), self._rollout_lanes())
-            if self.role == "rollout":
-                self.adapter.transformer.requires_grad_(False).eval()
-            vae = getattr(self.adapter, "vae", None)
-            if self.settings.spec.num_frames > 1 and hasattr(vae, "enable_tiling"):
-                vae.enable_tiling()  # video decodes tile by tile (diffusers' tiled VAE decode)
-            if device.type == "cuda" and self.role in ("fused", "trainer"):
-                # Training GPUs keep the text encoders (and, on trainers, which decode only for
-                # validation or TAG, the VAE) on CPU between uses.
-                names = self.adapter.text_encoder_names + (("vae",) if self.role == "trainer" else ())
-                info["offloaded_bytes"] = self.adapter.offload_to_cpu(names)
-            info["device"] = str(device)
-            info["dtype"] = str(dtype).removeprefix("torch.")
-            info["params"] = sum(p.numel() for p in self.adapter.transformer.parameters())
-        trains = self.role in ("fused", "trainer")
-        self.fsdp = trains and cfg.fsdp.enable
-        self._sync_cache: dict[str, torch.Tensor] | None = None
-        self._sync_digest: str | None = None  # FSDP ranks other than 0, after a checkpoint load
-        if trains and (self.world_size > 1 or self.fsdp):
-            # FSDP2 shards over the default group's mesh, so one sharded rank needs a group of one.
-            # On CUDA the group is bound to this worker's GPU (device_id: NCCL's communicator is
-            # created eagerly, on the right device, instead of at the first collective).
-            cuda = torch.cuda.is_available()
-            if not dist.is_initialized():
-                extra = {"device_id": compute_device()} if cuda else {}
-                dist.init_process_group(backend="nccl" if cuda else "gloo", rank=self.rank,
-                                        world_size=self.world_size, **extra)
-            self._pg = dist.group.WORLD
-        reference = None
-        if trains:
-            from verl_digen.workers.fsdp import enable_gradient_checkpointing
-
-            if cfg.model.gradient_checkpointing:
-                info["gradient_checkpointing"] = enable_gradient_checkpointing(self.adapter.transformer)
-            if self.fsdp and cfg.algo.kl_beta > 0 and not cfg.model.lora.enable:
-                # A sharded module cannot be deep-copied: copy first, shard both.
-                import copy
-
-                reference = copy.deepcopy(self.adapter.transformer).requires_grad_(False).eval()
-        if self.fsdp:
-            # Parallelism applied in one place; the optimizer must be built after sharding.
-            from verl_digen.workers.fsdp import shard_for_training
-
-            self._check_fsdp_trainable_dtypes()
-            for module in (self.adapter.transformer, reference):
-                if module is not None:
-                    shard_for_training(module, reshard_after_forward=cfg.fsdp.reshard_after_forward)
-        if trains:
-            self.trainer = PolicyUpdater(
-                self.adapter,
-                TrainSettings(
-                    algo=cfg.algo,
-                    sampling=self.settings,
-                    lora_only=cfg.model.lora.enable,
-                    images_per_step=cfg.batch.images_per_step,
-                    ema_decay=cfg.ema.decay if cfg.ema.enable else None,
-                    ema_offload=cfg.ema.offload,
-                    trainable_dtype=self.trainable_dtype,
-                ),
-                reference=reference,
-            )
-            info["trainable_params"] = sum(p.numel() for p in self.trainer.params)
-            self._refresh_sync_cache()
-        # Trainers score too when they generate (TAG) and no reward pool exists.
-        scores = self.role in ("fused", "rollout", "reward") or (
-            self.role == "trainer" and cfg.tag.enable and cfg.pools.reward.devices == 0
-        )
-        if scores:
+        if caps.policy:
+            info.update(self._load_policy(caps))
+        if caps.trains:
+            info.update(self._prepare_training())
+        if caps.scores or (caps.scores_when_generating and self._generates_without_reward_pool()):
             self._build_reward()
         return info
+
+    def _load_policy(self, caps: RoleCapabilities) -> dict[str, Any]:
+        """Load the denoiser (with LoRA when on) in the run's dtype, the sampling settings, and
+        move what the role uses rarely off the GPU."""
+        from verl_digen.models.base import resolve_dtype
+        from verl_digen.models.registry import load_adapter
+
+        cfg = self.cfg
+        device = compute_device()
+        # One precision path for rollout and trainer: weights in the run's dtype, LoRA (and
+        # full fine-tune masters) in the trainable dtype, no autocast anywhere.
+        dtype = resolve_dtype(cfg.model.dtype, device)
+        self.trainable_dtype = resolve_dtype(cfg.model.trainable_dtype, device, key="digen.model.trainable_dtype")
+        self.adapter = load_adapter(self.model_path, cfg.model.arch, device=device, dtype=dtype)
+        if cfg.model.lora.enable:
+            add_lora(self.adapter, cfg.model.lora, dtype=self.trainable_dtype)
+        self.sync_module = self.adapter.transformer
+        self.sync_lora_only = cfg.model.lora.enable
+        self.settings = sampling_settings(cfg, self._fsdp_ranks(), self._rollout_lanes())
+        if not caps.trains:  # generates only: weights change by sync, never by gradients
+            self.adapter.transformer.requires_grad_(False).eval()
+        vae = getattr(self.adapter, "vae", None)
+        if self.settings.spec.num_frames > 1 and hasattr(vae, "enable_tiling"):
+            vae.enable_tiling()  # video decodes tile by tile (diffusers' tiled VAE decode)
+        info: dict[str, Any] = {}
+        if device.type == "cuda" and caps.offloads:
+            # Training GPUs keep the text encoders (and, on trainers, which decode only for
+            # validation or TAG, the VAE) on CPU between uses.
+            names = tuple(n for part in caps.offloads for n in self._module_names(part))
+            info["offloaded_bytes"] = self.adapter.offload_to_cpu(names)
+        info["device"] = str(device)
+        info["dtype"] = str(dtype).removeprefix("torch.")
+        info["params"] = sum(p.numel() for p in self.adapter.transformer.parameters())
+        return info
+
+    def _module_names(self, part: str) -> tuple[str, ...]:
+        """The adapter's modules of one offload entry of :class:`RoleCapabilities`."""
+        return self.adapter.text_encoder_names if part == "text_encoders" else (part,)
+
+    def _prepare_training(self) -> dict[str, Any]:
+        """Join the trainer ranks' process group, then gradient checkpointing, the KL reference
+        and FSDP sharding, then the :class:`PolicyUpdater` (its optimizer is built after
+        sharding)."""
+        info: dict[str, Any] = {}
+        self._join_trainer_group()
+        if self.cfg.model.gradient_checkpointing:
+            from verl_digen.workers.fsdp import enable_gradient_checkpointing
+
+            info["gradient_checkpointing"] = enable_gradient_checkpointing(self.adapter.transformer)
+        reference = self._sharded_kl_reference()
+        if self.fsdp:
+            self._shard_for_training(reference)
+        self.updater = PolicyUpdater(self.adapter, self._train_settings(), reference=reference)
+        info["trainable_params"] = sum(p.numel() for p in self.updater.params)
+        self._refresh_sync_cache()
+        return info
+
+    def _join_trainer_group(self) -> None:
+        """The trainer ranks' default process group, when there is more than one rank or FSDP
+        (FSDP2 shards over the default group's mesh, so one sharded rank needs a group of one).
+        On CUDA the group is bound to this worker's GPU (device_id: NCCL's communicator is
+        created eagerly, on the right device, instead of at the first collective)."""
+        if not (self.world_size > 1 or self.fsdp):
+            return
+        cuda = torch.cuda.is_available()
+        if not dist.is_initialized():
+            extra = {"device_id": compute_device()} if cuda else {}
+            dist.init_process_group(backend="nccl" if cuda else "gloo", rank=self.rank,
+                                    world_size=self.world_size, **extra)
+        self._pg = dist.group.WORLD
+
+    def _sharded_kl_reference(self) -> torch.nn.Module | None:
+        """The frozen KL reference of a sharded full fine-tune, copied before sharding (a sharded
+        module cannot be deep-copied); None otherwise (the updater builds its own, or LoRA
+        disables its adapters)."""
+        if not (self.fsdp and self.cfg.algo.kl_beta > 0 and not self.cfg.model.lora.enable):
+            return None
+        import copy
+
+        return copy.deepcopy(self.adapter.transformer).requires_grad_(False).eval()
+
+    def _shard_for_training(self, reference: torch.nn.Module | None) -> None:
+        """FSDP2: shard the denoiser (and the KL reference): parallelism applied in one place."""
+        from verl_digen.workers.fsdp import shard_for_training
+
+        self._check_fsdp_trainable_dtypes()
+        for module in (self.adapter.transformer, reference):
+            if module is not None:
+                shard_for_training(module, reshard_after_forward=self.cfg.fsdp.reshard_after_forward)
+
+    def _train_settings(self) -> TrainSettings:
+        """What the updater needs of the run: the loss, the sampler's settings (it recomputes the
+        rollout's transformer calls), the trained parameters and their dtype, EMA."""
+        cfg = self.cfg
+        return TrainSettings(
+            algo=cfg.algo,
+            sampling=self.settings,
+            lora_only=cfg.model.lora.enable,
+            images_per_step=cfg.batch.images_per_step,
+            ema_decay=cfg.ema.decay if cfg.ema.enable else None,
+            ema_offload=cfg.ema.offload,
+            trainable_dtype=self.trainable_dtype,
+        )
+
+    def _generates_without_reward_pool(self) -> bool:
+        """Trainers generate part of a step under TAG; they score it when no reward pool exists."""
+        return self.cfg.tag.enable and self.cfg.pools.reward.devices == 0
 
     def _rollout_lanes(self) -> int:
         """The rollout lanes the planner spreads a step's groups over (StrategySpec.sample_split):
@@ -257,39 +334,31 @@ class DiffusionWorker(Worker, WeightSyncMixin):
 
     # ------------------------------------------------------------------ tasks
 
-    def generate(self, request: dict[str, Any], state: GroupsInFlight | None = None) -> DataProto | GroupsInFlight:
-        """Sample whole groups, or one TSP stage of them.
+    def generate(self, request: GenerateRequest, previous: GroupsInFlight | None = None) -> DataProto | GroupsInFlight:
+        """Sample whole groups, or one TSP stage of them (``request.denoise`` = (start, end)).
 
-        ``request``: group_ids, prompts, prompt_indices, metadata (each prompt's record), step, version, and for a TSP stage
-        ``denoise`` = (start, end); a stage after the first receives the previous stage's
-        ``state``. The last stage (or a plain call) returns the trajectory record.
+        A stage after the first continues the ``previous`` stage's in-flight state. The last
+        stage (or a plain call) returns the trajectory record, the one batch type the reward and
+        the loss read (:func:`~verl_digen.workers.sampling.finish_groups`).
         """
-        expected = request["version"]
-        if expected != self.policy_version:
+        if request.version != self.policy_version:
             raise RuntimeError(
                 f"{self.role}{self.rank} holds weights version {self.policy_version} but the plan "
-                f"generates groups {request['group_ids']} with version {expected}"
+                f"generates groups {list(request.group_ids)} with version {request.version}"
             )
-        start, end = request.get("denoise") or (0, self.settings.num_steps)
+        start, end = request.denoise or (0, self.settings.num_steps)
+        state = previous
         if state is None:
             if start != 0:
-                raise RuntimeError(f"TSP stage [{start}, {end}) of groups {request['group_ids']} got no input state")
-            groups = GroupRequest(
-                request["prompts"],
-                request["group_ids"],
-                request["prompt_indices"],
-                group_size=self.cfg.batch.group_size,
-                training_step=request["step"],
-                seed=self.cfg.seed,
-                policy_version=self.policy_version,
-                metadata=request.get("metadata"),
-                samples=tuple(request["samples"]) if request.get("samples") else None,
+                raise RuntimeError(f"TSP stage [{start}, {end}) of groups {list(request.group_ids)} got no input state")
+            groups = GroupRequest.for_generate(
+                request, group_size=self.cfg.batch.group_size, seed=self.cfg.seed, policy_version=self.policy_version
             )
             state = begin_groups(self.adapter, groups, self.settings)
-        elif state.policy_version != self.policy_version:
+        elif state.request.policy_version != self.policy_version:
             raise RuntimeError(
-                f"groups {state.group_ids} began with weights version {state.policy_version} but "
-                f"{self.role}{self.rank} holds {self.policy_version}: a trajectory must use one version"
+                f"groups {list(state.request.group_ids)} began with weights version {state.request.policy_version} "
+                f"but {self.role}{self.rank} holds {self.policy_version}: a trajectory must use one version"
             )
         denoise(self.adapter, state, self.settings, end)
         if end < self.settings.num_steps:
@@ -328,7 +397,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         tail, _ = timed(lambda: finish_groups(self.adapter, state, self.settings))
         return {"head_s": head, "step_s": steps, "tail_s": tail}
 
-    def compute_reward(self, *slices: DataProto) -> dict[str, Any]:
+    def compute_reward(self, *slices: DataProto) -> RewardResult:
         """Score whole groups: ``slices`` are the trajectories of their generate tasks (one, or a
         group's sample slices, reassembled here in sample order)."""
         data = slices[0] if len(slices) == 1 else _in_sample_order(list(slices))
@@ -340,42 +409,44 @@ class DiffusionWorker(Worker, WeightSyncMixin):
 
         # Trajectories carry uint8 pixels; rewards take fp32 in [0, 1] (the same pixels, quantised).
         rewards = self.reward_fn(pixels_from_uint8(data.batch["images"]), prompts, metadata)
-        return {
-            "group_id": torch.tensor(data.non_tensor_batch["group_id"].astype(np.int64)),
-            "rewards": rewards.detach().float().cpu(),
-            "policy_version": torch.tensor(data.non_tensor_batch["policy_version"].astype(np.int64)),
-        }
+        return RewardResult(
+            group_id=torch.tensor(data.non_tensor_batch["group_id"].astype(np.int64)),
+            rewards=rewards.detach().float().cpu(),
+            policy_version=torch.tensor(data.non_tensor_batch["policy_version"].astype(np.int64)),
+        )
 
-    def train_micro_batch(self, request: dict[str, Any], *trajectories: DataProto) -> dict[str, float]:
-        """``request``: groups (to select from the trajectories), advantages per row of the selection."""
-        data = select_groups(trajectories, request["groups"])
-        advantages = request["advantages"]
-        if request.get("row_part"):  # FSDP gang: this rank's share of the micro-batch's samples
-            r, n = request["row_part"]
+    def train_micro_batch(self, request: TrainRequest, *trajectories: DataProto) -> TrainResult:
+        """Accumulate the gradients of ``request.groups``' rows (selected from the trajectories)
+        with ``request.advantages``, one per row of the selection."""
+        data = select_groups(trajectories, list(request.groups))
+        advantages = request.advantages
+        if request.row_part is not None:  # FSDP gang: this rank's share of the micro-batch's samples
+            r, n = request.row_part
             rows = rank_rows(len(data), self.settings.forward_rows, r, n)
             data, advantages = data.select_idxs(rows), advantages[rows]
-        metrics = self.trainer.train_micro_batch(data, advantages, part=request.get("train_part"))
+        metrics = self.updater.train_micro_batch(data, advantages, part=request.train_part)
         versions = data.non_tensor_batch["policy_version"]
-        metrics["staleness_max"] = float(self.policy_version - versions.min())
-        metrics["staleness_min"] = float(self.policy_version - versions.max())
-        return metrics
+        return TrainResult(
+            metrics=metrics,
+            staleness_max=float(self.policy_version - versions.min()),
+            staleness_min=float(self.policy_version - versions.max()),
+        )
 
-    def optimizer_step(self) -> dict[str, float]:
+    def optimizer_step(self) -> OptimizerResult:
         if self.policy_version + 1 in self.cfg.fault_nonfinite_grad_steps:
-            for p in self.trainer.opt_params:  # fault injection for tests (digen.fault_nonfinite_grad_steps)
+            for p in self.updater.opt_params:  # fault injection for tests (digen.fault_nonfinite_grad_steps)
                 if p.grad is not None:
                     p.grad.fill_(float("nan"))
         # FSDP already reduce-scattered the gradients in backward: no second all-reduce.
-        metrics = self.trainer.optimizer_step(None if self.fsdp else self._pg)
+        metrics = self.updater.optimizer_step(None if self.fsdp else self._pg)
         self.policy_version += 1
         self._refresh_sync_cache()
-        metrics["policy_version"] = float(self.policy_version)
-        return metrics
+        return OptimizerResult(metrics=metrics, policy_version=self.policy_version)
 
     # ------------------------------------------------------------------ inspection
 
     def recompute_log_probs(self, data: DataProto) -> torch.Tensor:
-        return self.trainer.recompute_log_probs(data) if self.trainer else _no_trainer(self.role)
+        return self.updater.recompute_log_probs(data) if self.updater else _no_updater(self.role)
 
     def _refresh_sync_cache(self, *, digest: bool = False) -> None:
         """FSDP: stream the full trained state out of the shards (a collective: every rank, once
@@ -405,10 +476,14 @@ class DiffusionWorker(Worker, WeightSyncMixin):
             return self._sync_cache
         return trainable_state(self.adapter.transformer, lora_only=self.cfg.model.lora.enable)
 
-    def sync_send(self, version: int) -> dict[str, Any]:
+    def sync_send(self, version: int) -> SyncResult:
         stats = self._require_sync_channel().send(self._full_state(), version)
         self.policy_version = version
-        return stats.as_dict()
+        return SyncResult(**stats.as_dict())
+
+    def sync_recv(self) -> SyncResult:
+        """Receive the next weights version (:meth:`WeightSyncMixin.sync_recv`), as a typed result."""
+        return SyncResult(**WeightSyncMixin.sync_recv(self))
 
     def weights_digest(self) -> str:
         if self.fsdp and self.rank != 0:
@@ -453,7 +528,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
             self._build_reward()
         import tempfile
 
-        ema = getattr(self.trainer, "ema", None) if self.trainer is not None else None
+        ema = getattr(self.updater, "ema", None) if self.updater is not None else None
         reward = self.reward_fn
         if metadata is not None:  # the held-out prompts' records reach the reward as in training
             reward = lambda images, batch_prompts: self.reward_fn(images, batch_prompts, metadata)  # noqa: E731
@@ -474,9 +549,9 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         from verl_digen.workers.sharded_state import save_rank_state
 
         files = save_rank_state(
-            directory, module=self.adapter.transformer, optimizer=self.trainer.optimizer,
-            ema=getattr(self.trainer, "ema", None), lora_only=self.cfg.model.lora.enable,
-            version=self.policy_version, rank=self.rank, group=self._pg, master=self.trainer.master,
+            directory, module=self.adapter.transformer, optimizer=self.updater.optimizer,
+            ema=getattr(self.updater, "ema", None), lora_only=self.cfg.model.lora.enable,
+            version=self.policy_version, rank=self.rank, group=self._pg, master=self.updater.master,
         )
         return {"files": files, "version": self.policy_version}
 
@@ -485,11 +560,11 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         the optimizer, EMA and RNG too, others the weights only. Returns the weights' digest."""
         from verl_digen.workers.sharded_state import load_rank_state
 
-        trains = self.trainer is not None
+        trains = self.updater is not None
         load_rank_state(
-            directory, module=self.adapter.transformer, optimizer=self.trainer.optimizer if trains else None,
-            ema=getattr(self.trainer, "ema", None) if trains else None, lora_only=self.cfg.model.lora.enable,
-            rank=self.rank, group=self._pg if trains else None, master=self.trainer.master if trains else None,
+            directory, module=self.adapter.transformer, optimizer=self.updater.optimizer if trains else None,
+            ema=getattr(self.updater, "ema", None) if trains else None, lora_only=self.cfg.model.lora.enable,
+            rank=self.rank, group=self._pg if trains else None, master=self.updater.master if trains else None,
         )
         self.policy_version = version
         self._refresh_sync_cache(digest=True)
@@ -510,8 +585,8 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         return f"{self.role}{self.rank}"
 
 
-def _no_trainer(role: str):
-    raise RuntimeError(f"a {role} worker has no trainer")
+def _no_updater(role: str):
+    raise RuntimeError(f"a {role} worker has no policy updater (it does not train)")
 
 
 def select_groups(trajectories: tuple[DataProto, ...], groups: list[int]) -> DataProto:

@@ -1,0 +1,162 @@
+"""What the controller and a worker say to each other: one frozen dataclass per request and
+result of a task, and :class:`WorkerTasks`, the task methods every worker answers.
+
+The controller (``trainer/ray_executor.py``) builds the requests and reads the results; the real
+worker (``workers/worker.py``) and the emulated one (``workers/emulated.py``) read the requests
+and build the results. A field added here is added for all three, and a field a receiver does
+not know fails at construction (``TypeError: unexpected keyword argument``) instead of being
+dropped on the way, as a key of a dict would be. Every message crosses processes through Ray,
+so each one pickles; frozen, so nothing changes a message after it is sent.
+
+Nothing here imports torch at module level: emulated actors stay small (their reward vectors
+become tensors when the driver unpickles them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+
+# ---------------------------------------------------------------------------- requests
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """Sample ``group_ids`` (or one TSP stage of them) with the weights of ``version``.
+
+    ``prompts[k]`` / ``prompt_indices[k]`` / ``metadata[k]``: group ``group_ids[k]``'s prompt,
+    its dataset index and its record (ground truth, ...; ``{}`` when the data has none), which
+    every sample of the group carries to the reward. ``step``: the training step (it picks the
+    SDE window). ``denoise = (start, end)``: only those denoising steps (a TSP stage); None: all.
+    ``samples = (start, end)``: only that slice of each group's samples; None: all of them.
+    """
+
+    group_ids: tuple[int, ...]
+    prompts: tuple[str, ...]
+    prompt_indices: tuple[int, ...]
+    metadata: tuple[dict[str, Any], ...]
+    step: int
+    version: int
+    denoise: tuple[int, int] | None = None
+    samples: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class TrainRequest:
+    """Train one micro-batch: the rows of ``groups`` (in that order), ``advantages`` ``[rows]``
+    one per row of the selection. ``train_part = (r, P)``: only the trained steps ``[r::P]``
+    (TSP time-step split). ``row_part = (r, n)``: FSDP rank ``r`` of ``n`` trains its share of
+    the rows (:func:`verl_digen.workers.sampling.rank_rows`)."""
+
+    groups: tuple[int, ...]
+    advantages: torch.Tensor
+    train_part: tuple[int, int] | None = None
+    row_part: tuple[int, int] | None = None
+
+
+# ---------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    """Rewards of whole groups, one row per sample: ``group_id`` ``[B]`` int64, ``rewards``
+    ``[B]`` float32, ``policy_version`` ``[B]`` int64 (the weights each sample was drawn with)."""
+
+    group_id: torch.Tensor
+    rewards: torch.Tensor
+    policy_version: torch.Tensor
+
+    def of_group(self, group: int) -> tuple[torch.Tensor, int]:
+        """Group ``group``'s rewards ``[G]`` and the weights version it was sampled with."""
+        rows = self.group_id == group
+        return self.rewards[rows], int(self.policy_version[rows][0])
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """One micro-batch trained: ``metrics`` (``actor/*``: means over its trained steps) and the
+    staleness of its samples (the worker's version minus the versions they were drawn with)."""
+
+    metrics: dict[str, float]
+    staleness_max: float
+    staleness_min: float
+
+
+@dataclass(frozen=True)
+class OptimizerResult:
+    """One optimizer step: its ``actor/*`` statistics and the weights version it made."""
+
+    metrics: dict[str, float]
+    policy_version: int
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    """What one weight sync moved, as seen by one endpoint (sender or receiver)."""
+
+    version: int
+    nbytes: int  # payload bytes (flat buffers), headers excluded
+    seconds: float  # wall time of the whole send/recv
+    num_tensors: int = 0
+
+
+MESSAGES = (GenerateRequest, TrainRequest, RewardResult, TrainResult, OptimizerResult, SyncResult)
+
+
+# ---------------------------------------------------------------------------- the task methods
+
+
+@runtime_checkable
+class WorkerTasks(Protocol):
+    """The calls the controller makes on a worker: ``DiffusionWorker`` and ``EmulatedWorker``
+    both provide them with these parameters (``tests/test_worker_messages.py`` compares the
+    signatures). Trajectories are whatever the worker's ``generate`` returns (a ``DataProto``,
+    a TSP stage's ``GroupsInFlight``, an emulated record): the controller only passes them on."""
+
+    def init_model(self) -> dict[str, Any]:
+        """Build what the worker's role needs; a record of it for the run's ``workers.json``."""
+        ...
+
+    def generate(self, request: GenerateRequest, previous: Any = None) -> Any:
+        """Sample (``previous``: the previous TSP stage's in-flight state)."""
+        ...
+
+    def compute_reward(self, *slices: Any) -> RewardResult:
+        """Score whole groups (one generate output, or a group's sample slices)."""
+        ...
+
+    def train_micro_batch(self, request: TrainRequest, *trajectories: Any) -> TrainResult:
+        """Accumulate one micro-batch's gradients."""
+        ...
+
+    def optimizer_step(self) -> OptimizerResult:
+        """Step on the accumulated gradients: the next weights version."""
+        ...
+
+    def sync_send(self, version: int) -> SyncResult:
+        """Send the trained weights as ``version``."""
+        ...
+
+    def sync_recv(self) -> SyncResult:
+        """Receive the next weights version."""
+        ...
+
+    def profile_step_costs(self, repeats: int = 2) -> dict[str, Any]:
+        """Seconds of a sampling's head, each denoising step and tail (TSP stage balancing)."""
+        ...
+
+    def weights_digest(self) -> str:
+        """A hash of the weights (equal across workers iff bitwise equal)."""
+        ...
+
+    def get_policy_version(self) -> int:
+        """The weights version the worker holds."""
+        ...
+
+    def ping(self) -> str:
+        """The worker's name (an answer at all means the process is alive)."""
+        ...
