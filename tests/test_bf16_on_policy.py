@@ -217,7 +217,7 @@ def _full_fine_tune_scenario(rank: int, world: int) -> dict:
     from verl_digen.models.registry import load_adapter
     from verl_digen.models.tiny import ensure_tiny
     from verl_digen.sync.state import load_trainable_state
-    from verl_digen.workers.fsdp import full_state_for_sync, shard_for_training
+    from verl_digen.workers.fsdp import shard_for_training, stream_full_state
     from verl_digen.workers.sampling import rank_rows
     from verl_digen.workers.training import PolicyUpdater, TrainSettings
 
@@ -241,7 +241,8 @@ def _full_fine_tune_scenario(rank: int, world: int) -> dict:
             result = _on_policy(updater, data.select_idxs(mine), ADVANTAGES[mine])
             out["steps"].append({k: result[k] for k in ("max", "ratio_mean", "clip_frac")})
         updater.optimizer_step(None)
-        load_trainable_state(rollout.transformer, full_state_for_sync(trainer.transformer, lora_only=False),
+        # The sync state as the trainer streams it (gathered bucket by bucket), loaded as it arrives.
+        load_trainable_state(rollout.transformer, dict(stream_full_state(trainer.transformer, lora_only=False)),
                              lora_only=False)
     return out
 

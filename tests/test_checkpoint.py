@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from verl_digen.config.compose import compose_config
-from verl_digen.trainer.checkpoint import CheckpointError, checkpoint_at, find_latest, save_checkpoint
+from verl_digen.trainer.checkpoint import CheckpointError, checkpoint_at, find_latest
+from checkpoints import save_earlier_layout, save_one_rank
 from runs import QUIET, metrics_lines, run_config, timeline_records
 from verl_digen.trainer.loop import RunStopped, run_training
 
@@ -27,17 +28,20 @@ EXACT_KEYS = ("reward_mean", "reward_std", "actor/loss", "actor/grad_norm", "pol
 
 
 def _save(root, step, **kw):
-    return save_checkpoint(
-        str(root), step, weights={"w": torch.ones(2) * step}, trainer_state={"optimizer": {}},
-        controller_state={"step": step}, meta={}, **kw,
-    )
+    return save_one_rank(root, step, **kw)
 
 
 def test_latest_complete_checkpoint_is_found(tmp_path):
     _save(tmp_path, 1)
     _save(tmp_path, 2)
     ckpt = find_latest(str(tmp_path))
-    assert ckpt.step == 2 and torch.equal(ckpt.weights()["w"], torch.full((2,), 2.0))
+    assert ckpt.step == 2 and torch.equal(ckpt.weights()["bias"], torch.full((2,), 2.0))
+
+
+def test_a_checkpoint_of_the_earlier_layout_still_gives_its_weights(tmp_path):
+    ckpt = save_earlier_layout(tmp_path, 3, {"w": torch.full((2,), 3.0)})
+    ckpt.verify()
+    assert not ckpt.sharded and torch.equal(ckpt.weights()["w"], torch.full((2,), 3.0))
 
 
 def test_checkpoint_interrupted_mid_write_is_not_picked_by_auto(tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import threading
@@ -20,6 +21,7 @@ import pytest
 import ray
 import torch
 
+from checkpoints import save_earlier_layout, save_one_rank
 from runs import QUIET, lock_holder, run_config
 from verl_digen.config.schema import ConfigError
 from verl_digen.config.verl_keys import VerlTrainerKeys
@@ -28,19 +30,20 @@ from verl_digen.trainer.checkpoint import (
     RootLock,
     checkpoint_at,
     find_latest_intact,
-    save_checkpoint,
     select_resume,
 )
+from verl_digen.workers.sharded_state import load_pt
 
 
 def _save(root, step):
-    return save_checkpoint(
-        str(root), step, weights={"w": torch.full((64,), float(step))},
-        trainer_state={"optimizer": {"state": {}, "param_groups": [{"lr": 0.1}]}, "rng": torch.get_rng_state(),
-                       "version": step},
+    return save_one_rank(
+        root, step,
         controller_state={"step": step, "sampler": {"epoch": 0, "position": step}, "metrics": [{"step": step}]},
         meta={"strategy": "colocated"},
     )
+
+
+DATA = "state/__0_0.distcp"  # the rank's tensors (DCP)
 
 
 def _rewrite_checksums(ckpt) -> None:
@@ -81,7 +84,7 @@ def test_a_crafted_pickle_in_a_checkpoint_is_refused_and_never_runs(tmp_path):
     # Plain checkpoints still load (tensors, numbers, strings, containers).
     good = _save(tmp_path / "ok", 2)
     assert good.controller_state()["sampler"]["position"] == 2
-    assert torch.equal(good.trainer_state()["rng"], torch.get_rng_state()) or good.trainer_state()["version"] == 2
+    assert load_pt(os.path.join(good.path, "trainer_rank0.pt"))["version"] == 2
 
 
 def test_resuming_from_a_crafted_checkpoint_stops_before_training(tmp_path, tiny_flux):
@@ -108,7 +111,7 @@ def test_resuming_from_a_crafted_checkpoint_stops_before_training(tmp_path, tiny
 def test_every_file_is_checksummed_in_the_completion_marker(tmp_path):
     ckpt = _save(tmp_path, 1)
     files = ckpt.meta()["files"]
-    assert set(files) == {"weights.safetensors", "trainer.pt", "controller.pt"}
+    assert set(files) == {DATA, "state/.metadata", "trainer_rank0.pt", "controller.pt"}
     for name, entry in files.items():
         assert entry["bytes"] == os.path.getsize(os.path.join(ckpt.path, name))
     ckpt.verify()
@@ -117,29 +120,34 @@ def test_every_file_is_checksummed_in_the_completion_marker(tmp_path):
 def test_a_bit_flip_in_the_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, capsys):
     _save(tmp_path, 1)
     bad = _save(tmp_path, 2)
-    path = os.path.join(bad.path, "weights.safetensors")
+    path = os.path.join(bad.path, DATA)
     data = bytearray(open(path, "rb").read())
-    data[-3] ^= 0x10  # same size, different bytes: safetensors would load it silently
+    data[-3] ^= 0x10  # same size, different bytes: DCP would load it silently
     open(path, "wb").write(bytes(data))
-    with pytest.raises(CheckpointError, match=r"global_step_2/weights\.safetensors: SHA-256 does not match"):
+    with pytest.raises(CheckpointError, match=r"global_step_2/state/__0_0\.distcp: SHA-256 does not match"):
         bad.verify()
     chosen = select_resume(VerlTrainerKeys(resume_mode="auto"), str(tmp_path))
     assert chosen.step == 1
     out = capsys.readouterr().out
-    assert "skipping damaged checkpoint" in out and "global_step_2/weights.safetensors" in out
+    assert "skipping damaged checkpoint" in out and f"global_step_2/{DATA}" in out
     # Asked for by path, the corrupt one is refused with the file named.
-    with pytest.raises(CheckpointError, match=r"weights\.safetensors"):
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp"):
         select_resume(VerlTrainerKeys(resume_mode="resume_path", resume_from_path=bad.path), str(tmp_path))
 
 
-def test_a_truncated_weights_file_is_named(tmp_path):
-    ckpt = _save(tmp_path, 1)
-    path = os.path.join(ckpt.path, "weights.safetensors")
+@pytest.mark.parametrize("layout", ["sharded", "earlier"])
+def test_a_truncated_weights_file_is_named(tmp_path, layout):
+    if layout == "sharded":
+        ckpt, name, unreadable = _save(tmp_path, 1), DATA, "state"
+    else:  # the driver-written layout, which export still reads
+        ckpt, name = save_earlier_layout(tmp_path, 1, {"w": torch.ones(64)}), "weights.safetensors"
+        unreadable = name
+    path = os.path.join(ckpt.path, name)
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 2)
-    with pytest.raises(CheckpointError, match=r"weights\.safetensors: \d+ bytes, meta\.json says \d+"):
+    with pytest.raises(CheckpointError, match=rf"{re.escape(name)}: \d+ bytes, meta\.json says \d+"):
         ckpt.verify()
-    with pytest.raises(CheckpointError, match=r"weights\.safetensors: cannot be read"):
+    with pytest.raises(CheckpointError, match=rf"{re.escape(unreadable)}: cannot be read"):
         ckpt.weights()
     assert find_latest_intact(str(tmp_path)) is None
 

@@ -22,12 +22,18 @@ NOT_SOURCE = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-inf
                                     "runs", "checkpoints", "outputs", "tensorboard_log")
 
 
+PRESETS = os.path.join(REPO, "configs")
+
+
 def _data_files() -> set[str]:
-    """Every file of the package that is not Python source, as a wheel names it."""
+    """Every file of the package that is not Python source, and every preset of ``configs/``
+    (which the wheel holds in ``verl_digen/config/``), as a wheel names them."""
     files = set()
     for root, dirs, names in os.walk(PACKAGE):
         dirs[:] = [d for d in dirs if d != "__pycache__"]
         files |= {os.path.relpath(os.path.join(root, n), REPO) for n in names if not n.endswith((".py", ".pyc"))}
+    for root, _, names in os.walk(PRESETS):
+        files |= {"verl_digen/config/" + os.path.relpath(os.path.join(root, n), PRESETS) for n in names}
     return files
 
 
@@ -56,6 +62,16 @@ def test_wheel_holds_every_data_file_of_the_package_and_the_license(wheel):
     assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
     metadata = zipfile.ZipFile(wheel).read(license_file.replace("licenses/LICENSE", "METADATA")).decode()
     assert "License-Expression: Apache-2.0" in metadata
+
+
+def test_wheel_presets_are_those_of_the_checkout(wheel):
+    """The wheel's copies of configs/ are byte for byte the checkout's."""
+    with zipfile.ZipFile(wheel) as z:
+        for root, _, names in os.walk(PRESETS):
+            for n in names:
+                path = os.path.join(root, n)
+                with open(path, "rb") as f:
+                    assert z.read("verl_digen/config/" + os.path.relpath(path, PRESETS)) == f.read(), path
 
 
 def _fresh_venv(path: str) -> str:
@@ -101,9 +117,7 @@ def test_wheel_installs_next_to_verl_omnis_veRL_and_TransferQueue_changing_nothi
 
 @pytest.mark.slow
 def test_installed_wheel_runs_a_shipped_preset_from_outside_the_checkout(wheel, tmp_path, tiny_cache):
-    python = _fresh_venv(str(tmp_path / "venv"))
-    subprocess.run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", "-q", wheel],
-                   check=True, capture_output=True, text=True, timeout=300)
+    python = _installed("wheel", wheel, tmp_path)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the checkout must not be importable
@@ -122,6 +136,40 @@ def test_installed_wheel_runs_a_shipped_preset_from_outside_the_checkout(wheel, 
         steps = [json.loads(line) for line in f]
     assert [m["step"] for m in steps] == [1, 2]
     assert all(m["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-4) for m in steps)  # disaggregated, on-policy
+
+
+def _installed(kind: str, wheel: str, tmp_path) -> str:
+    """A fresh venv with verl-digen installed from the wheel, or editable from a copy of the checkout."""
+    python = _fresh_venv(str(tmp_path / "venv"))
+    if kind == "wheel":
+        target = [wheel]
+    else:
+        src = tmp_path / "checkout"
+        shutil.copytree(REPO, src, ignore=NOT_SOURCE)
+        target = ["--no-build-isolation", "-e", str(src)]
+    subprocess.run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", "-q", *target],
+                   check=True, capture_output=True, text=True, timeout=300)
+    return python
+
+
+@pytest.mark.parametrize("kind", ["wheel", "editable"])
+def test_config_name_finds_the_presets_from_any_directory(kind, wheel, tmp_path):
+    """``--config-name`` alone composes a preset (and its smoke group) from outside the checkout,
+    for an installed wheel and for an editable install of a checkout (configs/ read in place)."""
+    python = _installed(kind, wheel, tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    where = subprocess.run([python, "-c", "from verl_digen.config.compose import CONFIG_DIR; print(CONFIG_DIR)"],
+                           cwd=elsewhere, env=env, check=True, capture_output=True, text=True).stdout.strip()
+    expected = os.path.join(str(tmp_path / "venv"), "lib") if kind == "wheel" else str(tmp_path / "checkout" / "configs")
+    assert where.startswith(expected), where
+    proc = subprocess.run([python, "-m", "verl_digen.main", "--config-name", "qwen_image_full_disaggregated",
+                           "+smoke=tiny", "--cfg", "job"], cwd=elsewhere, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "experiment_name: qwen_image_full_disaggregated" in proc.stdout
+    assert "train_micro_batch_groups: 3" in proc.stdout and "height: 32" in proc.stdout  # preset and smoke group
 
 
 def _requirements(requires_dist: list[str], extra: str = "") -> list:

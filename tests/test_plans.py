@@ -9,6 +9,7 @@ import pytest
 from verl_digen.schedule.plan import Plan, PlanError, Task, TaskId, TaskKind, WorkerId
 from verl_digen.schedule.runner import PlanRunner
 from verl_digen.schedule.strategies import StepCosts, StepPlanner, StrategySpec
+from timelines import assert_exclusive
 
 
 class UnitTimeRunner(PlanRunner):
@@ -74,7 +75,7 @@ def test_execution_respects_dependencies_and_worker_exclusivity(spec):
     planner = _planned(spec)
     runner = UnitTimeRunner(planner.plan)
     runner.run_until(None)
-    runner.timeline.check_exclusive()
+    assert_exclusive(runner.timeline)
     end = {r.task: r.end for r in runner.timeline.records}
     start = {r.task: r.start for r in runner.timeline.records}
     for t in planner.plan.tasks:
@@ -203,7 +204,7 @@ def test_tsp_plans_chain_stages_over_the_denoising_steps(spec):
     assert [t.worker.rank for t in gens] == list(range(spec.tsp_stages))
     run = UnitTimeRunner(planner.plan)
     run.run_until(None)
-    run.timeline.check_exclusive()
+    assert_exclusive(run.timeline)
 
 
 def test_tsp_plan_check_rejects_a_trajectory_that_changes_version_between_stages():
@@ -254,7 +255,7 @@ def test_tag_groups_run_on_trainers_with_the_newest_weights():
     assert len(tag_tasks) == 4 and all(t.version == t.step for t in tag_tasks)
     run = UnitTimeRunner(planner.plan)
     run.run_until(None)
-    run.timeline.check_exclusive()
+    assert_exclusive(run.timeline)
     groups = sorted(g for t in planner.plan.of_kind(TaskKind.TRAIN) for g in t.groups)
     assert groups == list(range(12))  # every group, TAG or not, trained exactly once
 

@@ -1,4 +1,4 @@
-"""The presets packaged in verl_digen/config/: every family x placement (LoRA colocated and\ndisaggregated, full fine-tuning disaggregated) composes, validates, and (tiny) runs."""
+"""The presets in configs/ (shipped inside the wheel): every family x placement (LoRA colocated and\ndisaggregated, full fine-tuning disaggregated) composes, validates, and (tiny) runs."""
 
 from __future__ import annotations
 

@@ -31,6 +31,7 @@ from verl_digen.sim.cost_model import (
 )
 from verl_digen.sim.bound import max_throughput
 from verl_digen.sim.simulator import SimulatedExecutor, simulate, simulate_plan
+from timelines import assert_exclusive
 
 PAPER_MODELS = ("flux-12b", "wan2.1-14b", "hunyuanvideo-13b", "qwen-image-20b")
 
@@ -215,7 +216,7 @@ def _run(spec: StrategySpec, steps: int, costs=TABLE) -> dict[str, tuple[float, 
     for s in range(steps):
         planner.plan_step(s, PLAN_COSTS, has_next=s + 1 < steps)
     sim = simulate_plan(planner.plan, costs, Cluster.for_spec(spec, "any"))
-    sim.timeline.check_exclusive()
+    assert_exclusive(sim.timeline)
     return {r.task: (r.start, r.end) for r in sim.timeline.records}
 
 
@@ -460,7 +461,7 @@ def test_emulated_runtime_matches_the_simulator_on_the_same_plan():
             ray.shutdown()
     planner.plan.check(complete_steps=range(3))
     assert {r.task for r in run.timeline.records} == {str(t.id) for t in planner.plan.tasks}
-    run.timeline.check_exclusive(eps=1e-3)
+    assert_exclusive(run.timeline, eps=1e-3)
     end = {r.task: r.end for r in run.timeline.records}
     start = {r.task: r.start for r in run.timeline.records}
     for t in planner.plan.tasks:

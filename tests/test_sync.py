@@ -321,6 +321,10 @@ class SyncTestWorker(WeightSyncMixin, Worker):
     def frozen_digest(self) -> str:
         return frozen_digest(self.sync_module, lora_only=self.sync_lora_only)
 
+    def weights_digest(self) -> str:
+        """sha256 of the synced state, as DiffusionWorker.weights_digest reports its own."""
+        return state_digest(trainable_state(self.sync_module, lora_only=self.sync_lora_only))
+
     def get_policy_version(self) -> int:
         return self.policy_version
 
@@ -387,7 +391,7 @@ def _sync_round(trainer, rollouts, versions: tuple[int, ...], backend: str = "gl
             send_stats, *recv_stats = _get([send_ref, *recv_refs])
             assert send_stats["version"] == version
             assert all(s["version"] == version and s["nbytes"] == send_stats["nbytes"] for s in recv_stats)
-            digests = _get([w.sync_digest.remote() for w in everyone])
+            digests = _get([w.weights_digest.remote() for w in everyone])
             assert len(set(digests)) == 1, f"weights differ after sync of version {version}: {digests}"
             assert _get([w.get_policy_version.remote() for w in everyone]) == [version] * world_size
             sent.append(send_stats)
@@ -402,7 +406,7 @@ def test_ray_weight_sync_lora_and_full(worker_groups) -> None:
     nbytes: dict[str, int] = {}
     for mode in ("lora", "full"):
         _get([w.use.remote(mode) for w in everyone])
-        before = _get([w.sync_digest.remote() for w in everyone])
+        before = _get([w.weights_digest.remote() for w in everyone])
         assert len(set(before)) == len(everyone), "workers must start from different weights"
         frozen_before = _get([w.frozen_digest.remote() for w in rollouts])
 

@@ -26,7 +26,6 @@ from verl_digen.workers.validation import (
     sample_deterministic,
     save_grid_png,
     save_video_gif,
-    save_video_strip,
     validation_seed,
 )
 
@@ -184,9 +183,6 @@ def test_png_grid_and_video_files(tmp_path):
     gif = save_video_gif(video, str(tmp_path / "clip.gif"), fps=8)
     with Image.open(gif) as im:
         assert im.format == "GIF" and im.n_frames == 6 and im.size == (10, 8)
-    strip = save_video_strip(video, str(tmp_path / "strip.png"))
-    with Image.open(strip) as im:
-        assert im.size == (6 * 12 + 2, 8 + 4)
     with pytest.raises(ValueError, match="video"):
         save_video_gif(torch.rand(1, 3, 6, 8, 8), str(tmp_path / "bad.gif"))
 
@@ -247,7 +243,7 @@ def test_ema_hand_computed_with_warmup():
     # 0.1*1 + 0.9*3 = 2.8 -> (2/11)*2.8 + (9/11)*5 = 4.6;  0.1*2 + 0.9*4 = 3.8 -> (2/11)*3.8
     torch.testing.assert_close(ema.shadow("w"), torch.tensor([4.6, 2 / 11 * 3.8]))
     ema.num_updates = 100_000
-    assert ema.current_decay() == 0.999
+    assert ema.update() == 0.999  # past the warm-up: the configured decay
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

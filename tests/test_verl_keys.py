@@ -62,6 +62,16 @@ def test_a_verl_key_sets_its_digen_setting(override, digen_key, value):
     assert node == value
 
 
+def test_an_optimizer_the_schema_refuses_is_named_by_the_verl_key_the_user_set():
+    from verl_digen.config.schema import digen_config_from_dict
+
+    run = _resolved("actor_rollout_ref.actor.optim.optimizer=Adagrad")
+    with pytest.raises(ConfigError) as e:
+        digen_config_from_dict(run.digen)
+    assert "valid: adamw, sgd" in str(e.value)
+    assert "actor_rollout_ref.actor.optim.optimizer='adagrad'" in run.rename(str(e.value))
+
+
 def test_kl_loss_maps_to_kl_beta_and_coef_alone_is_refused():
     assert _resolved("actor_rollout_ref.actor.use_kl_loss=true",
                      "actor_rollout_ref.actor.kl_loss_coef=0.04").digen["algo"]["kl_beta"] == 0.04

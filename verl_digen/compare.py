@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="directory for summary.json, charts and per-mode runs")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of: {', '.join(MODES)}")
     parser.add_argument("--config-name", default=None, help="preset to run (as for the main job), e.g. digits")
-    parser.add_argument("--config-dir", default=None, help="directory of --config-name (default: the packaged presets)")
+    parser.add_argument("--config-dir", default=None, help="directory of --config-name (default: the presets, configs/ or the wheel's copy)")
     parser.add_argument("--target-reward", type=float, default=None,
                         help="add time-to-target columns: seconds and images until the reward first reaches this")
     parser.add_argument("--target-window", type=int, default=10,

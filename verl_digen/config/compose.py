@@ -1,4 +1,10 @@
-"""Compose the main job's config programmatically (tests, compare, notebooks)."""
+"""Where the presets are, and the main job's config composed programmatically (tests, compare,
+notebooks).
+
+The presets live in ``configs/`` at the root of a checkout (an editable install reads them there)
+and the wheel ships them inside the package, in this directory (setup.py copies them): either
+way ``--config-name <preset>`` finds them from any working directory.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +12,20 @@ import os
 
 from omegaconf import DictConfig
 
-CONFIG_DIR = os.path.dirname(os.path.abspath(__file__))
 CONFIG_NAME = "digen_trainer"
+_PACKAGED = os.path.dirname(os.path.abspath(__file__))  # an installed wheel
+_CHECKOUT = os.path.join(os.path.dirname(os.path.dirname(_PACKAGED)), "configs")  # a checkout
+
+
+def presets_dir() -> str:
+    """The directory holding ``digen_trainer.yaml`` and the presets: this package's own in an
+    installed wheel, else the checkout's ``configs/``."""
+    if os.path.isfile(os.path.join(_PACKAGED, f"{CONFIG_NAME}.yaml")):
+        return _PACKAGED
+    return _CHECKOUT
+
+
+CONFIG_DIR = presets_dir()
 
 
 def compose_config(

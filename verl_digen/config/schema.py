@@ -4,7 +4,7 @@ The dataclasses below are the single source of the ``digen`` defaults (each fiel
 comment documenting its key). :func:`register_configs` puts them into Hydra's ConfigStore as
 the node ``digen_defaults`` (package ``digen``), which ``digen_base.yaml`` lists in its
 defaults, so every composed config (``python -m verl_digen.main``, ``compose_config``, the
-presets in ``verl_digen/config/``) holds the full ``digen`` tree; YAML files only override it.
+presets in ``configs/``) holds the full ``digen`` tree; YAML files only override it.
 
 :func:`digen_config_from_dict` turns the composed ``cfg.digen`` mapping into a
 :class:`DigenConfig` through OmegaConf's structured-config merge (unknown keys and values of
@@ -184,7 +184,7 @@ class AlgoConfig:
     adv_clip_max: float = 5.0
     kl_beta: float = 0.0
     std_mode: str = "group"  # group | global | none
-    lr: float = 3e-2  # tiny demo; Flow-GRPO uses 3e-4 for LoRA on real models (see the presets in verl_digen/config/)
+    lr: float = 3e-2  # tiny demo; Flow-GRPO uses 3e-4 for LoRA on real models (see the presets in configs/)
     weight_decay: float = 1e-4
     max_grad_norm: float = 1.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])

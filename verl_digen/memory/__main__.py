@@ -21,7 +21,7 @@ from typing import Any
 
 from verl_digen.memory.plan import plan_job
 
-from verl_digen.config.compose import CONFIG_DIR as DEFAULT_CONFIGS  # the packaged presets
+from verl_digen.config.compose import CONFIG_DIR as DEFAULT_CONFIGS  # the presets (configs/ or the wheel's copy)
 COLUMNS = (
     ("preset", "preset"), ("role", "role"), ("devices", "GPUs"), ("phase", "peak phase"), ("peak_gib", "peak GiB"),
     ("device_gib", "GPU GiB"), ("headroom", "headroom"), ("weights_gib", "weights"), ("gradients_gib", "grads"),
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--preset", help="a preset of --configs-dir (file name without .yaml)")
     which.add_argument("--all-presets", action="store_true", help="every preset of --configs-dir")
-    parser.add_argument("--configs-dir", default=DEFAULT_CONFIGS, help="the presets' directory (default: the packaged presets, verl_digen/config)")
+    parser.add_argument("--configs-dir", default=DEFAULT_CONFIGS, help="the presets' directory (default: configs/ of the checkout, or the wheel's packaged copy)")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     parser.add_argument("--trace", action="store_true",
                         help="print each preset's transformer activations per forward row instead of the plan")

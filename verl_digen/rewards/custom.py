@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from verl_digen.rewards.base import RewardFn, register_reward
+from verl_digen.rewards.jpeg import to_uint8_hwc
 
 
 class CustomRewardError(RuntimeError):
@@ -153,7 +154,6 @@ def _to_pil(x: torch.Tensor) -> Any:
     """``[3, H, W]`` in [0, 1] -> an RGB PIL image; ``[3, F, H, W]`` -> a list of F of them."""
     from PIL import Image
 
-    u8 = (x.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu()
-    if u8.dim() == 4:
-        return [Image.fromarray(u8[:, f].permute(1, 2, 0).numpy(), "RGB") for f in range(u8.shape[1])]
-    return Image.fromarray(u8.permute(1, 2, 0).numpy(), "RGB")
+    frames = to_uint8_hwc(x.permute(1, 0, 2, 3) if x.dim() == 4 else x[None])  # [F or 1, H, W, 3]
+    pils = [Image.fromarray(f.numpy(), "RGB") for f in frames]
+    return pils if x.dim() == 4 else pils[0]

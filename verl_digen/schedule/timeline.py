@@ -114,18 +114,6 @@ class Timeline:
         n = len(workers) * wall
         return max(0.0, head / n), max(0.0, drain / n)
 
-    def check_exclusive(self, eps: float = 1e-9) -> None:
-        """Raise if two tasks overlap on one worker."""
-        per: dict[str, list[TaskRecord]] = {w: [] for w in self.workers}
-        for r in self.records:
-            for w in r.workers:
-                per[w].append(r)
-        for w, recs in per.items():
-            recs.sort(key=lambda r: r.start)
-            for a, b in zip(recs, recs[1:]):
-                if b.start < a.end - eps:
-                    raise AssertionError(f"{a.task} and {b.task} overlap on {w}")
-
     def write_jsonl(self, path: str, t0: float = 0.0) -> None:
         with open(path, "w") as f:
             for r in self.records:

@@ -393,12 +393,6 @@ class Cluster:
     def devices(self) -> int:
         return sum(p.size for p in self.pools.values())
 
-    def device_counts(self) -> dict[str, int]:
-        out: Counter[str] = Counter()
-        for p in self.pools.values():
-            out[p.device] += p.size
-        return dict(out)
-
     @classmethod
     def for_spec(cls, spec: StrategySpec, device: str, devices_per_node: int = 8) -> "Cluster":
         """Pack each pool onto as few nodes as possible (trainer first: it talks the most)."""
@@ -415,10 +409,6 @@ class Cluster:
 
 def training_pool(cluster: Cluster) -> str:
     return "fused" if "fused" in cluster.pools else "trainer"
-
-
-def generating_pool(cluster: Cluster) -> str:
-    return "fused" if "fused" in cluster.pools else "rollout"
 
 
 # ---------------------------------------------------------------------------- the model

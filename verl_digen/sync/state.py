@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -28,21 +29,30 @@ def _is_lora_name(name: str) -> bool:
     return LORA_MARKER in name
 
 
+def trained_entries(state: Mapping[str, Any], *, lora_only: bool, owner: str) -> dict[str, Any]:
+    """The entries of a state dict that a weight sync and a checkpoint carry, in sorted name
+    order: those named ``*lora_*`` when ``lora_only``, else all of them.
+
+    Raises:
+        ValueError: ``lora_only`` is set but ``owner`` (the module's class name, for the message)
+            holds no LoRA tensors (a sync that silently moves nothing would hide a misconfigured
+            adapter).
+    """
+    names = sorted(n for n in state if not lora_only or _is_lora_name(n))
+    if lora_only and not names:
+        raise ValueError(f"lora_only=True but {owner} has no tensor named '*{LORA_MARKER}*'")
+    return {name: state[name] for name in names}
+
+
 def trainable_state(module: torch.nn.Module, *, lora_only: bool) -> dict[str, torch.Tensor]:
-    """The tensors a weight sync carries, keyed by state-dict name, in sorted name order.
+    """The tensors a weight sync carries (:func:`trained_entries` of the module's state dict).
 
     The returned tensors are detached views of the module's live storage (no copy): pack or
     clone them before the module is updated again.
-
-    Raises:
-        ValueError: ``lora_only`` is set but the module holds no LoRA tensors (a sync that
-            silently moves nothing would hide a misconfigured adapter).
     """
     full = module.state_dict(keep_vars=False)
-    names = sorted(n for n in full if not lora_only or _is_lora_name(n))
-    if lora_only and not names:
-        raise ValueError(f"lora_only=True but {type(module).__name__} has no tensor named '*{LORA_MARKER}*'")
-    return {name: full[name].detach() for name in names}
+    picked = trained_entries(full, lora_only=lora_only, owner=type(module).__name__)
+    return {name: t.detach() for name, t in picked.items()}
 
 
 @torch.no_grad()

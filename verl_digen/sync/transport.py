@@ -40,7 +40,6 @@ from verl_digen.sync.state import (
     flatten_state,
     iter_buckets,
     load_trainable_state,
-    state_digest,
     state_nbytes,
     trainable_state,
     unflatten_state,
@@ -459,10 +458,6 @@ class WeightSyncMixin:
         self.policy_version = version
         return SyncStats(version=version, nbytes=nbytes, seconds=time.perf_counter() - start,
                          num_tensors=len(received)).as_dict()
-
-    def sync_digest(self) -> str:
-        """sha256 of the trainable state: equal across processes iff the weights are bitwise equal."""
-        return state_digest(trainable_state(self.sync_module, lora_only=self.sync_lora_only))
 
     def sync_close(self) -> None:
         if self._weight_channel is not None:

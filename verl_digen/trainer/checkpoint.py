@@ -21,7 +21,8 @@ Contents of ``global_step_<k>`` (policy version k):
 The driver never holds tensor state: it creates the temporary directory, asks the trainer ranks
 to write into it, receives the names and checksums of their files, writes its own small files
 and the marker, and renames. (Checkpoints of the earlier layout, ``weights.safetensors`` +
-``trainer.pt`` written by the driver, are still read by :meth:`Checkpoint.weights` for export.)
+``trainer.pt`` written by the driver, are still read by :meth:`Checkpoint.weights` for export;
+nothing writes that layout any more.)
 
 Checkpoint files come from outside (they are shared between people and machines): the
 ``.pt`` files are read with ``torch.load(weights_only=True)``, which unpickles only tensors
@@ -116,15 +117,8 @@ class Checkpoint:
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{self._file(LEGACY_WEIGHTS)}: cannot be read ({e})") from None
 
-    def _load_pt(self, name: str) -> dict[str, Any]:
-        return load_pt(self._file(name))
-
-    def trainer_state(self) -> dict[str, Any]:
-        """The earlier layout's ``trainer.pt`` (optimizer, EMA, RNG as one file)."""
-        return self._load_pt("trainer.pt")
-
     def controller_state(self) -> dict[str, Any]:
-        return self._load_pt(CONTROLLER_FILE)
+        return load_pt(self._file(CONTROLLER_FILE))
 
     def meta(self) -> dict[str, Any]:
         with open(self._file("meta.json")) as f:
@@ -179,35 +173,21 @@ def save_checkpoint(
     controller_state: dict[str, Any],
     meta: dict[str, Any],
     write_state: Callable[[str], dict[str, dict[str, Any]]] | None = None,
-    weights: dict[str, torch.Tensor] | None = None,
-    trainer_state: dict[str, Any] | None = None,
     max_to_keep: int | None = None,
 ) -> Checkpoint:
     """Write ``global_step_<step>`` atomically, update the tracker, prune old checkpoints.
 
     ``write_state(tmp_dir)``: has the trainer ranks write their files into the temporary
     directory and returns ``{relative path: {"sha256", "bytes"}}`` of what they wrote (fsynced).
-    ``weights`` / ``trainer_state``: the earlier single-file layout, written here.
-    ``controller.pt`` and the marker ``meta.json`` (last) are written here either way.
+    ``controller.pt`` and the marker ``meta.json`` (last) are written here.
     """
-    from safetensors.torch import save_file
-
     os.makedirs(root, exist_ok=True)
     final = os.path.join(root, f"global_step_{step}")
     tmp = tempfile.mkdtemp(dir=root, prefix=f".tmp-global_step_{step}-")
     try:
         files: dict[str, dict[str, Any]] = dict(write_state(tmp)) if write_state is not None else {}
-        own = [CONTROLLER_FILE]
-        if weights is not None:
-            save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(tmp, LEGACY_WEIGHTS))
-            own.append(LEGACY_WEIGHTS)
-        if trainer_state is not None:
-            torch.save(trainer_state, os.path.join(tmp, "trainer.pt"))
-            own.append("trainer.pt")
         torch.save(controller_state, os.path.join(tmp, CONTROLLER_FILE))
-        for name in own:
-            path = os.path.join(tmp, name)
-            files[name] = file_record(path)
+        files[CONTROLLER_FILE] = file_record(os.path.join(tmp, CONTROLLER_FILE))
         missing = [name for name in files if not os.path.isfile(os.path.join(tmp, name))]
         if missing:
             raise CheckpointError(f"files reported written but absent from {tmp}: {missing[:5]}")

@@ -118,10 +118,6 @@ class EMA:
     def num_updates(self, value: int) -> None:
         self._model.optimization_step = int(value)
 
-    def current_decay(self) -> float:
-        """The decay the next :meth:`update` will use."""
-        return self._model.get_decay(self._model.optimization_step + 1)
-
     def update(self) -> float:
         """Fold the live parameters into the shadows (call after each optimizer step).
 

@@ -38,26 +38,24 @@ module becomes a dynamic subclass (``FSDP<Name>``), so ``isinstance`` checks sti
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from verl_digen.sync.state import LORA_MARKER
+
 __all__ = [
     "apply_fsdp2",
     "block_modules",
-    "clip_grad_norm_fsdp",
     "enable_gradient_checkpointing",
-    "full_state_for_sync",
     "stream_full_state",
     "is_fsdp",
-    "lockstep_count",
     "shard_for_training",
 ]
 
-LORA_MARKER = "lora_"  # same marker as verl_digen.sync.state
 
 
 def _fsdp_api():
@@ -229,22 +227,6 @@ def shard_for_training(transformer: nn.Module, *, reshard_after_forward: bool = 
     )
 
 
-def lockstep_count(n: int, group: dist.ProcessGroup | None = None) -> int:
-    """The largest ``n`` over the ranks of ``group`` (a MAX all-reduce of one integer).
-
-    Use it to agree on how many forward/backward rounds every rank runs before a step:
-    ranks with fewer real rounds run zero-weighted ones (loss ``* 0``) so that the FSDP
-    collectives line up. Returns ``n`` when not distributed.
-    """
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return int(n)
-    backend = str(dist.get_backend(group)).lower()
-    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
-    t = torch.tensor([int(n)], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return int(t.item())
-
-
 # ---------------------------------------------------------------------- weight sync
 
 
@@ -359,27 +341,6 @@ def stream_full_state(
         yield _strip_wrapper_prefixes(n), full
 
 
-@torch.no_grad()
-def full_state_for_sync(
-    module: nn.Module,
-    *,
-    lora_only: bool,
-    device: torch.device | str | None = None,
-    bucket_bytes: int = SYNC_BUCKET_BYTES,
-) -> dict[str, Tensor]:
-    """The weight-sync state of a (possibly FSDP2-sharded) module as plain full tensors (copies),
-    sorted by name: :func:`stream_full_state` collected, each tensor moved to ``device`` (default:
-    the module's) as it arrives. A collective when sharded (every rank calls it)."""
-    DTensor = _dtensor_cls()
-    plain = {_strip_wrapper_prefixes(n) for n, t in module.state_dict().items() if not isinstance(t, DTensor)}
-    out = {}
-    for name, full in stream_full_state(module, lora_only=lora_only, bucket_bytes=bucket_bytes):
-        moved = full if device is None else full.to(device)
-        # Plain tensors arrive as views of the live module: copy those the move did not copy.
-        out[name] = moved.clone() if name in plain and moved is full else moved
-    return out
-
-
 _WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_orig_mod.", "_checkpoint_wrapped_module.")
 
 
@@ -387,50 +348,3 @@ def _strip_wrapper_prefixes(name: str) -> str:
     for p in _WRAPPER_PREFIXES:
         name = name.replace(p, "")
     return name
-
-
-# ---------------------------------------------------------------------- gradients
-
-
-@torch.no_grad()
-def clip_grad_norm_fsdp(params: Iterable[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
-    """Clip gradients by their global norm; returns the (pre-clip) total norm as a plain tensor.
-
-    ``torch.nn.utils.clip_grad_norm_`` (torch 2.13) handles DTensor gradients when *all* of
-    them are DTensors of one mesh (FSDP2 with the root sharded: the :func:`apply_fsdp2` case)
-    and then returns a replicated ``DTensor``; it raises ("got mixed torch.Tensor and DTensor")
-    as soon as plain-tensor gradients are mixed in (e.g. a trainable module left unsharded).
-    This function groups gradients by mesh (plain tensors by themselves), takes each group's
-    norm with torch's ``get_total_norm`` (DTensor groups reduce over their mesh), combines
-    them, and scales every gradient (DTensor gradients through their local shards). The result
-    is identical on every rank and can be ``float()``-ed. Parameters without ``.grad`` are
-    skipped.
-    """
-    DTensor = _dtensor_cls()
-    if isinstance(params, Tensor):
-        params = [params]
-    grads = [p.grad for p in params if p.grad is not None]
-    norm_type = float(norm_type)
-    if not grads:
-        return torch.tensor(0.0)
-    groups: dict[object, list[Tensor]] = {}
-    for g in grads:
-        key = g.device_mesh if isinstance(g, DTensor) else None
-        groups.setdefault(key, []).append(g)
-    device = (grads[0].to_local() if isinstance(grads[0], DTensor) else grads[0]).device
-    norms = []
-    for key, gs in groups.items():
-        n = torch.nn.utils.get_total_norm(gs, norm_type)
-        if isinstance(n, DTensor):
-            n = n.full_tensor()
-        norms.append(n.to(device=device, dtype=torch.float32))
-    stacked = torch.stack(norms)
-    if math.isinf(norm_type):
-        total = stacked.max()
-    else:
-        total = stacked.pow(norm_type).sum().pow(1.0 / norm_type)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        local = g.to_local() if isinstance(g, DTensor) else g
-        local.mul_(coef.to(device=local.device, dtype=local.dtype))
-    return total

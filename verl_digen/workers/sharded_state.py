@@ -35,9 +35,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from verl_digen.sync.state import trained_entries
+
 STATE_DIR = "state"
 MODEL_KEY = "model"
-LORA_MARKER = "lora_"  # same marker as verl_digen.sync.state
 _DATA_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
@@ -61,12 +62,9 @@ def rank_file(rank: int) -> str:
 
 
 def _model_state(module: torch.nn.Module, *, lora_only: bool) -> dict[str, torch.Tensor]:
-    """The trained tensors by name (FSDP2: this rank's ``DTensor`` shards)."""
-    state = get_model_state_dict(module)
-    names = sorted(n for n in state if not lora_only or LORA_MARKER in n)
-    if lora_only and not names:
-        raise ValueError(f"lora_only=True but {type(module).__name__} has no tensor named '*{LORA_MARKER}*'")
-    return {n: state[n] for n in names}
+    """The trained tensors by name, those a weight sync carries (FSDP2: this rank's ``DTensor``
+    shards; DCP's own state-dict reader, which names them as a checkpoint must)."""
+    return trained_entries(get_model_state_dict(module), lora_only=lora_only, owner=type(module).__name__)
 
 
 def _master_state(module: torch.nn.Module, master: Any, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:

@@ -88,25 +88,6 @@ class MasterWeights:
             p.grad = None
 
     @torch.no_grad()
-    def load_local(self, masters: list[torch.Tensor] | None) -> None:
-        """Restore the masters from a checkpoint (this rank's local shards, as saved), or, for a
-        checkpoint without them, from the model's parameters."""
-        from torch.distributed.tensor import DTensor
-
-        if masters is None:
-            for p, m in zip(self.model_params, self.masters):
-                m.copy_(p)
-            return
-        if len(masters) != len(self.masters):
-            raise ValueError(f"checkpoint holds {len(masters)} master weights, the model trains {len(self.masters)}")
-        for m, saved in zip(self.masters, masters):
-            local = m.to_local() if isinstance(m, DTensor) else m
-            if tuple(local.shape) != tuple(saved.shape):
-                raise ValueError(f"checkpoint master of shape {tuple(saved.shape)} for a parameter of {tuple(local.shape)}")
-            local.copy_(saved)
-        self.copy_to_model()
-
-    @torch.no_grad()
     def copy_to_model(self) -> None:
         for p, m in zip(self.model_params, self.masters):
             p.copy_(m)

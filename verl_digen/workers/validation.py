@@ -14,8 +14,7 @@ on its own adapter and ships back the :class:`ValidationResult`; the controller 
 TensorBoard / wandb (its ``media`` module).
 
 Video (``[N, 3, F, H, W]``): :func:`image_grid` shows the *middle frame* ``F // 2`` of each
-video (one cell per video); :func:`save_video_gif` writes a whole clip as an animated GIF and
-:func:`save_video_strip` tiles all frames of a clip side by side in a PNG.
+video (one cell per video); :func:`save_video_gif` writes a whole clip as an animated GIF.
 """
 
 from __future__ import annotations
@@ -48,7 +47,6 @@ __all__ = [
     "to_uint8",
     "save_grid_png",
     "save_video_gif",
-    "save_video_strip",
     "ValidationResult",
     "run_validation",
 ]
@@ -225,13 +223,6 @@ def save_video_gif(video: torch.Tensor, path: str, fps: int = 8) -> str:
     duration = max(int(round(1000.0 / fps)), 1)
     pil[0].save(path, format="GIF", save_all=True, append_images=pil[1:], duration=duration, loop=0)
     return path
-
-
-def save_video_strip(video: torch.Tensor, path: str, *, padding: int = 2) -> str:
-    """Save all frames of one clip ``[3, F, H, W]`` side by side (one row) as a PNG. Returns ``path``."""
-    _check_video(video)
-    frames = video.permute(1, 0, 2, 3)  # [F, 3, H, W]
-    return save_grid_png(image_grid(frames, nrow=frames.shape[0], padding=padding), path)
 
 
 # ----------------------------------------------------------------------------- validation
