@@ -400,14 +400,14 @@ class MemoryConfig:
     """The per-GPU memory check run before any worker starts (``python -m verl_digen.memory``)."""
 
     check: bool = True  # plan every role's peak memory and refuse a job that cannot fit
-    device_type: str = "H100"  # a device of verl_digen/sim/profiles/devices.yaml (its memory)
+    device_type: str = "H100"  # a device of verl_digen/platform/devices.yaml (its memory)
     device_gib: Optional[float] = None  # override the device type's memory (GiB per GPU)
 
     def validate(self, key: str) -> None:
         if self.device_gib is not None:
             _positive(f"{key}.device_gib", self.device_gib)
             return
-        from verl_digen.memory.plan import device_types
+        from verl_digen.platform.devices import device_types
 
         known = device_types()
         if self.device_type not in known:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from verl_digen.config.schema import ConfigError, DigenConfig
+from verl_digen.platform.devices import device_memory_gib
 from verl_digen.sync.transport import DEFAULT_BUCKET_BYTES
 
 GIB = 1 << 30
@@ -54,27 +55,11 @@ class MemoryPlanError(ConfigError):
 # ---------------------------------------------------------------------- devices
 
 
-@functools.lru_cache(maxsize=1)
-def _device_memory() -> dict[str, float]:
-    """GiB per device type, from verl_digen/sim/profiles/devices.yaml (``hbm_gb``: the HBM
-    capacity, which the datasheets' "80 GB" states in binary units: 5 stacks of 16 GiB)."""
-    import yaml
-
-    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "sim", "profiles", "devices.yaml")
-    with open(path, encoding="utf-8") as f:
-        devices = yaml.safe_load(f)["devices"]
-    return {name: float(spec["hbm_gb"]) for name, spec in devices.items()}
-
-
-def device_types() -> list[str]:
-    return sorted(_device_memory())
-
-
 def device_gib(cfg: DigenConfig) -> float:
     """The memory of one GPU of the job: ``digen.memory.device_gib``, else its device type's."""
     if cfg.memory.device_gib is not None:
         return float(cfg.memory.device_gib)
-    return _device_memory()[cfg.memory.device_type]
+    return device_memory_gib()[cfg.memory.device_type]
 
 
 # ---------------------------------------------------------------------- model sizes
