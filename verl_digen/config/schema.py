@@ -105,8 +105,10 @@ class ModelConfig:
             _fail(f"{key}.trainable_dtype", self.trainable_dtype, "valid: fp32, bf16")
         if self.vae_decode_chunk < 0:
             _fail(f"{key}.vae_decode_chunk", self.vae_decode_chunk, "must be >= 0 (0: the whole batch)")
-        # verl_digen.models.tiny.TINY_ARCHS + verl_digen.models.toy.TOY_MODELS
-        tiny_archs = ("flux", "sd3", "qwen_image", "wan", "hunyuan_video", "digits")
+        from verl_digen.models.families import FAMILY_NAMES  # light: no diffusers
+        from verl_digen.models.toy import TOY_MODELS
+
+        tiny_archs = (*FAMILY_NAMES, *TOY_MODELS)  # every registered family has a tiny builder
         if self.tiny_arch not in tiny_archs:
             _fail(f"{key}.tiny_arch", self.tiny_arch, f"valid: {', '.join(tiny_archs)}")
         self.lora.validate(f"{key}.lora")
