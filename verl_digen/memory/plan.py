@@ -305,20 +305,28 @@ def _vae_decode_bytes(job: JobShape, samples: int) -> int:
     return features + pixels
 
 
-def plan_trace(job: JobShape):
-    from verl_digen.memory.trace import TraceShape, trace_transformer
+def trace_shape(job: JobShape):
+    """What the memory trace measures for ``job`` (:class:`~verl_digen.memory.trace.TraceShape`):
+    the one place a job becomes a trace shape. LoRA jobs are traced as they train (frozen base,
+    fp32 adapters): what autograd keeps differs."""
+    from verl_digen.memory.trace import TraceShape
 
-    # LoRA jobs are traced as they train: frozen base, fp32 adapters (what autograd keeps differs)
     lora = (job.lora_rank, tuple(job.lora_targets)) if job.lora else (0, ())
-    return trace_transformer(TraceShape(job.family, job.config_path, job.dtype, job.height, job.width, job.num_frames,
-                                        *lora))
+    return TraceShape(job.family, job.config_path, job.dtype, job.height, job.width, job.num_frames, *lora)
+
+
+def plan_trace(job: JobShape):
+    """The transformer's activation trace of ``job`` (cached per trace shape)."""
+    from verl_digen.memory.trace import trace_transformer
+
+    return trace_transformer(trace_shape(job))
 
 
 def _latent_bytes(job: JobShape) -> int:
     """fp32 latents of one sample."""
-    from verl_digen.memory.trace import latent_layout, TraceShape
+    from verl_digen.memory.trace import latent_layout
 
-    lay = latent_layout(TraceShape(job.family, job.config_path, job.dtype, job.height, job.width, job.num_frames))
+    lay = latent_layout(trace_shape(job))
     return 4 * lay["channels"] * lay["frames"] * lay["h"] * lay["w"]
 
 
