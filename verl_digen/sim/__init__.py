@@ -6,7 +6,8 @@ the runtime (trainer, workers, sync, placement), so it runs anywhere without Ray
 
 - :mod:`~verl_digen.sim.cost_model`: seconds per task from FLOPs, bytes and bandwidths,
   with profiles as data files (``verl_digen/sim/profiles/*.yaml``: systems, rewards, models;
-  ``verl_digen/platform/devices.yaml``: devices), and the zero-bubble bound (a linear program, :mod:`~verl_digen.sim.bound`);
+  ``verl_digen/platform/devices.yaml``: devices), and the zero-bubble bound (a linear
+  program, :mod:`~verl_digen.sim.bound`);
 - :mod:`~verl_digen.sim.calibrate`: the free constants fitted to veRL-Omni's published runs
   (``python -m verl_digen.sim.calibrate``);
 - :mod:`~verl_digen.sim.simulator`: the loop's step driver over plans in virtual time;
