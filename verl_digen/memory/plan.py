@@ -283,10 +283,11 @@ def _vae_decode_bytes(job: JobShape, samples: int) -> int:
     full-resolution layer, over the frames decoded together (a video VAE decodes in 256-pixel
     tiles; Wan / Qwen-Image's causal VAE one latent frame, i.e. 4 frames, at a time), plus the
     decoded fp32 pixels of the call."""
-    from verl_digen.models.real_configs import component_config
+    from verl_digen.models.real_configs import component_config, model_components
     from verl_digen.models.registry import ADAPTERS
 
     chunk = samples if job.vae_decode_chunk <= 0 else min(job.vae_decode_chunk, samples)
+    vae_class = model_components(job.family, job.config_path)["vae"][1]
     vae = component_config(job.family, "vae", job.config_path)
     vae_bytes = 4 if "vae" in ADAPTERS[job.family].fp32_components or job.dtype == "fp32" else 2
     if "block_out_channels" in vae:
@@ -296,7 +297,7 @@ def _vae_decode_bytes(job: JobShape, samples: int) -> int:
     h, w, frames = job.height, job.width, job.num_frames
     if frames > 1:
         h, w = min(h, VIDEO_TILE), min(w, VIDEO_TILE)
-        if job.family == "hunyuan_video":
+        if vae_class == "AutoencoderKLHunyuanVideo":  # the VAE's tiling, whichever family uses it
             frames = min(frames, HUNYUAN_TILE_FRAMES + 1)
         else:
             frames = min(frames, int(vae.get("scale_factor_temporal", 4)))
