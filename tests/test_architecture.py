@@ -1,6 +1,7 @@
 """The package's layering (docs/architecture.md), checked on the source, and the one step driver.
 
-- ``sim/`` is pure: it imports only ``schedule/`` (and itself), never the runtime;
+- ``sim/`` is pure: it imports only ``schedule/`` (and itself, and the device table), never the runtime;
+- no import circles: the package's module import graph (function-level imports included) is acyclic;
 - ``workers/`` never import the controller (``trainer/``);
 - a step is driven in one place: only ``schedule/driver.py`` plans steps and runs a plan to a
   step's optimizer step; the loop and the simulator both go through it;
@@ -53,10 +54,24 @@ def _layer(module: str) -> str:
     return parts[1] if len(parts) > 1 else ""
 
 
+# Shared data below every layer: the device table (GPU memory for the memory planner, speeds for
+# the simulator). It imports nothing from verl_digen.
+DATA_MODULES = {"verl_digen.platform.devices"}
+
+
 def test_sim_imports_only_schedule():
     for path, tree in _modules("sim").items():
-        layers = {_layer(m) for m in _imports(tree)} - {"sim", "schedule"}
+        data = {m for m in _imports(tree) if m in DATA_MODULES or m.rpartition(".")[0] in DATA_MODULES}
+        layers = {_layer(m) for m in _imports(tree) - data} - {"sim", "schedule"}
         assert not layers, f"{path} imports verl_digen.{sorted(layers)}: sim/ must stay pure (schedule/ and data only)"
+
+
+def test_shared_data_modules_import_nothing_of_the_package():
+    for module in DATA_MODULES:
+        path = os.path.join(PKG, *module.split(".")[1:]) + ".py"
+        with open(path) as f:
+            found = _imports(ast.parse(f.read(), path))
+        assert not found, f"{module} imports {sorted(found)}: it must stay below every layer"
 
 
 def test_schedule_imports_nothing_above_it():
@@ -182,3 +197,82 @@ def test_simulated_steps_report_the_loops_timing_and_tag_metrics():
     for key in ("images_per_s", "step_time_s", "bubble_fraction", "bubble/head_trainer", "bubble/drain_rollout",
                 "weight_sync_s", "strategy", "devices"):
         assert key in first
+
+
+# ---------------------------------------------------------------------------- no import circles
+
+
+def _module_name(path: str) -> str:
+    """``verl_digen/a/b.py`` -> ``verl_digen.a.b``; a package's ``__init__.py`` -> the package."""
+    name = os.path.relpath(path, os.path.dirname(PKG))[: -len(".py")].replace(os.sep, ".")
+    return name[: -len(".__init__")] if name.endswith(".__init__") else name
+
+
+def _import_targets(module: str, is_package: bool, node: ast.AST, known: set[str]) -> set[str]:
+    """The package modules one import statement loads: ``from a import b`` names module ``a.b``
+    when there is one, else module ``a``; relative imports resolved against ``module``."""
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names if a.name in known}
+    if not isinstance(node, ast.ImportFrom):
+        return set()
+    base = node.module or ""
+    if node.level:
+        parts = module.split(".") if is_package else module.split(".")[:-1]
+        parts = parts[: len(parts) - (node.level - 1)]
+        base = ".".join(parts + ([node.module] if node.module else []))
+    found = set()
+    for alias in node.names:
+        if f"{base}.{alias.name}" in known:
+            found.add(f"{base}.{alias.name}")
+        elif base in known:
+            found.add(base)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports, at module level or inside functions."""
+    paths = {_module_name(os.path.join(d, f)): os.path.join(d, f)
+             for d, _, files in os.walk(PKG) for f in files if f.endswith(".py")}
+    known = set(paths)
+    graph = {}
+    for module, path in paths.items():
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        is_package = path.endswith("__init__.py")
+        graph[module] = set().union(*(_import_targets(module, is_package, n, known) for n in ast.walk(tree))) - {module}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of ``graph`` as ``[a, b, ..., a]``, or None (depth-first search)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start)):
+            return cycle
+    return None
+
+
+def test_the_package_has_no_import_circles():
+    graph = import_graph()
+    assert "verl_digen.memory.plan" in graph["verl_digen.memory.__main__"]  # the graph sees imports
+    cycle = find_cycle(graph)
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_names_a_circle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import random
 
 import pytest
@@ -21,12 +20,12 @@ from verl_digen.schedule.plan import Task, TaskId, TaskKind, WorkerId
 from verl_digen.schedule.runner import PlanRunner
 from verl_digen.schedule.strategies import StepCosts, StepPlanner, StrategySpec
 from verl_digen.sim.cost_model import (
-    PROFILE_DIR,
     Cluster,
     CostModel,
     PoolPlacement,
     ProfileError,
     TableCostModel,
+    builtin_profile_files,
     load_catalog,
 )
 from verl_digen.sim.bound import max_throughput
@@ -59,8 +58,8 @@ def test_shipped_profiles_cover_the_paper_models_sd35_and_three_device_classes(c
 
 
 def test_every_profile_constant_names_its_source():
-    for path in sorted(os.listdir(PROFILE_DIR)):
-        with open(os.path.join(PROFILE_DIR, path)) as f:
+    for path in builtin_profile_files():
+        with open(path) as f:
             doc = yaml.safe_load(f)
         sections = [(doc.get(s) or {}) for s in ("models", "devices", "systems", "rewards")]
         sections += list((doc.get("overrides") or {}).values())  # calibrated values name their fit

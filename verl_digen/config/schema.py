@@ -105,8 +105,10 @@ class ModelConfig:
             _fail(f"{key}.trainable_dtype", self.trainable_dtype, "valid: fp32, bf16")
         if self.vae_decode_chunk < 0:
             _fail(f"{key}.vae_decode_chunk", self.vae_decode_chunk, "must be >= 0 (0: the whole batch)")
-        # verl_digen.models.tiny.TINY_ARCHS + verl_digen.models.toy.TOY_MODELS
-        tiny_archs = ("flux", "sd3", "qwen_image", "wan", "hunyuan_video", "digits")
+        from verl_digen.models.families import FAMILY_NAMES  # light: no diffusers
+        from verl_digen.models.toy import TOY_MODELS
+
+        tiny_archs = (*FAMILY_NAMES, *TOY_MODELS)  # every registered family has a tiny builder
         if self.tiny_arch not in tiny_archs:
             _fail(f"{key}.tiny_arch", self.tiny_arch, f"valid: {', '.join(tiny_archs)}")
         self.lora.validate(f"{key}.lora")
@@ -400,14 +402,14 @@ class MemoryConfig:
     """The per-GPU memory check run before any worker starts (``python -m verl_digen.memory``)."""
 
     check: bool = True  # plan every role's peak memory and refuse a job that cannot fit
-    device_type: str = "H100"  # a device of verl_digen/sim/profiles/devices.yaml (its memory)
+    device_type: str = "H100"  # a device of verl_digen/platform/devices.yaml (its memory)
     device_gib: Optional[float] = None  # override the device type's memory (GiB per GPU)
 
     def validate(self, key: str) -> None:
         if self.device_gib is not None:
             _positive(f"{key}.device_gib", self.device_gib)
             return
-        from verl_digen.memory.plan import device_types
+        from verl_digen.platform.devices import device_types
 
         known = device_types()
         if self.device_type not in known:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from verl_digen.config.schema import ConfigError, DigenConfig
+from verl_digen.platform.devices import device_memory_gib
 from verl_digen.sync.transport import DEFAULT_BUCKET_BYTES
 
 GIB = 1 << 30
@@ -54,27 +55,11 @@ class MemoryPlanError(ConfigError):
 # ---------------------------------------------------------------------- devices
 
 
-@functools.lru_cache(maxsize=1)
-def _device_memory() -> dict[str, float]:
-    """GiB per device type, from verl_digen/sim/profiles/devices.yaml (``hbm_gb``: the HBM
-    capacity, which the datasheets' "80 GB" states in binary units: 5 stacks of 16 GiB)."""
-    import yaml
-
-    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "sim", "profiles", "devices.yaml")
-    with open(path, encoding="utf-8") as f:
-        devices = yaml.safe_load(f)["devices"]
-    return {name: float(spec["hbm_gb"]) for name, spec in devices.items()}
-
-
-def device_types() -> list[str]:
-    return sorted(_device_memory())
-
-
 def device_gib(cfg: DigenConfig) -> float:
     """The memory of one GPU of the job: ``digen.memory.device_gib``, else its device type's."""
     if cfg.memory.device_gib is not None:
         return float(cfg.memory.device_gib)
-    return _device_memory()[cfg.memory.device_type]
+    return device_memory_gib()[cfg.memory.device_type]
 
 
 # ---------------------------------------------------------------------- model sizes
@@ -298,10 +283,11 @@ def _vae_decode_bytes(job: JobShape, samples: int) -> int:
     full-resolution layer, over the frames decoded together (a video VAE decodes in 256-pixel
     tiles; Wan / Qwen-Image's causal VAE one latent frame, i.e. 4 frames, at a time), plus the
     decoded fp32 pixels of the call."""
-    from verl_digen.models.real_configs import component_config
+    from verl_digen.models.real_configs import component_config, model_components
     from verl_digen.models.registry import ADAPTERS
 
     chunk = samples if job.vae_decode_chunk <= 0 else min(job.vae_decode_chunk, samples)
+    vae_class = model_components(job.family, job.config_path)["vae"][1]
     vae = component_config(job.family, "vae", job.config_path)
     vae_bytes = 4 if "vae" in ADAPTERS[job.family].fp32_components or job.dtype == "fp32" else 2
     if "block_out_channels" in vae:
@@ -311,7 +297,7 @@ def _vae_decode_bytes(job: JobShape, samples: int) -> int:
     h, w, frames = job.height, job.width, job.num_frames
     if frames > 1:
         h, w = min(h, VIDEO_TILE), min(w, VIDEO_TILE)
-        if job.family == "hunyuan_video":
+        if vae_class == "AutoencoderKLHunyuanVideo":  # the VAE's tiling, whichever family uses it
             frames = min(frames, HUNYUAN_TILE_FRAMES + 1)
         else:
             frames = min(frames, int(vae.get("scale_factor_temporal", 4)))
@@ -320,20 +306,28 @@ def _vae_decode_bytes(job: JobShape, samples: int) -> int:
     return features + pixels
 
 
-def plan_trace(job: JobShape):
-    from verl_digen.memory.trace import TraceShape, trace_transformer
+def trace_shape(job: JobShape):
+    """What the memory trace measures for ``job`` (:class:`~verl_digen.memory.trace.TraceShape`):
+    the one place a job becomes a trace shape. LoRA jobs are traced as they train (frozen base,
+    fp32 adapters): what autograd keeps differs."""
+    from verl_digen.memory.trace import TraceShape
 
-    # LoRA jobs are traced as they train: frozen base, fp32 adapters (what autograd keeps differs)
     lora = (job.lora_rank, tuple(job.lora_targets)) if job.lora else (0, ())
-    return trace_transformer(TraceShape(job.family, job.config_path, job.dtype, job.height, job.width, job.num_frames,
-                                        *lora))
+    return TraceShape(job.family, job.config_path, job.dtype, job.height, job.width, job.num_frames, *lora)
+
+
+def plan_trace(job: JobShape):
+    """The transformer's activation trace of ``job`` (cached per trace shape)."""
+    from verl_digen.memory.trace import trace_transformer
+
+    return trace_transformer(trace_shape(job))
 
 
 def _latent_bytes(job: JobShape) -> int:
     """fp32 latents of one sample."""
-    from verl_digen.memory.trace import latent_layout, TraceShape
+    from verl_digen.memory.trace import latent_layout
 
-    lay = latent_layout(TraceShape(job.family, job.config_path, job.dtype, job.height, job.width, job.num_frames))
+    lay = latent_layout(trace_shape(job))
     return 4 * lay["channels"] * lay["frames"] * lay["h"] * lay["w"]
 
 

@@ -34,6 +34,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from verl_digen.models.families import family_spec
+from verl_digen.models.family import TraceLayout
 from verl_digen.models.real_configs import build_on_meta, component_config
 
 
@@ -327,74 +329,18 @@ def latent_layout(shape: TraceShape) -> dict[str, int]:
 
 def text_tokens(family: str) -> int:
     """Text tokens per prompt the transformer sees (the pipelines' default lengths; SD3 adds
-    its 77 CLIP tokens to the joint sequence)."""
-    from verl_digen.models import flux, hunyuan_video, qwen_image, sd3, wan
-
-    return {
-        "flux": flux.DEFAULT_MAX_SEQUENCE_LENGTH,
-        "sd3": 77 + sd3.DEFAULT_MAX_SEQUENCE_LENGTH,
-        "qwen_image": qwen_image.DEFAULT_MAX_SEQUENCE_LENGTH,
-        "wan": wan.DEFAULT_MAX_SEQUENCE_LENGTH,
-        "hunyuan_video": hunyuan_video.DEFAULT_MAX_SEQUENCE_LENGTH,
-    }[family]
+    its 77 CLIP tokens to the joint sequence): the family's registration says."""
+    return family_spec(family).text_tokens()
 
 
 def _inputs(shape: TraceShape, config: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
     """One row's transformer keyword arguments on the meta device, shaped as the adapter's
-    ``_transformer_forward`` passes them."""
+    ``_transformer_forward`` passes them (the family module's ``trace_inputs``)."""
+    spec = family_spec(shape.family)
     lay = latent_layout(shape)
-    h, w, f, c = lay["h"], lay["w"], lay["frames"], lay["channels"]
-    t = text_tokens(shape.family)
-    meta = dict(device="meta", dtype=dtype)
-    fp32 = dict(device="meta", dtype=torch.float32)
-    family = shape.family
-    if family == "flux":
-        length = (h // 2) * (w // 2)
-        return dict(
-            hidden_states=torch.empty(1, length, 4 * c, **meta),
-            timestep=torch.empty(1, **meta),
-            guidance=torch.empty(1, **fp32) if config.get("guidance_embeds") else None,
-            pooled_projections=torch.empty(1, config["pooled_projection_dim"], **meta),
-            encoder_hidden_states=torch.empty(1, t, config["joint_attention_dim"], **meta),
-            txt_ids=torch.empty(t, 3, **fp32),
-            img_ids=torch.empty(length, 3, **fp32),
-            return_dict=False,
-        )
-    if family == "sd3":
-        return dict(
-            hidden_states=torch.empty(1, c, h, w, **meta),
-            timestep=torch.empty(1, **fp32),
-            encoder_hidden_states=torch.empty(1, t, config["joint_attention_dim"], **meta),
-            pooled_projections=torch.empty(1, config["pooled_projection_dim"], **meta),
-            return_dict=False,
-        )
-    if family == "qwen_image":
-        return dict(
-            hidden_states=torch.empty(1, (h // 2) * (w // 2), 4 * c, **meta),
-            timestep=torch.empty(1, **meta),
-            encoder_hidden_states=torch.empty(1, t, config["joint_attention_dim"], **meta),
-            encoder_hidden_states_mask=None,
-            img_shapes=[[(1, h // 2, w // 2)]],
-            return_dict=False,
-        )
-    if family == "wan":
-        return dict(
-            hidden_states=torch.empty(1, c, f, h, w, **meta),
-            timestep=torch.empty(1, **fp32),
-            encoder_hidden_states=torch.empty(1, t, config["text_dim"], **meta),
-            return_dict=False,
-        )
-    if family == "hunyuan_video":
-        return dict(
-            hidden_states=torch.empty(1, c, f, h, w, **meta),
-            timestep=torch.empty(1, **fp32),
-            encoder_hidden_states=torch.empty(1, t, config["text_embed_dim"], **meta),
-            encoder_attention_mask=torch.ones(1, t, **meta),
-            pooled_projections=torch.empty(1, config["pooled_projection_dim"], **meta),
-            guidance=torch.empty(1, **meta),
-            return_dict=False,
-        )
-    raise ValueError(f"no memory trace for model family '{family}'")
+    layout = TraceLayout(h=lay["h"], w=lay["w"], frames=lay["frames"], channels=lay["channels"],
+                         text_tokens=text_tokens(shape.family))
+    return spec.trace_inputs(layout, config, dtype)
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -10,8 +10,8 @@ weights and tokenizers: ``model_index.json``, ``scheduler/scheduler_config.json`
 * ``wan``: Wan2.1-T2V-14B (UniPCMultistep with flow sigmas, flow_shift 3: starts at 0.999999);
 * ``hunyuan_video``: HunyuanVideo (FlowMatchEuler, shift 7).
 
-Two users: the tiny builders (:mod:`verl_digen.models.tiny`) save each family's real scheduler
-config, so every tiny test runs the real schedule; the memory planner (:mod:`verl_digen.memory`)
+Two users: the tiny builds (:func:`verl_digen.models.tiny.build_tiny`) get each family's real
+scheduler, so every tiny test runs the real schedule; the memory planner (:mod:`verl_digen.memory`)
 builds the real-size modules on the meta device (:func:`build_on_meta`) to count parameters and
 trace activations without any weight.
 """
@@ -25,7 +25,9 @@ from typing import Any
 
 import torch
 
-FAMILIES = ("flux", "sd3", "qwen_image", "wan", "hunyuan_video")
+from verl_digen.models.families import FAMILY_NAMES
+
+FAMILIES = FAMILY_NAMES  # every registered family ships its configs (tests/test_families.py)
 CONFIG_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
 

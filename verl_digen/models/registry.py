@@ -1,5 +1,8 @@
 """Architecture name -> adapter class, and :func:`load_adapter` for a model directory.
 
+The built-in architectures are the model families' registrations
+(:mod:`verl_digen.models.families`); :func:`register_adapter` adds an adapter from elsewhere.
+
 Adapter modules import diffusers and transformers, which take seconds; the registry maps names
 to ``"module:Class"`` strings and imports a module only when its adapter is asked for, so that
 ``import verl_digen.models`` (and config validation) stays light.
@@ -14,6 +17,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from .base import DiffusionAdapter, read_model_index
+from .families import FAMILY_SPECS
 
 
 class _LazyAdapters(Mapping):
@@ -50,24 +54,12 @@ class _LazyAdapters(Mapping):
             self._loaded[arch] = target
 
 
-# arch -> adapter class (imported lazily).
-ADAPTERS = _LazyAdapters(
-    {
-        "flux": "verl_digen.models.flux:FluxAdapter",
-        "sd3": "verl_digen.models.sd3:SD3Adapter",
-        "qwen_image": "verl_digen.models.qwen_image:QwenImageAdapter",
-        "wan": "verl_digen.models.wan:WanAdapter",
-        "hunyuan_video": "verl_digen.models.hunyuan_video:HunyuanVideoAdapter",
-    }
-)
+# arch -> adapter class (imported lazily), from the families' registrations.
+ADAPTERS = _LazyAdapters({name: spec.adapter for name, spec in FAMILY_SPECS.items()})
 
 # model_index.json "_class_name" -> arch, for detection.
 PIPELINE_TO_ARCH: dict[str, str] = {
-    "FluxPipeline": "flux",
-    "StableDiffusion3Pipeline": "sd3",
-    "QwenImagePipeline": "qwen_image",
-    "WanPipeline": "wan",
-    "HunyuanVideoPipeline": "hunyuan_video",
+    pipeline: name for name, spec in FAMILY_SPECS.items() for pipeline in spec.pipeline_classes
 }
 
 

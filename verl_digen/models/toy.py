@@ -119,12 +119,13 @@ def _components():
     """Untrained components, created in a fixed order from the current torch RNG."""
     from diffusers import AutoencoderKL, FluxTransformer2DModel
 
-    from .tiny import _clip_encoder, _real_scheduler, _t5_encoder, build_clip_tokenizer, build_t5_tokenizer
+    from .real_configs import build_scheduler
+    from .tiny_parts import build_clip_tokenizer, build_t5_tokenizer, clip_encoder, t5_encoder
 
     tokenizer = build_clip_tokenizer(_PROMPT_TOKENS, words=TOY_WORDS)
     tokenizer_2 = build_t5_tokenizer(_PROMPT_TOKENS, words=TOY_WORDS)
-    text_encoder = _clip_encoder(tokenizer, hidden=_TEXT_WIDTH)
-    text_encoder_2 = _t5_encoder(tokenizer_2, width=_TEXT_WIDTH)
+    text_encoder = clip_encoder(tokenizer, hidden=_TEXT_WIDTH)
+    text_encoder_2 = t5_encoder(tokenizer_2, width=_TEXT_WIDTH)
     transformer = FluxTransformer2DModel(
         patch_size=1,
         in_channels=4 * _LATENT_CHANNELS,  # packed 2x2 latent patches
@@ -150,7 +151,7 @@ def _components():
         use_quant_conv=False,  # like FLUX.1's VAE
         use_post_quant_conv=False,
     )
-    scheduler = _real_scheduler("flux")  # FLUX.1-dev's config
+    scheduler = build_scheduler("flux")  # FLUX.1-dev's config
     return dict(
         tokenizer=tokenizer,
         tokenizer_2=tokenizer_2,

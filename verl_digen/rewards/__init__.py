@@ -44,6 +44,7 @@ from verl_digen.rewards.safe_pickle import UnsafePickleError, safe_dumps, safe_l
 from verl_digen.rewards.image_stats import BrightnessReward, ColorfulnessReward, colorfulness
 from verl_digen.rewards.jpeg import JpegCompressibilityReward, JpegIncompressibilityReward, jpeg_size_kb
 from verl_digen.rewards.video import TemporalSmoothnessReward, temporal_smoothness
+from verl_digen.rewards.vlm_judge import VlmJudgeReward
 from verl_digen.rewards.weighted import WeightedReward
 
 __all__ = [
@@ -80,6 +81,7 @@ __all__ = [
     "safe_loads",
     "safe_dumps",
     "WeightedReward",
+    "VlmJudgeReward",
     "CustomFunctionReward",
     "CustomRewardError",
 ]

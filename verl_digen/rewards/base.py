@@ -24,6 +24,10 @@ gets its sample's prompt and metadata), so every image reward works on video unc
 reward that understands video natively sets ``supports_video = True`` and receives the 5-D
 tensor as is.
 
+The built-in rewards register themselves when their modules are imported, which the package's
+``__init__`` does; Python runs it before this module, so this module imports none of them (no
+import circle between the interface and its implementations).
+
 Rewards are registered by name with :func:`register_reward` and built from code
 (:func:`build_reward`) or from a config (:func:`build_reward_from_config`)::
 
@@ -190,13 +194,11 @@ def register_reward(name: str) -> Callable[[R], R]:
 
 def registered_rewards() -> list[str]:
     """Sorted names of every registered reward."""
-    _ensure_builtin_rewards()
     return sorted(_REGISTRY)
 
 
 def reward_class(name: str) -> type[RewardFn]:
     """The class registered under ``name``; :class:`UnknownRewardError` if there is none."""
-    _ensure_builtin_rewards()
     try:
         return _REGISTRY[name]
     except (KeyError, TypeError):
@@ -276,8 +278,3 @@ def _to_container(cfg: Any) -> Any:
         return OmegaConf.to_container(cfg, resolve=True)
     return cfg
 
-
-def _ensure_builtin_rewards() -> None:
-    """Import the modules that register the built-in rewards (idempotent)."""
-    import verl_digen.rewards  # noqa: F401  (its __init__ imports every built-in reward)
-    import verl_digen.rewards.vlm_judge  # noqa: F401  (registers "vlm_judge")

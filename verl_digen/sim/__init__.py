@@ -1,11 +1,13 @@
 """The pure performance layer: cost model, discrete-event simulator, planner search.
 
-It imports only :mod:`verl_digen.schedule` (plans, the step driver) and its own profiles, never
+It imports only :mod:`verl_digen.schedule` (plans, the step driver), its own profiles and the
+device table (:mod:`verl_digen.platform.devices`, data shared with the memory planner), never
 the runtime (trainer, workers, sync, placement), so it runs anywhere without Ray or torch.
 
 - :mod:`~verl_digen.sim.cost_model`: seconds per task from FLOPs, bytes and bandwidths,
-  with profiles as data files (``verl_digen/sim/profiles/*.yaml``: devices, systems, rewards,
-  models), and the zero-bubble bound (a linear program, :mod:`~verl_digen.sim.bound`);
+  with profiles as data files (``verl_digen/sim/profiles/*.yaml``: systems, rewards, models;
+  ``verl_digen/platform/devices.yaml``: devices), and the zero-bubble bound (a linear
+  program, :mod:`~verl_digen.sim.bound`);
 - :mod:`~verl_digen.sim.calibrate`: the free constants fitted to veRL-Omni's published runs
   (``python -m verl_digen.sim.calibrate``);
 - :mod:`~verl_digen.sim.simulator`: the loop's step driver over plans in virtual time;

@@ -53,6 +53,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Iterable, Mapping
 
 from verl_digen.schedule.plan import Task, TaskKind, WorkerId
+from verl_digen.platform.devices import DEVICES_FILE
 from verl_digen.schedule.strategies import StepCosts, StrategySpec
 from verl_digen.sim.bound import max_throughput
 
@@ -318,8 +319,15 @@ def _patch(obj: Any, data: Mapping[str, Any], path: str) -> Any:
     return replace(obj, **values)
 
 
+def builtin_profile_files() -> list[str]:
+    """The shipped profile files: ``verl_digen/sim/profiles/*.yaml`` and the device table, which
+    lives below both the simulator and the memory planner (:mod:`verl_digen.platform.devices`);
+    in file-name order, as when the device table was one of the profiles."""
+    return sorted([*glob.glob(os.path.join(PROFILE_DIR, "*.yaml")), DEVICES_FILE], key=os.path.basename)
+
+
 def load_catalog(extra: Iterable[str] = (), *, include_builtin: bool = True, overrides: bool = True) -> Catalog:
-    """Every profile in ``verl_digen/sim/profiles`` plus ``extra`` files (later files win).
+    """Every shipped profile (:func:`builtin_profile_files`) plus ``extra`` files (later files win).
 
     A profile file holds any of ``models:``, ``devices:``, ``systems:`` and ``rewards:`` (name ->
     fields, each with its ``sources``). ``overrides:`` (the calibration, written by
@@ -328,7 +336,7 @@ def load_catalog(extra: Iterable[str] = (), *, include_builtin: bool = True, ove
     """
     import yaml
 
-    paths = sorted(glob.glob(os.path.join(PROFILE_DIR, "*.yaml"))) if include_builtin else []
+    paths = builtin_profile_files() if include_builtin else []
     paths += list(extra)
     cat = Catalog()
     patches: list[tuple[str, Mapping[str, Any]]] = []
