@@ -11,19 +11,18 @@ import yaml
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-import verl_digen.config
-from verl_digen.config.compose import compose_config
+from verl_digen.config.compose import compose_config, presets_dir
 from verl_digen.config.schema import ConfigError, DigenConfig, digen_config_from_dict
 from verl_digen.schedule.strategies import StrategySpec, strategy_violations
 
-PACKAGED = os.path.dirname(verl_digen.config.__file__)
+PACKAGED = presets_dir()  # configs/ in a checkout, verl_digen/config/ in an installed wheel
 
 
 def _composed_digen(*overrides: str, **kw) -> dict:
     return OmegaConf.to_container(compose_config(list(overrides), **kw).digen, resolve=True)
 
 
-# Presets shipped inside the package (python -m verl_digen.main --config-name NAME): they override
+# Presets shipped with the package (python -m verl_digen.main --config-name NAME): they override
 # the defaults rather than define them.
 FAMILY_PRESETS = {f"{family}_{placement}.yaml" for family in ("flux", "sd3", "qwen_image", "wan", "hunyuan_video")
                   for placement in ("colocated", "disaggregated", "full_disaggregated")} - {"wan_full_disaggregated.yaml"}
