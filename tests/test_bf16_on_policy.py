@@ -165,15 +165,6 @@ def test_fsdp_bf16_recompute_is_exact_for_every_family(tiny_dirs):
           torch.quantile(d, torch.tensor([0.5, 0.9, 0.99])).tolist())
 
 
-@pytest.fixture(scope="module")
-def ray_cluster(tiny_dirs):
-    import ray
-
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 RUNS = {
     # SD3 with true CFG, FSDP over 2 trainer ranks (one row per rank and transformer call).
     "sd3-disaggregated-fsdp": [
@@ -191,8 +182,9 @@ RUNS = {
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", list(RUNS))
-def test_short_bf16_run_is_on_policy_at_every_step(name, ray_cluster, tmp_path):
+def test_short_bf16_run_is_on_policy_at_every_step(name, shared_ray, tiny_dirs, tmp_path):
     from runs import run
 
     result = run(

@@ -658,7 +658,8 @@ def test_fsdp2_bf16_one_gpu_nccl() -> None:  # pragma: no cover - GPU only
     _check_bf16(r)
 
 
-def test_one_sharded_trainer_rank_runs_the_job(tmp_path, tiny_flux) -> None:
+@pytest.mark.e2e
+def test_one_sharded_trainer_rank_runs_the_job(tmp_path, tiny_flux, shared_ray) -> None:
     """digen.fsdp.enable=true with a single trainer rank (one GPU): the worker makes a process
     group of one for FSDP2's mesh (it raised 'apply_fsdp2 needs an initialised default process
     group' before), so a one-GPU FSDP run exists."""
