@@ -4,7 +4,8 @@ fast lane (``pytest -m "not e2e"``, what a developer runs first) cannot quietly 
 Seen through Python's audit hook on ``subprocess.Popen``: ``ray.init`` starting a local instance
 spawns ``gcs_server`` and ``raylet``; ``ray start`` and the entry points that run a job are
 commands. A test that only joins a Ray instance another test started is caught by the fast lane
-itself, where no e2e test started one; asking for the pretrained toy model or the shared Ray
+itself, where no e2e test started one. A process group of spawned ranks (``runs.run_ranks``,
+seconds of imports per rank) counts too, through :func:`note_start`. Asking for the pretrained toy model or the shared Ray
 instance needs the marker too. The ``gpu`` tests are left out unless ``-m`` names them.
 tests/conftest.py registers the hooks; they are plain (no fixtures) so that
 tests/test_fast_lane.py can load this file alone in a pytester session."""
@@ -49,6 +50,12 @@ def ray_or_run_start(executable: object, args: object) -> str | None:
 
 
 _starts: list[str] = []  # what the running test started (its setup, call and teardown)
+
+
+def note_start(what: str) -> None:
+    """Say that the running test starts ``what``, an e2e thing the audit hook cannot see (the
+    spawned ranks of ``runs.run_ranks``: multiprocessing starts them without ``subprocess``)."""
+    _starts.append(what)
 
 
 def _audit(event: str, args: tuple) -> None:

@@ -235,7 +235,10 @@ def run_ranks(
 
     import torch.multiprocessing as mp
 
+    from e2e_guard import note_start
     from verl_digen.sync import find_free_port
+
+    note_start(f"a process group of {world} spawned ranks (runs.run_ranks)")
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

@@ -148,6 +148,7 @@ def _sharded_scenario(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_fsdp_bf16_recompute_is_exact_for_every_family(tiny_dirs):
     for arch in ARCHS:  # built once here, so that the ranks only load them
@@ -238,6 +239,7 @@ def _full_fine_tune_scenario(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_fsdp_bf16_full_fine_tune_stays_on_policy_across_a_sync(tiny_flux):
     results = run_ranks(_full_fine_tune_scenario, world=2, timeout_s=600)

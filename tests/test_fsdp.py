@@ -562,6 +562,7 @@ def test_apply_fsdp2_rejects_bad_arguments() -> None:
 # ---------------------------------------------------------------------- tests: 2 CPU ranks, gloo
 
 
+@pytest.mark.e2e
 def test_fsdp2_sync_state_streams_bucket_by_bucket() -> None:
     results = run_distributed("streamed_sync_state")
     for r in results.values():
@@ -571,6 +572,7 @@ def test_fsdp2_sync_state_streams_bucket_by_bucket() -> None:
         assert r["largest_gather"] <= max(64, r["largest_tensor"]), r
 
 
+@pytest.mark.e2e
 def test_fsdp2_lora_two_ranks_matches_single_process() -> None:
     results = run_distributed("lora_mean")
     for rank, r in results.items():
@@ -584,6 +586,7 @@ def test_fsdp2_lora_two_ranks_matches_single_process() -> None:
         assert r["bucket_vs_full_tensor"] == 0.0
 
 
+@pytest.mark.e2e
 def test_fsdp2_sum_reduction_accumulation_and_clipping() -> None:
     results = run_distributed("sum_accum_clip")
     for rank, r in results.items():
@@ -597,6 +600,7 @@ def test_fsdp2_sum_reduction_accumulation_and_clipping() -> None:
     assert results[0]["norm"] == results[1]["norm"]
 
 
+@pytest.mark.e2e
 def test_fsdp2_with_policy_trainer_optimizer_step() -> None:
     results = run_distributed("policy_trainer")
     for rank, r in results.items():
@@ -606,6 +610,7 @@ def test_fsdp2_with_policy_trainer_optimizer_step() -> None:
         assert min(r["ref_norms"]) > 0.05, "the test must actually clip"
 
 
+@pytest.mark.e2e
 def test_fsdp2_ema_matches_unsharded_and_resumes_on_every_rank() -> None:
     results = run_distributed("ema")
     for rank, r in results.items():
@@ -614,6 +619,7 @@ def test_fsdp2_ema_matches_unsharded_and_resumes_on_every_rank() -> None:
         assert r["resumed_diff"] == 0.0, (rank, r)
 
 
+@pytest.mark.e2e
 def test_fsdp2_flux_lora_with_gradient_checkpointing() -> None:
     results = run_distributed("flux_lora_checkpointing")
     for rank, r in results.items():
@@ -633,6 +639,7 @@ def _check_bf16(r: dict) -> None:
     assert r["norm"] > 0 and r["sync_ok"] and r["moved"]
 
 
+@pytest.mark.e2e
 def test_fsdp2_bf16_with_checkpointing_when_fsdp_does_not_recast_recomputed_inputs() -> None:
     """The H100 failure of test_fsdp2_bf16_one_gpu_nccl, on CPU: torch 2.11's FSDP2 does not cast
     a recomputed block's inputs; apply_fsdp2 casts the inputs at the root only, so the forward and
@@ -641,6 +648,7 @@ def test_fsdp2_bf16_with_checkpointing_when_fsdp_does_not_recast_recomputed_inpu
     _check_bf16(r)
 
 
+@pytest.mark.e2e
 def test_fsdp2_bf16_two_cpu_ranks() -> None:
     results = run_distributed("bf16")
     for r in results.values():

@@ -185,6 +185,7 @@ def test_bf16_full_fine_tune_masters_and_their_adam_state_go_through_a_sharded_c
         assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+@pytest.mark.e2e
 def test_gradients_all_reduce_in_bounded_buckets():
     from runs import run_ranks
 
