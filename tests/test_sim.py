@@ -432,7 +432,7 @@ def test_a_balanced_pipeline_gets_close_to_the_bound(catalog):
 
 @pytest.mark.e2e
 @pytest.mark.timeout(120)
-def test_emulated_runtime_matches_the_simulator_on_the_same_plan(shared_ray):
+def test_emulated_runtime_matches_the_simulator_on_the_same_plan():
     """8 emulated devices (6 rollout + 2 trainers, GAP + TCSS), tasks of 20-80 ms: the real Ray
     executor's makespan is the simulator's plus the runtime's own overhead (about 1 ms per task
     on a 2-core machine; allowed: up to 40% of the makespan)."""
