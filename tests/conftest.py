@@ -1,14 +1,28 @@
 """Shared fixtures: tiny models built once per session in a temp cache, adapters loaded once per
 test module, one-thread torch for the tiny models, loopback traffic that bypasses proxies.
 
+The fast lane (``pytest -m "not e2e"``) is kept honest here: a test that starts Ray or a whole
+run without the ``e2e`` marker fails (the hooks of ``e2e_guard.py``).
+
 Plain helpers (no fixtures) are in ``runs.py``."""
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 
 import pytest
+
+# The e2e guard's hooks (tests/e2e_guard.py), registered by being names of this module;
+# its pytest_runtest_setup is called by this module's own.
+import e2e_guard
+from e2e_guard import (  # noqa: F401
+    pytest_collection_modifyitems,
+    pytest_configure,
+    pytest_runtest_makereport,
+    pytest_runtest_protocol,
+)
 
 
 class LazyDict(dict):
@@ -68,6 +82,43 @@ def toy_digits(tiny_cache) -> str:
     from verl_digen.models.toy import ensure_toy
 
     return ensure_toy("digits", os.path.join(tiny_cache, "toy"), log=lambda message: None)
+
+
+@pytest.fixture(scope="session")
+def shared_ray(tiny_cache) -> None:
+    """The session's one local Ray instance (``runs.shared_ray_up``), started on first use: in-process
+    runs reuse it instead of starting and stopping their own (seconds of CPU each on a 2-core
+    machine). After ``tiny_cache``: workers see the cache. A test that needs a Ray of its own (a
+    cluster, a killed driver, Ray never started) does not ask for it, and finds it stopped
+    (:func:`pytest_runtest_setup`, which also starts it again for the next test that asks)."""
+    from runs import shared_ray_up
+
+    shared_ray_up()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before any fixture of a test: the e2e guard's check of e2e fixtures; the shared Ray instance
+    running if the test asks for it (directly or through its fixtures), else stopped: the test
+    may start its own (a module fixture too), or check that nothing started one
+    (``ray.is_initialized()`` is False after a refused run)."""
+    e2e_guard.pytest_runtest_setup(item)
+    if "ray" not in sys.modules:
+        return
+    import runs
+
+    if "shared_ray" not in getattr(item, "fixturenames", ()):
+        runs.shared_ray_down()
+    elif runs.shared_ray_stopped():
+        runs.shared_ray_up()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if "ray" in sys.modules:
+        from runs import shared_ray_down
+
+        shared_ray_down()
 
 
 @pytest.fixture(scope="session")

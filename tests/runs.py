@@ -1,6 +1,6 @@
 """Plain helpers the tests share (fixtures live in conftest.py).
 
-- end-to-end runs: run the real job quietly, read what it wrote;
+- end-to-end runs: run the real job quietly, read what it wrote; the Ray instance tests share;
 - tiny models: the sample spec each tiny arch is tested at, and the reference Euler sampler;
 - process groups: :func:`run_ranks` runs a function on N spawned ranks of a gloo (or NCCL) group;
 - local fake servers: random PNG-exact images, a quiet JSON request handler and a context
@@ -44,6 +44,47 @@ def run(tmp_path, name: str, *overrides: str) -> RunResult:
     from verl_digen.trainer.loop import run_training
 
     return run_training(run_config(tmp_path, name, *overrides))
+
+
+# One local Ray instance for the tests that share it (the ``shared_ray`` fixture): a run finds Ray
+# initialised, reuses it and leaves it running (``runtime.init_ray`` returns False, ``release``
+# kills only the run's actors). Every other test runs with no Ray up (conftest's
+# ``pytest_runtest_setup`` stops it, and starts it again for the next test that asks for it), as a
+# run that starts and stops its own expects.
+SHARED_RAY_CPUS = 8  # logical slots for the largest pool set of any test that shares it
+_shared_ray: bool | None = None  # None: never started; then whether it runs
+
+
+def shared_ray_up() -> None:
+    """Start the shared local Ray instance unless it runs: workers on ``SHARED_RAY_CPUS`` CPU
+    slots, their output not sent to the driver, ``tests/`` on their path (actors defined in a
+    test module). Call after ``VERL_DIGEN_CACHE`` is set: workers inherit the environment of now."""
+    import ray
+
+    global _shared_ray
+    if _shared_ray:
+        return
+    assert not ray.is_initialized(), "a test left its own Ray instance running"
+    here = os.path.dirname(os.path.abspath(__file__))
+    pythonpath = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
+    ray.init(num_cpus=SHARED_RAY_CPUS, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
+    _shared_ray = True
+
+
+def shared_ray_down() -> None:
+    """Stop the shared Ray instance if it runs (a test about to start its own, or none)."""
+    import ray
+
+    global _shared_ray
+    if _shared_ray:
+        ray.shutdown()
+        _shared_ray = False
+
+
+def shared_ray_stopped() -> bool:
+    """Whether the shared instance ran once and was stopped since (to start again on request)."""
+    return _shared_ray is False
 
 
 def _jsonl(path: str) -> list[dict]:
@@ -194,7 +235,10 @@ def run_ranks(
 
     import torch.multiprocessing as mp
 
+    from e2e_guard import note_start
     from verl_digen.sync import find_free_port
+
+    note_start(f"a process group of {world} spawned ranks (runs.run_ranks)")
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

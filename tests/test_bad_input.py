@@ -112,6 +112,7 @@ def test_non_positive_total_training_steps_is_named():
         _trainer("trainer.total_training_steps=0")
 
 
+@pytest.mark.e2e
 def test_main_cli_exits_2_with_the_message(tmp_path):
     missing = tmp_path / "nowhere"
     proc = subprocess.run(

@@ -148,6 +148,7 @@ def _sharded_scenario(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_fsdp_bf16_recompute_is_exact_for_every_family(tiny_dirs):
     for arch in ARCHS:  # built once here, so that the ranks only load them
@@ -163,15 +164,6 @@ def test_fsdp_bf16_recompute_is_exact_for_every_family(tiny_dirs):
     d = torch.tensor(diffs)
     print("FSDP |logp - logp_old| over", d.numel(), "values: max", float(d.max()), "quantiles(.5,.9,.99)",
           torch.quantile(d, torch.tensor([0.5, 0.9, 0.99])).tolist())
-
-
-@pytest.fixture(scope="module")
-def ray_cluster(tiny_dirs):
-    import ray
-
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 RUNS = {
@@ -191,8 +183,9 @@ RUNS = {
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", list(RUNS))
-def test_short_bf16_run_is_on_policy_at_every_step(name, ray_cluster, tmp_path):
+def test_short_bf16_run_is_on_policy_at_every_step(name, shared_ray, tiny_dirs, tmp_path):
     from runs import run
 
     result = run(
@@ -247,6 +240,7 @@ def _full_fine_tune_scenario(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_fsdp_bf16_full_fine_tune_stays_on_policy_across_a_sync(tiny_flux):
     results = run_ranks(_full_fine_tune_scenario, world=2, timeout_s=600)

@@ -94,7 +94,8 @@ def no_ray():
         ray.shutdown()
 
 
-def test_resume_after_a_kill_equals_the_uninterrupted_run(tmp_path, tiny_flux, no_ray):
+@pytest.mark.e2e
+def test_resume_after_a_kill_equals_the_uninterrupted_run(tmp_path, tiny_flux, shared_ray):
     common = ["trainer.total_training_steps=5", "trainer.save_freq=1", "digen.save_final_weights=true"]
     straight = run_training(run_config(tmp_path, "straight", *common, f"trainer.default_local_dir={tmp_path}/ck_a"))
 
@@ -121,7 +122,8 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(tmp_path, tiny_flux, n
         assert {k: x[k] for k in EXACT_KEYS} == {k: y[k] for k in EXACT_KEYS}
 
 
-def test_async_resume_regenerates_in_flight_groups_and_keeps_the_invariants(tmp_path, tiny_flux, no_ray):
+@pytest.mark.e2e
+def test_async_resume_regenerates_in_flight_groups_and_keeps_the_invariants(tmp_path, tiny_flux, shared_ray):
     """Rule: groups generated ahead on stale weights before the checkpoint are not saved; the
     resumed run regenerates them with the checkpoint's weights. Same groups, each trained once."""
     common = ["digen.placement=disaggregated", "digen.gap.enable=true", "digen.async.max_staleness=1",
@@ -138,6 +140,7 @@ def test_async_resume_regenerates_in_flight_groups_and_keeps_the_invariants(tmp_
     assert [m["step"] for m in metrics_lines(resumed.output_dir)] == [1, 2, 3, 4]
 
 
+@pytest.mark.e2e
 def test_killed_worker_stops_the_run_with_its_name_and_the_run_resumes(tmp_path, tiny_flux, no_ray):
     out = tmp_path / "victim"
     ck = tmp_path / "ck"
@@ -168,7 +171,8 @@ def test_killed_worker_stops_the_run_with_its_name_and_the_run_resumes(tmp_path,
     assert resumed.metrics[-1]["step"] == done + 1
 
 
-def test_non_finite_gradients_are_skipped_counted_and_stop_the_run(tmp_path, tiny_flux, no_ray):
+@pytest.mark.e2e
+def test_non_finite_gradients_are_skipped_counted_and_stop_the_run(tmp_path, tiny_flux, shared_ray):
     """NaN gradients are injected (digen.fault_nonfinite_grad_steps): a real blow-up also turns
     the sampled images into NaN, which the reward refuses first, so it cannot isolate this path."""
     with pytest.raises(RunStopped, match="non-finite"):
@@ -182,7 +186,8 @@ def test_non_finite_gradients_are_skipped_counted_and_stop_the_run(tmp_path, tin
     assert find_latest(str(tmp_path / "ck")).step == 4  # a checkpoint to resume from
 
 
-def test_reward_server_failure_stops_with_a_checkpoint_and_names_the_server(tmp_path, tiny_flux, no_ray):
+@pytest.mark.e2e
+def test_reward_server_failure_stops_with_a_checkpoint_and_names_the_server(tmp_path, tiny_flux, shared_ray):
     from verl_digen.rewards.serve import RewardServer
 
     server = RewardServer("brightness", host="127.0.0.1", port=0)
@@ -208,6 +213,7 @@ def test_reward_server_failure_stops_with_a_checkpoint_and_names_the_server(tmp_
     assert find_latest(str(ck)).step >= 1
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["sigint", "sigterm"])
 def test_ctrl_c_and_sigterm_checkpoint_then_exit(tmp_path, tiny_flux, signum, code):
     """SIGINT (Ctrl-C) and SIGTERM stop the run the same way: a checkpoint of the completed
@@ -239,7 +245,8 @@ def test_ctrl_c_and_sigterm_checkpoint_then_exit(tmp_path, tiny_flux, signum, co
     ckpt.verify()
 
 
-def test_exported_lora_loads_with_diffusers_load_lora_weights(tmp_path, tiny_flux, no_ray):
+@pytest.mark.e2e
+def test_exported_lora_loads_with_diffusers_load_lora_weights(tmp_path, tiny_flux, shared_ray):
     from diffusers import FluxPipeline
 
     from verl_digen.config.schema import LoraConfigSpec
@@ -273,7 +280,8 @@ def test_exported_lora_loads_with_diffusers_load_lora_weights(tmp_path, tiny_flu
     assert not torch.allclose(v_base, v_ours, atol=1e-5)  # the LoRA actually does something
 
 
-def test_full_finetune_exports_a_diffusers_directory(tmp_path, tiny_flux, no_ray):
+@pytest.mark.e2e
+def test_full_finetune_exports_a_diffusers_directory(tmp_path, tiny_flux, shared_ray):
     from diffusers import FluxPipeline
 
     from verl_digen.export import export_checkpoint
@@ -301,13 +309,13 @@ class _Peer:
         raise ConnectionError("connection closed by peer")
 
 
-def test_a_worker_that_died_is_named_even_when_its_peer_fails_first(no_ray):
+@pytest.mark.e2e
+def test_a_worker_that_died_is_named_even_when_its_peer_fails_first(shared_ray):
     """A rollout worker killed mid-sync: the trainer's send fails too, and that failure may reach
     the driver first. The run must still name the dead worker and its pool."""
     from verl_digen.schedule.plan import Plan, Task, TaskKind, WorkerId
     from verl_digen.trainer.ray_executor import RayPlanExecutor, WorkerFailure
 
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     trainer, rollout = WorkerId("trainer", 0), WorkerId("rollout", 0)
     actors = {trainer: _Peer.remote(), rollout: _Peer.remote()}
     ray.get([a.ping.remote() for a in actors.values()], timeout=120)
@@ -316,6 +324,7 @@ def test_a_worker_that_died_is_named_even_when_its_peer_fails_first(no_ray):
     ray.kill(actors[rollout], no_restart=True)
     with pytest.raises(WorkerFailure) as err:
         executor._check_ok(task, actors[trainer].sync_send.remote(1))
+    ray.kill(actors[trainer], no_restart=True)  # the shared Ray instance outlives the test
     msg = str(err.value)
     assert "rollout0 (pool 'rollout') died" in msg and "trainer0 (pool" not in msg
     assert "s0/sync" in msg

@@ -246,12 +246,14 @@ def one_step(tmp_path_factory, tiny_flux):
     return tmp, ck, stale
 
 
+@pytest.mark.e2e
 def test_stale_temporary_checkpoint_folders_are_removed_on_the_next_start(one_step):
     _, ck, stale = one_step
     assert not stale.exists()
     assert sorted(os.listdir(ck)) == [".digen.lock", "global_step_1", "latest_checkpointed_iteration.txt"]
 
 
+@pytest.mark.e2e
 def test_the_checkpoint_records_the_runs_identity(one_step, tiny_flux):
     _, ck, _ = one_step
     identity = checkpoint_at(str(ck / "global_step_1")).meta()["identity"]
@@ -267,6 +269,7 @@ def _trainer(tmp, ck, name, *overrides):
                                    *overrides))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(("override", "listed"), [
     ("digen.model.lora.alpha=32", "digen.model.lora.alpha: checkpoint 16.0, this run 32.0"),
     ("digen.model.lora.rank=4", "digen.model.lora.rank: checkpoint 8, this run 4"),
@@ -283,6 +286,7 @@ def test_resume_into_a_different_run_is_refused_listing_the_differences(one_step
     assert not ray.is_initialized()
 
 
+@pytest.mark.e2e
 def test_a_different_base_model_is_refused_and_a_copy_of_the_same_one_resumes(one_step, tiny_flux, capsys):
     tmp, ck, _ = one_step
     copy = tmp / "same_model"
@@ -306,6 +310,7 @@ def test_a_different_base_model_is_refused_and_a_copy_of_the_same_one_resumes(on
         _trainer(tmp, ck, "f", "digen.resume.allow_changes=[lr]")
 
 
+@pytest.mark.e2e
 def test_a_crafted_metadata_stops_a_resume_before_ray(one_step, tmp_path):
     from verl_digen.trainer.loop import run_training
 

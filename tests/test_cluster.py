@@ -160,6 +160,7 @@ def two_node_cluster(tiny_flux):
         shutil.rmtree(temp, ignore_errors=True)
 
 
+@pytest.mark.e2e
 def test_a_run_on_two_nodes_through_ray_address_equals_the_single_node_run(
     tmp_path, tiny_flux, two_node_cluster, monkeypatch
 ):
@@ -199,6 +200,7 @@ def test_a_run_on_two_nodes_through_ray_address_equals_the_single_node_run(
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.e2e
 def test_resource_counts_are_refused_when_joining_a_cluster(two_node_cluster, tmp_path):
     from verl_digen.config.schema import DigenConfig
     from verl_digen.trainer.runtime import init_ray
@@ -208,6 +210,7 @@ def test_resource_counts_are_refused_when_joining_a_cluster(two_node_cluster, tm
     assert not ray.is_initialized()
 
 
+@pytest.mark.e2e
 def test_a_cluster_smaller_than_declared_is_named(two_node_cluster, tmp_path, tiny_flux, monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", two_node_cluster)
     with pytest.raises(ConfigError, match=r"trainer.nnodes=3 x trainer.n_gpus_per_node=1 needs 3 node"):

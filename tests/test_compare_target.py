@@ -8,7 +8,6 @@ import dataclasses
 import json
 
 import pytest
-import ray
 
 from verl_digen.compare import (
     TargetResult,
@@ -88,15 +87,9 @@ def test_bad_arguments_are_named(tmp_path, capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
-@pytest.fixture(scope="module")
-def ray_cluster(toy_digits):
-    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
+@pytest.mark.e2e
 @pytest.mark.slow
-def test_compare_on_digits_reports_time_to_target(ray_cluster, tmp_path, capsys):
+def test_compare_on_digits_reports_time_to_target(shared_ray, toy_digits, tmp_path, capsys):
     out = tmp_path / "cmp"
     argv = ["--out", str(out), "--config-name", "digits", "--modes", "colocated,+tcss",
             "--target-reward", "0.0", "--target-window", "2", *QUIET, "trainer.total_training_steps=4",

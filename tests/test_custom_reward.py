@@ -144,6 +144,7 @@ def test_a_reward_file_or_function_that_is_not_there_is_named(tmp_path, key, val
         build_reward("custom", **kwargs)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_failing_reward_stops_the_run_after_a_checkpoint_of_the_completed_steps(tmp_path, tiny_flux):
     from runs import run

@@ -12,7 +12,6 @@ import sys
 from importlib import resources
 
 import pytest
-import ray
 from omegaconf import OmegaConf
 
 from verl_digen.config.compose import compose_config
@@ -52,6 +51,7 @@ def test_preset_composes_with_flow_grpo_settings():
     assert cfg.trainer.total_training_steps > CI_STEPS
 
 
+@pytest.mark.e2e
 def test_main_cli_finds_the_preset_by_name_from_any_directory(tmp_path):
     # --cfg job: hydra prints the composed config and exits before the job runs.
     result = subprocess.run(
@@ -63,15 +63,9 @@ def test_main_cli_finds_the_preset_by_name_from_any_directory(tmp_path):
     assert "tiny_arch: digits" in result.stdout and "name: digit_classifier" in result.stdout
 
 
-@pytest.fixture(scope="module")
-def ray_cluster(toy_digits):
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
+@pytest.mark.e2e
 @pytest.mark.slow
-def test_ci_sized_digits_run_raises_the_reward(ray_cluster, tmp_path):
+def test_ci_sized_digits_run_raises_the_reward(shared_ray, toy_digits, tmp_path):
     """60 of the preset's 200 steps, colocated on 2 CPU slots. Measured on this project's machine
     (the same seeds give the same run): validation reward 0.448 before training -> 0.574 at step
     60 (+0.126); moving average of the training reward over steps 1-10 0.405 -> 51-60 0.548

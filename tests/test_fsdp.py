@@ -552,6 +552,7 @@ def test_apply_fsdp2_rejects_bad_arguments() -> None:
 # ---------------------------------------------------------------------- tests: 2 CPU ranks, gloo
 
 
+@pytest.mark.e2e
 def test_fsdp2_sync_state_streams_bucket_by_bucket() -> None:
     results = run_distributed("streamed_sync_state")
     for r in results.values():
@@ -561,6 +562,7 @@ def test_fsdp2_sync_state_streams_bucket_by_bucket() -> None:
         assert r["largest_gather"] <= max(64, r["largest_tensor"]), r
 
 
+@pytest.mark.e2e
 def test_fsdp2_lora_two_ranks_matches_single_process() -> None:
     results = run_distributed("lora_mean")
     for rank, r in results.items():
@@ -574,6 +576,7 @@ def test_fsdp2_lora_two_ranks_matches_single_process() -> None:
         assert r["bucket_vs_full_tensor"] == 0.0
 
 
+@pytest.mark.e2e
 def test_fsdp2_sum_reduction_accumulation_and_clipping() -> None:
     results = run_distributed("sum_accum_clip")
     for rank, r in results.items():
@@ -585,6 +588,7 @@ def test_fsdp2_sum_reduction_accumulation_and_clipping() -> None:
     assert results[0]["norm"] == results[1]["norm"]
 
 
+@pytest.mark.e2e
 def test_fsdp2_with_policy_trainer_optimizer_step() -> None:
     results = run_distributed("policy_trainer")
     for rank, r in results.items():
@@ -594,6 +598,7 @@ def test_fsdp2_with_policy_trainer_optimizer_step() -> None:
         assert min(r["ref_norms"]) > 0.05, "the test must actually clip"
 
 
+@pytest.mark.e2e
 def test_fsdp2_ema_matches_unsharded_and_resumes_on_every_rank() -> None:
     results = run_distributed("ema")
     for rank, r in results.items():
@@ -602,6 +607,7 @@ def test_fsdp2_ema_matches_unsharded_and_resumes_on_every_rank() -> None:
         assert r["resumed_diff"] == 0.0, (rank, r)
 
 
+@pytest.mark.e2e
 def test_fsdp2_flux_lora_with_gradient_checkpointing() -> None:
     results = run_distributed("flux_lora_checkpointing")
     for rank, r in results.items():
@@ -621,6 +627,7 @@ def _check_bf16(r: dict) -> None:
     assert r["norm"] > 0 and r["sync_ok"] and r["moved"]
 
 
+@pytest.mark.e2e
 def test_fsdp2_bf16_with_checkpointing_when_fsdp_does_not_recast_recomputed_inputs() -> None:
     """The H100 failure of test_fsdp2_bf16_one_gpu_nccl, on CPU: torch 2.11's FSDP2 does not cast
     a recomputed block's inputs; apply_fsdp2 casts the inputs at the root only, so the forward and
@@ -629,6 +636,7 @@ def test_fsdp2_bf16_with_checkpointing_when_fsdp_does_not_recast_recomputed_inpu
     _check_bf16(r)
 
 
+@pytest.mark.e2e
 def test_fsdp2_bf16_two_cpu_ranks() -> None:
     results = run_distributed("bf16")
     for r in results.values():
@@ -646,7 +654,8 @@ def test_fsdp2_bf16_one_gpu_nccl() -> None:  # pragma: no cover - GPU only
     _check_bf16(r)
 
 
-def test_one_sharded_trainer_rank_runs_the_job(tmp_path, tiny_flux) -> None:
+@pytest.mark.e2e
+def test_one_sharded_trainer_rank_runs_the_job(tmp_path, tiny_flux, shared_ray) -> None:
     """digen.fsdp.enable=true with a single trainer rank (one GPU): the worker makes a process
     group of one for FSDP2's mesh (it raised 'apply_fsdp2 needs an initialised default process
     group' before), so a one-GPU FSDP run exists."""

@@ -87,6 +87,7 @@ def test_a_crafted_pickle_in_a_checkpoint_is_refused_and_never_runs(tmp_path):
     assert load_pt(os.path.join(good.path, "trainer_rank0.pt"))["version"] == 2
 
 
+@pytest.mark.e2e
 def test_resuming_from_a_crafted_checkpoint_stops_before_training(tmp_path, tiny_flux):
     from verl_digen.trainer.loop import run_training
 
@@ -225,6 +226,7 @@ def test_a_very_long_prompt_is_refused_naming_the_file_and_prompt(tmp_path):
         DigenTrainer(run_config(tmp_path, "x", f"digen.data.prompts={prompts}"))
 
 
+@pytest.mark.e2e
 def test_bad_config_exits_2_from_the_command_line_in_seconds(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "verl_digen.main", *QUIET, "trainer.logger=[nonexistent]",
@@ -275,6 +277,7 @@ def test_the_weight_channel_store_listens_on_its_address_only():
             ch.close()
 
 
+@pytest.mark.e2e
 def test_ray_started_by_the_job_listens_on_loopback_only():
     from verl_digen.config.schema import DigenConfig
     from verl_digen.trainer.runtime import init_ray

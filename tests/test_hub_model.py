@@ -104,6 +104,7 @@ def test_sample_size_rules_apply_to_a_cached_snapshot(offline_hub):
         resolve_model_path(cfg)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_main_ppo_trains_a_model_given_by_hub_id_offline(tmp_path, tiny_flux, tiny_cache):
     """The user's path through veRL's own entry point: HF_HUB_OFFLINE=1 and HF_HOME set before

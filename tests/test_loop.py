@@ -8,19 +8,14 @@ import math
 import os
 
 import pytest
-import ray
 import torch
 from safetensors.torch import load_file
 
 from runs import QUIET, run, timeline_records
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster(tiny_flux):
-    # Enough logical CPUs for every pool of every test; runs reuse this cluster.
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+# Runs reuse the session's Ray instance (enough logical CPUs for every pool of every test).
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("tiny_flux", "shared_ray")]
 
 
 def test_colocated_training_raises_the_brightness_reward(tmp_path, capsys):

@@ -115,6 +115,7 @@ def test_wheel_installs_next_to_verl_omnis_veRL_and_TransferQueue_changing_nothi
     assert would == "Would install verl-digen-0.1.0"
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_installed_wheel_runs_a_shipped_preset_from_outside_the_checkout(wheel, tmp_path, tiny_cache):
     python = _installed("wheel", wheel, tmp_path)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import ray
 from omegaconf import OmegaConf
 
 from verl_digen.config.compose import compose_config
@@ -26,16 +25,10 @@ def test_preset_composes_and_validates(family, placement):
     assert smoke.digen.sampling.height == 32 and smoke.trainer.total_training_steps == 2
 
 
-@pytest.fixture(scope="module")
-def ray_cluster(tiny_cache):
-    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
+@pytest.mark.e2e
 @pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("family", ("qwen_image", "wan", "hunyuan_video"))
-def test_two_step_tiny_run_of_each_new_family(ray_cluster, tmp_path, family, placement):
+def test_two_step_tiny_run_of_each_new_family(shared_ray, tiny_cache, tmp_path, family, placement):
     overrides = ["+smoke=tiny", "digen.progress_bar=false", f"digen.output_dir={tmp_path / 'run'}"]
     if family in ("wan", "hunyuan_video"):
         overrides.append("digen.sampling.num_frames=5")  # video latents [B, C, F, H, W]

@@ -313,9 +313,9 @@ def test_first_step_update_is_the_same_with_the_cache(arch, tiny_dirs, tmp_path)
         assert apart < 1e-2 * update, (apart, update)
 
 
-def test_a_run_with_the_prompt_cache_gives_the_same_first_step_update(tmp_path, tiny_flux):
+@pytest.mark.e2e
+def test_a_run_with_the_prompt_cache_gives_the_same_first_step_update(tmp_path, tiny_flux, shared_ray):
     """End to end through the real workers: cache warmed, encoders freed, same weights after step 1."""
-    import ray
     from safetensors.torch import load_file
 
     from verl_digen.config.compose import compose_config
@@ -326,12 +326,8 @@ def test_a_run_with_the_prompt_cache_gives_the_same_first_step_update(tmp_path, 
                               "digen.save_final_weights=true", f"digen.output_dir={tmp_path / name}", *extra])
         return run_training(cfg)
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        plain = run("plain")
-        cached = run("cached", "digen.prompt_cache.enable=true", f"digen.prompt_cache.dir={tmp_path / 'pc'}")
-    finally:
-        ray.shutdown()
+    plain = run("plain")
+    cached = run("cached", "digen.prompt_cache.enable=true", f"digen.prompt_cache.dir={tmp_path / 'pc'}")
     a, b = load_file(plain.extra["final_weights"]), load_file(cached.extra["final_weights"])
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert plain.metrics[0]["reward_mean"] == cached.metrics[0]["reward_mean"]

@@ -15,13 +15,13 @@ import pickle
 import threading
 
 import pytest
-import ray
 import torch
 from PIL import Image
 
 from runs import JsonHandler, metrics_lines, run, serve
 
-pytestmark = pytest.mark.usefixtures("loopback_no_proxy")
+# Every test is a run on the session's Ray instance.
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("loopback_no_proxy", "tiny_flux", "shared_ray")]
 
 RECORDS = [
     {"prompt": "a red apple", "ground_truth": "APPLE", "tag": "single_object"},
@@ -30,13 +30,6 @@ RECORDS = [
     {"prompt": "a small boat", "ground_truth": "BOAT", "tag": "counting"},
 ]
 SCORE = {"APPLE": 0.1, "CAR": 0.4, "TREE": 0.7, "BOAT": 0.9}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster(tiny_flux):
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture

@@ -76,6 +76,7 @@ def _stale_marker(ray_tmpdir: str) -> tuple[str, str]:
 # ----------------------------------------------------------------------------- A: a Ray cluster that does not answer
 
 
+@pytest.mark.e2e
 def test_a_stale_ray_marker_stops_the_job_in_seconds_naming_the_file(tmp_path, tiny_flux, ray_tmpdir):
     marker, address = _stale_marker(ray_tmpdir)
     proc, took = _main(tmp_path, "trainer.total_training_steps=1", env=_env(RAY_TMPDIR=ray_tmpdir), timeout=120)
@@ -115,6 +116,7 @@ def test_a_ray_address_that_does_not_answer_is_refused_in_seconds(monkeypatch):
     assert not ray.is_initialized()
 
 
+@pytest.mark.e2e
 def test_main_ppo_refuses_a_stale_ray_marker_before_starting_ray(tmp_path, tiny_flux, ray_tmpdir):
     marker, address = _stale_marker(ray_tmpdir)
     t0 = time.monotonic()
@@ -130,6 +132,7 @@ def test_main_ppo_refuses_a_stale_ray_marker_before_starting_ray(tmp_path, tiny_
 # ----------------------------------------------------------------------------- B: logger credentials
 
 
+@pytest.mark.e2e
 def test_wandb_without_an_api_key_stops_before_ray_naming_the_key(tmp_path, tiny_flux):
     # No key anywhere wandb looks: no WANDB_* variables, a NETRC file that does not exist, empty settings.
     env = _env(NETRC=str(tmp_path / "no_netrc"), WANDB_CONFIG_DIR=str(tmp_path / "wandb_settings"))
@@ -250,6 +253,7 @@ def _running(procs: list[psutil.Process]) -> list[psutil.Process]:
     return out
 
 
+@pytest.mark.e2e
 def test_a_sigkilled_driver_leaves_no_ray_process_behind(tmp_path, ray_tmpdir):
     """Without the job's reaper the dashboard and runtime-env agents outlived the driver by about
     a minute (they report the raylet's death to the GCS that died with it, 60 s timeout)."""
@@ -276,6 +280,7 @@ def test_a_sigkilled_driver_leaves_no_ray_process_behind(tmp_path, ray_tmpdir):
         _kill_all(_running(procs))
 
 
+@pytest.mark.e2e
 def test_a_job_that_stops_ray_stops_its_reaper():
     from verl_digen.trainer import runtime
 
@@ -309,6 +314,7 @@ def compute_score(data_source, image, prompt, ground_truth, extra_info):
 '''
 
 
+@pytest.mark.e2e
 def test_a_disk_full_checkpoint_stops_in_a_few_lines_with_the_traceback_in_the_log(tmp_path, tiny_flux):
     """Colocated: the reward runs in the trainer rank's process, so the file above makes that
     rank's checkpoint writes fail with ENOSPC (DCP raises it from every rank). Before, the stop
@@ -346,6 +352,7 @@ def compute_score(data_source, image, prompt, ground_truth, extra_info):
 '''
 
 
+@pytest.mark.e2e
 def test_a_worker_failing_to_start_stops_in_a_few_lines_with_the_traceback_in_the_log(tmp_path, tiny_flux):
     from runs import run
 

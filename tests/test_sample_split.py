@@ -133,6 +133,7 @@ def test_sample_slices_are_bitwise_the_whole_group(tiny_flux):
     assert not torch.equal(whole.batch["latents"][0], whole.batch["latents"][1])  # samples differ
 
 
+@pytest.mark.e2e
 def test_one_group_per_step_on_two_rollout_workers_equals_the_unsplit_run(tmp_path, tiny_flux):
     common = ["digen.placement=disaggregated", "digen.gap.enable=true", "digen.batch.groups_per_step=1",
               "trainer.n_gpus_per_node=3", "digen.pools.trainer.devices=1", "trainer.total_training_steps=2",

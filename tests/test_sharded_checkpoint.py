@@ -63,6 +63,7 @@ def _resume_from_step_2(tmp_path, straight, name: str, *overrides: str):
                f"trainer.resume_from_path={straight[1]}/global_step_2", f"trainer.default_local_dir={tmp_path}/ck")
 
 
+@pytest.mark.e2e
 def test_each_fsdp_rank_writes_its_own_shards_and_the_driver_only_small_files(straight):
     ckpt = find_latest(straight[1])
     assert ckpt.step == 3 and ckpt.sharded and ckpt.meta()["trainer_ranks"] == 2
@@ -73,6 +74,7 @@ def test_each_fsdp_rank_writes_its_own_shards_and_the_driver_only_small_files(st
     ckpt.verify()
 
 
+@pytest.mark.e2e
 def test_no_tensor_state_reaches_the_driver(straight):
     """Saving three checkpoints and the final weights: the driver got file names, checksums and
     the reward vectors it normalises, never a weight or an optimizer tensor."""
@@ -83,6 +85,7 @@ def test_no_tensor_state_reaches_the_driver(straight):
             assert path.split(".")[-1] in REWARD_KEYS, f"the driver received tensor {path} {tuple(t.shape)}"
 
 
+@pytest.mark.e2e
 def test_resume_on_the_same_two_ranks_is_bitwise_the_uninterrupted_run(tmp_path, straight):
     resumed = _resume_from_step_2(tmp_path, straight, "resumed_two", *FSDP2)
     a, b = _weights(straight[0]), _weights(resumed)
@@ -90,6 +93,7 @@ def test_resume_on_the_same_two_ranks_is_bitwise_the_uninterrupted_run(tmp_path,
     assert metrics_lines(resumed.output_dir)[-1]["reward_mean"] == metrics_lines(straight[0].output_dir)[-1]["reward_mean"]
 
 
+@pytest.mark.e2e
 def test_resume_on_one_rank_reshards_the_checkpoint(tmp_path, straight):
     resumed = _resume_from_step_2(tmp_path, straight, "resumed_one", *ONE_RANK)
     a, b = _weights(straight[0]), _weights(resumed)
@@ -105,6 +109,7 @@ def test_resume_on_one_rank_reshards_the_checkpoint(tmp_path, straight):
     assert update > 0 and apart < 1e-2 * update, (apart, update)  # step 3 really trained, the same way
 
 
+@pytest.mark.e2e
 def test_export_writes_a_lora_from_a_sharded_checkpoint(tmp_path, straight):
     from verl_digen.export import export_checkpoint
 

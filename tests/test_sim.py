@@ -430,6 +430,7 @@ def test_a_balanced_pipeline_gets_close_to_the_bound(catalog):
 # ---------------------------------------------------------------------------- emulated cluster
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_emulated_runtime_matches_the_simulator_on_the_same_plan():
     """8 emulated devices (6 rollout + 2 trainers, GAP + TCSS), tasks of 20-80 ms: the real Ray
@@ -469,10 +470,9 @@ def test_emulated_runtime_matches_the_simulator_on_the_same_plan():
     assert -0.02 < gap < 0.40, f"emulated {run.opt_end[2]:.3f}s vs simulated {opt_sim[2]:.3f}s"
 
 
-def test_config_switch_runs_the_real_loop_on_sixteen_emulated_devices(tmp_path):
+@pytest.mark.e2e
+def test_config_switch_runs_the_real_loop_on_sixteen_emulated_devices(tmp_path, shared_ray):
     """digen.emulate.model: the real planner, executor and loop, workers that sleep (no model)."""
-    import ray
-
     from verl_digen.config.compose import compose_config
     from verl_digen.trainer.loop import run_training
 
@@ -482,11 +482,7 @@ def test_config_switch_runs_the_real_loop_on_sixteen_emulated_devices(tmp_path):
         "digen.pools.rollout.devices=8", "digen.pools.trainer.devices=8", "digen.batch.groups_per_step=16",
         "digen.emulate.model=flux-12b", "digen.emulate.time_scale=0.005", f"digen.output_dir={tmp_path / 'emu'}",
     ])
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        result = run_training(cfg)
-    finally:
-        ray.shutdown()
+    result = run_training(cfg)
     assert result.devices == 16 and len(result.metrics) == 2
     assert result.extra["weights_in_sync"] is True
     assert all(0 < m["bubble_fraction"] < 1 for m in result.metrics)

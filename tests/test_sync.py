@@ -335,29 +335,12 @@ class SyncTestWorker(WeightSyncMixin, Worker):
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
+def worker_groups(shared_ray):
+    """Workers unpickle the test classes by module name: the shared instance puts tests/ on their path."""
     import ray
-
-    # Workers unpickle the test classes by module name: let them import this file's folder.
-    here = os.path.dirname(os.path.abspath(__file__))
-    pythonpath = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
-    ray.init(
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
-    )
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def worker_groups(ray_cluster):
+    from ray.util.placement_group import remove_placement_group
     from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
-    ray = ray_cluster
     remote_cls = ray.remote(SyncTestWorker)
     trainer_pool = RayResourcePool([1], use_gpu=False, max_colocate_count=1, name_prefix="sync_trainer")
     rollout_pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1, name_prefix="sync_rollout")
@@ -366,6 +349,8 @@ def worker_groups(ray_cluster):
     yield trainer_wg.workers[0], list(rollout_wg.workers)
     for w in trainer_wg.workers + rollout_wg.workers:
         ray.kill(w)
+    for pg in (trainer_pool.pgs or []) + (rollout_pool.pgs or []):  # their CPU slots, for the next test
+        remove_placement_group(pg)
 
 
 def _get(refs):
@@ -400,6 +385,7 @@ def _sync_round(trainer, rollouts, versions: tuple[int, ...], backend: str = "gl
     return sent
 
 
+@pytest.mark.e2e
 def test_ray_weight_sync_lora_and_full(worker_groups) -> None:
     trainer, rollouts = worker_groups
     everyone = [trainer, *rollouts]

@@ -55,6 +55,7 @@ def test_build_is_deterministic_and_seeded(tmp_path):
         assert '"steps": 3' in f.read()  # the recipe is saved next to the weights
 
 
+@pytest.mark.e2e
 def test_cached_model_is_a_flux_pipeline_loaded_like_a_real_one(toy_digits):
     assert os.path.basename(toy_digits) == f"digits-{toy.TOY_VERSION}"
     assert detect_arch(toy_digits) == "flux"
@@ -85,6 +86,7 @@ def test_ensure_toy_builds_once_into_the_cache(tmp_path, monkeypatch):
         ensure_toy("mnist")
 
 
+@pytest.mark.e2e
 def test_cli_prints_the_cached_model(toy_digits):
     env = {**os.environ, "VERL_DIGEN_CACHE": os.path.dirname(os.path.dirname(toy_digits))}
     result = subprocess.run([sys.executable, "-m", "verl_digen.models.toy"], capture_output=True, text=True,
@@ -96,6 +98,7 @@ def test_cli_prints_the_cached_model(toy_digits):
     assert bad.returncode == 2 and "--seed needs --out" in bad.stderr
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
 def test_reproduces_its_diffusers_pipeline(toy_digits, cfg_scale):
     """Our Euler loop (the ODE the RL sampler and validation use) gives FluxPipeline's images."""
@@ -113,6 +116,7 @@ def test_reproduces_its_diffusers_pipeline(toy_digits, cfg_scale):
     torch.testing.assert_close(ours, expected.float(), atol=1e-5, rtol=0)
 
 
+@pytest.mark.e2e
 def test_on_policy_ratio_is_one_with_the_preset_settings(toy_digits):
     """With the weights that sampled them, the trainer's recomputed log-probs equal the behaviour
     log-probs (LoRA r=32 as in the digits preset; SDE window = its first 3 steps)."""
@@ -136,6 +140,7 @@ def test_on_policy_ratio_is_one_with_the_preset_settings(toy_digits):
     assert metrics["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-5) and metrics["actor/clip_frac"] == 0.0
 
 
+@pytest.mark.e2e
 def test_pretraining_learned_the_digits(toy_digits):
     """The VAE reconstructs real digits, and the generator draws the requested digit far above
     chance (0.1) from held-out phrasings; true CFG against the empty caption (trained with caption

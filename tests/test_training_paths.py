@@ -55,17 +55,9 @@ def test_checkpointed_training_recomputes_blocks_and_gives_the_same_gradients(ar
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-@pytest.fixture(scope="module")
-def ray_cluster(tiny_flux):
-    import ray
-
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
+@pytest.mark.e2e
 @pytest.mark.slow
-def test_colocated_fsdp_gives_the_data_parallel_update(ray_cluster, tmp_path):
+def test_colocated_fsdp_gives_the_data_parallel_update(shared_ray, tiny_flux, tmp_path):
     """FSDP2 over the 2 fused workers of the colocated placement (generation and micro-batches
     in lockstep), against plain colocated data parallelism with activation checkpointing: the
     same weights, so both the sharded colocated worker and checkpointing train correctly."""
@@ -178,6 +170,7 @@ def test_bf16_full_fine_tune_masters_and_their_adam_state_go_through_a_sharded_c
         assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+@pytest.mark.e2e
 def test_gradients_all_reduce_in_bounded_buckets():
     from runs import run_ranks
 

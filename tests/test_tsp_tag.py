@@ -42,15 +42,9 @@ def test_stages_reproduce_single_worker_sampling_bitwise_in_process(tiny_flux, b
         assert torch.equal(whole.batch[key], staged.batch[key]), key
 
 
-@pytest.fixture(scope="module")
-def ray_cluster(tiny_flux):
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
+@pytest.mark.e2e
 @pytest.mark.parametrize("stages", [2, 3])
-def test_tsp_pipeline_of_worker_processes_matches_one_worker_bitwise(ray_cluster, tiny_flux, stages):
+def test_tsp_pipeline_of_worker_processes_matches_one_worker_bitwise(shared_ray, tiny_flux, stages):
     """Stage k runs on rollout worker k (separate processes); the in-flight state travels by Ray."""
     from ray.util.placement_group import remove_placement_group
 
@@ -87,7 +81,8 @@ def test_tsp_pipeline_of_worker_processes_matches_one_worker_bitwise(ray_cluster
                 remove_placement_group(pg)
 
 
-def test_timestep_split_training_gives_the_sample_split_gradient(ray_cluster, tmp_path):
+@pytest.mark.e2e
+def test_timestep_split_training_gives_the_sample_split_gradient(shared_ray, tiny_flux, tmp_path):
     common = [
         "digen.placement=disaggregated", "trainer.n_gpus_per_node=3", "digen.pools.rollout.devices=1",
         "digen.pools.trainer.devices=2", "trainer.total_training_steps=1", "digen.save_final_weights=true",
@@ -102,7 +97,8 @@ def test_timestep_split_training_gives_the_sample_split_gradient(ray_cluster, tm
     assert len([r for r in timeline_records(by_step.output_dir) if r["kind"] == "train"]) == 4  # 2 micro-batches x 2 ranks
 
 
-def test_tsp_run_trains_and_keeps_every_invariant(ray_cluster, tmp_path):
+@pytest.mark.e2e
+def test_tsp_run_trains_and_keeps_every_invariant(shared_ray, tiny_flux, tmp_path):
     result = run(
         tmp_path, "tsp", "digen.placement=disaggregated", "trainer.n_gpus_per_node=3", "digen.pools.rollout.devices=2",
         "digen.tsp.stages=2", "digen.gap.enable=true", "trainer.total_training_steps=3", "digen.async.max_staleness=1",
@@ -120,7 +116,8 @@ def test_tsp_run_trains_and_keeps_every_invariant(ray_cluster, tmp_path):
     assert all(len(v) == 1 for v in by_group.values())  # one version per trajectory, across stages
 
 
-def test_tag_groups_carry_the_trainer_version_and_are_trained_once(ray_cluster, tmp_path):
+@pytest.mark.e2e
+def test_tag_groups_carry_the_trainer_version_and_are_trained_once(shared_ray, tiny_flux, tmp_path):
     # A 2-step SDE window makes training cheap, so the trainer would idle: TAG should assist.
     result = run(
         tmp_path, "tag", "digen.placement=disaggregated", "digen.gap.enable=true", "digen.tag.enable=true",
@@ -137,7 +134,8 @@ def test_tag_groups_carry_the_trainer_version_and_are_trained_once(ray_cluster, 
     assert all("tag/train_per_group" in m for m in result.metrics[1:])
 
 
-def test_fsdp_trainer_pool_gives_the_data_parallel_update(ray_cluster, tmp_path):
+@pytest.mark.e2e
+def test_fsdp_trainer_pool_gives_the_data_parallel_update(shared_ray, tiny_flux, tmp_path):
     """FSDP2 (fully_shard, gloo on CPU) over 2 trainer ranks, micro-batches in lockstep, each
     rank on half the samples: same weights as the plain data-parallel trainer, and rollout in sync."""
     common = [

@@ -66,6 +66,7 @@ LEARNING = ("reward_mean", "reward_std", "actor/loss", "actor/grad_norm", "actor
             "policy_version")
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_main_ppo_runs_the_issue_command_like_verl_digen_main(tmp_path, tiny_flux):
     data = tmp_path / "data"
@@ -122,6 +123,7 @@ def test_main_ppo_runs_the_issue_command_like_verl_digen_main(tmp_path, tiny_flu
     assert sorted(map(json.dumps, calls)) == sorted(map(json.dumps, seen(runs["digen"])))
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_main_ppo_names_a_model_path_that_does_not_exist(tmp_path):
     proc = main_ppo(tmp_path, "actor_rollout_ref.model.path=/nonexistent", "trainer.total_training_steps=2")
@@ -130,6 +132,7 @@ def test_main_ppo_names_a_model_path_that_does_not_exist(tmp_path):
     assert "Started a local Ray instance" not in proc.stderr + proc.stdout  # stopped in the driver, before Ray
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_main_ppo_names_a_verl_key_that_cannot_apply(tmp_path):
     proc = main_ppo(tmp_path, "actor_rollout_ref.rollout.name=vllm", "trainer.total_training_steps=2")
