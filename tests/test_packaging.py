@@ -153,6 +153,7 @@ def _installed(kind: str, wheel: str, tmp_path) -> str:
     return python
 
 
+@pytest.mark.e2e  # runs python -m verl_digen.main
 @pytest.mark.parametrize("kind", ["wheel", "editable"])
 def test_config_name_finds_the_presets_from_any_directory(kind, wheel, tmp_path):
     """``--config-name`` alone composes a preset (and its smoke group) from outside the checkout,

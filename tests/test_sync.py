@@ -347,6 +347,11 @@ def worker_groups(shared_ray):
     trainer_wg = RayWorkerGroup(trainer_pool, RayClassWithInitArgs(remote_cls, seed=1), device_name="cpu")
     rollout_wg = RayWorkerGroup(rollout_pool, RayClassWithInitArgs(remote_cls, seed=2), device_name="cpu")
     yield trainer_wg.workers[0], list(rollout_wg.workers)
+    if not ray.is_initialized():
+        # A later test of this module that does not ask for the shared instance stopped it
+        # (conftest.pytest_runtest_setup), and these workers with it; ray.kill would start a
+        # new local instance (Ray's auto-init) and leave it running.
+        return
     for w in trainer_wg.workers + rollout_wg.workers:
         ray.kill(w)
     for pg in (trainer_pool.pgs or []) + (rollout_pool.pgs or []):  # their CPU slots, for the next test
