@@ -18,11 +18,43 @@ import pytest
 # its pytest_runtest_setup is called by this module's own.
 import e2e_guard
 from e2e_guard import (  # noqa: F401
-    pytest_collection_modifyitems,
     pytest_configure,
     pytest_runtest_makereport,
     pytest_runtest_protocol,
 )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The e2e guard's marks and gpu deselection; then, under pytest-xdist, the heaviest test
+    files first (``heaviest_files_first``)."""
+    e2e_guard.pytest_collection_modifyitems(config, items)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        heaviest_files_first(items)
+
+
+def heaviest_files_first(items: list[pytest.Item]) -> None:
+    """Order whole files by their weight, heaviest first, keeping each file's own order.
+
+    ``--dist loadfile`` hands files to the workers in collection order, so a heavy file met
+    last keeps one worker busy for minutes while the other has nothing left (seen: 7 minutes
+    of one idle core at the end of the suite). Weights are rough: an e2e test 1, a slow one
+    4 more. The heaviest file that needs the pretrained toy goes first of all: it builds the toy
+    (minutes) while the other worker runs the next files; the other toy files, met later, find
+    it built instead of waiting on the lock of ``toy_digits``. Every worker sorts the same
+    collection the same way, as xdist requires."""
+    def weight(item: pytest.Item) -> int:
+        e2e, slow = item.get_closest_marker("e2e"), item.get_closest_marker("slow")
+        return (1 if e2e is not None else 0) + (4 if slow is not None else 0)
+
+    files: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::")[0], []).append(item)
+    weights = {name: sum(weight(i) for i in group) for name, group in files.items()}
+    toy = [name for name, group in files.items() if any("toy_digits" in getattr(i, "fixturenames", ()) for i in group)]
+    if toy:
+        weights[max(toy, key=weights.__getitem__)] += 1000
+    ranked = sorted(files, key=lambda name: -weights[name])  # stable: ties keep collection order
+    items[:] = [item for name in ranked for item in files[name]]
 
 
 class LazyDict(dict):
@@ -60,7 +92,13 @@ def isolated_cwd(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_cache(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("digen_cache"))
+    """The session's model cache. Under pytest-xdist (``-n 2``) the workers share one, below the
+    run's common temp directory: the toy model is built once, not once per worker."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # .../pytest-N/popen-gwK -> .../pytest-N, the same for every worker
+    path = os.path.join(str(base), "digen_cache")
+    os.makedirs(path, exist_ok=True)
     os.environ["VERL_DIGEN_CACHE"] = path  # Ray workers inherit the driver's environment
     return path
 
@@ -79,9 +117,14 @@ def tiny_dirs(tiny_cache) -> dict[str, str]:
 def toy_digits(tiny_cache) -> str:
     """The pretrained toy digits model (``verl_digen.models.toy``) in the session's cache, built on
     first use (a couple of minutes on a CPU), where Ray workers and ``resolve_model_path`` look."""
+    from filelock import FileLock
+
     from verl_digen.models.toy import ensure_toy
 
-    return ensure_toy("digits", os.path.join(tiny_cache, "toy"), log=lambda message: None)
+    # ensure_toy is safe when two workers race, but each would spend minutes building; the lock
+    # makes the second wait for the first's model (bounded: a hung build fails, not hangs).
+    with FileLock(os.path.join(tiny_cache, "toy.lock"), timeout=1800):
+        return ensure_toy("digits", os.path.join(tiny_cache, "toy"), log=lambda message: None)
 
 
 @pytest.fixture(scope="session")
