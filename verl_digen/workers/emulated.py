@@ -224,10 +224,10 @@ class _EmulatedGroup:
 
 
 def cluster_for_layout(layout: Any, device: str) -> Cluster:
-    """The :class:`Cluster` of a loop's ``PoolLayout`` (pools of ``devices x nodes``)."""
+    """The :class:`Cluster` of a loop's ``PoolLayout`` (each pool's devices on every node)."""
     pools = {}
-    for name, (process_on_nodes, _accel) in layout.pools.items():
-        pools[name] = PoolPlacement(size=sum(process_on_nodes), nodes=len(process_on_nodes), device=device)
+    for name, (on_nodes, _accel) in layout.pools.items():
+        pools[name] = PoolPlacement(size=sum(on_nodes), nodes=sum(1 for n in on_nodes if n), device=device)
     return Cluster(pools)
 
 
