@@ -225,10 +225,7 @@ class _EmulatedGroup:
 
 def cluster_for_layout(layout: Any, device: str) -> Cluster:
     """The :class:`Cluster` of a loop's ``PoolLayout`` (each pool's devices on every node)."""
-    pools = {}
-    for name, (on_nodes, _accel) in layout.pools.items():
-        pools[name] = PoolPlacement(size=sum(on_nodes), nodes=sum(1 for n in on_nodes if n), device=device)
-    return Cluster(pools)
+    return Cluster({name: PoolPlacement.spread(on_nodes, device) for name, (on_nodes, _accel) in layout.pools.items()})
 
 
 def emulated_worker_groups(
