@@ -217,3 +217,32 @@ def test_a_system_that_runs_only_colocated_is_refused_other_placements(catalog):
     costs = CostModel.from_catalog(catalog, "flux-12b", devices=["H800"], system="verl-omni", groups_per_step=16)
     with pytest.raises(ProfileError, match="runs only colocated"):
         search(costs, Inventory({"H800": 8}), mechanisms=["disaggregated+gap"], steps=3, warmup=1)
+
+
+def test_an_uneven_fsdp_trainer_pool_holds_what_the_memory_planner_plans(catalog):
+    """12 FSDP trainers beside 20 rollout workers on 4 x 8 (the trainers fill a node and half of
+    the next, which they share with rollout workers): the cost model shards the training state
+    over the 12 ranks as the memory planner does for the config the planner prints, and the two
+    agree on the bytes per GPU (weights, gradients, Adam state) within 10%."""
+    from omegaconf import OmegaConf
+
+    from verl_digen.config.compose import compose_config
+    from verl_digen.config.schema import digen_config_from_dict
+    from verl_digen.memory.plan import job_shape, plan_roles
+
+    costs = _costs(catalog, "flux-12b")
+    inv = Inventory({"H800": 32})
+    w = costs.workload
+    (cand,) = [c for c in candidates(inv, groups_per_step=w.groups_per_step, group_size=w.group_size,
+                                     mechanisms=["disaggregated+gap+fsdp"], micro_batches=(2,))
+               if c.spec.trainer_workers == 12]
+    assert cand.pools["trainer"].on_nodes == (8, 4, 0, 0) and cand.pools["rollout"].on_nodes == (0, 4, 8, 8)
+    overrides = hydra_overrides(cand, costs, inv) + ["digen.model.arch=flux", "digen.memory.device_type=H800"]
+    digen = digen_config_from_dict(OmegaConf.to_container(compose_config(overrides), resolve=True)["digen"])
+    job = job_shape(digen, devices_per_node=8, nnodes=4)
+    group = costs.train_group(cand.cluster)
+    assert job.fsdp == group.shard == 12
+    (trainer,) = [p for p in plan_roles(job, 80.0) if p.role == "trainer"]
+    planned = sum(trainer.phases["train"][k] for k in ("weights", "gradients", "optimizer"))
+    assert costs.state_bytes_per_rank(group) == pytest.approx(planned, rel=0.10)
+    assert costs.memory_problems(cand.cluster) == [] and trainer.peak_gib <= trainer.device_gib

@@ -1,7 +1,8 @@
 """``python -m verl_digen.sim.planner``: recommend a pool split and mechanisms for a cluster.
 
-The planner enumerates configurations (colocated; disaggregated pool splits that can be
-placed on whole nodes; micro-batch sizes; GAP and TCSS on or off), drops the ones that do
+The planner enumerates configurations (colocated; every disaggregated pool split, placed on
+the nodes as the runtime places it: pools may fill part of a node and share it; micro-batch
+sizes; GAP and TCSS on or off), drops the ones that do
 not fit in device memory, simulates each with the cost model (the same plans the Ray
 executor would run) and ranks them by images/s. It prints the ranked table, the zero-bubble
 bound and the cost per 1,000 images next to every row, and the hydra overrides that run the
