@@ -370,7 +370,7 @@ def write_doc(args, catalog, cases, ladders, judge, hetero, sens, emu, tiny, ela
         f"  training passes at {catalog.systems[OURS].train_efficiency:g}x the fitted training efficiency (measured on an H100:",
         "  README, \"Measured on a GPU\"; one GPU, LoRA, FSDP collectives modelled);",
         "- **ours, best disaggregated**: the best of every disaggregated configuration the planner knows",
-        "  (pool splits on whole nodes, GAP, TSP, TAG, TCSS, FSDP in lockstep, 1 or 2 groups per call).",
+        "  (every pool split, pools sharing nodes, GAP, TSP, TAG, TCSS, FSDP in lockstep, 1 or 2 groups per call).",
         "",
         "% of bound is images/s over the zero-bubble bound (devices / device-seconds of generation + reward",
         "+ training per image at the best efficiency, no overheads); bubble is the idle fraction of device",

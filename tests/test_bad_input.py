@@ -72,9 +72,10 @@ def test_pools_larger_than_the_cluster_are_refused():
         _trainer("digen.placement=disaggregated", "digen.pools.rollout.devices=2", "digen.pools.trainer.devices=1")
 
 
-def test_pool_wider_than_a_node_is_refused():
-    with pytest.raises(ConfigError, match=r"digen.pools.rollout.devices=3 exceeds trainer.n_gpus_per_node=2"):
-        _trainer("digen.placement=disaggregated", "digen.pools.rollout.devices=3")
+def test_pool_wider_than_a_node_is_refused_when_given_per_node():
+    with pytest.raises(ConfigError, match=r"digen.pools.rollout.devices=3 per node \(digen.pools.rollout.nodes=1\) "
+                                          r"exceeds trainer.n_gpus_per_node=2"):
+        _trainer("digen.placement=disaggregated", "digen.pools.rollout.devices=3", "digen.pools.rollout.nodes=1")
 
 
 def test_zero_size_pool_is_refused():

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 
 from runs import QUIET, metrics_lines, run
 from verl_digen.config.schema import ConfigError
-from verl_digen.placement.pools import ClusterSpec, RayNode, assign_nodes, check_cluster, cluster_nodes
+from verl_digen.placement.pools import ClusterSpec, RayNode, assign_nodes, check_cluster, cluster_nodes, node_counts
 
 
 # ----------------------------------------------------------------------------- placement
@@ -59,6 +59,19 @@ def test_the_trainer_pool_is_packed_on_as_few_nodes_as_possible():
     assert every.count("node0") == every.count("node1") == 8  # the rest anywhere, every device used
     across = assign_nodes({"trainer": 12, "rollout": 4}, _nodes(8, 8), per_node=8)
     assert across["trainer"] == ["node0"] * 8 + ["node1"] * 4
+
+
+def test_pools_of_any_size_fill_part_of_a_node_and_share_it():
+    """10 rollout + 22 trainers on 4 x 8: the trainers fill two nodes and 6 devices of a third,
+    whose 2 free devices and the fourth node take the rollout workers; every device is used once."""
+    placed = assign_nodes({"rollout": 10, "trainer": 22}, _nodes(8, 8, 8, 8), per_node=8)
+    assert placed["trainer"] == ["node0"] * 8 + ["node1"] * 8 + ["node2"] * 6
+    assert sorted(placed["rollout"]) == ["node2"] * 2 + ["node3"] * 8
+    assert node_counts({"rollout": 10, "trainer": 22}, 8, 4) == {"trainer": (8, 8, 6, 0), "rollout": (0, 0, 2, 8)}
+    assert node_counts({"rollout": 3, "trainer": 5, "reward": 1}, 8, 2) == {
+        "trainer": (5, 0), "rollout": (0, 3), "reward": (0, 1)}  # each to the node with most free devices
+    with pytest.raises(ConfigError, match="need 33 devices but the nodes offer 32"):
+        node_counts({"rollout": 11, "trainer": 22}, 8, 4)
 
 
 def test_rollout_workers_spread_over_the_free_devices():

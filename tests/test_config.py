@@ -131,3 +131,31 @@ def test_pools_are_checked_against_the_cluster_in_the_schema():
     cfg.pools.validate_cluster("digen.pools", 4, 1)
     with pytest.raises(ConfigError, match=r"digen.pools need 3 devices"):
         cfg.pools.validate_cluster("digen.pools", 2, 1)
+
+
+def test_pools_of_any_size_the_cluster_holds_validate():
+    """``devices`` without ``nodes`` is the pool's total: 10 + 22 on 4 x 8, pools filling part of
+    a node and sharing it. ``nodes=k`` keeps its meaning (devices on each of k nodes)."""
+    from verl_digen.config.verl_keys import VerlTrainerKeys
+    from verl_digen.placement.pools import cluster_from_trainer_keys, pool_layout
+
+    overrides = ["digen.placement=disaggregated", "trainer.nnodes=4", "trainer.n_gpus_per_node=8",
+                 "digen.pools.rollout.devices=10", "digen.pools.trainer.devices=22"]
+    container = OmegaConf.to_container(compose_config(overrides), resolve=True)
+    cfg = digen_config_from_dict(container["digen"])
+    layout = pool_layout(cfg, cluster_from_trainer_keys(VerlTrainerKeys.of(container)))
+    assert (layout.spec.rollout_workers, layout.spec.trainer_workers) == (10, 22)
+    assert layout.pools["trainer"][0] == [8, 8, 6, 0] and layout.pools["rollout"][0] == [0, 0, 2, 8]
+    too_big = digen_config_from_dict({**container["digen"], "pools": {"rollout": {"devices": 11},
+                                                                      "trainer": {"devices": 22}}})
+    with pytest.raises(ConfigError, match=r"digen.pools need 33 devices"):
+        too_big.pools.validate_cluster("digen.pools", 8, 4)
+    per_node = digen_config_from_dict({**container["digen"], "pools": {"rollout": {"devices": 10, "nodes": 1},
+                                                                       "trainer": {"devices": 22}}})
+    with pytest.raises(ConfigError, match=r"rollout.devices=10 per node \(digen.pools.rollout.nodes=1\) exceeds "
+                                          r"trainer.n_gpus_per_node=8; unset digen.pools.rollout.nodes"):
+        per_node.pools.validate_cluster("digen.pools", 8, 4)
+    two = digen_config_from_dict({**container["digen"], "pools": {"rollout": {"devices": 5, "nodes": 2}}})
+    assert two.pools.rollout.world_size == 10
+    with pytest.raises(ConfigError, match=r"digen.pools.trainer.nodes=0; must be >= 1, or unset"):
+        digen_config_from_dict({**container["digen"], "pools": {"trainer": {"devices": 4, "nodes": 0}}})

@@ -13,7 +13,6 @@ from verl_digen.sim.planner import (
     main,
     parse_mix,
     search,
-    split_shapes,
 )
 from verl_digen.sim.cost_model import CostModel, ProfileError, load_catalog
 
@@ -61,16 +60,81 @@ def test_speedups_are_relative_to_the_best_colocated_configuration(catalog):
         assert row["images_per_s"] <= row["bound_images_per_s"] * (1 + 1e-9)
 
 
-def test_pool_splits_respect_whole_nodes():
-    assert split_shapes(8, 8, per_node=8, nnodes=2) == ((8, 1), (8, 1))
-    assert split_shapes(10, 6, per_node=8, nnodes=2) == ((5, 2), (3, 2))  # 6 + 5 do not share one node
-    assert split_shapes(9, 7, per_node=8, nnodes=2) is None  # 9 is neither 9x1 nor 3x3 on two nodes
-    assert split_shapes(24, 8, per_node=8, nnodes=4) == ((8, 3), (8, 1))
-    specs = [c.spec for c in candidates(Inventory({"H800": 16}), groups_per_step=16, group_size=4,
-                                        mechanisms=["disaggregated"], micro_batches=(1,))]
-    assert all(s.rollout_workers + s.trainer_workers == 16 for s in specs)
-    # both pools must be (devices per node) x (nodes): 15, 13, 11 and 9 devices are not, on 2 x 8
-    assert {s.rollout_workers for s in specs} == {2, 4, 6, 8, 10, 12, 14}
+def test_every_split_is_offered_placed_as_the_runtime_places_it():
+    """Pools of any size: 10 + 22 on 4 x 8 fills two nodes with trainers, 6 of a third, whose 2
+    other devices join the rollout pool's node; the planner's nodes are the runtime's."""
+    from verl_digen.placement.pools import node_counts
+
+    cands = candidates(Inventory({"H800": 32}), groups_per_step=64, group_size=12, mechanisms=["disaggregated"],
+                       micro_batches=(1,))
+    assert sorted(c.spec.rollout_workers for c in cands) == list(range(1, 32))
+    (c,) = [c for c in cands if c.spec.rollout_workers == 10]
+    assert c.pools["trainer"].on_nodes == (8, 8, 6, 0) and c.pools["rollout"].on_nodes == (0, 0, 2, 8)
+    cluster = c.cluster
+    assert (cluster.placement("trainer").nodes, cluster.placement("rollout").nodes) == (3, 2)
+    for c in cands:
+        counts = node_counts({"rollout": c.spec.rollout_workers, "trainer": c.spec.trainer_workers}, 8, 4)
+        assert {p: s.on_nodes for p, s in c.pools.items()} == counts
+        assert all(r + t <= 8 for r, t in zip(c.pools["rollout"].on_nodes, c.pools["trainer"].on_nodes))
+
+
+def test_a_split_that_breaks_an_hsdp_shard_group_across_nodes_is_not_offered():
+    """HSDP (a system's hsdp_shard = k) keeps each shard group of k ranks inside a node: the cost
+    model charges NVLink for it. A training pool that is not whole groups, or whose placement
+    puts a group on two nodes, is not offered; flat FSDP (k = 0) offers every split."""
+    inv = Inventory({"H800": 16})
+    kw = dict(groups_per_step=16, group_size=4, mechanisms=["disaggregated"], micro_batches=(1,))
+    flat = {c.spec.trainer_workers for c in candidates(inv, **kw)}
+    assert flat == set(range(1, 16))
+    by4 = {c.spec.trainer_workers for c in candidates(inv, hsdp_shard=4, **kw)}
+    assert by4 == {1, 2, 3, 4, 8, 12}  # 1-3: flat (the pool is smaller than a group); 6, 10, 14 are not whole groups
+    # groups of 3 on nodes of 8: 6 = (6) keeps both groups on node 0; 9 = (8, 1) and 12 = (8, 4) put one on two nodes
+    by3 = {c.spec.trainer_workers for c in candidates(inv, hsdp_shard=3, **kw)}
+    assert 6 in by3 and 9 not in by3 and 12 not in by3
+    assert by3 == {1, 2, 3, 6}
+
+
+def test_fsdp_is_offered_only_where_a_micro_batch_splits_over_the_trainer_ranks():
+    """The runtime refuses FSDP when a micro-batch's rows do not split evenly over the trainers
+    (DigenConfig.validate); the planner never offers that configuration."""
+    cands = candidates(Inventory({"H800": 16}), groups_per_step=16, group_size=12,
+                       mechanisms=["disaggregated+gap+fsdp"], micro_batches=(1, 2))
+    pairs = {(c.spec.trainer_workers, c.spec.train_micro_batch_groups) for c in cands}
+    assert (12, 1) in pairs and (8, 2) in pairs and (9, 2) not in pairs and (5, 1) not in pairs
+    assert all((mb * 12) % t == 0 for t, mb in pairs)
+
+
+def test_the_uneven_flux_split_is_evaluated_and_the_printed_config_runs_it(catalog):
+    """FLUX at 32 H800: every split is simulated (10 + 22 among them, which whole-node shapes
+    never offered), the choice is the best of them, and the overrides printed for the best
+    uneven split compose and validate into the pools and nodes the planner costed."""
+    from omegaconf import OmegaConf
+
+    from verl_digen.config.compose import compose_config
+    from verl_digen.config.schema import digen_config_from_dict
+    from verl_digen.config.verl_keys import VerlTrainerKeys
+    from verl_digen.placement.pools import cluster_from_trainer_keys, pool_layout
+
+    costs = _costs(catalog, "flux-12b")
+    inv = Inventory({"H800": 32})
+    result = search(costs, inv, mechanisms=["colocated", "disaggregated+gap+tcss"], micro_batches=(1,), steps=3, warmup=1)
+    splits = {e.candidate.spec.rollout_workers for e in result.evaluated if e.candidate.spec.placement == "disaggregated"}
+    assert {10, 11, 13} <= splits
+    assert all(result.best.images_per_s >= e.images_per_s for e in result.evaluated)
+    # the best split whose pools share a node (neither is whole nodes)
+    uneven = max((e for e in result.evaluated if e.candidate.spec.placement == "disaggregated"
+                  and e.candidate.spec.rollout_workers % 8), key=lambda e: e.images_per_s)
+    for ev in (result.best, uneven):
+        overrides = hydra_overrides(ev.candidate, costs, inv)
+        container = OmegaConf.to_container(compose_config(overrides), resolve=True)
+        digen = digen_config_from_dict(container["digen"])
+        layout = pool_layout(digen, cluster_from_trainer_keys(VerlTrainerKeys.of(container)))
+        spec = ev.candidate.spec
+        for field in ("placement", "rollout_workers", "trainer_workers", "groups_per_task", "train_micro_batch_groups"):
+            assert getattr(layout.spec, field) == getattr(spec, field), field
+        if spec.placement == "disaggregated":
+            assert {p: tuple(n) for p, (n, _accel) in layout.pools.items()} == {
+                p: s.on_nodes for p, s in ev.candidate.pools.items()}
 
 
 def test_heterogeneous_mix_puts_each_pool_on_one_device_type(catalog):
@@ -153,3 +217,32 @@ def test_a_system_that_runs_only_colocated_is_refused_other_placements(catalog):
     costs = CostModel.from_catalog(catalog, "flux-12b", devices=["H800"], system="verl-omni", groups_per_step=16)
     with pytest.raises(ProfileError, match="runs only colocated"):
         search(costs, Inventory({"H800": 8}), mechanisms=["disaggregated+gap"], steps=3, warmup=1)
+
+
+def test_an_uneven_fsdp_trainer_pool_holds_what_the_memory_planner_plans(catalog):
+    """12 FSDP trainers beside 20 rollout workers on 4 x 8 (the trainers fill a node and half of
+    the next, which they share with rollout workers): the cost model shards the training state
+    over the 12 ranks as the memory planner does for the config the planner prints, and the two
+    agree on the bytes per GPU (weights, gradients, Adam state) within 10%."""
+    from omegaconf import OmegaConf
+
+    from verl_digen.config.compose import compose_config
+    from verl_digen.config.schema import digen_config_from_dict
+    from verl_digen.memory.plan import job_shape, plan_roles
+
+    costs = _costs(catalog, "flux-12b")
+    inv = Inventory({"H800": 32})
+    w = costs.workload
+    (cand,) = [c for c in candidates(inv, groups_per_step=w.groups_per_step, group_size=w.group_size,
+                                     mechanisms=["disaggregated+gap+fsdp"], micro_batches=(2,))
+               if c.spec.trainer_workers == 12]
+    assert cand.pools["trainer"].on_nodes == (8, 4, 0, 0) and cand.pools["rollout"].on_nodes == (0, 4, 8, 8)
+    overrides = hydra_overrides(cand, costs, inv) + ["digen.model.arch=flux", "digen.memory.device_type=H800"]
+    digen = digen_config_from_dict(OmegaConf.to_container(compose_config(overrides), resolve=True)["digen"])
+    job = job_shape(digen, devices_per_node=8, nnodes=4)
+    group = costs.train_group(cand.cluster)
+    assert job.fsdp == group.shard == 12
+    (trainer,) = [p for p in plan_roles(job, 80.0) if p.role == "trainer"]
+    planned = sum(trainer.phases["train"][k] for k in ("weights", "gradients", "optimizer"))
+    assert costs.state_bytes_per_rank(group) == pytest.approx(planned, rel=0.10)
+    assert costs.memory_problems(cand.cluster) == [] and trainer.peak_gib <= trainer.device_gib

@@ -177,6 +177,49 @@ def test_fsdp_collectives_grow_with_ranks_and_use_every_nic_across_nodes(catalog
     assert comm("A100", 16) > 1.4 * comm("A100", 8)
 
 
+def test_a_pool_on_part_of_a_node_is_charged_as_the_nodes_it_spans(catalog):
+    """A pool of any size: its FSDP collectives and the weight sync cross nodes exactly as a
+    uniform pool on as many nodes does; pools that share a node share its NVLink only where the
+    sync's sender and every receiver sit on it."""
+    c = CostModel.from_catalog(catalog, "flux-12b", devices=["A100"], train_device_batch=2)
+    a100 = catalog.devices["A100"]
+
+    def comm(trainer):
+        return c.fsdp_comm_seconds(a100, c.train_group(Cluster({"trainer": trainer, "rollout": PoolPlacement(1, 1, "A100")})))
+
+    uneven = PoolPlacement.spread((8, 8, 6, 0), "A100")  # 22 trainers: two nodes and 6 of a third
+    assert (uneven.size, uneven.nodes, uneven.node_devices) == (22, 3, [8, 8, 6])
+    assert comm(uneven) == pytest.approx(comm(PoolPlacement(22, 3, "A100")))  # as a 22-rank pool on 3 nodes today
+    assert comm(uneven) > comm(PoolPlacement.spread((6, 0), "A100")) * 1.3  # NICs, not NVLink
+    # sync: trainer 0 on node 0; rollout on nodes 2 and 3 -> over the NIC, rollout beside trainer 0 -> NVLink
+    apart = Cluster({"trainer": uneven, "rollout": PoolPlacement.spread((0, 0, 2, 8), "A100")})
+    beside = Cluster({"trainer": PoolPlacement.spread((6, 0), "A100"), "rollout": PoolPlacement.spread((2, 0), "A100")})
+    split = Cluster({"trainer": PoolPlacement.spread((6, 0), "A100"), "rollout": PoolPlacement.spread((2, 8), "A100")})
+    wire = c.sync_bytes / (c.system.nccl_efficiency * 1e9)
+    fixed = c.system.sync_fixed_s
+    assert c.sync_seconds(beside) - fixed == pytest.approx(
+        wire / a100.intra_node_gbps + c.sync_bytes * 5 / 6 / c.collective_bw(a100, 1))
+    assert c.sync_seconds(split) - c.sync_seconds(beside) == pytest.approx(wire / a100.inter_node_gbps - wire / a100.intra_node_gbps)
+    assert c.sync_seconds(apart) > c.sync_seconds(split)  # and its 22-rank gather crosses nodes
+    with pytest.raises(ValueError, match="cannot be"):
+        PoolPlacement(22, 2, "A100", on_nodes=(8, 8, 6))
+
+
+def test_an_hsdp_shard_group_that_straddles_two_nodes_pays_the_network(catalog):
+    """HSDP shards over groups of k consecutive ranks: a group inside a node uses NVLink; the
+    cost model does not assume it (the planner offers only placements that keep groups inside)."""
+    base = CostModel.from_catalog(catalog, "flux-12b", devices=["A100"], train_device_batch=2)
+    c = base.with_system(dataclasses.replace(base.system, hsdp_shard=4))
+
+    def group(*on_nodes):
+        return c.train_group(Cluster({"fused": PoolPlacement.spread(on_nodes, "A100")}))
+
+    assert (group(8, 8).shard, group(8, 8).shard_nodes, group(8, 8).replicas) == (4, 1, 4)
+    assert group(6, 6).shard_nodes == 2  # ranks 4..7 sit on both nodes
+    a100 = catalog.devices["A100"]
+    assert c.fsdp_comm_seconds(a100, group(6, 6)) > c.fsdp_comm_seconds(a100, group(8, 8))
+
+
 def test_lora_sync_moves_megabytes_and_full_sync_the_whole_model(catalog):
     full, lora = _costs(catalog, "flux-12b"), _costs(catalog, "flux-12b", lora=True)
     assert full.sync_bytes == pytest.approx(2 * full.model.params)
@@ -331,7 +374,7 @@ def test_no_simulated_schedule_beats_the_zero_bubble_bound(catalog):
     for _ in range(40):
         model = rng.choice(models)
         device = rng.choice(["H100", "H800", "A100"])
-        devices = rng.choice([2, 4, 8, 16])
+        devices = rng.choice([2, 4, 8, 12, 16, 24])  # 12, 24 and most splits put two pools on one node
         groups = rng.choice([8, 16])
         costs = CostModel.from_catalog(
             catalog, model, devices=[device], groups_per_step=groups, group_size=rng.choice([2, 4, 8]),

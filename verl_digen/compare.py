@@ -184,7 +184,7 @@ def _pool_split(overrides: list[str], devices: int, base=None) -> tuple[list[str
     if any(o.startswith("digen.pools.") for o in overrides):
         cfg = base if base is not None else compose_config(overrides)
         r, t = cfg.digen.pools.rollout, cfg.digen.pools.trainer
-        return [], r.devices * r.nodes, t.devices * t.nodes
+        return [], r.devices * (r.nodes or 1), t.devices * (t.nodes or 1)
     rollout = max(1, devices // 2)
     trainer = max(1, devices - rollout)
     return [f"digen.pools.rollout.devices={rollout}", f"digen.pools.trainer.devices={trainer}"], rollout, trainer

@@ -227,13 +227,18 @@ class RewardConfig:
 
 @dataclass
 class PoolSpec:
-    devices: int = 1  # devices per node
-    nodes: int = 1
+    # With ``nodes`` unset: the pool's devices, any number the cluster holds (10 of 4 x 8 GPUs
+    # is 8 on one node and 2 on another; pools may share a node). With ``nodes=k``: devices
+    # on each of k nodes. Either way the runtime places the workers
+    # (verl_digen.placement.pools.assign_nodes: the trainer pool packed on as few nodes as
+    # possible, the other pools on the devices left).
+    devices: int = 1
+    nodes: Optional[int] = None
     accelerator_type: Optional[str] = None  # Ray accelerator type for heterogeneous clusters (e.g. H800)
 
     @property
     def world_size(self) -> int:
-        return self.devices * self.nodes
+        return self.devices * (self.nodes or 1)
 
 
 @dataclass
@@ -247,8 +252,10 @@ class PoolsConfig:
     def validate(self, key: str) -> None:
         for role in ("rollout", "trainer"):
             spec: PoolSpec = getattr(self, role)
-            if spec.devices < 1 or spec.nodes < 1:
+            if spec.devices < 1:
                 _fail(f"{key}.{role}.devices", spec.devices, f"the {role} pool needs at least 1 device")
+            if spec.nodes is not None and spec.nodes < 1:
+                _fail(f"{key}.{role}.nodes", spec.nodes, "must be >= 1, or unset (devices is then the pool's total)")
         if self.reward.devices < 0:
             _fail(f"{key}.reward.devices", self.reward.devices, "must be >= 0 (0 = reward on rollout)")
 
@@ -259,12 +266,13 @@ class PoolsConfig:
             p: PoolSpec = getattr(self, role)
             if role == "reward" and p.devices == 0:
                 continue
-            if p.devices > n_devices_per_node:
+            if p.nodes is not None and p.devices > n_devices_per_node:
                 raise ConfigError(
-                    f"invalid config: {key}.{role}.devices={p.devices} exceeds "
-                    f"trainer.n_gpus_per_node={n_devices_per_node}"
+                    f"invalid config: {key}.{role}.devices={p.devices} per node ({key}.{role}.nodes={p.nodes}) "
+                    f"exceeds trainer.n_gpus_per_node={n_devices_per_node}; unset {key}.{role}.nodes to give "
+                    "the pool's total instead"
                 )
-            if p.nodes > nnodes:
+            if p.nodes is not None and p.nodes > nnodes:
                 raise ConfigError(f"invalid config: {key}.{role}.nodes={p.nodes} exceeds trainer.nnodes={nnodes}")
             total += p.world_size
         if total > n_devices_per_node * nnodes:
@@ -428,7 +436,7 @@ class SyncConfig:
 # The digen.* key of each StrategySpec field that a DigenConfig determines.
 _STRATEGY_KEYS = {
     "placement": "digen.placement",
-    "rollout_workers": "the rollout pool size digen.pools.rollout.devices x nodes",
+    "rollout_workers": "the rollout pool size digen.pools.rollout.devices (x digen.pools.rollout.nodes when set)",
     "groups_per_step": "digen.batch.groups_per_step",
     "groups_per_task": "digen.batch.groups_per_task",
     "train_micro_batch_groups": "digen.batch.train_micro_batch_groups",
@@ -494,7 +502,7 @@ class DigenConfig:
         )
 
     def validate(self) -> None:
-        from verl_digen.schedule.strategies import strategy_violations
+        from verl_digen.schedule.strategies import fsdp_rows_split, strategy_violations
 
         _check_finite(self, "digen")
         _check_ranges(self)
@@ -520,12 +528,13 @@ class DigenConfig:
                 _fail("digen.tag.enable", True, "TAG with FSDP would make generation a trainer collective; not supported")
             if self.tsp.train_split != "sample":
                 _fail("digen.tsp.train_split", self.tsp.train_split, "FSDP splits each micro-batch by sample")
-            if self.placement == "disaggregated":
+            if self.placement == "disaggregated" and not fsdp_rows_split(
+                self.batch.train_micro_batch_groups, self.batch.group_size, self.pools.trainer.world_size
+            ):
                 rows = self.batch.train_micro_batch_groups * self.batch.group_size
-                if rows % self.pools.trainer.world_size:
-                    _fail("digen.batch.train_micro_batch_groups", self.batch.train_micro_batch_groups,
-                          f"x digen.batch.group_size={self.batch.group_size} = {rows} rows must split evenly over the "
-                          f"{self.pools.trainer.world_size} FSDP trainer ranks")
+                _fail("digen.batch.train_micro_batch_groups", self.batch.train_micro_batch_groups,
+                      f"x digen.batch.group_size={self.batch.group_size} = {rows} rows must split evenly over the "
+                      f"{self.pools.trainer.world_size} FSDP trainer ranks")
         if self.placement == "disaggregated":
             self.pools.validate("digen.pools")
         if self.algo.std_mode == "global" and self.gap.enable:

@@ -114,9 +114,19 @@ def assign_nodes(pool_sizes: dict[str, int], nodes: list[RayNode], per_node: int
     return out
 
 
+def node_counts(pool_sizes: dict[str, int], per_node: int, nnodes: int) -> dict[str, tuple[int, ...]]:
+    """Devices of every pool on each node of a cluster of ``nnodes`` x ``per_node`` devices, as
+    :func:`assign_nodes` places them: ``{pool: (on node 0, on node 1, ...)}``. The planner and
+    the cost model read a pool's nodes from here, so they cost the placement the runtime makes."""
+    nodes = [RayNode(str(i), per_node) for i in range(nnodes)]
+    placed = assign_nodes(pool_sizes, nodes, per_node)
+    return {pool: tuple(ranks.count(n.node_id) for n in nodes) for pool, ranks in placed.items()}
+
+
 @dataclass(frozen=True)
 class PoolLayout:
-    """Per pool name: devices on each node, and an optional accelerator type."""
+    """Per pool name: devices on each node of the declared cluster (0 where the pool has
+    none), and an optional accelerator type."""
 
     pools: dict[str, tuple[list[int], str | None]]
     role_of_pool: dict[str, str]
@@ -137,12 +147,9 @@ def pool_layout(cfg: DigenConfig, cluster: ClusterSpec) -> PoolLayout:
 
     pools_cfg = cfg.pools
     pools_cfg.validate_cluster("digen.pools", cluster.n_devices_per_node, cluster.nnodes)
-    pools: dict[str, tuple[list[int], str | None]] = {}
-    for role in ("rollout", "trainer", "reward"):
-        p = getattr(pools_cfg, role)
-        if role == "reward" and p.devices == 0:
-            continue
-        pools[role] = ([p.devices] * p.nodes, p.accelerator_type)
+    roles = [r for r in ("rollout", "trainer", "reward") if r != "reward" or pools_cfg.reward.devices]
+    counts = node_counts({r: getattr(pools_cfg, r).world_size for r in roles}, cluster.n_devices_per_node, cluster.nnodes)
+    pools = {r: (list(counts[r]), getattr(pools_cfg, r).accelerator_type) for r in roles}
     spec = StrategySpec(
         **common,
         trainer_workers=pools_cfg.trainer.world_size,

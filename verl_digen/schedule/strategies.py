@@ -109,6 +109,12 @@ def strategy_violations(
     return out
 
 
+def fsdp_rows_split(train_micro_batch_groups: int, group_size: int, trainer_workers: int) -> bool:
+    """Whether a micro-batch's rows split evenly over the FSDP trainer ranks, as the lockstep
+    gang needs (every rank takes the same share of each micro-batch)."""
+    return (train_micro_batch_groups * group_size) % trainer_workers == 0
+
+
 def sample_split(groups_per_step: int, groups_per_task: int, group_size: int, lanes: int) -> int:
     """Generate tasks per unit of ``groups_per_task`` groups: 1 when the step has at least as many
     units as rollout lanes (workers, or TSP pipelines); otherwise each unit is cut into that many

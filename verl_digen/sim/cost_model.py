@@ -376,11 +376,47 @@ def load_catalog(extra: Iterable[str] = (), *, include_builtin: bool = True, ove
 
 @dataclass(frozen=True)
 class PoolPlacement:
-    """A pool of ``size`` devices of one type spread over ``nodes`` nodes."""
+    """A pool of ``size`` devices of one type spread over ``nodes`` nodes.
+
+    ``on_nodes``: the pool's devices on each node of the cluster, by node index (0 where it has
+    none), as the runtime places it (:func:`verl_digen.placement.pools.node_counts`): pools of
+    any size, filling some nodes and part of another, sharing a node with another pool. None:
+    ``size / nodes`` on each of ``nodes`` nodes of its own."""
 
     size: int
     nodes: int
     device: str
+    on_nodes: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.on_nodes is not None and (
+            sum(self.on_nodes) != self.size or sum(1 for n in self.on_nodes if n) != self.nodes
+        ):
+            raise ValueError(f"pool of {self.size} devices on {self.nodes} nodes cannot be {self.on_nodes} per node")
+
+    @classmethod
+    def spread(cls, on_nodes: Iterable[int], device: str) -> "PoolPlacement":
+        """The pool with ``on_nodes[i]`` devices on node ``i``."""
+        counts = tuple(on_nodes)
+        return cls(size=sum(counts), nodes=sum(1 for n in counts if n), device=device, on_nodes=counts)
+
+    @property
+    def node_devices(self) -> list[int]:
+        """Devices on each node the pool spans, in node order (ranks fill them in that order)."""
+        if self.on_nodes is not None:
+            return [n for n in self.on_nodes if n]
+        base, extra = divmod(self.size, max(1, self.nodes))
+        return [base + (i < extra) for i in range(self.nodes)]
+
+    def group_nodes(self, k: int) -> int:
+        """The most nodes one group of ``k`` consecutive ranks spans (groups 0..k-1, k..2k-1, ...)."""
+        node_of = [i for i, n in enumerate(self.node_devices) for _ in range(n)]
+        return max(len(set(node_of[g:g + k])) for g in range(0, self.size, k)) if self.size else 1
+
+    @property
+    def first_node(self) -> int | None:
+        """The node of rank 0 (None: a pool without ``on_nodes``)."""
+        return next(i for i, n in enumerate(self.on_nodes) if n) if self.on_nodes is not None else None
 
 
 @dataclass(frozen=True)
@@ -403,16 +439,17 @@ class Cluster:
 
     @classmethod
     def for_spec(cls, spec: StrategySpec, device: str, devices_per_node: int = 8) -> "Cluster":
-        """Pack each pool onto as few nodes as possible (trainer first: it talks the most)."""
+        """The pools on as few nodes of ``devices_per_node`` as hold them all, placed as the
+        runtime places them (trainer packed first: it talks the most; the rest on what is left)."""
+        from verl_digen.placement.pools import node_counts
 
-        def packed(n: int) -> PoolPlacement:
-            return PoolPlacement(size=n, nodes=math.ceil(n / devices_per_node), device=device)
-
-        pools = {"fused": packed(spec.rollout_workers)} if spec.placement == "colocated" else {
-            "rollout": packed(spec.rollout_workers), "trainer": packed(spec.trainer_workers)}
+        sizes = {"fused": spec.rollout_workers} if spec.placement == "colocated" else {
+            "rollout": spec.rollout_workers, "trainer": spec.trainer_workers}
         if spec.reward_workers:
-            pools["reward"] = packed(spec.reward_workers)
-        return cls(pools)
+            sizes["reward"] = spec.reward_workers
+        nnodes = math.ceil(sum(sizes.values()) / devices_per_node)
+        counts = node_counts(sizes, devices_per_node, nnodes)
+        return cls({pool: PoolPlacement.spread(counts[pool], device) for pool in sizes})
 
 
 def training_pool(cluster: Cluster) -> str:
@@ -595,9 +632,8 @@ class CostModel:
     def train_group(self, cluster: Cluster) -> TrainGroup:
         p = cluster.placement(training_pool(cluster))
         shard = self.system.hsdp_shard if 0 < self.system.hsdp_shard < p.size else p.size
-        per_node = self.device(p.device).devices_per_node
-        shard_nodes = 1 if shard <= per_node and p.nodes >= 1 and shard < p.size else p.nodes
-        return TrainGroup(ranks=p.size, nodes=p.nodes, shard=shard, shard_nodes=shard_nodes)
+        # flat FSDP spans the pool's nodes; an HSDP shard group the nodes its ranks sit on
+        return TrainGroup(ranks=p.size, nodes=p.nodes, shard=shard, shard_nodes=p.group_nodes(shard))
 
     def state_bytes_per_rank(self, group: TrainGroup) -> float:
         s = self.system
@@ -789,8 +825,11 @@ class CostModel:
             gather = self.sync_bytes * (group.shard - 1) / group.shard / self.collective_bw(dev, group.shard_nodes)
         rollout = cluster.placement("rollout")
         ends = (dev, self.device(rollout.device))
-        # one node holds both pools only when they fit in it together
-        same_node = tp.nodes == 1 and rollout.nodes == 1 and tp.size + rollout.size <= dev.devices_per_node
+        if tp.on_nodes is not None and rollout.on_nodes is not None:
+            # the broadcast stays on NVLink only when every rollout worker shares trainer 0's node
+            same_node = [i for i, n in enumerate(rollout.on_nodes) if n] == [tp.first_node]
+        else:  # one node holds both pools only when they fit in it together
+            same_node = tp.nodes == 1 and rollout.nodes == 1 and tp.size + rollout.size <= dev.devices_per_node
         link = min(d.intra_node_gbps if same_node else d.inter_node_gbps for d in ends)
         # a pipelined broadcast from trainer 0 costs about bytes / bandwidth whatever the number of
         # receivers; the sender is one device, so one NIC

@@ -1,7 +1,8 @@
 """``python -m verl_digen.sim.planner``: recommend a pool split and mechanisms for a cluster.
 
-The planner enumerates configurations (colocated; disaggregated pool splits that can be
-placed on whole nodes; micro-batch sizes; GAP and TCSS on or off), drops the ones that do
+The planner enumerates configurations (colocated; every disaggregated pool split, placed on
+the nodes as the runtime places it: pools may fill part of a node and share it; micro-batch
+sizes; GAP and TCSS on or off), drops the ones that do
 not fit in device memory, simulates each with the cost model (the same plans the Ray
 executor would run) and ranks them by images/s. It prints the ranked table, the zero-bubble
 bound and the cost per 1,000 images next to every row, and the hydra overrides that run the
@@ -29,7 +30,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from verl_digen.schedule.strategies import StrategySpec
+from verl_digen.schedule.strategies import StrategySpec, fsdp_rows_split
 from verl_digen.sim.cost_model import Catalog, Cluster, CostModel, PoolPlacement, ProfileError, load_catalog
 from verl_digen.sim.simulator import SimResult, simulate
 
@@ -53,15 +54,23 @@ MECHANISMS: dict[str, dict[str, Any]] = {
 
 @dataclass(frozen=True)
 class PoolShape:
-    """A pool as the loop's config spells it: ``devices`` per node on ``nodes`` nodes."""
+    """A pool as the runtime places it: ``on_nodes[i]`` devices of ``device`` on node ``i`` of
+    the inventory (0 where it has none)."""
 
-    devices: int
-    nodes: int
+    on_nodes: tuple[int, ...]
     device: str
 
     @property
     def size(self) -> int:
-        return self.devices * self.nodes
+        return sum(self.on_nodes)
+
+    @property
+    def nodes(self) -> int:
+        return sum(1 for n in self.on_nodes if n)
+
+    @property
+    def placement(self) -> PoolPlacement:
+        return PoolPlacement.spread(self.on_nodes, self.device)
 
 
 @dataclass(frozen=True)
@@ -86,7 +95,7 @@ class Candidate:
 
     @property
     def cluster(self) -> Cluster:
-        return Cluster({name: PoolPlacement(size=p.size, nodes=p.nodes, device=p.device) for name, p in self.pools.items()})
+        return Cluster({name: p.placement for name, p in self.pools.items()})
 
     @property
     def label(self) -> str:
@@ -175,21 +184,21 @@ class Search:
 # ---------------------------------------------------------------------------- enumeration
 
 
-def _shapes(n: int, per_node: int, nnodes: int) -> list[tuple[int, int]]:
-    """(devices per node, nodes) with devices x nodes = n, fewest nodes first."""
-    return [(n // k, k) for k in range(1, nnodes + 1) if n % k == 0 and n // k <= per_node]
+def placed(sizes: dict[str, int], per_node: int, nnodes: int, device: str) -> dict[str, PoolShape]:
+    """Pools of ``sizes`` devices on ``nnodes`` nodes of ``per_node``, placed as the runtime
+    places them (:func:`verl_digen.placement.pools.node_counts`)."""
+    from verl_digen.placement.pools import node_counts
+
+    return {pool: PoolShape(counts, device) for pool, counts in node_counts(sizes, per_node, nnodes).items()}
 
 
-def split_shapes(rollout: int, trainer: int, per_node: int, nnodes: int) -> tuple[tuple[int, int], tuple[int, int]] | None:
-    """Node shapes for a rollout and a trainer pool of one device type that fit the nodes
-    together; the trainer on as few nodes as possible (its FSDP collectives), then rollout."""
-    for t_dev, t_nodes in _shapes(trainer, per_node, nnodes):
-        for r_dev, r_nodes in _shapes(rollout, per_node, nnodes):
-            # trainer on the first t_nodes nodes; rollout needs r_nodes nodes with r_dev free
-            free = [per_node - (t_dev if i < t_nodes else 0) for i in range(nnodes)]
-            if sum(1 for f in free if f >= r_dev) >= r_nodes:
-                return (r_dev, r_nodes), (t_dev, t_nodes)
-    return None
+def shard_groups_stay_in_nodes(pool: PoolShape, shard: int) -> bool:
+    """HSDP (``shard`` = k > 0, fewer than the pool): the pool is whole shard groups of k ranks,
+    each inside one node (the cost model charges NVLink for them and the gradient all-reduce
+    between them). Flat FSDP (0, or k >= the pool) spans whatever nodes the pool spans."""
+    if not 0 < shard < pool.size:
+        return True
+    return pool.size % shard == 0 and pool.placement.group_nodes(shard) == 1
 
 
 def _divisors(n: int, options: Iterable[int]) -> list[int]:
@@ -206,9 +215,13 @@ def candidates(
     splits: Iterable[int] | None = None,
     num_steps: int = 8,
     whole_step: bool = False,
+    hsdp_shard: int = 0,
 ) -> list[Candidate]:
     """Every configuration the planner evaluates. ``whole_step``: a system whose engine takes a
-    worker's whole share of the step at once (one generate and one train task per worker)."""
+    worker's whole share of the step at once (one generate and one train task per worker).
+    One device type: every rollout/trainer split ``r + (n - r)``, placed as the runtime places
+    it (pools may fill part of a node and share it); ``hsdp_shard`` (the system's): splits whose
+    training pool breaks an HSDP shard group across nodes are not offered."""
     micro = _divisors(groups_per_step, micro_batches)
     types = sorted(inventory.devices, key=lambda t: -inventory.devices[t])
     if len(types) > 2:
@@ -220,33 +233,28 @@ def candidates(
             raise ProfileError(f"unknown mechanism set {label!r}; valid: {', '.join(MECHANISMS)}")
         layouts: list[dict[str, PoolShape]] = []
         if switches["placement"] == "colocated":
-            if len(types) == 1:
-                t = types[0]
-                n = inventory.devices[t]
-                layouts.append({"fused": PoolShape(min(n, inventory.per_node), inventory.nodes_of(t), t)})
             # a mixed colocated pool is not modelled: FSDP across device types runs at the slowest
-            else:
-                slow = types[-1]
-                n = inventory.total
-                layouts.append({"fused": PoolShape(min(n, inventory.per_node), math.ceil(n / inventory.per_node), slow)})
+            t, n = (types[0], inventory.devices[types[0]]) if len(types) == 1 else (types[-1], inventory.total)
+            layouts.append(placed({"fused": n}, min(n, inventory.per_node), math.ceil(n / inventory.per_node), t))
         elif len(types) == 1:
             t = types[0]
             n = inventory.devices[t]
-            nnodes = inventory.nodes_of(t)
-            per_node = min(n, inventory.per_node)
             for r in splits if splits is not None else range(1, n):
-                shapes = split_shapes(r, n - r, per_node, nnodes)
-                if shapes:
-                    (rd, rn), (td, tn) = shapes
-                    layouts.append({"rollout": PoolShape(rd, rn, t), "trainer": PoolShape(td, tn, t)})
+                if not 0 < r < n:
+                    raise ProfileError(f"a split of {n} devices needs 1..{n - 1} rollout devices, got {r}")
+                layouts.append(placed({"rollout": r, "trainer": n - r}, min(n, inventory.per_node), inventory.nodes_of(t), t))
         else:
+            # each pool on the nodes of its own device type: the first type's nodes, then the second's
+            before = {types[0]: 0, types[1]: inventory.nodes_of(types[0])}
+            after = {types[0]: inventory.nodes_of(types[1]), types[1]: 0}
             for r_type, t_type in ((types[0], types[1]), (types[1], types[0])):
-                layouts.append(
-                    {
-                        "rollout": PoolShape(min(inventory.devices[r_type], inventory.per_node), inventory.nodes_of(r_type), r_type),
-                        "trainer": PoolShape(min(inventory.devices[t_type], inventory.per_node), inventory.nodes_of(t_type), t_type),
-                    }
-                )
+                pools = {}
+                for pool, dtype in (("rollout", r_type), ("trainer", t_type)):
+                    own = placed({pool: inventory.devices[dtype]}, min(inventory.devices[dtype], inventory.per_node),
+                                 inventory.nodes_of(dtype), dtype)[pool].on_nodes
+                    pools[pool] = PoolShape((0,) * before[dtype] + own + (0,) * after[dtype], dtype)
+                layouts.append(pools)
+        layouts = [p for p in layouts if shard_groups_stay_in_nodes(p["fused" if "fused" in p else "trainer"], hsdp_shard)]
         for pools in layouts:
             sizes = micro
             if whole_step:
@@ -271,6 +279,8 @@ def candidates(
                     if "tag" in switches:
                         common["tag"] = True
                     if "fsdp" in switches:
+                        if not fsdp_rows_split(mb, group_size, pools["trainer"].size):
+                            continue  # the runtime refuses it (DigenConfig.validate): ranks would take unequal shares
                         common["fsdp"] = True
                     stages = [1]
                     if "tsp_stages" in switches:
@@ -311,6 +321,7 @@ def search(
     cands = candidates(
         inventory, groups_per_step=w.groups_per_step, group_size=w.group_size, mechanisms=runnable,
         micro_batches=micro_batches, num_steps=w.num_steps, whole_step=costs.system.whole_step_tasks,
+        hsdp_shard=costs.system.hsdp_shard,
     )
     return Search([evaluate(c, costs, steps=steps, warmup=warmup) for c in cands], costs, inventory)
 
@@ -331,7 +342,8 @@ def hydra_overrides(candidate: Candidate, costs: CostModel, inventory: Inventory
         mixed = len(inventory.devices) > 1
         for pool in ("rollout", "trainer"):
             p = candidate.pools[pool]
-            out += [f"digen.pools.{pool}.devices={p.devices}", f"digen.pools.{pool}.nodes={p.nodes}"]
+            # the pool's total; the runtime places it on the nodes as the planner did (nodes unset)
+            out += [f"digen.pools.{pool}.devices={p.size}", f"digen.pools.{pool}.nodes=null"]
             if mixed:
                 out.append(f"digen.pools.{pool}.accelerator_type={p.device}")
     out += [

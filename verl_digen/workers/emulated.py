@@ -224,11 +224,8 @@ class _EmulatedGroup:
 
 
 def cluster_for_layout(layout: Any, device: str) -> Cluster:
-    """The :class:`Cluster` of a loop's ``PoolLayout`` (pools of ``devices x nodes``)."""
-    pools = {}
-    for name, (process_on_nodes, _accel) in layout.pools.items():
-        pools[name] = PoolPlacement(size=sum(process_on_nodes), nodes=len(process_on_nodes), device=device)
-    return Cluster(pools)
+    """The :class:`Cluster` of a loop's ``PoolLayout`` (each pool's devices on every node)."""
+    return Cluster({name: PoolPlacement.spread(on_nodes, device) for name, (on_nodes, _accel) in layout.pools.items()})
 
 
 def emulated_worker_groups(
