@@ -56,7 +56,7 @@ def _layer(module: str) -> str:
 
 # Shared data below every layer: the device table (GPU memory for the memory planner, speeds for
 # the simulator). It imports nothing from verl_digen.
-DATA_MODULES = {"verl_digen.platform.devices"}
+DATA_MODULES = {"verl_digen.platform.devices", "verl_digen.platform.nodes"}
 
 
 def test_sim_imports_only_schedule():

@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 from runs import QUIET, metrics_lines, run
 from verl_digen.config.schema import ConfigError
 from verl_digen.placement.pools import ClusterSpec, RayNode, assign_nodes, check_cluster, cluster_nodes, node_counts
+from verl_digen.platform.nodes import PlacementError
 
 
 # ----------------------------------------------------------------------------- placement
@@ -70,8 +71,10 @@ def test_pools_of_any_size_fill_part_of_a_node_and_share_it():
     assert node_counts({"rollout": 10, "trainer": 22}, 8, 4) == {"trainer": (8, 8, 6, 0), "rollout": (0, 0, 2, 8)}
     assert node_counts({"rollout": 3, "trainer": 5, "reward": 1}, 8, 2) == {
         "trainer": (5, 0), "rollout": (0, 3), "reward": (0, 1)}  # each to the node with most free devices
-    with pytest.raises(ConfigError, match="need 33 devices but the nodes offer 32"):
+    with pytest.raises(PlacementError, match="need 33 devices but the nodes offer 32"):
         node_counts({"rollout": 11, "trainer": 22}, 8, 4)
+    with pytest.raises(ConfigError, match="invalid config: the pools need 33 devices but the nodes offer 32"):
+        assign_nodes({"rollout": 11, "trainer": 22}, _nodes(8, 8, 8, 8), per_node=8)
 
 
 def test_rollout_workers_spread_over_the_free_devices():

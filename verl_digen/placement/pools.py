@@ -24,6 +24,7 @@ from typing import Any
 
 from verl_digen.config.schema import ConfigError, DigenConfig
 from verl_digen.config.verl_keys import VerlTrainerKeys
+from verl_digen.platform.nodes import PlacementError, RayNode, node_counts, pack_pools  # noqa: F401 (re-exported)
 from verl_digen.schedule.plan import WorkerId
 from verl_digen.schedule.strategies import StrategySpec
 
@@ -44,14 +45,6 @@ def cluster_from_trainer_keys(trainer: VerlTrainerKeys) -> ClusterSpec:
     """The declared cluster: ``trainer.nnodes`` x ``trainer.n_gpus_per_node`` (checked positive
     when the keys were read)."""
     return ClusterSpec(n_devices_per_node=trainer.n_gpus_per_node, nnodes=trainer.nnodes)
-
-
-@dataclass(frozen=True)
-class RayNode:
-    """One node of the Ray cluster: its id and how many devices (GPUs, or CPU slots) it offers."""
-
-    node_id: str
-    devices: int
 
 
 def cluster_nodes(nodes: list[dict[str, Any]], device_kind: str) -> list[RayNode]:
@@ -86,41 +79,13 @@ def check_cluster(nodes: list[RayNode], cluster: ClusterSpec, device_kind: str) 
 
 
 def assign_nodes(pool_sizes: dict[str, int], nodes: list[RayNode], per_node: int | None) -> dict[str, list[str]]:
-    """The node of every worker of every pool: ``{pool: [node_id of rank 0, rank 1, ...]}``.
-
-    ``pool_sizes``: workers per pool; the ``trainer`` (or ``fused``) pool is placed first, on as
-    few nodes as possible (fill one node, then the next), so that its collectives stay on a
-    node's fast links where they can; the other pools, in the order given, go one worker at a
-    time to the node with the most free devices (ties: the earlier node). Each node offers
-    ``per_node`` devices (``trainer.n_gpus_per_node``; None: what each node has).
-    """
-    free = {n.node_id: n.devices if per_node is None else per_node for n in nodes}
-    order = [n.node_id for n in nodes]
-    total = sum(pool_sizes.values())
-    if total > sum(free.values()):
-        raise ConfigError(f"invalid config: the pools need {total} devices but the nodes offer {sum(free.values())}")
-    out: dict[str, list[str]] = {}
-    packed = [p for p in ("trainer", "fused") if p in pool_sizes]
-    for pool in packed + [p for p in pool_sizes if p not in packed]:
-        ranks: list[str] = []
-        for _ in range(pool_sizes[pool]):
-            if pool in packed:  # fill the fullest-free node first, then keep filling it
-                node = ranks[-1] if ranks and free[ranks[-1]] else max(order, key=lambda n: (free[n], -order.index(n)))
-            else:
-                node = max(order, key=lambda n: (free[n], -order.index(n)))
-            free[node] -= 1
-            ranks.append(node)
-        out[pool] = ranks
-    return out
-
-
-def node_counts(pool_sizes: dict[str, int], per_node: int, nnodes: int) -> dict[str, tuple[int, ...]]:
-    """Devices of every pool on each node of a cluster of ``nnodes`` x ``per_node`` devices, as
-    :func:`assign_nodes` places them: ``{pool: (on node 0, on node 1, ...)}``. The planner and
-    the cost model read a pool's nodes from here, so they cost the placement the runtime makes."""
-    nodes = [RayNode(str(i), per_node) for i in range(nnodes)]
-    placed = assign_nodes(pool_sizes, nodes, per_node)
-    return {pool: tuple(ranks.count(n.node_id) for n in nodes) for pool, ranks in placed.items()}
+    """The node of every worker of every pool (:func:`verl_digen.platform.nodes.pack_pools`: the
+    trainer or fused pool packed on as few nodes as possible, the others spread over what is
+    left); ``ConfigError`` when the pools need more devices than the nodes offer."""
+    try:
+        return pack_pools(pool_sizes, nodes, per_node)
+    except PlacementError as e:
+        raise ConfigError(f"invalid config: {e}") from None
 
 
 @dataclass(frozen=True)

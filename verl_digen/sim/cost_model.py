@@ -441,7 +441,7 @@ class Cluster:
     def for_spec(cls, spec: StrategySpec, device: str, devices_per_node: int = 8) -> "Cluster":
         """The pools on as few nodes of ``devices_per_node`` as hold them all, placed as the
         runtime places them (trainer packed first: it talks the most; the rest on what is left)."""
-        from verl_digen.placement.pools import node_counts
+        from verl_digen.platform.nodes import node_counts
 
         sizes = {"fused": spec.rollout_workers} if spec.placement == "colocated" else {
             "rollout": spec.rollout_workers, "trainer": spec.trainer_workers}

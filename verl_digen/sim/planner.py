@@ -187,7 +187,7 @@ class Search:
 def placed(sizes: dict[str, int], per_node: int, nnodes: int, device: str) -> dict[str, PoolShape]:
     """Pools of ``sizes`` devices on ``nnodes`` nodes of ``per_node``, placed as the runtime
     places them (:func:`verl_digen.placement.pools.node_counts`)."""
-    from verl_digen.placement.pools import node_counts
+    from verl_digen.platform.nodes import node_counts
 
     return {pool: PoolShape(counts, device) for pool, counts in node_counts(sizes, per_node, nnodes).items()}
 
