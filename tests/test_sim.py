@@ -476,9 +476,12 @@ def test_a_balanced_pipeline_gets_close_to_the_bound(catalog):
 @pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_emulated_runtime_matches_the_simulator_on_the_same_plan():
-    """8 emulated devices (6 rollout + 2 trainers, GAP + TCSS), tasks of 20-80 ms: the real Ray
-    executor's makespan is the simulator's plus the runtime's own overhead (about 1 ms per task
-    on a 2-core machine; allowed: up to 40% of the makespan)."""
+    """8 emulated devices (6 rollout + 2 trainers, GAP + TCSS), tasks of 20-80 modelled ms run at
+    5x (0.1-0.4 s): the real Ray executor's makespan is the simulator's plus the runtime's own
+    overhead (about 1 ms per task on a quiet 2-core machine; allowed: up to 40% of the makespan).
+    At 1x, the same overhead under a loaded machine (the other xdist worker and a benchmark
+    beside it) reached 61% of the makespan: the tasks are long enough here for the check to be
+    about the executor, not about the machine's load."""
     ray = pytest.importorskip("ray")
     from verl_digen.emulate import run_emulated_plan
 
@@ -498,7 +501,7 @@ def test_emulated_runtime_matches_the_simulator_on_the_same_plan():
     if owns:
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
-        run = run_emulated_plan(planner.plan, costs, cluster, group_size=4, time_scale=1.0, timeout_s=60)
+        run = run_emulated_plan(planner.plan, costs, cluster, group_size=4, time_scale=5.0, timeout_s=90)
     finally:
         if owns:
             ray.shutdown()
