@@ -85,3 +85,34 @@ def test_trajectory_records_the_version_it_was_sampled_with(tiny_flux):
     adapter = load_adapter(tiny_flux)
     data = _sample(adapter, _settings(), version=3)
     assert set(data.non_tensor_batch["policy_version"].tolist()) == {3}
+
+
+@pytest.mark.parametrize("arch,guidance", [("flux", 1.0), ("sd3", 4.5)])
+def test_a_micro_batch_trains_in_passes_of_the_rollouts_calls_with_the_one_pass_gradient(arch, guidance, tiny_flux, tiny_sd3):
+    """A micro-batch trains one backward per trained step and transformer call (``forward_rows``
+    samples), so activations are bounded by one call; the accumulated gradient and the metrics
+    are those of one backward over the whole micro-batch, to float rounding."""
+    import dataclasses
+
+    path = tiny_flux if arch == "flux" else tiny_sd3
+    grads, metrics, backwards = {}, {}, {}
+    for rows in (0, 2):  # 0: one pass of all 4 samples; 2: two passes of the rollout's 2-row calls
+        adapter = load_adapter(path)
+        add_lora(adapter, LoraConfigSpec(rank=4))
+        settings = dataclasses.replace(_settings(guidance=guidance), forward_rows=rows)
+        data = _sample(adapter, settings)
+        updater = PolicyUpdater(adapter, TrainSettings(algo=AlgoConfig(kl_beta=0.01), sampling=settings,
+                                                       lora_only=False, images_per_step=len(data)))
+        calls = []
+        # one hook call per backward through the transformer's output projection
+        last = [m for m in adapter.transformer.modules() if isinstance(m, torch.nn.Linear)][-1]
+        last.register_full_backward_hook(lambda *a: calls.append(1))
+        metrics[rows] = updater.train_micro_batch(data, torch.tensor([1.0, -1.0, 0.5, -0.5]))
+        grads[rows] = [p.grad.clone() for p in updater.params]
+        backwards[rows] = len(calls)
+    assert backwards[0] == 3 and backwards[2] == 6  # 3 trained steps x (1 pass, 2 passes)
+    assert metrics[2]["actor/passes"] == 6.0 and metrics[0]["actor/passes"] == 3.0
+    for a, b in zip(grads[0], grads[2]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+    for key in ("actor/loss", "actor/kl_loss", "actor/ratio_mean", "actor/approx_kl"):
+        assert metrics[0][key] == pytest.approx(metrics[2][key], rel=1e-4, abs=1e-7), key

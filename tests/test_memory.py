@@ -177,3 +177,44 @@ def test_two_kept_blocks_extrapolate_to_the_full_stack_exactly(family):
     kept, kept_peak = _measure(model, inputs(), keep_blocks=2)
     assert kept == full and full["saved_bytes"] > 3 * full["max_block_bytes"]
     assert kept_peak == full_peak
+
+
+def test_training_activations_are_one_pass_and_auto_checkpointing_is_on_only_when_a_pass_does_not_fit(tmp_path, tiny_flux):
+    """A micro-batch trains pass by pass (one transformer call's samples, workers/training.py):
+    the planner charges one pass's activations, whatever the micro-batch, and
+    ``gradient_checkpointing=auto`` turns checkpointing on exactly when a pass would not fit
+    without it. The main job applies that decision before any worker starts."""
+    from verl_digen.memory import decide_checkpointing
+    from verl_digen.memory.plan import job_shape, plan_trace
+    from verl_digen.trainer.resolve import check_run_config
+
+    off = "digen.model.gradient_checkpointing=false"
+    one = _roles("sd3_disaggregated", off)["trainer"]
+    four = _roles("sd3_disaggregated", off, "digen.batch.train_micro_batch_groups=4")["trainer"]
+    digen, cfg = _digen("sd3_disaggregated", off)
+    job = job_shape(digen, devices_per_node=cfg.trainer.n_gpus_per_node, nnodes=1)
+    assert job.pass_samples == digen.batch.group_size  # no FSDP, no split: one call per group
+    expected = plan_trace(job).training_bytes(job.cfg_rows * job.pass_samples, checkpointing=False)
+    assert one.phases["train"]["activations"] == four.phases["train"]["activations"] == expected
+
+    def decided(*overrides: str) -> bool:
+        d, c = _digen("flux_disaggregated", "digen.model.gradient_checkpointing=auto", *overrides)
+        return decide_checkpointing(d, devices_per_node=c.trainer.n_gpus_per_node)
+
+    # FLUX at 512 x 512, passes of 8 samples: ~90 GiB of activations without checkpointing.
+    assert decided() is True
+    assert decided("digen.batch.group_size=2", "digen.batch.groups_per_step=8", "digen.batch.groups_per_task=1") is False
+    assert decided("digen.memory.device_gib=1000") is False
+    auto_plan = {p.role: p for p in plan_job(_digen("flux_disaggregated", "digen.model.gradient_checkpointing=auto")[0],
+                                              devices_per_node=8)}
+    assert auto_plan["trainer"].bytes == _roles("flux_disaggregated")["trainer"].bytes  # = the preset's true
+
+    # The main job decides once, before Ray, and hands the decision to every worker: a model
+    # directory with weights (the tiny FLUX, planned at its own size: 1.5 GiB of the plan is the
+    # fixed CUDA/NCCL allowance, so 1.5 GiB GPUs cannot hold a pass without checkpointing).
+    run = [f"digen.model.path={tiny_flux}", f"digen.output_dir={tmp_path / 'run'}", "digen.model.arch=flux",
+           f"trainer.default_local_dir={tmp_path / 'ckpt'}", "digen.model.gradient_checkpointing=auto"]
+    roomy = check_run_config(compose_config(run + ["digen.memory.device_gib=2"]))
+    assert roomy.cfg.model.gradient_checkpointing == "false"
+    tight = check_run_config(compose_config(run + ["digen.memory.device_gib=1.5", "digen.memory.check=false"]))
+    assert tight.cfg.model.gradient_checkpointing == "true" and tight.cfg.model.checkpointing is True

@@ -201,17 +201,25 @@ def test_precision_and_memory_keys_are_validated_by_name():
     from verl_digen.config.schema import ConfigError, digen_config_from_dict
 
     cfg = digen_config_from_dict({})
-    assert (cfg.model.dtype, cfg.model.trainable_dtype, cfg.model.gradient_checkpointing) == ("auto", "fp32", False)
+    assert (cfg.model.dtype, cfg.model.trainable_dtype, cfg.model.gradient_checkpointing) == ("auto", "fp32", "auto")
+    assert cfg.model.checkpointing is None  # auto: decided by the memory plan before Ray starts
+    for value, decided in [(True, True), ("true", True), (False, False), ("False", False), ("auto", None)]:
+        assert digen_config_from_dict({"model": {"gradient_checkpointing": value}}).model.checkpointing is decided
     assert cfg.model.vae_decode_chunk == 0 and cfg.ema.offload is True
     for mapping, key in [
         ({"model": {"dtype": "fp16"}}, "digen.model.dtype"),
         ({"model": {"trainable_dtype": "fp8"}}, "digen.model.trainable_dtype"),
         ({"model": {"vae_decode_chunk": -1}}, "digen.model.vae_decode_chunk"),
+        ({"model": {"gradient_checkpointing": "sometimes"}}, "digen.model.gradient_checkpointing"),
         ({"fsdp": {"gradient_checkpointing": True}}, "gradient_checkpointing"),  # moved to digen.model
     ]:
         with pytest.raises((ConfigError, ValueError), match=key):
             digen_config_from_dict(mapping)
-    digen_config_from_dict({"fsdp": {"enable": True}})  # colocated FSDP is legal
+    colocated = digen_config_from_dict({"fsdp": {"enable": True}})  # colocated FSDP is legal...
+    assert colocated.pass_rows(4) == 1  # 4 samples a micro-batch: one call of one sample per rank
+    # ...while the micro-batch deals over the colocated GPUs in whole calls, checked with the cluster
+    with pytest.raises(ConfigError, match=r"4 rows do not split evenly over 8 FSDP ranks.*all 8 colocated GPUs"):
+        colocated.pass_rows(8)
     with pytest.raises(ConfigError, match="digen.batch.train_micro_batch_groups"):
         digen_config_from_dict({
             "placement": "disaggregated", "fsdp": {"enable": True}, "batch": {"group_size": 3},

@@ -246,7 +246,7 @@ def _predictions(dcfg, meter_device: str, group_size: int, num_steps: int, train
     cm = CostModel.from_catalog(
         load_catalog(), "flux-12b", devices=[meter_device], height=s.height, width=s.width, num_steps=num_steps,
         group_size=group_size, groups_per_step=1, sde_window=s.sde_window.size, lora=dcfg.model.lora.enable,
-        lora_rank=dcfg.model.lora.rank, gradient_checkpointing=dcfg.model.gradient_checkpointing,
+        lora_rank=dcfg.model.lora.rank, gradient_checkpointing=bool(dcfg.model.checkpointing),
         cfg=s.guidance_scale > 1.0,
     )
     dev = cm.device(meter_device)
@@ -368,7 +368,7 @@ def part_flux_phases(size: str, device_name: str, *, group_size: int, pipeline_r
     out.update({"size": size, "device": str(device), "dtype": "bf16", "group_size": group_size,
                            "height": settings.spec.height, "width": settings.spec.width,
                            "num_steps": settings.num_steps, "lora_rank": dcfg.model.lora.rank,
-                           "gradient_checkpointing": dcfg.model.gradient_checkpointing,
+                           "gradient_checkpointing": bool(dcfg.model.checkpointing),
                            "distilled_guidance": settings.spec.distilled_guidance,
                            "forward_rows": settings.forward_rows})
     with meter.phase("load"):

@@ -92,13 +92,27 @@ class ModelConfig:
     # and of their optimizer state.
     trainable_dtype: str = "fp32"  # fp32 | bf16
     # Activation checkpointing of the denoiser's blocks in every training path (diffusers'
-    # enable_gradient_checkpointing), with or without FSDP.
-    gradient_checkpointing: bool = False
+    # enable_gradient_checkpointing), with or without FSDP: true | false | auto. auto: on exactly
+    # when a training pass (one transformer call's rows, see workers/training.py) would not fit
+    # the GPU without it, as the memory planner computes it before Ray starts (memory.plan:
+    # decide_checkpointing); the cost model decides the same way. The built-in tiny models
+    # (no digen.model.path) train without it.
+    gradient_checkpointing: str = "auto"
     # Samples per VAE decode call (0: the whole batch at once); video VAEs also decode tiled.
     vae_decode_chunk: int = 0
     lora: LoraConfigSpec = field(default_factory=LoraConfigSpec)
 
+    @property
+    def checkpointing(self) -> bool | None:
+        """``gradient_checkpointing`` as a bool; None while it is ``auto`` (undecided)."""
+        return {"true": True, "false": False, "auto": None}[self.gradient_checkpointing]
+
     def validate(self, key: str) -> None:
+        # hydra and YAML give true/false as booleans, which the str field receives as True/False
+        value = str(self.gradient_checkpointing).lower()
+        if value not in ("true", "false", "auto"):
+            _fail(f"{key}.gradient_checkpointing", self.gradient_checkpointing, "valid: true, false, auto")
+        self.gradient_checkpointing = value
         if self.dtype not in ("auto", "fp32", "bf16"):
             _fail(f"{key}.dtype", self.dtype, "valid: auto, fp32, bf16")
         if self.trainable_dtype not in ("fp32", "bf16"):
@@ -500,6 +514,24 @@ class DigenConfig:
             tag=self.tag.enable,
             fsdp=self.fsdp.enable,
         )
+
+    def pass_rows(self, devices: int) -> int:
+        """Samples per transformer call, in rollout and in a training pass, on a cluster of
+        ``devices`` GPUs (:func:`verl_digen.schedule.strategies.pass_rows`, what every worker
+        computes); a micro-batch whose rows cannot be dealt in whole calls over the FSDP ranks
+        (known only with the cluster when colocated) is a :class:`ConfigError` naming the keys."""
+        from verl_digen.schedule.strategies import pass_rows
+
+        disaggregated = self.placement == "disaggregated"
+        ranks = (self.pools.trainer.world_size if disaggregated else devices) if self.fsdp.enable else 1
+        lanes = max(1, (self.pools.rollout.world_size if disaggregated else devices) // self.tsp.stages)
+        b = self.batch
+        try:
+            return pass_rows(b.group_size, b.train_micro_batch_groups, ranks, b.groups_per_step, b.groups_per_task, lanes)
+        except ValueError as e:
+            where = "the trainer pool" if disaggregated else f"all {devices} colocated GPUs"
+            raise ConfigError(f"invalid config: {e} (digen.fsdp.enable=true shards each micro-batch over {where}); "
+                              "raise digen.batch.train_micro_batch_groups or digen.batch.group_size") from None
 
     def validate(self) -> None:
         from verl_digen.schedule.strategies import fsdp_rows_split, strategy_violations

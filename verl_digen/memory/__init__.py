@@ -9,6 +9,6 @@
 docs/memory.md explains the derivation and how far off it can be.
 """
 
-from verl_digen.memory.plan import MemoryPlanError, RolePlan, check_job_memory, plan_job
+from verl_digen.memory.plan import MemoryPlanError, RolePlan, check_job_memory, decide_checkpointing, plan_job
 
-__all__ = ["MemoryPlanError", "RolePlan", "check_job_memory", "plan_job"]
+__all__ = ["MemoryPlanError", "RolePlan", "check_job_memory", "decide_checkpointing", "plan_job"]

@@ -162,13 +162,14 @@ class JobShape:
     group_size: int
     groups_per_task: int
     micro_batch_samples: int
+    pass_samples: int  # samples per training pass on one rank (one transformer call, schedule.strategies.pass_rows)
     placement: str
     devices: int  # colocated: all GPUs; else unused
     rollout_devices: int
     trainer_devices: int
     reward_devices: int
     fsdp: int  # FSDP degree (1: none)
-    checkpointing: bool
+    checkpointing: bool  # decided (digen.model.gradient_checkpointing=auto: decide_checkpointing)
     prompt_cache_releases: bool
     optimizer_states: int  # AdamW: 2, SGD: 0
     ema_on_gpu: bool
@@ -188,8 +189,11 @@ def model_config_path(path: str | None) -> str | None:
     return None
 
 
-def job_shape(cfg: DigenConfig, *, devices_per_node: int, nnodes: int, model_path: str | None = None) -> JobShape:
-    """Resolve ``cfg`` on a cluster of ``nnodes`` x ``devices_per_node`` GPUs."""
+def job_shape(cfg: DigenConfig, *, devices_per_node: int, nnodes: int, model_path: str | None = None,
+              checkpointing: bool | None = None) -> JobShape:
+    """Resolve ``cfg`` on a cluster of ``nnodes`` x ``devices_per_node`` GPUs; ``checkpointing``
+    overrides ``digen.model.gradient_checkpointing`` (an ``auto`` left undecided plans without)."""
+
     config_path = model_config_path(model_path if model_path is not None else cfg.model.path)
     family = cfg.model.arch
     if family is None and config_path is not None:
@@ -204,6 +208,8 @@ def job_shape(cfg: DigenConfig, *, devices_per_node: int, nnodes: int, model_pat
     trainer_devices = cfg.pools.trainer.world_size if disaggregated else devices
     fsdp = trainer_devices if cfg.fsdp.enable else 1
     lora = cfg.model.lora.enable
+    if checkpointing is None:
+        checkpointing = bool(cfg.model.checkpointing)
     return JobShape(
         family=family,
         config_path=config_path,
@@ -220,13 +226,14 @@ def job_shape(cfg: DigenConfig, *, devices_per_node: int, nnodes: int, model_pat
         group_size=cfg.batch.group_size,
         groups_per_task=cfg.batch.groups_per_task,
         micro_batch_samples=cfg.batch.train_micro_batch_groups * cfg.batch.group_size,
+        pass_samples=cfg.pass_rows(devices),
         placement=cfg.placement,
         devices=devices,
         rollout_devices=cfg.pools.rollout.world_size if disaggregated else devices,
         trainer_devices=trainer_devices,
         reward_devices=cfg.pools.reward.world_size if disaggregated else 0,
         fsdp=fsdp,
-        checkpointing=cfg.model.gradient_checkpointing,
+        checkpointing=checkpointing,
         prompt_cache_releases=cfg.prompt_cache.enable and cfg.prompt_cache.release_encoders,
         optimizer_states=2 if cfg.algo.optimizer == "adamw" else 0,
         ema_on_gpu=cfg.ema.enable and not cfg.ema.offload,
@@ -382,7 +389,9 @@ def plan_roles(job: JobShape, gib: float) -> list[RolePlan]:
         train_weights = params * tb / f + gather + cast_copy
     kl_ref = dense_bytes / f if (job.kl_reference and f > 1) else 0  # without FSDP the copy stays on CPU
     encoders_resident = 0 if job.prompt_cache_releases else encoders
-    train_rows = job.cfg_rows * math.ceil(job.micro_batch_samples / f)
+    # One training pass: a transformer call's samples (both CFG branches) on one rank; the
+    # micro-batch trains pass after pass (workers/training.py), so no more is alive at once.
+    train_rows = job.cfg_rows * job.pass_samples
     train_acts = trace.training_bytes(train_rows, checkpointing=job.checkpointing)
 
     # Rollout: one generate call of groups_per_task groups.
@@ -438,8 +447,9 @@ def _training_knobs(job: JobShape) -> list[str]:
     knobs = []
     if not job.checkpointing:
         knobs.append("digen.model.gradient_checkpointing=true")
-    if job.micro_batch_samples > job.group_size:
-        knobs.append("a smaller digen.batch.train_micro_batch_groups")
+    if job.pass_samples > 1:
+        knobs.append(f"smaller training passes: a pass is one transformer call of {job.pass_samples} sample(s) "
+                     "(a smaller digen.batch.group_size, or FSDP over more ranks)")
     if job.fsdp == 1:
         knobs.append("digen.fsdp.enable=true (shards weights, gradients and optimizer; splits micro-batches)")
     else:
@@ -469,9 +479,29 @@ def _rollout_knobs(job: JobShape) -> list[str]:
 # ---------------------------------------------------------------------- entry points
 
 
+def training_fits(plans: list[RolePlan]) -> bool:
+    """Whether every role's training phase fits its GPU."""
+    return all(sum(p.phases["train"].values()) / GIB <= p.device_gib for p in plans if "train" in p.phases)
+
+
+def decide_checkpointing(cfg: DigenConfig, *, devices_per_node: int, nnodes: int = 1,
+                         model_path: str | None = None) -> bool:
+    """``digen.model.gradient_checkpointing`` as the run applies it: the setting when it is
+    ``true`` or ``false``; for ``auto``, on exactly when a training pass would not fit without it
+    (activation checkpointing costs a recomputed forward, so it is only worth it when needed).
+    The cost model decides the same way (``sim.cost_model.CostModel.gradient_checkpointing``)."""
+    if cfg.model.checkpointing is not None:
+        return cfg.model.checkpointing
+    job = job_shape(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path, checkpointing=False)
+    return not training_fits(plan_roles(job, device_gib(cfg)))
+
+
 def plan_job(cfg: DigenConfig, *, devices_per_node: int, nnodes: int = 1, model_path: str | None = None) -> list[RolePlan]:
-    """Every role's per-GPU peak for the validated config ``cfg`` on its cluster."""
-    job = job_shape(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path)
+    """Every role's per-GPU peak for the validated config ``cfg`` on its cluster (with the
+    activation checkpointing :func:`decide_checkpointing` applies)."""
+    checkpointing = decide_checkpointing(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path)
+    job = job_shape(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path,
+                    checkpointing=checkpointing)
     return plan_roles(job, device_gib(cfg))
 
 

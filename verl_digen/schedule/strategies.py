@@ -147,6 +147,16 @@ def call_rows(group_size: int, micro_batch_groups: int, ranks: int, split: int =
     return max(m for m in range(1, part + 1) if part % m == 0 and (rows // m) % ranks == 0)
 
 
+def pass_rows(group_size: int, micro_batch_groups: int, fsdp_ranks: int, groups_per_step: int,
+              groups_per_task: int, rollout_lanes: int) -> int:
+    """Samples per transformer call of a run, in rollout and in a training pass alike: the
+    :func:`call_rows` of its sample split (:func:`sample_split` over ``rollout_lanes``). A
+    training micro-batch runs one forward + backward per call (``workers/training.py``), so this
+    is what bounds training activations, in the code, the memory planner and the cost model."""
+    split = sample_split(groups_per_step, groups_per_task, group_size, rollout_lanes)
+    return call_rows(group_size, micro_batch_groups, fsdp_ranks, split)
+
+
 @dataclass(frozen=True)
 class StrategySpec:
     placement: str  # colocated | disaggregated

@@ -421,12 +421,24 @@ def check_run_config(config: Any, entry: str = DIGEN_MAIN) -> CheckedRun:
         check_loggers(trainer.logger)
         cluster = cluster_from_trainer_keys(trainer)
         layout = pool_layout(cfg, cluster)
+        cfg.pass_rows(cluster.devices)  # colocated FSDP: the micro-batch must deal over every GPU
         records = resolve_prompt_records(cfg)
         steps = trainer.steps_for(len(records), cfg.batch.groups_per_step)
         val_records = resolve_prompt_records(cfg, cfg.validation.prompts)[: cfg.validation.num_prompts]
         preflight_reward(cfg)
         # An emulated cluster has no model, no weights to save and nothing to resume.
         model_path = "<emulated>" if cfg.emulate.model is not None else resolve_model_path(cfg)
+        if cfg.emulate.model is None and cfg.model.checkpointing is None:
+            # digen.model.gradient_checkpointing=auto, decided here once for every worker: on when
+            # a training pass would not fit the GPU without it (the memory plan at this model's
+            # size); the built-in tiny models (no model.path) are kilobytes.
+            decided = False
+            if cfg.model.path is not None:
+                from verl_digen.memory import decide_checkpointing
+
+                decided = decide_checkpointing(cfg, devices_per_node=trainer.n_gpus_per_node, nnodes=trainer.nnodes,
+                                               model_path=model_path)
+            cfg.model.gradient_checkpointing = "true" if decided else "false"
         if cfg.emulate.model is None and cfg.model.path is not None and cfg.memory.check:
             # Every role's per-GPU peak at this model's size must fit the GPU (MemoryPlanError
             # names the knob). The built-in tiny models (no model.path) are kilobytes.

@@ -1,9 +1,13 @@
 """Policy training on recorded trajectories: FlowGRPO loss, gradient accumulation, optimizer.
 
-A trajectory's loss is a sum of independent per-step terms, so a micro-batch is trained
-one recorded step at a time (recompute the velocity, score the recorded transition, clipped
-surrogate, backward), scaled so that the gradients accumulated over a whole step equal the
-gradient of the batch-mean loss, whatever the order or the grouping of the micro-batches.
+A trajectory's loss is a sum of independent per-step terms, and a sample's terms do not
+depend on the other samples, so a micro-batch is trained one recorded step and one *pass* at a
+time: a pass is one transformer call's rows (``SamplingSettings.forward_rows``, the rollout's
+calls), and each pass recomputes the velocity, scores the recorded transitions, and runs its
+own backward. Activation memory is therefore bounded by one pass whatever the micro-batch size
+(what the memory planner and the cost model charge, ``memory.plan`` and ``sim.cost_model``).
+Each backward is scaled so that the gradients accumulated over a whole step equal the gradient
+of the batch-mean loss, whatever the order or the grouping of the micro-batches and passes.
 """
 
 from __future__ import annotations
@@ -205,17 +209,20 @@ class PolicyUpdater:
             raise ValueError("every sample of a micro-batch must train the same steps")
         return [int(j) for j in torch.nonzero(cols).flatten()]
 
-    def _step_terms(self, data: DataProto, j: int, *, reference: bool = False):
+    def _step_terms(self, data: DataProto, j: int, *, reference: bool = False, rows: slice = slice(None)):
+        """The SDE transition terms of recorded step ``j`` for the samples ``rows`` of ``data``."""
         device = self.adapter.device
         s = self.settings.sampling
-        latents = data.batch["latents"]
+        latents = data.batch["latents"][rows]
         x = latents[:, j].to(device)
         x_next = latents[:, j + 1].to(device)
-        sig = data.batch["sigmas"][:, j].to(device)
-        sig_next = data.batch["sigmas"][:, j + 1].to(device)
+        sig = data.batch["sigmas"][rows, j].to(device)
+        sig_next = data.batch["sigmas"][rows, j + 1].to(device)
         cond, neg = conditioning_from(data)
-        cond = {k: v.to(device) for k, v in cond.items()}
-        neg = {k: v.to(device) for k, v in neg.items()} if neg else None
+        n = len(data)
+        cond = {k: v[rows].to(device) for k, v in cond.items()}
+        # a per-sample negative conditioning has a row per sample; a shared one (one row) is kept whole
+        neg = {k: (v[rows] if v.shape[0] == n else v).to(device) for k, v in neg.items()} if neg else None
         ctx = self._reference_weights() if reference else nullcontext()
         with ctx:  # no autocast, the same transformer calls as the rollout's denoise()
             v = velocity_in_chunks(self.adapter, x, sig, cond, s.spec, neg, s.forward_rows)
@@ -223,10 +230,20 @@ class PolicyUpdater:
             v, x, sig, sig_next, noise_level=s.noise_level, sde_type=s.sde_type, prev_sample=x_next
         )
 
+    def passes(self, n: int) -> list[slice]:
+        """The training passes of an ``n``-sample micro-batch: the rollout's transformer calls of
+        ``forward_rows`` consecutive samples (one pass of all ``n`` when it is 0 or larger); one
+        forward + backward each, so activations never exceed one call's."""
+        rows = self.settings.sampling.forward_rows
+        if rows <= 0 or rows >= n:
+            return [slice(0, n)]
+        return [slice(start, min(start + rows, n)) for start in range(0, n, rows)]
+
     def train_micro_batch(
         self, data: DataProto, advantages: torch.Tensor, *, part: tuple[int, int] | None = None
     ) -> dict[str, float]:
-        """Accumulate the gradient of this micro-batch's share of the step loss.
+        """Accumulate the gradient of this micro-batch's share of the step loss, one backward
+        per trained step and pass (:meth:`passes`).
 
         ``part=(r, P)`` trains only the trained steps ``[r::P]`` (TSP time-step split): the P
         parts, summed by the optimizer step's all-reduce, give the same gradient as the whole.
@@ -236,31 +253,37 @@ class PolicyUpdater:
         all_steps = self._trained_steps(data)
         steps = all_steps[part[0] :: part[1]] if part else all_steps
         n = len(data)
-        # Share of the step's mean loss: (n / images_per_step) of the batch, 1/len(all) per step.
+        # Share of the step's mean loss: (n / images_per_step) of the batch, 1/len(all) per step;
+        # a pass of m samples carries m / n of its micro-batch's mean.
         scale = n / self.settings.images_per_step / max(len(all_steps), 1)
         adv = advantages.to(device=device, dtype=torch.float32)
+        old_all = data.batch["log_probs"]
         sums: dict[str, float] = {}
         self.adapter.transformer.train()
+        passes = self.passes(n)
         for j in steps:
-            out = self._step_terms(data, j)
-            old = data.batch["log_probs"][:, j].to(device)
-            ref_mean = None
-            if algo.kl_beta > 0:
-                with torch.no_grad():
-                    ref_mean = self._step_terms(data, j, reference=True).mean
-            loss = flow_grpo_loss(
-                out.log_prob, old, adv, clip_range=algo.clip_range, adv_clip_max=algo.adv_clip_max,
-                kl_beta=algo.kl_beta, mean=out.mean if algo.kl_beta > 0 else None, ref_mean=ref_mean,
-                std=out.std if algo.kl_beta > 0 else None,
-            )
-            (loss.loss * scale).backward()
-            if self.master is not None:
-                self.master.accumulate_grads()
-            for key in ("loss", "policy_loss", "kl_loss", "clip_frac", "approx_kl", "ratio_mean"):
-                sums[key] = sums.get(key, 0.0) + float(getattr(loss, key).detach())
+            for rows in passes:
+                weight = (rows.stop - rows.start) / n
+                out = self._step_terms(data, j, rows=rows)
+                old = old_all[rows, j].to(device)
+                ref_mean = None
+                if algo.kl_beta > 0:
+                    with torch.no_grad():
+                        ref_mean = self._step_terms(data, j, reference=True, rows=rows).mean
+                loss = flow_grpo_loss(
+                    out.log_prob, old, adv[rows], clip_range=algo.clip_range, adv_clip_max=algo.adv_clip_max,
+                    kl_beta=algo.kl_beta, mean=out.mean if algo.kl_beta > 0 else None, ref_mean=ref_mean,
+                    std=out.std if algo.kl_beta > 0 else None,
+                )
+                (loss.loss * (scale * weight)).backward()
+                if self.master is not None:
+                    self.master.accumulate_grads()
+                for key in ("loss", "policy_loss", "kl_loss", "clip_frac", "approx_kl", "ratio_mean"):
+                    sums[key] = sums.get(key, 0.0) + weight * float(getattr(loss, key).detach())
         self.samples_accumulated += n
         metrics = {f"actor/{k}": v / max(len(steps), 1) for k, v in sums.items()}
         metrics["actor/trained_steps"] = float(len(steps))
+        metrics["actor/passes"] = float(len(steps) * len(passes))
         return metrics
 
     def optimizer_step(self, process_group: dist.ProcessGroup | None = None) -> dict[str, float]:

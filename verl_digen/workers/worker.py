@@ -86,9 +86,8 @@ def sampling_settings(cfg: DigenConfig, fsdp_ranks: int = 1, rollout_lanes: int 
     sharded over (1 without FSDP), and ``rollout_lanes``: the rollout workers (TSP: pipelines)
     the planner spreads each step's groups over; together they fix the rows of every
     transformer call."""
-    from verl_digen.schedule.strategies import sample_split
+    from verl_digen.schedule.strategies import pass_rows
     from verl_digen.models.base import SampleSpec
-    from verl_digen.workers.sampling import forward_rows
 
     s = cfg.sampling
     return SamplingSettings(
@@ -106,9 +105,9 @@ def sampling_settings(cfg: DigenConfig, fsdp_ranks: int = 1, rollout_lanes: int 
         timestep_fraction=s.timestep_fraction,
         negative_prompt=s.negative_prompt,
         vae_decode_chunk=cfg.model.vae_decode_chunk,
-        forward_rows=forward_rows(
+        forward_rows=pass_rows(
             cfg.batch.group_size, cfg.batch.train_micro_batch_groups, fsdp_ranks,
-            sample_split(cfg.batch.groups_per_step, cfg.batch.groups_per_task, cfg.batch.group_size, rollout_lanes),
+            cfg.batch.groups_per_step, cfg.batch.groups_per_task, rollout_lanes,
         ),
     )
 
@@ -228,7 +227,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         sharding)."""
         info: dict[str, Any] = {}
         self._join_trainer_group()
-        if self.cfg.model.gradient_checkpointing:
+        if self.cfg.model.checkpointing:  # decided before Ray starts when it was auto (trainer/resolve.py)
             from verl_digen.workers.fsdp import enable_gradient_checkpointing
 
             info["gradient_checkpointing"] = enable_gradient_checkpointing(self.adapter.transformer)
