@@ -45,9 +45,10 @@ from verl_digen.sim.planner import MECHANISMS, Evaluation, Inventory, search
 
 MODELS = ("hunyuanvideo-13b", "wan2.1-14b", "flux-12b", "qwen-image-20b")
 OMNI, OURS = "verl-omni", "verl-digen"
-DISAGGREGATED = [m for m in MECHANISMS if m != "colocated"]
+COLOCATED = [m for m in MECHANISMS if MECHANISMS[m]["placement"] == "colocated"]  # with and without FSDP
+DISAGGREGATED = [m for m in MECHANISMS if m not in COLOCATED]
 LADDER = (
-    ("colocated", ["colocated"]),
+    ("colocated", COLOCATED),
     ("disaggregated", ["disaggregated"]),
     ("+GAP", ["disaggregated+gap"]),
     ("+TSP", ["disaggregated+gap+tsp"]),
@@ -101,10 +102,10 @@ def compare(catalog: Any, model: str, inventory: Inventory, workload: dict[str, 
     out: dict[str, Any] = {"model": model, "devices": inventory.total, "inventory": dict(inventory.devices)}
     if len(types) == 1:
         omni_costs = costs_of(catalog, model, types, OMNI, **workload)
-        out["omni"] = summary(best(omni_costs, inventory, ["colocated"]), omni_costs)
+        out["omni"] = summary(best(omni_costs, inventory, ["colocated"]), omni_costs)  # its FSDP engine always shards
     ours = costs_of(catalog, model, types, OURS, **workload)
     if len(types) == 1:
-        out["colocated"] = summary(best(ours, inventory, ["colocated"]), ours)
+        out["colocated"] = summary(best(ours, inventory, COLOCATED), ours)
     ev = best(ours, inventory, DISAGGREGATED)
     out["disaggregated"] = summary(ev, ours)
     out["bound"] = ev.result.bound_images_per_s if ev else None
@@ -153,7 +154,7 @@ def scaled(costs: CostModel, where: str, field: str, factor: float, clamp: float
 
 
 def disagg_speedup(costs: CostModel, inventory: Inventory) -> float:
-    col = best(costs, inventory, ["colocated"], micro=(1, 2))
+    col = best(costs, inventory, COLOCATED, micro=(1, 2))
     dis = best(costs, inventory, ["disaggregated+gap+tcss", "disaggregated+gap+fsdp+tcss"], micro=(1, 2))
     return dis.images_per_s / col.images_per_s if col and dis else math.nan
 
@@ -191,18 +192,19 @@ def emulate(
     try:
         for model, devices in cases:
             costs = CostModel.from_catalog(catalog, model, devices=[device_type])
-            for mech in ("colocated", "disaggregated+gap+tcss"):
-                ev = search(costs, Inventory({device_type: devices}), mechanisms=[mech], micro_batches=(1,), steps=4).best
+            for mechs in (COLOCATED, ["disaggregated+gap+tcss", "disaggregated+gap+fsdp+tcss"]):
+                ev = search(costs, Inventory({device_type: devices}), mechanisms=mechs, micro_batches=(1,), steps=4).best
                 spec, cluster = ev.candidate.spec, ev.candidate.cluster
+                costs_s = costs.for_spec(spec)  # the strategy's calls and sharding, as search costed it
                 planner = StepPlanner(spec)
-                sc = costs.step_costs(spec, cluster)
+                sc = costs_s.step_costs(spec, cluster)
                 for s in range(steps):
                     planner.plan_step(s, sc, has_next=s + 1 < steps)
-                sim = simulate_plan(planner.plan, costs, cluster)
+                sim = simulate_plan(planner.plan, costs_s, cluster)
                 sim_opt = max(r.end for r in sim.timeline.records if r.kind == "optimizer_step")
                 gens = [r.end - r.start for r in sim.timeline.records if r.kind == "generate"]
                 scale = generate_ms / 1000 / statistics.mean(gens)  # the mean generate task sleeps this long
-                run = run_emulated_plan(planner.plan, costs, cluster, group_size=spec.group_size, time_scale=scale, timeout_s=300)
+                run = run_emulated_plan(planner.plan, costs_s, cluster, group_size=spec.group_size, time_scale=scale, timeout_s=300)
                 emu_opt = run.opt_end[max(run.opt_end)]
                 n = len(planner.plan.tasks)
                 out.append({
@@ -388,7 +390,7 @@ def write_doc(args, catalog, cases, ladders, judge, hetero, sens, emu, tiny, ela
         frames = f", {w.frames} frames" if c.model.video else ""
         L.append(f"| {model} ({w.height}x{w.width}{frames}) | {c.tokens()[1]:,} | {c.forward_flops() / 1e12:.0f} | "
                  f"{'true' if w.cfg else 'distilled'} | {w.num_steps} | {w.trained_steps} | "
-                 f"{w.images_per_step} ({w.groups_per_step}x{w.group_size}) | {'yes' if c.gradient_checkpointing else 'no'} | "
+                 f"{w.images_per_step} ({w.groups_per_step}x{w.group_size}) | {dict([(True, 'yes'), (False, 'no')]).get(c.gradient_checkpointing, 'when a pass needs it')} | "
                  f"{c.reward.name if c.reward else '-'} |")
     L += ["", "## Headline: veRL-Omni vs ours", ""]
     L += headline_md(cases)

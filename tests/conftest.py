@@ -35,7 +35,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def heaviest_files_first(items: list[pytest.Item]) -> None:
     """Order whole files by their weight, heaviest first, keeping each file's own order.
 
-    ``--dist loadfile`` hands files to the workers in collection order, so a heavy file met
+    ``--dist loadfile --no-loadscope-reorder`` (pyproject.toml; without the second flag xdist
+    re-sorts files by their number of tests) hands files to the workers in this order, so a heavy file met
     last keeps one worker busy for minutes while the other has nothing left (seen: 7 minutes
     of one idle core at the end of the suite). Weights are rough: an e2e test 1, a slow one
     4 more. The heaviest file that needs the pretrained toy goes first of all: it builds the toy

@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     catalog = load_catalog(args.profile)
     costs = CostModel.from_catalog(
         catalog, args.model, devices=[args.device_type], group_size=spec.group_size, groups_per_step=spec.groups_per_step
-    )
+    ).for_spec(spec)  # the run's transformer calls and sharding
     cluster = cluster_for_layout(trainer.job.layout, args.device_type)
     if args.time_scale is None:
         gen = costs.step_costs(spec, cluster).generate_per_group * spec.groups_per_task

@@ -99,7 +99,7 @@ class ModelProfile:
     reward: str = ""  # the reward profile (``rewards:``) this model's default workload is scored with
     lora_linears: int = 0  # linear layers LoRA adapts (attention projections)
     lora_params: float = 0.0  # measured LoRA parameters; overrides the lora_linears estimate
-    gradient_checkpointing: bool = False  # default for this model's training (memory)
+    gradient_checkpointing: bool | None = None  # None: decided per pass by memory (CostModel.checkpointing)
     max_device_batch: int = 0  # cap on samples per forward+backward pass (0: memory decides)
     video: bool = False
     defaults: Mapping[str, Any] = field(default_factory=dict)  # workload defaults
@@ -187,6 +187,9 @@ class SystemProfile:
     activation_bytes: float = 34.0  # activation bytes per token per hidden unit per block
     collective_step_latency_s: float = 2e-5  # latency of one ring step of a collective
     hsdp_shard: int = 0  # 0: flat FSDP over all training ranks; k: shard over k, replicate
+    # Whether training is sharded whatever the strategy (veRL's FSDP engine); False: only the
+    # strategies with FSDP shard (digen.fsdp.enable), other trainers hold the whole state.
+    always_sharded: bool = False
     task_overhead_s: float = 0.0  # the runtime's dispatch cost per task (driver -> worker -> driver)
     sources: Mapping[str, str] = field(default_factory=dict)
 
@@ -227,8 +230,14 @@ class Workload:
     lora: bool = False
     lora_rank: int = 32
     kl: bool = False  # KL to a frozen reference: one extra forward per trained step
-    train_device_batch: int | None = None  # samples per forward+backward pass; None: as many as fit
-    gradient_checkpointing: bool | None = None  # None: the model profile's default
+    train_device_batch: int | None = None  # samples per forward+backward pass; None: the system's pass
+    gradient_checkpointing: bool | None = None  # None: the model profile's, else decided by memory
+    # Samples per transformer call of a strategy, in rollout and in a training pass, as the
+    # runtime computes them (schedule.strategies.call_rows); 0: a group. Set by for_spec.
+    call_rows: int = 0
+    # Whether the strategy shards training state over the training pool (FSDP); None: sharded
+    # (profiles and callers that predate the flag). Set by for_spec.
+    fsdp: bool | None = None
     mini_batches: int = 1  # PPO mini-batches (optimizer steps) per step
     text_tokens: int | None = None  # prompt tokens in the sequence; None: the model profile's
     reward: str | None = None  # reward profile; None: the model profile's
@@ -538,6 +547,17 @@ class CostModel:
     def with_system(self, system: SystemProfile) -> "CostModel":
         return replace(self, system=system)
 
+    def for_spec(self, spec: StrategySpec) -> "CostModel":
+        """This model for one strategy: its transformer calls' rows (the runtime's
+        :func:`~verl_digen.schedule.strategies.call_rows`: FSDP ranks, sample split) and whether
+        its training state is sharded. The simulator and the planner cost every strategy through it."""
+        from verl_digen.schedule.strategies import call_rows
+
+        sharded = bool(getattr(spec, "fsdp", False)) or self.system.always_sharded
+        ranks = len(spec.trainers) if getattr(spec, "fsdp", False) else 1
+        rows = call_rows(spec.group_size, spec.train_micro_batch_groups, ranks, spec.sample_split)
+        return self.with_workload(call_rows=rows, fsdp=sharded)
+
     def device(self, name: str) -> DeviceProfile:
         if name not in self.devices:
             raise ProfileError(f"device {name!r} is not in this cost model ({', '.join(self.devices)})")
@@ -581,19 +601,21 @@ class CostModel:
         return self.linear_flops() + self.attention_flops()
 
     @property
-    def gradient_checkpointing(self) -> bool:
+    def gradient_checkpointing(self) -> bool | None:
+        """The configured activation checkpointing: the workload's, else the model profile's;
+        None: decided per training pass by memory (:meth:`checkpointing`)."""
         w = self.workload
         return self.model.gradient_checkpointing if w.gradient_checkpointing is None else w.gradient_checkpointing
 
-    def train_flops(self) -> float:
+    def train_flops(self, checkpointing: bool = False) -> float:
         """FLOPs of one trained sample-step (one CFG branch): forward, backward (input gradients
         of every linear layer, weight gradients of the trainable ones only: a frozen LoRA base
         skips them; attention's backward is twice its forward), a recomputed forward with
-        activation checkpointing, a reference forward with KL."""
+        activation checkpointing (``checkpointing``), a reference forward with KL."""
         lin, att = self.linear_flops(), self.attention_flops()
         backward_linear = 1.0 if self.workload.lora else 2.0
         flops = lin * (1.0 + backward_linear) + 3.0 * att
-        if self.gradient_checkpointing:
+        if checkpointing:
             flops += lin + att
         if self.workload.kl:
             flops += lin + att
@@ -601,8 +623,9 @@ class CostModel:
 
     @property
     def train_flops_factor(self) -> float:
-        """Forward-equivalents per trained sample-step (``train_flops / forward_flops``)."""
-        return self.train_flops() / self.forward_flops()
+        """Forward-equivalents per trained sample-step (``train_flops / forward_flops``), with
+        the configured checkpointing (none when undecided)."""
+        return self.train_flops(bool(self.gradient_checkpointing)) / self.forward_flops()
 
     @property
     def param_bytes(self) -> float:
@@ -631,6 +654,8 @@ class CostModel:
 
     def train_group(self, cluster: Cluster) -> TrainGroup:
         p = cluster.placement(training_pool(cluster))
+        if self.workload.fsdp is False:  # every trainer holds the whole state and trains alone
+            return TrainGroup(ranks=p.size, nodes=p.nodes, shard=1, shard_nodes=1)
         shard = self.system.hsdp_shard if 0 < self.system.hsdp_shard < p.size else p.size
         # flat FSDP spans the pool's nodes; an HSDP shard group the nodes its ranks sit on
         return TrainGroup(ranks=p.size, nodes=p.nodes, shard=shard, shard_nodes=p.group_nodes(shard))
@@ -646,7 +671,7 @@ class CostModel:
     def optimizer_shard_bytes(self, group: TrainGroup) -> float:
         return self.system.optimizer_bytes_per_param * self.trainable_params / group.shard
 
-    def activation_bytes_per_sample(self) -> float:
+    def activation_bytes_per_sample(self, checkpointing: bool = False) -> float:
         """Activations one sample keeps for its backward (both CFG branches).
 
         Without checkpointing every block keeps ``activation_bytes x tokens x hidden``; with
@@ -654,29 +679,44 @@ class CostModel:
         m, s = self.model, self.system
         seq = self.tokens()[1]
         per_block = s.activation_bytes * seq * m.hidden
-        if self.gradient_checkpointing:
+        if checkpointing:
             act = 2.0 * m.layers * seq * m.hidden + per_block
         else:
             act = m.layers * per_block
         return act * self.workload.cfg_factor
 
-    def device_batch(self, dev: DeviceProfile, group: TrainGroup) -> int:
-        """Samples per forward+backward pass on one rank: the workload's value, or the most
-        that fit next to the sharded training state, capped by the system's micro-batch
-        (0: not even one fits)."""
-        if self.workload.train_device_batch:
-            return self.workload.train_device_batch
-        free = dev.hbm_gb * GB * self.system.memory_headroom - self.state_bytes_per_rank(group)
-        fit = int(free // self.activation_bytes_per_sample()) if free > 0 else 0
-        cap = self.system.train_micro_batch or self.model.max_device_batch or self.workload.group_size
-        return min(fit, cap)
-
     def pass_batch(self, dev: DeviceProfile, group: TrainGroup) -> int:
-        """Samples per pass: the device batch, but never more than one rank's share of a PPO
-        mini-batch (the optimizer steps between mini-batches)."""
+        """Samples per forward+backward pass on one rank: the workload's value, else the
+        system's micro-batch, else (this runtime) one transformer call's rows
+        (``workers/training.py`` trains a micro-batch call by call); never more than one rank's
+        share of a PPO mini-batch (the optimizer steps between mini-batches)."""
         w = self.workload
+        batch = w.train_device_batch or self.system.train_micro_batch or w.call_rows or w.group_size
         share = math.ceil(w.images_per_step / (w.mini_batches * max(1, group.ranks)))
-        return max(1, min(self.device_batch(dev, group), share))
+        return max(1, min(batch, share))
+
+    def resident_reward_bytes(self, pool: str) -> float:
+        """A reward model's weights that stay on a device of ``pool`` while it trains: a fused
+        worker's resident reward (a swapped one sleeps on the host while training)."""
+        if pool == "fused" and self.reward_residency(WorkerId(pool, 0)) == RESIDENT:
+            return self.reward_weight_bytes()
+        return 0.0
+
+    def training_bytes(self, dev: DeviceProfile, group: TrainGroup, pool: str, checkpointing: bool) -> float:
+        """Peak bytes of one rank in a training pass: its training state, a resident reward
+        model, and one pass's activations."""
+        return (self.state_bytes_per_rank(group) + self.resident_reward_bytes(pool)
+                + self.pass_batch(dev, group) * self.activation_bytes_per_sample(checkpointing))
+
+    def checkpointing(self, dev: DeviceProfile, group: TrainGroup, pool: str = "trainer") -> bool:
+        """Activation checkpointing of a training pass: as configured, else on exactly when the
+        pass does not fit without it (what ``digen.model.gradient_checkpointing=auto`` does,
+        ``memory.plan.decide_checkpointing``)."""
+        configured = self.gradient_checkpointing
+        if configured is not None:
+            return configured
+        cap = dev.hbm_gb * GB * self.system.memory_headroom
+        return self.training_bytes(dev, group, pool, False) > cap
 
     def collective_bw(self, device: DeviceProfile, nodes: int) -> float:
         link = device.cross_node_gbps if nodes > 1 else device.intra_node_gbps
@@ -778,10 +818,11 @@ class CostModel:
     def _pass_seconds(self, compute: float, comm: float) -> float:
         return compute + max(0.0, comm - self.system.comm_overlap * compute)
 
-    def train_pass_seconds(self, samples: int, dev: DeviceProfile, group: TrainGroup) -> float:
+    def train_pass_seconds(self, samples: int, dev: DeviceProfile, group: TrainGroup, pool: str = "trainer") -> float:
         w = self.workload
         tokens = samples * w.cfg_factor * self.tokens()[1]
-        compute = dev.train_pass_overhead_s + samples * w.cfg_factor * self.train_flops() / (
+        flops = self.train_flops(self.checkpointing(dev, group, pool))
+        compute = dev.train_pass_overhead_s + samples * w.cfg_factor * flops / (
             dev.flops * self.efficiency(dev, tokens, train=True) * self.system.train_efficiency
         )
         return self._pass_seconds(compute, self.fsdp_comm_seconds(dev, group))
@@ -795,10 +836,11 @@ class CostModel:
         )
         return self._pass_seconds(compute, self.fsdp_gather_seconds(dev, group))
 
-    def train_seconds(self, images: int, dev: DeviceProfile, group: TrainGroup, trained_steps: int | None = None) -> float:
+    def train_seconds(self, images: int, dev: DeviceProfile, group: TrainGroup, trained_steps: int | None = None,
+                      pool: str = "trainer") -> float:
         k = self.workload.trained_steps if trained_steps is None else trained_steps
-        b = self.pass_batch(dev, group)  # an infeasible batch is reported by memory_problems
-        t = k * sum(self.train_pass_seconds(n, dev, group) for n in _passes(images, b))
+        b = self.pass_batch(dev, group)  # a pass that does not fit is reported by memory_problems
+        t = k * sum(self.train_pass_seconds(n, dev, group, pool) for n in _passes(images, b))
         if self.system.recompute_logprob:
             bl = self.system.logprob_micro_batch or b
             t += k * sum(self.logprob_pass_seconds(n, dev, group) for n in _passes(images, bl))
@@ -899,8 +941,8 @@ class CostModel:
         worker's requests (``system.rollout_batch``) forms batches up to that size from the
         worker's share of the step; otherwise a task's images form one batch."""
         cap = self.system.rollout_batch
-        if not cap:
-            return None
+        if not cap:  # this runtime: a task's samples in transformer calls of call_rows (workers/sampling.py)
+            return self.workload.call_rows or None
         share = math.ceil(self.workload.images_per_step / max(1, cluster.placement(pool).size))
         return min(cap, share)
 
@@ -939,7 +981,7 @@ class CostModel:
         elif task.kind == TaskKind.TRAIN:
             # a gang (lockstep FSDP) micro-batch: every rank takes its share of the samples
             share = math.ceil(images / len(task.workers))
-            t = self.train_seconds(share, dev, self.train_group(cluster), self.trained_steps_of(task))
+            t = self.train_seconds(share, dev, self.train_group(cluster), self.trained_steps_of(task), pool=worker.pool)
         elif task.kind == TaskKind.OPTIMIZER_STEP:
             t = self.optimizer_seconds(dev, self.train_group(cluster))
         elif task.kind == TaskKind.SYNC:
@@ -966,8 +1008,8 @@ class CostModel:
             ) / spec.groups_per_task,
             reward_per_group=self.reward_seconds(G, gen_dev, residency=self.reward_residency(gen_worker),
                                                  per_worker=self.images_per_worker(cluster, gen_worker.pool)),
-            train_per_group=self.train_seconds(G * spec.train_micro_batch_groups, tr_dev, group)
-            / spec.train_micro_batch_groups,
+            train_per_group=self.train_seconds(G * spec.train_micro_batch_groups, tr_dev, group,
+                                               pool=spec.trainers[0].pool) / spec.train_micro_batch_groups,
             optimizer_step=self.optimizer_seconds(tr_dev, group),
             sync=self.sync_seconds(cluster) if spec.placement == "disaggregated" else 0.0,
         )
@@ -981,7 +1023,7 @@ class CostModel:
         generate += self.encode_seconds(1, dev) / w.group_size + self.decode_seconds(1, dev)
         reward = self.reward_flops_per_image() / (dev.flops * dev.mfu_forward)
         best = max(self.bound_train_efficiency, self.system.train_efficiency)
-        train = w.trained_steps * w.cfg_factor * self.train_flops() / (dev.flops * dev.mfu_train * best)
+        train = w.trained_steps * w.cfg_factor * self.train_flops(False) / (dev.flops * dev.mfu_train * best)
         return {"generate": generate, "reward": reward, "train": train}
 
     def zero_bubble_bound(self, devices: Iterable[str]) -> float:
@@ -1036,13 +1078,17 @@ class CostModel:
                     f"trainer: generating (TAG) needs the full {self.param_bytes / GB:.0f} GB of weights next to "
                     f"{self.state_bytes_per_rank(group) / GB:.0f} GB of training state on {dev.name}"
                 )
-            if pool == train_pool and self.device_batch(dev, group) < 1:
-                state = self.state_bytes_per_rank(group)
-                act = self.activation_bytes_per_sample()
-                problems.append(
-                    f"{pool}: {state / GB:.0f} GB of training state per rank ({group.shard}-way sharded) + "
-                    f"{act / GB:.0f} GB of activations for one sample exceed {cap / GB:.0f} GB on {dev.name}"
-                )
+            if pool == train_pool:
+                need = self.training_bytes(dev, group, pool, self.checkpointing(dev, group, pool))
+                if need > cap:
+                    state = self.state_bytes_per_rank(group)
+                    problems.append(
+                        f"{pool}: {state / GB:.0f} GB of training state per rank "
+                        f"({f'{group.shard}-way sharded' if group.shard > 1 else 'unsharded'}) + "
+                        f"{(need - state) / GB:.0f} GB of activations for a pass of {self.pass_batch(dev, group)} "
+                        f"sample(s){' and a resident reward model' if self.resident_reward_bytes(pool) else ''} "
+                        f"exceed {cap / GB:.0f} GB on {dev.name}"
+                    )
         return problems
 
     def describe(self, cluster: Cluster | None = None) -> dict[str, Any]:
@@ -1065,7 +1111,8 @@ class CostModel:
         if cluster is not None:
             group = self.train_group(cluster)
             dev = self.device(cluster.placement(training_pool(cluster)).device)
-            out["train_device_batch"] = self.device_batch(dev, group)
+            out["train_device_batch"] = self.pass_batch(dev, group)
+            out["checkpointing_decided"] = self.checkpointing(dev, group, training_pool(cluster))
             out["state_gb_per_rank"] = self.state_bytes_per_rank(group) / GB
             out["usd_per_hour"] = self.usd_per_hour(cluster)
         return out

@@ -30,13 +30,15 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from verl_digen.schedule.strategies import StrategySpec, fsdp_rows_split
+from verl_digen.schedule.strategies import StrategySpec, fsdp_rows_split, strategy_violations
 from verl_digen.sim.cost_model import Catalog, Cluster, CostModel, PoolPlacement, ProfileError, load_catalog
 from verl_digen.sim.simulator import SimResult, simulate
 
 # Mechanism sets the planner searches by default, in the order of the paper's ladder.
 MECHANISMS: dict[str, dict[str, Any]] = {
     "colocated": {"placement": "colocated"},
+    # every fused worker shards the model (digen.fsdp.enable): generation and micro-batches in lockstep
+    "colocated+fsdp": {"placement": "colocated", "fsdp": True},
     "disaggregated": {"placement": "disaggregated"},
     "disaggregated+gap": {"placement": "disaggregated", "gap": True},
     "disaggregated+tcss": {"placement": "disaggregated", "max_staleness": 1},
@@ -169,8 +171,14 @@ class Search:
         return max(evs, key=lambda e: e.images_per_s) if evs else None
 
     @property
+    def best_colocated(self) -> Evaluation | None:
+        """The best colocated configuration, with or without FSDP (the baseline of every speedup)."""
+        evs = [e for e in self.evaluated if e.candidate.spec.placement == "colocated"]
+        return max(evs, key=lambda e: e.images_per_s) if evs else None
+
+    @property
     def colocated_images_per_s(self) -> float | None:
-        best = self.best_of("colocated")
+        best = self.best_colocated
         return best.images_per_s if best else None
 
     def ranked(self) -> list[Evaluation]:
@@ -203,6 +211,17 @@ def shard_groups_stay_in_nodes(pool: PoolShape, shard: int) -> bool:
 
 def _divisors(n: int, options: Iterable[int]) -> list[int]:
     return [k for k in options if k <= n and n % k == 0]
+
+
+def fsdp_micro_batches(micro: list[int], groups_per_step: int, group_size: int, ranks: int) -> list[int]:
+    """Micro-batch sizes (groups) for FSDP over ``ranks``: those of ``micro`` whose rows deal
+    evenly over the ranks (the runtime refuses the others), plus the smallest size that does
+    when none of them does (e.g. 12-sample groups over 32 ranks: 8 groups, 3 rows a rank)."""
+    ok = [m for m in micro if fsdp_rows_split(m, group_size, ranks)]
+    if not ok:
+        ok = [m for m in range(1, groups_per_step + 1) if groups_per_step % m == 0
+              and fsdp_rows_split(m, group_size, ranks)][:1]
+    return ok
 
 
 def candidates(
@@ -264,11 +283,20 @@ def candidates(
                                        f"whole-step system needs (change --groups-per-step)")
                 sizes = [groups_per_step // n]
             for gpt in sizes:
-                for mb in sizes:
-                    if "fused" in pools:
+                fused = "fused" in pools
+                mbs = sizes
+                if "fsdp" in switches:
+                    mbs = fsdp_micro_batches(sizes, groups_per_step, group_size, pools["fused" if fused else "trainer"].size)
+                for mb in mbs:
+                    if fused:
+                        fsdp = bool(switches.get("fsdp"))
+                        if fsdp and strategy_violations(placement="colocated", rollout_workers=pools["fused"].size,
+                                                         groups_per_step=groups_per_step, groups_per_task=gpt,
+                                                         train_micro_batch_groups=mb, fsdp=True):
+                            continue  # the runtime refuses it: every fused worker must generate alike
                         spec = StrategySpec(
                             "colocated", pools["fused"].size, pools["fused"].size, groups_per_step, group_size,
-                            groups_per_task=gpt, train_micro_batch_groups=mb,
+                            groups_per_task=gpt, train_micro_batch_groups=mb, fsdp=fsdp,
                         )
                         out.append(Candidate(spec, pools))
                         continue
@@ -298,6 +326,7 @@ def candidates(
 
 def evaluate(candidate: Candidate, costs: CostModel, *, steps: int = 5, warmup: int = 2) -> Evaluation:
     cluster = candidate.cluster
+    costs = costs.for_spec(candidate.spec)  # the strategy's transformer calls and sharding
     problems = costs.memory_problems(cluster, trainers_generate=getattr(candidate.spec, "tag", False))
     if problems:
         return Evaluation(candidate, None, problems)
@@ -315,6 +344,8 @@ def search(
 ) -> Search:
     w = costs.workload
     runnable = [m for m in mechanisms if m not in MECHANISMS or costs.system.runs(MECHANISMS[m]["placement"])]
+    if costs.system.always_sharded:  # its engine shards every run; our lockstep-FSDP plans are not its
+        runnable = [m for m in runnable if not MECHANISMS.get(m, {}).get("fsdp")]
     if not runnable:
         raise ProfileError(f"system {costs.system.name!r} runs only {costs.system.placements}; none of "
                            f"{', '.join(mechanisms)} applies")

@@ -210,6 +210,8 @@ def simulate(
     """
     if not 0 <= warmup < steps:
         raise ValueError(f"need 0 <= warmup ({warmup}) < steps ({steps})")
+    if hasattr(costs, "for_spec"):  # the strategy's transformer calls and sharding (CostModel.for_spec)
+        costs = costs.for_spec(spec)
     if tsp_balance and spec.tsp_stages > 1 and hasattr(costs, "step_profile"):
         group_size = spec.group_size
         spec = balanced_spec(spec, costs.step_profile(costs.device(cluster.device_of(spec.generators[0])), group_size))

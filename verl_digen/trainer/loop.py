@@ -90,7 +90,8 @@ class DigenTrainer:
             from verl_digen.workers.emulated import emulated_worker_groups, emulation_costs
 
             em = job.cfg.emulate
-            return emulated_worker_groups(emulation_costs(em.model, em.device_type), device=em.device_type,
+            costs = emulation_costs(em.model, em.device_type).for_spec(self.spec)  # the run's calls and sharding
+            return emulated_worker_groups(costs, device=em.device_type,
                                           time_scale=em.time_scale, group_size=job.cfg.batch.group_size)
         return runtime.real_worker_groups(job.cfg, job.model_path, use_gpu=use_gpu,
                                           devices=self.spec.devices, cluster=job.cluster)
