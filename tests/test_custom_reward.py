@@ -1,6 +1,8 @@
 """A reward function from a user's file, veRL's ``reward.custom_reward_function``: what it
-receives per sample (PIL image or frames + fps, data_source, ground truth, extra_info), the
-batched form, and how its errors stop a run."""
+receives per sample, by keyword (veRL-Omni's uint8 ``solution_image``, a PIL image or frames +
+fps, data_source, ground truth, extra_info), coroutine functions, ``{"score": ...}`` results,
+``pkg://`` / ``file://`` paths, the batched form, the signature check, and how its errors stop
+a run."""
 
 from __future__ import annotations
 
@@ -99,7 +101,7 @@ def compute_score(data_source, image, prompt, ground_truth, extra_info):
 
 
 def test_a_score_that_is_not_a_finite_number_is_refused(tmp_path):
-    reward = build_reward("custom", path=_write(tmp_path, "def compute_score(*args):\n    return float('nan')\n"))
+    reward = build_reward("custom", path=_write(tmp_path, "def compute_score(**kwargs):\n    return float('nan')\n"))
     with pytest.raises(CustomRewardError, match=r"returned nan for prompt 'x'; expected a finite float"):
         reward(torch.rand(1, 3, 8, 8), ["x"])
 
@@ -107,7 +109,7 @@ def test_a_score_that_is_not_a_finite_number_is_refused(tmp_path):
 @pytest.mark.parametrize("expr", ["np.float32(len(prompt))", "torch.tensor(float(len(prompt)))",
                                   "np.array(len(prompt), dtype=np.int64)", "np.int32(len(prompt))"])
 def test_numpy_and_torch_scalars_are_scores(tmp_path, expr):
-    source = f"import numpy as np, torch\ndef compute_score(source, image, prompt, truth, info):\n    return {expr}\n"
+    source = f"import numpy as np, torch\ndef compute_score(prompt):\n    return {expr}\n"
     reward = build_reward("custom", path=_write(tmp_path, source))
     assert reward(torch.rand(2, 3, 8, 8), ["ab", "abc"]).tolist() == [2.0, 3.0]
 
@@ -116,7 +118,7 @@ def test_numpy_and_torch_scalars_are_scores(tmp_path, expr):
                                   "torch.tensor([float(len(p)) for p in prompts])",
                                   "tuple(np.float32(len(p)) for p in prompts)"])
 def test_the_batched_form_may_return_a_1d_array(tmp_path, expr):
-    source = f"import numpy as np, torch\ndef score(sources, images, prompts, truths, infos):\n    return {expr}\n"
+    source = f"import numpy as np, torch\ndef score(prompts, images):\n    return {expr}\n"
     reward = build_reward("custom", path=_write(tmp_path, source), function="score", batched=True)
     assert reward(torch.rand(2, 3, 8, 8), ["ab", "abc"]).tolist() == [2.0, 3.0]
 
@@ -128,7 +130,7 @@ def test_the_batched_form_may_return_a_1d_array(tmp_path, expr):
     ("3.0", r"returned 3.0; expected a list of scores"),
 ])
 def test_batched_results_that_are_not_one_finite_score_per_sample_are_refused(tmp_path, expr, message):
-    source = f"import numpy as np\ndef score(sources, images, prompts, truths, infos):\n    return {expr}\n"
+    source = f"import numpy as np\ndef score(prompts):\n    return {expr}\n"
     reward = build_reward("custom", path=_write(tmp_path, source), function="score", batched=True)
     with pytest.raises(CustomRewardError, match=message):
         reward(torch.rand(2, 3, 8, 8), ["ab", "abc"])
@@ -144,6 +146,126 @@ def test_a_reward_file_or_function_that_is_not_there_is_named(tmp_path, key, val
         build_reward("custom", **kwargs)
 
 
+# veRL-Omni's scorer signatures (verl_omni/utils/reward_score), written here, called as its
+# visual reward manager calls them: by keyword, solution_image a uint8 tensor, coroutines awaited.
+OMNI_JPEG = '''
+import io
+import numpy as np
+from PIL import Image
+
+SEEN = []
+
+def compute_score(solution_image):
+    SEEN.append(solution_image)
+    if solution_image.dim() == 4:  # a video, [F, 3, H, W]
+        return 0.0
+    buf = io.BytesIO()
+    Image.fromarray(solution_image.permute(1, 2, 0).numpy()).save(buf, format="JPEG", quality=95)
+    return -buf.tell() / 1000 / 500
+'''
+
+OMNI_ASYNC_CLIENT = '''
+import asyncio
+
+CALLS = []
+STARTED = []
+
+async def compute_score(solution_image, ground_truth, server_url, max_retries=2, retry_backoff=0.5, **kwargs):
+    STARTED.append(ground_truth)
+    # every sample's call is in flight before any answers: they were gathered, not awaited in turn
+    while len(STARTED) < kwargs["extra_info"]["expected"]:
+        await asyncio.sleep(0.001)
+    CALLS.append((server_url, ground_truth, sorted(kwargs)))
+    return {"score": float(len(ground_truth)), "latency_ms": 3.0, "answer": "text"}
+'''
+
+
+def test_verl_omnis_scorer_gets_the_uint8_solution_image_by_keyword(tmp_path):
+    reward = build_reward("custom", path=_write(tmp_path, OMNI_JPEG))
+    images = torch.rand(2, 3, 16, 24)
+    scores = reward(images, ["a", "b"])
+    seen = reward.fn.__globals__["SEEN"]
+    assert [tuple(x.shape) for x in seen] == [(3, 16, 24)] * 2 and seen[0].dtype == torch.uint8
+    assert torch.equal(seen[1], (images[1].clamp(0, 1) * 255).round().to(torch.uint8))  # the rollout's pixels
+    assert (scores < 0).all()
+    # video: [F, 3, H, W], frames in order
+    reward(torch.rand(1, 3, 5, 8, 8), ["a"], [{"prompt": "a"}])
+    assert tuple(seen[-1].shape) == (5, 3, 8, 8)
+
+
+def test_a_coroutine_scorer_is_awaited_for_all_samples_at_once_and_its_dict_extras_are_kept(tmp_path):
+    reward = build_reward("custom", path=_write(tmp_path, OMNI_ASYNC_CLIENT),
+                          reward_kwargs={"server_url": "http://scorer:8000"})
+    assert reward.is_async
+    records = [{"prompt": p, "ground_truth": t, "extra_info": {"expected": 3}} for p, t in
+               [("x", "ab"), ("y", "abc"), ("z", "a")]]
+    scores = reward(torch.rand(3, 3, 8, 8), [r["prompt"] for r in records], records)
+    assert scores.tolist() == [2.0, 3.0, 1.0]
+    calls = reward.fn.__globals__["CALLS"]
+    assert {c[0] for c in calls} == {"http://scorer:8000"}  # reward_kwargs by keyword, no clash
+    # **kwargs receives every other sample field
+    assert calls[0][2] == ["data_source", "extra_info", "fps", "image", "prompt"] or \
+        calls[0][2] == ["data_source", "extra_info", "image", "prompt"]
+    extras = reward.take_extras()
+    assert list(extras) == ["latency_ms"] and extras["latency_ms"].tolist() == [3.0, 3.0, 3.0]  # "answer": text
+    assert reward.take_extras() == {}  # handed over once
+
+
+def test_reward_paths_in_verls_pkg_and_file_forms(tmp_path, monkeypatch):
+    package = tmp_path / "my_rewards"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "scorers.py").write_text("def compute_score(prompt):\n    return float(len(prompt))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for path in ("pkg://my_rewards.scorers", "pkg://my_rewards/scorers", f"file://{package / 'scorers.py'}"):
+        assert build_reward("custom", path=path)(torch.rand(1, 3, 8, 8), ["abc"]).tolist() == [3.0], path
+    with pytest.raises(FileNotFoundError, match=r"reward module 'my_rewards.nope' \(pkg://my_rewards.nope\) is not importable"):
+        build_reward("custom", path="pkg://my_rewards.nope")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        build_reward("custom", path=f"file://{tmp_path / 'nope.py'}")
+
+
+@pytest.mark.parametrize(("source", "kwargs", "message"), [
+    ("def compute_score(src, image):\n    return 0.0\n", {}, r"cannot fill parameter 'src'"),
+    ("def compute_score(image, server_url):\n    return 0.0\n", {}, r"cannot fill parameter 'server_url'"),
+    ("def compute_score(image):\n    return 0.0\n", {"reward_kwargs": {"scale": 2}}, r"reward_kwargs \['scale'\] are not parameters"),
+    ("def compute_score(image, **kw):\n    return 0.0\n", {"reward_kwargs": {"prompt": "x"}}, r"reward_kwargs \['prompt'\] name sample fields"),
+    ("def compute_score(image, /):\n    return 0.0\n", {}, r"parameter 'image' is positional-only"),
+    ("def compute_score(*args):\n    return 0.0\n", {}, r"takes only \*args; reward functions are called by keyword"),
+    ("def compute_score(data_sources, images):\n    return [0.0]\n", {"batched": False}, r"cannot fill parameter 'data_sources'"),
+])
+def test_a_signature_the_call_cannot_fill_is_refused_when_the_reward_is_built(tmp_path, source, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        build_reward("custom", path=_write(tmp_path, source), **kwargs)
+
+
+def test_a_dict_result_needs_a_score(tmp_path):
+    reward = build_reward("custom", path=_write(tmp_path, "def compute_score(prompt):\n    return {'value': 1.0}\n"))
+    with pytest.raises(CustomRewardError, match=r"returned a dict without 'score' \(\['value'\]\)"):
+        reward(torch.rand(1, 3, 8, 8), ["x"])
+
+
+def test_the_job_checks_the_reward_signature_before_ray_and_keeps_pkg_paths(tmp_path, monkeypatch):
+    from runs import run_config
+
+    import ray
+
+    from verl_digen.config.schema import ConfigError
+    from verl_digen.trainer.resolve import check_run_config
+
+    bad = _write(tmp_path, "def compute_score(solution_image, server_url):\n    return 0.0\n")
+    with pytest.raises(ConfigError, match=r"cannot fill parameter 'server_url'"):
+        check_run_config(run_config(tmp_path, "out", f"reward.custom_reward_function.path={bad}"))
+    assert not ray.is_initialized()
+    good = check_run_config(run_config(tmp_path, "out", f"reward.custom_reward_function.path={bad}",
+                                       "+reward.custom_reward_function.reward_kwargs.server_url=http://h:1"))
+    assert good.cfg.reward.kwargs["reward_kwargs"] == {"server_url": "http://h:1"}
+    (tmp_path / "team_rewards.py").write_text("def compute_score(prompt):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    pkg = check_run_config(run_config(tmp_path, "out", "reward.custom_reward_function.path=pkg://team_rewards"))
+    assert pkg.cfg.reward.kwargs["path"] == "pkg://team_rewards"  # not made a file path of the working directory
+
+
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_a_failing_reward_stops_the_run_after_a_checkpoint_of_the_completed_steps(tmp_path, tiny_flux):
@@ -155,9 +277,11 @@ def test_a_failing_reward_stops_the_run_after_a_checkpoint_of_the_completed_step
     # Step 1 draws the first four prompts (no shuffle), step 2 the next four, whose ground truth breaks the reward.
     prompts.write_text("".join(json.dumps({"prompt": f"prompt {i}", "ground_truth": "0.5" if i < 4 else "boom"}) + "\n"
                                for i in range(8)))
+    # veRL-Omni's scorer shape: a coroutine taking its keyword set, answering a dict
     path = _write(tmp_path, '''
-def compute_score(data_source, image, prompt, ground_truth, extra_info):
-    return float(ground_truth)
+async def compute_score(data_source, solution_image, ground_truth, extra_info, **kwargs):
+    assert solution_image.dtype.is_floating_point is False and solution_image.shape[0] == 3
+    return {"score": float(ground_truth), "doubled": 2 * float(ground_truth), "note": "strings are not metrics"}
 ''')
     ckpt = tmp_path / "ckpt"
     with pytest.raises(RunStopped) as info:
@@ -169,3 +293,7 @@ def compute_score(data_source, image, prompt, ground_truth, extra_info):
     assert "could not convert string to float: 'boom'" in message  # the user's traceback
     assert re.search(r"prompt 'prompt [4-7]'", message)  # the sample it failed on (whichever group came first)
     assert os.path.isdir(ckpt / "global_step_1") and not os.path.exists(ckpt / "global_step_2")
+    with open(tmp_path / "out" / "metrics.jsonl") as f:
+        first = json.loads(f.readline())
+    assert first["reward_mean"] == pytest.approx(0.5) and first["reward/doubled"] == pytest.approx(1.0)
+    assert not any("note" in k for k in first)

@@ -433,8 +433,14 @@ def _derived_settings(config: Mapping[str, Any], digen: dict[str, Any], ours: di
 
     path, name, manager = _custom_reward(config)
     if path is not None:
-        # Absolute against the directory the job was started from (workers may run elsewhere).
-        spec = {"name": "custom", "kwargs": {"path": os.path.abspath(os.path.expanduser(str(path))), "function": str(name),
+        # A file: absolute against the directory the job was started from (workers may run
+        # elsewhere); pkg://module stays as it is (veRL's load_module imports it).
+        path = str(path)
+        if path.startswith("file://"):
+            path = "file://" + os.path.abspath(os.path.expanduser(path[len("file://"):]))
+        elif not path.startswith("pkg://"):
+            path = os.path.abspath(os.path.expanduser(path))
+        spec = {"name": "custom", "kwargs": {"path": path, "function": str(name),
                                              "batched": manager == "batch"}}
         kwargs = _get(config, "reward.custom_reward_function.reward_kwargs", None) or \
             _get(config, "custom_reward_function.reward_kwargs", None)

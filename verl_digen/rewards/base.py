@@ -117,6 +117,13 @@ class RewardFn(abc.ABC):
             scores = self._checked_scores(self._call_score_images(images, prompts, records), batch)
         return scores.to(device=images.device, dtype=torch.float32)
 
+    def take_extras(self) -> dict[str, torch.Tensor]:
+        """Per-sample numbers the last call produced besides the scores (name -> ``[B]`` float32,
+        NaN where a sample has none), handed over once: a custom function's ``{"score": ...,
+        key: value}`` results. The worker sends them with the rewards; the loop logs their
+        means as ``reward/<name>``. Most rewards have none."""
+        return {}
+
     def _call_score_images(self, images: torch.Tensor, prompts: list[str], metadata: list[Mapping[str, Any]]) -> torch.Tensor:
         if self.takes_metadata:
             return self.score_images(images, prompts, metadata=metadata)  # type: ignore[call-arg]

@@ -1,21 +1,39 @@
-"""A reward function from a user's file, the way veRL loads ``reward.custom_reward_function``.
+"""A reward function from a user's file, called the way veRL and veRL-Omni call it.
 
-veRL users write ``compute_score(data_source, solution_str, ground_truth, extra_info)`` and
-point ``reward.custom_reward_function.path`` / ``.name`` at it. The diffusion form keeps the
-call shape, with the generated image in place of the text::
+veRL users point ``reward.custom_reward_function.path`` / ``.name`` at a ``compute_score`` and
+veRL's reward loop calls it **by keyword**, one sample at a time, awaiting it when it is a
+coroutine function; veRL-Omni's visual reward manager does the same with the generated image as
+``solution_image``. Here a function's parameters are filled **by their names** from these
+fields of the sample (a function takes only those it names, or all of them with ``**kwargs``):
 
-    compute_score(data_source, image, prompt, ground_truth, extra_info, **reward_kwargs) -> float
+==================  ===========================================================================
+``solution_image``  the image as veRL-Omni passes it: a uint8 ``torch.Tensor`` ``[3, H, W]``
+                    (video: ``[F, 3, H, W]``)
+``image``           the same pixels as an RGB ``PIL.Image.Image`` (video: a list of frames)
+``prompt``          the prompt text
+``data_source``     the prompt record's ``data_source`` (veRL parquet column), or None
+``ground_truth``    the record's ``reward_model.ground_truth``, or None
+``extra_info``      the record's ``extra_info`` (a dict; ``fps`` added for video)
+``fps``             video only: frames per second
+==================  ===========================================================================
 
-* ``image``: a ``PIL.Image.Image`` (RGB); for video, a list of frames (PIL images) and the
-  function gets ``fps=`` as well when it takes an ``fps`` argument (``extra_info["fps"]`` too);
-* ``data_source``, ``ground_truth``, ``extra_info``: the sample's prompt record as the data
-  loader read it (veRL parquet: its ``data_source`` column, ``reward_model.ground_truth``,
-  ``extra_info``); ``None`` / ``{}`` when the record has none.
+plus ``reward.custom_reward_function.reward_kwargs``, passed by keyword too (a setting that
+names a sample field, or a parameter the function cannot take, is refused). The batched form
+(``reward.reward_manager.name=batch``, ``batched=True``) is called once per batch with the plural
+names (``solution_images``, ``images``, ``prompts``, ``data_sources``, ``ground_truths``,
+``extra_infos``: one entry per sample; ``fps``) and returns one score per sample.
 
-The batched form (``reward.reward_manager.name=batch`` in veRL, ``batched=True`` here) gets
-lists, one entry per sample, and returns one float per sample::
+A score is a finite number, or a dict ``{"score": number, ...}`` as veRL-Omni's scorers return:
+its other numeric entries are averaged into per-step metrics ``reward/<key>``; entries that are
+not numbers are not logged (they are strings such as a judge's answer). Coroutine functions
+(``async def``, veRL-Omni's HTTP and judge clients) are awaited, all samples of a call
+concurrently (``asyncio.gather``, as veRL's reward loop does); plain functions run one sample
+after another.
 
-    compute_score(data_sources, images, prompts, ground_truths, extra_infos, **reward_kwargs) -> list[float]
+``path`` is a file (relative paths are taken from where the job starts), ``file://<file>``, or
+``pkg://<package.module>`` (veRL's ``load_module`` forms). The function's signature is checked
+when the reward is built, which the job does before Ray starts: a required parameter that no
+field or setting fills is named.
 
 An exception in the user's function stops the run: :class:`CustomRewardError` carries the
 function's own traceback and the prompt of the sample it failed on (batched: the batch's
@@ -24,9 +42,11 @@ prompts), and the loop checkpoints the completed steps before it reports it.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import math
 import os
+import threading
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -36,18 +56,35 @@ import torch
 from verl_digen.rewards.base import RewardFn, register_reward
 from verl_digen.rewards.jpeg import to_uint8_hwc
 
+# The fields a per-sample function may name; the batched form's are these, plural.
+SAMPLE_FIELDS = ("solution_image", "image", "prompt", "data_source", "ground_truth", "extra_info", "fps")
+BATCH_FIELDS = ("solution_images", "images", "prompts", "data_sources", "ground_truths", "extra_infos", "fps")
+
 
 class CustomRewardError(RuntimeError):
     """The user's reward function raised or returned something that is not a finite score."""
 
 
 def load_reward_function(path: str, name: str) -> Callable[..., Any]:
-    """``name`` from the Python file ``path``, through veRL's own loader (the one
-    ``reward.custom_reward_function`` uses), with errors that name the keys."""
+    """``name`` from ``path`` (a file, ``file://<file>`` or ``pkg://<module>``), through veRL's
+    own loader (the one ``reward.custom_reward_function`` uses), with errors that name the keys."""
     from verl.utils.import_utils import load_extern_object
 
-    if not path or not os.path.isfile(path):
-        raise FileNotFoundError(f"reward.custom_reward_function.path: reward file {path!r} does not exist")
+    key = "reward.custom_reward_function.path"
+    if not path:
+        raise FileNotFoundError(f"{key}: no reward file given")
+    if path.startswith("pkg://"):
+        module = path[len("pkg://"):].replace("/", ".")
+        import importlib.util
+
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise FileNotFoundError(f"{key}: reward module {module!r} ({path}) is not importable here")
+    elif not os.path.isfile(path.removeprefix("file://")):
+        raise FileNotFoundError(f"{key}: reward file {path!r} does not exist")
     try:
         fn = load_extern_object(module_path=path, object_name=name)
     except AttributeError:
@@ -55,6 +92,63 @@ def load_reward_function(path: str, name: str) -> Callable[..., Any]:
     if not callable(fn):
         raise ValueError(f"reward.custom_reward_function.name: {path}:{name} is not callable")
     return fn
+
+
+def _plan_call(fn: Callable[..., Any], fields: Sequence[str], settings: Mapping[str, Any], where: str) -> tuple[set[str], bool]:
+    """Which sample ``fields`` ``fn`` takes (by name; all with ``**kwargs``) and whether it is a
+    coroutine function; raises ``ValueError`` naming what cannot be filled."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: cannot read the function's signature") from None
+    taken = set(settings) & set(fields)
+    if taken:
+        raise ValueError(f"{where}: reward_kwargs {sorted(taken)} name sample fields the call fills itself "
+                         f"({', '.join(fields)})")
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    named = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    for n, p in params.items():
+        if p.kind is p.POSITIONAL_ONLY:
+            raise ValueError(f"{where}: parameter {n!r} is positional-only; reward functions are called by keyword")
+        if p.kind is p.VAR_POSITIONAL and not (named or var_kw):
+            raise ValueError(f"{where}: takes only *{n}; reward functions are called by keyword "
+                             f"(name the fields: {', '.join(fields)})")
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty \
+                and n not in fields and n not in settings:
+            raise ValueError(f"{where}: cannot fill parameter {n!r}: it is neither a sample field "
+                             f"({', '.join(fields)}) nor in reward.custom_reward_function.reward_kwargs")
+    unknown = sorted(set(settings) - named) if not var_kw else []
+    if unknown:
+        raise ValueError(f"{where}: reward_kwargs {unknown} are not parameters of the function")
+    wanted = set(fields) if var_kw else named & set(fields)
+    is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+    return wanted, is_async
+
+
+def _run_coroutines(coros: list[Any]) -> list[Any]:
+    """Await ``coros`` concurrently; results in order, the first exception raised. In a thread
+    of its own when this thread already runs an event loop."""
+    async def gather() -> list[Any]:
+        return await asyncio.gather(*coros)
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(gather())
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["out"] = asyncio.run(gather())
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            box["err"] = e
+
+    t = threading.Thread(target=run, name="custom-reward")
+    t.start()
+    t.join()
+    if "err" in box:
+        raise box["err"]
+    return box["out"]
 
 
 @register_reward("custom")
@@ -69,40 +163,74 @@ class CustomFunctionReward(RewardFn):
         self.fps = float(fps)
         self.reward_kwargs = dict(reward_kwargs or {})
         self.fn = load_reward_function(path, function)
-        params = inspect.signature(self.fn).parameters
-        self._takes_fps = "fps" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+        self.fields = BATCH_FIELDS if self.batched else SAMPLE_FIELDS
+        self.wanted, self.is_async = _plan_call(self.fn, self.fields, self.reward_kwargs, self._where())
+        self._extras: dict[str, torch.Tensor] = {}
 
     def score_images(self, images: torch.Tensor, prompts: list[str],
                      metadata: Sequence[Mapping[str, Any]]) -> torch.Tensor:
-        media = [_to_pil(x) for x in images]  # [N, 3, H, W] -> PIL; [N, 3, F, H, W] -> list of F PIL frames
         is_video = images.dim() == 5
-        fields = [_fields(record, self.fps if is_video else None) for record in metadata]
-        extra = dict(self.reward_kwargs)
-        if is_video and self._takes_fps:
-            extra["fps"] = self.fps
+        rows = [self._sample_fields(x, p, record, is_video) for x, p, record in zip(images, prompts, metadata)]
         if self.batched:
+            values = {plural: [r[single] for r in rows] for single, plural in zip(SAMPLE_FIELDS, BATCH_FIELDS)
+                      if single != "fps"}
+            if is_video:
+                values["fps"] = self.fps
+            kwargs = {k: v for k, v in values.items() if k in self.wanted}
             try:
-                scores = self.fn([f[0] for f in fields], media, list(prompts), [f[1] for f in fields],
-                                 [f[2] for f in fields], **extra)
+                scores = self.fn(**kwargs, **self.reward_kwargs)
+                if inspect.isawaitable(scores):
+                    (scores,) = _run_coroutines([scores])
             except Exception:
                 raise self._error(f"on a batch of {len(prompts)} samples, prompts {list(prompts)!r}") from None
             scores = self._score_list(scores)
             if len(scores) != len(prompts):
                 raise CustomRewardError(f"{self._where()} returned {len(scores)} scores for {len(prompts)} samples")
         else:
-            scores = []
-            for i, (item, prompt, (source, truth, info)) in enumerate(zip(media, prompts, fields)):
+            calls = [{k: v for k, v in r.items() if k in self.wanted} for r in rows]
+            if self.is_async:
                 try:
-                    scores.append(self.fn(source, item, prompt, truth, info, **extra))
+                    scores = _run_coroutines([self.fn(**kw, **self.reward_kwargs) for kw in calls])
                 except Exception:
-                    raise self._error(f"on sample {i}, prompt {prompt!r}") from None
-        out = []
+                    raise self._error(f"on one of {len(prompts)} samples, prompts {list(prompts)!r}") from None
+            else:
+                scores = []
+                for i, kw in enumerate(calls):
+                    try:
+                        out = self.fn(**kw, **self.reward_kwargs)
+                        if inspect.isawaitable(out):  # a callable object whose __call__ is async
+                            (out,) = _run_coroutines([out])
+                        scores.append(out)
+                    except Exception:
+                        raise self._error(f"on sample {i}, prompt {prompts[i]!r}") from None
+        out, extras = [], {}
         for i, s in enumerate(scores):
-            value = _as_number(s)
-            if value is None or not math.isfinite(value):
-                raise CustomRewardError(f"{self._where()} returned {s!r} for prompt {prompts[i]!r}; expected a finite float")
+            value, extra = self._split(s, prompts[i])
             out.append(value)
+            for k, v in extra.items():
+                extras.setdefault(k, [math.nan] * len(scores))[i] = v
+        self._extras = {k: torch.tensor(v, dtype=torch.float32) for k, v in extras.items()}
         return torch.tensor(out, dtype=torch.float32)
+
+    def take_extras(self) -> dict[str, torch.Tensor]:
+        extras, self._extras = self._extras, {}
+        return extras
+
+    def _sample_fields(self, x: torch.Tensor, prompt: str, record: Mapping[str, Any], is_video: bool) -> dict[str, Any]:
+        source, truth, info = _fields(record, self.fps if is_video else None)
+        # [3, H, W] -> uint8 [3, H, W]; [3, F, H, W] -> uint8 [F, 3, H, W] (veRL-Omni's layouts)
+        frames = to_uint8_hwc(x.permute(1, 0, 2, 3) if is_video else x[None])  # [F or 1, H, W, 3]
+        pixels = frames.permute(0, 3, 1, 2).contiguous()
+        out = {"solution_image": pixels if is_video else pixels[0], "prompt": prompt, "data_source": source,
+               "ground_truth": truth, "extra_info": info}
+        if "image" in self.wanted or "images" in self.wanted:
+            pils = _to_pil(frames)
+            out["image"] = pils if is_video else pils[0]
+        else:
+            out["image"] = None
+        if is_video:
+            out["fps"] = self.fps
+        return out
 
     def _score_list(self, scores: Any) -> list[Any]:
         """The batched form's result as a list: a list or tuple, or a 1-d numpy array or tensor."""
@@ -124,6 +252,22 @@ class CustomFunctionReward(RewardFn):
     def _error(self, sample: str) -> CustomRewardError:
         return CustomRewardError(f"{self._where()} failed {sample}:\n{traceback.format_exc()}")
 
+    def _split(self, s: Any, prompt: str) -> tuple[float, dict[str, float]]:
+        """(score, numeric extras) of one result: a number, or a dict with a ``score``."""
+        extra: dict[str, float] = {}
+        if isinstance(s, Mapping):
+            if "score" not in s:
+                raise CustomRewardError(f"{self._where()} returned a dict without 'score' ({sorted(s)}) for prompt "
+                                        f"{prompt!r}; expected a number or {{'score': number, ...}}")
+            for k, v in s.items():
+                number = _as_number(v) if k != "score" else None
+                if number is not None:
+                    extra[str(k)] = number
+            s = s["score"]
+        value = _as_number(s)
+        if value is None or not math.isfinite(value):
+            raise CustomRewardError(f"{self._where()} returned {s!r} for prompt {prompt!r}; expected a finite float")
+        return value, extra
 
 def _as_number(s: Any) -> float | None:
     """A score as a float: Python, numpy and 0-d torch / numpy numbers (bools are not scores); None
@@ -150,10 +294,8 @@ def _fields(record: Mapping[str, Any], fps: float | None) -> tuple[Any, Any, dic
     return record.get("data_source"), record.get("ground_truth"), info
 
 
-def _to_pil(x: torch.Tensor) -> Any:
-    """``[3, H, W]`` in [0, 1] -> an RGB PIL image; ``[3, F, H, W]`` -> a list of F of them."""
+def _to_pil(frames: torch.Tensor) -> list[Any]:
+    """uint8 ``[F, H, W, 3]`` -> F RGB PIL images."""
     from PIL import Image
 
-    frames = to_uint8_hwc(x.permute(1, 0, 2, 3) if x.dim() == 4 else x[None])  # [F or 1, H, W, 3]
-    pils = [Image.fromarray(f.numpy(), "RGB") for f in frames]
-    return pils if x.dim() == 4 else pils[0]
+    return [Image.fromarray(f.numpy(), "RGB") for f in frames]

@@ -73,6 +73,10 @@ class WeightedReward(RewardFn):
     ) -> torch.Tensor:
         return self.score_with_components(images, prompts, metadata)[0]
 
+    def take_extras(self) -> dict[str, torch.Tensor]:
+        """Each component's extras, as ``<label>/<name>``."""
+        return {f"{label}/{k}": v for label, reward, _ in self.components for k, v in reward.take_extras().items()}
+
     def __repr__(self) -> str:
         inner = ", ".join(f"{label}*{weight:g}" for label, _, weight in self.components)
         return f"WeightedReward({inner})"

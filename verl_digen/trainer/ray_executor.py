@@ -48,6 +48,7 @@ class StepResults:
     """What the driver gathered for one training step."""
 
     rewards: dict[int, torch.Tensor] = field(default_factory=dict)  # group -> [G]
+    reward_extras: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # name -> per-call values
     versions: dict[int, int] = field(default_factory=dict)  # group -> weights version it was sampled with
     train: list[TrainResult] = field(default_factory=list)
     optimizer: OptimizerResult | None = None
@@ -229,6 +230,8 @@ class RayPlanExecutor(PlanRunner):
             out: RewardResult = result[0]
             for g in task.groups:
                 res.rewards[g], res.versions[g] = out.of_group(g)
+            for name, values in out.extra.items():
+                res.reward_extras.setdefault(name, []).append(values)
         elif task.kind == TaskKind.TRAIN:
             res.train.extend(result)
         elif task.kind == TaskKind.OPTIMIZER_STEP:
@@ -258,6 +261,11 @@ class RayPlanExecutor(PlanRunner):
         for k in sorted({k for t in res.train for k in t.metrics if k.startswith("actor/")}):
             values = [t.metrics[k] for t in res.train if k in t.metrics]
             m[k] = float(sum(values) / len(values))
+        for name in sorted(res.reward_extras):  # a custom reward's extra numbers: means over the samples with one
+            values = torch.cat(res.reward_extras[name])
+            values = values[~torch.isnan(values)]
+            if len(values):
+                m[f"reward/{name}"] = float(values.mean())
         if res.optimizer is not None:
             m.update(res.optimizer.metrics)
         m["policy_version"] = step + 1

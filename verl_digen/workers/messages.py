@@ -14,7 +14,7 @@ become tensors when the driver unpickles them).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -69,6 +69,8 @@ class RewardResult:
     group_id: torch.Tensor
     rewards: torch.Tensor
     policy_version: torch.Tensor
+    # the reward's per-sample extras (RewardFn.take_extras): name -> [B] float32, NaN where absent
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def of_group(self, group: int) -> tuple[torch.Tensor, int]:
         """Group ``group``'s rewards ``[G]`` and the weights version it was sampled with."""

@@ -412,6 +412,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
             group_id=torch.tensor(data.non_tensor_batch["group_id"].astype(np.int64)),
             rewards=rewards.detach().float().cpu(),
             policy_version=torch.tensor(data.non_tensor_batch["policy_version"].astype(np.int64)),
+            extra=self.reward_fn.take_extras(),
         )
 
     def train_micro_batch(self, request: TrainRequest, *trajectories: DataProto) -> TrainResult:
