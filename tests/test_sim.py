@@ -523,6 +523,69 @@ def test_a_balanced_pipeline_gets_close_to_the_bound(catalog):
 
 
 @pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_the_planners_best_flux_plan_at_32_runs_emulated_charging_each_task_what_the_simulator_charges(catalog, tmp_path):
+    """FLUX.1 full fine-tuning on 32 H800: the planner's best configuration, planned for two
+    steps, runs on 32 emulated devices (the real Ray executor; each task sleeps for the cost
+    model's seconds of that strategy, ``CostModel.for_spec``), and every task takes the
+    simulator's seconds plus the runtime's dispatch overhead (allowed 60 ms a task, at a time
+    scale where the mean generate task sleeps 60 ms). The memory planner's per-GPU peak of the
+    printed configuration, at FLUX.1's real size, fits the H800s."""
+    ray = pytest.importorskip("ray")
+    from omegaconf import OmegaConf
+
+    from verl_digen.config.compose import compose_config
+    from verl_digen.config.schema import digen_config_from_dict
+    from verl_digen.emulate import run_emulated_plan
+    from verl_digen.memory import plan_job
+    from verl_digen.sim.planner import Inventory, hydra_overrides, search
+
+    costs = CostModel.from_catalog(catalog, "flux-12b", devices=["H800"])
+    inv = Inventory({"H800": 32})
+    best = search(costs, inv, steps=3, warmup=1).best
+    spec, cluster = best.candidate.spec, best.candidate.cluster
+    c = costs.for_spec(spec)
+    planner = StepPlanner(spec)
+    for s in range(2):
+        planner.plan_step(s, c.step_costs(spec, cluster), has_next=s + 1 < 2)
+    sim = simulate_plan(planner.plan, c, cluster)
+    simulated = {(r.task, tuple(map(str, r.workers))): r.end - r.start for r in sim.timeline.records}
+    gens = [r.end - r.start for r in sim.timeline.records if r.kind == "generate"]
+    scale = 0.06 / (sum(gens) / len(gens))
+    owns = not ray.is_initialized()
+    if owns:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        run = run_emulated_plan(planner.plan, c, cluster, group_size=spec.group_size, time_scale=scale, timeout_s=300)
+    finally:
+        if owns:
+            ray.shutdown()
+    emulated = {(r.task, tuple(map(str, r.workers))): r.end - r.start for r in run.timeline.records}
+    assert set(emulated) == set(simulated)
+    # what each worker charged is what the simulator charged it, task by task
+    expected: dict[str, list[tuple[str, tuple[int, ...], float]]] = {}
+    for r in sorted(sim.timeline.records, key=lambda r: r.start):
+        for w in r.workers:
+            expected.setdefault(str(w), []).append((r.kind, tuple(r.groups), r.end - r.start))
+    for worker, charged in run.charges.items():
+        got = sorted(charged)
+        want = sorted(expected.get(worker, []))
+        assert [(k, g) for k, g, _ in got] == [(k, g) for k, g, _ in want], worker
+        for (k, g, a), (_, _, b) in zip(got, want):
+            assert a == pytest.approx(b, rel=1e-9, abs=1e-12), (worker, k, g)
+    # and the real executor adds only its dispatch overhead (measured here: ~10-40 ms a task on 2 cores)
+    excess = sorted((emulated[k] - d) * scale for k, d in simulated.items())  # real seconds
+    assert excess[0] >= -1e-3 and excess[len(excess) // 2] < 0.1 and excess[-1] < 0.5, excess[-5:]
+
+    overrides = hydra_overrides(best.candidate, costs, inv) + [
+        "digen.model.arch=flux", "digen.memory.device_type=H800", f"digen.output_dir={tmp_path}"]
+    container = OmegaConf.to_container(compose_config(overrides), resolve=True)
+    digen = digen_config_from_dict(container["digen"])
+    roles = plan_job(digen, devices_per_node=container["trainer"]["n_gpus_per_node"], nnodes=container["trainer"]["nnodes"])
+    assert roles and all(p.peak_gib <= p.device_gib for p in roles), [(p.role, p.peak_gib) for p in roles]
+
+
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_emulated_runtime_matches_the_simulator_on_the_same_plan():
     """8 emulated devices (6 rollout + 2 trainers, GAP + TCSS), tasks of 20-80 modelled ms run at

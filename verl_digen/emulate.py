@@ -54,6 +54,8 @@ class EmulatedRun:
     wall_s: float  # real seconds
     time_scale: float
     opt_end: dict[int, float] = field(default_factory=dict)
+    # each worker's (kind, groups, modelled seconds) per task, as it charged them (EmulatedWorker.charged)
+    charges: dict[str, list[tuple[str, tuple[int, ...], float]]] = field(default_factory=dict)
 
 
 def _rescale(timeline: Any, t0: float, scale: float) -> Any:
@@ -97,11 +99,13 @@ def run_emulated_plan(
         t0 = time.time()
         executor.run_until(None)
         wall = time.time() - t0
+        charges = dict(zip(map(str, actors), ray.get([a.charges.remote() for a in actors.values()], timeout=timeout_s)))
     finally:
         kill_actors(actors)
     timeline = _rescale(executor.timeline, t0, time_scale)
     opt_end = {r.step: r.end for r in timeline.records if r.kind == TaskKind.OPTIMIZER_STEP.value}
-    return EmulatedRun(plan=plan, timeline=timeline, makespan=wall / time_scale, wall_s=wall, time_scale=time_scale, opt_end=opt_end)
+    return EmulatedRun(plan=plan, timeline=timeline, makespan=wall / time_scale, wall_s=wall, time_scale=time_scale,
+                       opt_end=opt_end, charges=charges)
 
 
 

@@ -89,15 +89,22 @@ class EmulatedWorker:
         self.time_scale = time_scale
         self.mode = costs.initial_mode(worker)
         self.policy_version = 0
+        # (kind, groups, modelled seconds) of every task part this worker ran, in order: what it
+        # charged, for checks against the simulator (python -m verl_digen.emulate, tests)
+        self.charged: list[tuple[str, tuple[int, ...], float]] = []
 
-    def _work(self, kind: TaskKind, *, groups: tuple[int, ...] = (), step: int = 0, version: int = 0, **fields: Any) -> float:
+    def _work(self, kind: TaskKind, *, groups: tuple[int, ...] = (), step: int = 0, version: int = 0,
+              ranks: int = 1, **fields: Any) -> float:
+        """Sleep for the cost model's seconds of this worker's part of a task; ``ranks``: the
+        workers of a gang task that split its samples (an FSDP micro-batch), this one among them."""
         samples = fields.get("samples")
         per_group = samples[1] - samples[0] if samples else self.group_size
         task = Task(
-            id="emulated", kind=kind, workers=(self.worker,), step=step, groups=groups, version=version,
+            id="emulated", kind=kind, workers=(self.worker,) * ranks, step=step, groups=groups, version=version,
             images=len(groups) * per_group, **fields,
         )
         seconds = self.costs.task_seconds(task, self.worker, self.cluster, switch_from=self.mode)
+        self.charged.append((kind.value, tuple(groups), seconds))
         after = self.costs.mode_of(task, self.worker)
         if after is not None:
             self.mode = after
@@ -129,6 +136,10 @@ class EmulatedWorker:
 
     def ping(self) -> str:
         return str(self.worker)
+
+    def charges(self) -> list[tuple[str, tuple[int, ...], float]]:
+        """What this worker charged so far (see ``charged``)."""
+        return list(self.charged)
 
     def get_policy_version(self) -> int:
         return self.policy_version
@@ -181,7 +192,8 @@ class EmulatedWorker:
         if not versions:
             raise KeyError(f"groups {groups} are in none of the trajectories passed to {self.worker}")
         part = request.train_part
-        seconds = self._work(TaskKind.TRAIN, groups=groups, **({"train_part": part} if part else {}))
+        ranks = request.row_part[1] if request.row_part is not None else 1  # an FSDP gang: this rank's share of the rows
+        seconds = self._work(TaskKind.TRAIN, groups=groups, ranks=ranks, **({"train_part": part} if part else {}))
         return TrainResult(
             metrics={"actor/loss": 0.0, "actor/emulated_s": seconds},
             staleness_max=float(self.policy_version - min(versions)),
