@@ -89,3 +89,37 @@ def test_vlm_engine_scores_the_transcript_and_never_sends_the_prompt(loopback_no
     assert all("OPEN" not in q and "sign" not in q for q in seen)  # the answer never goes to the VLM
     with pytest.raises(ValueError, match="engine='vlm' needs vlm="):
         build_reward("ocr", engine="vlm")
+
+
+def test_recognition_follows_flow_grpos_rule_by_default_with_knobs_for_the_other(ocr) -> None:
+    """Flow-GRPO hands PaddleOCR the RGB array (which it reads as BGR) and PaddleOCR drops
+    recognitions below 0.5 before Flow-GRPO's ``> 0`` filter: the default does both, on clean,
+    blurred and noisy renders, coloured text included (where the channel order matters);
+    ``input_order="bgr", drop_score=0`` is the other reading."""
+    from PIL import ImageFilter
+
+    rng = np.random.default_rng(0)
+    arrays = []
+    for text, colour in [("OPEN 24", "black"), ("Flow", (200, 30, 30)), ("ocr ok", (20, 40, 220)), ("GRPO", "green")]:
+        image = Image.new("RGB", (256, 64), "white")
+        ImageDraw.Draw(image).text((8, 10), text, fill=colour, font=ImageFont.load_default(size=36))
+        for radius in (0.0, 1.5, 2.5):
+            blurred = np.array(image.filter(ImageFilter.GaussianBlur(radius)) if radius else image).astype(np.float32)
+            noisy = np.clip(blurred + rng.normal(0, 40, blurred.shape), 0, 255).astype(np.uint8)
+            arrays += [blurred.astype(np.uint8), noisy]
+
+    def reference(array: np.ndarray, order: str, drop: float) -> str:
+        fed = array if order == "rgb" else array[..., ::-1]
+        result, _ = ocr.engine(np.ascontiguousarray(fed), use_det=True, use_cls=False, use_rec=True, text_score=0.0,
+                               box_thresh=0.6, unclip_ratio=1.5)
+        return "".join(str(r[1]) for r in (result or []) if float(r[2]) >= drop and float(r[2]) > 0)
+
+    assert (ocr.input_order, ocr.drop_score) == ("rgb", 0.5)
+    other = build_reward("ocr", input_order="bgr", drop_score=0.0)
+    for array in arrays:
+        assert ocr.recognise(array) == reference(array, "rgb", 0.5)
+        assert other.recognise(array) == reference(array, "bgr", 0.0)
+    with pytest.raises(ValueError, match="input_order"):
+        build_reward("ocr", input_order="hsv")
+    with pytest.raises(ValueError, match="drop_score"):
+        build_reward("ocr", drop_score=1.5)

@@ -6,8 +6,12 @@ as the PaddleOCR reward Flow-GRPO trains with, and no download at run time.
 
 Score, exactly Flow-GRPO's definition (``flow_grpo/ocr.py``):
 
-1. recognise the image: detected text boxes in reading order, each box's text kept when its
-   confidence is > 0, concatenated without separator;
+1. recognise the image: detected text boxes in reading order, concatenated without separator.
+   As Flow-GRPO runs it: the image goes to the recogniser as the RGB array it is (PaddleOCR,
+   like RapidOCR, reads arrays as OpenCV BGR, so Flow-GRPO's reward sees red and blue swapped),
+   and a box whose recognition confidence is below 0.5 is dropped (PaddleOCR's ``drop_score``)
+   before Flow-GRPO's own ``> 0`` filter. ``input_order="bgr"`` hands the recogniser the order it
+   expects instead, and ``drop_score`` sets the threshold;
 2. normalise both the recognised text and the ground truth: remove every space (``" "``) and
    lower-case (no other normalisation: punctuation and accents count);
 3. distance = 0 when the normalised ground truth is a substring of the normalised recognised
@@ -84,6 +88,9 @@ class OcrReward(RewardFn):
             :data:`VLM_OCR_QUESTION`.
         det_model_path / rec_model_path: other PP-OCR ONNX models than the wheel's (optional).
         use_det: detect text boxes first (default; set False for images that are one text line).
+        drop_score: recognitions below this confidence are dropped (Flow-GRPO's PaddleOCR: 0.5).
+        input_order: ``"rgb"``: the RGB array as it is, as Flow-GRPO hands it over (the default);
+            ``"bgr"``: converted to the colour order the recogniser expects.
         intra_op_threads: onnxruntime threads per model (default 1: rewards run next to training).
     """
 
@@ -96,7 +103,14 @@ class OcrReward(RewardFn):
         intra_op_threads: int = 1,
         engine: str = "rapidocr",
         vlm: Mapping[str, Any] | None = None,
+        drop_score: float = 0.5,
+        input_order: str = "rgb",
     ) -> None:
+        if input_order not in ("rgb", "bgr"):
+            raise ValueError(f"reward 'ocr': input_order must be 'rgb' (Flow-GRPO's) or 'bgr', got {input_order!r}")
+        if isinstance(drop_score, bool) or not isinstance(drop_score, (int, float)) or not 0.0 <= drop_score <= 1.0:
+            raise ValueError(f"reward 'ocr': drop_score must be a number in [0, 1], got {drop_score!r}")
+        self.drop_score, self.input_order = float(drop_score), input_order
         if engine not in ENGINES:
             raise ValueError(f"reward 'ocr': engine must be one of {', '.join(ENGINES)}, got {engine!r}")
         self.engine_name = engine
@@ -143,16 +157,18 @@ class OcrReward(RewardFn):
         self.use_det = use_det
 
     def recognise(self, image_hwc_rgb: np.ndarray) -> str:
-        """The text of one uint8 ``[H, W, 3]`` RGB image: boxes with confidence > 0, concatenated."""
-        bgr = np.ascontiguousarray(image_hwc_rgb[..., ::-1])  # RapidOCR takes arrays as OpenCV BGR
-        # text_score=0: keep every recognised box (Flow-GRPO keeps confidence > 0; RapidOCR drops < 0.5)
+        """The text of one uint8 ``[H, W, 3]`` RGB image: the boxes recognised with confidence at
+        least ``drop_score`` (and > 0), concatenated (module docstring, step 1)."""
+        # RapidOCR takes arrays as OpenCV BGR; Flow-GRPO hands PaddleOCR the RGB array unchanged
+        array = image_hwc_rgb if self.input_order == "rgb" else image_hwc_rgb[..., ::-1]
         result, _ = self.engine(
-            bgr, use_det=self.use_det, use_cls=False, use_rec=True, text_score=0.0, box_thresh=0.6, unclip_ratio=1.5
+            np.ascontiguousarray(array), use_det=self.use_det, use_cls=False, use_rec=True, text_score=0.0,
+            box_thresh=0.6, unclip_ratio=1.5,
         )
         if not result:
             return ""
         # with detection: [box, text, score] per box; without: [text, score]
-        return "".join(str(item[-2]) for item in result if float(item[-1]) > 0)
+        return "".join(str(item[-2]) for item in result if float(item[-1]) >= self.drop_score and float(item[-1]) > 0)
 
     def score_images(
         self, images: torch.Tensor, prompts: list[str], metadata: Sequence[Mapping[str, Any]]
