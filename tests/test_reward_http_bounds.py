@@ -50,16 +50,52 @@ def test_safe_loads_accepts_plain_data() -> None:
     ("payload", "named"),
     [
         (_Evil(), "posix.system"),
-        (np.float64(0.5), "numpy"),
-        (np.zeros(2), "numpy"),
+        (np.ma.masked_array([1.0]), "numpy.ma"),
+        (np.matrix([[1.0]]), "numpy.matrix"),
         (threading.Lock, "_thread"),
     ],
-    ids=["os.system", "numpy-scalar", "numpy-array", "a-class"],
+    ids=["os.system", "numpy-masked-array", "numpy-matrix", "a-class"],
 )
 def test_safe_loads_refuses_globals_by_name(payload, named: str) -> None:
     data = pickle.dumps({"scores": [payload]})
     with pytest.raises(UnsafePickleError, match=rf"refusing to unpickle global '{named}"):
         safe_loads(data)
+
+
+@pytest.mark.parametrize("protocol", range(0, pickle.HIGHEST_PROTOCOL + 1))
+def test_safe_loads_accepts_numpy_numbers_and_plain_arrays(protocol: int) -> None:
+    """What scorer services answer (HPS: float32 scores) and clients send (Flow-GRPO's
+    UnifiedReward client: prompts as a str array), pickled by numpy 2 (numpy._core), every protocol."""
+    values = {"scores": np.array([0.25, 1.0], dtype=np.float32), "one": np.float32(0.5), "n": np.int64(3),
+              "ok": np.bool_(True), "mask": np.array([[True], [False]]), "fortran": np.asfortranarray(np.eye(2, 3)),
+              "prompts": np.array(["a cat", "a dog"]), "raw": np.array([b"x"]), "c": np.complex64(1 + 2j)}
+    out = safe_loads(pickle.dumps(values, protocol=protocol))
+    for key, value in values.items():
+        assert type(out[key]) is type(value) and out[key].dtype == value.dtype, key
+        assert np.array_equal(out[key], value), key
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        (np.array([1, "a"], dtype=object), r"refusing numpy dtype dtype\('O'\)"),
+        (np.zeros(2, dtype=[("x", "f4"), ("y", "i4")]), r"refusing numpy dtype"),
+        (np.array([np.datetime64("2020-01-01")]), r"refusing numpy dtype"),
+    ],
+    ids=["object-array", "structured", "datetime"],
+)
+def test_safe_loads_refuses_numpy_data_that_is_not_plain(payload, message: str) -> None:
+    for protocol in (2, 4, 5):
+        with pytest.raises(UnsafePickleError, match=message):
+            safe_loads(pickle.dumps({"scores": payload}, protocol=protocol))
+
+
+def test_safe_loads_never_calls_the_array_class_itself() -> None:
+    """``numpy.ndarray((10**12,))`` in a crafted pickle would allocate any shape: the class
+    unpickles to a marker only ``_reconstruct`` takes."""
+    crafted = b"\x80\x02cnumpy\nndarray\nJ\x00\x10\xa5\xd4\x85\x86q\x00R."  # ndarray((10**12,))
+    with pytest.raises(UnsafePickleError):
+        safe_loads(crafted)
 
 
 def test_safe_loads_corrupt_is_named() -> None:
@@ -191,6 +227,25 @@ class _EvilPickle(JsonHandler):
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers["Content-Length"]))
         self.reply(200, pickle.dumps({"scores": [_Evil()]}))
+
+
+class _NumpyPickle(JsonHandler):
+    state: dict
+
+    def do_POST(self) -> None:
+        request = pickle.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        n = len(request["prompts"])
+        scores = self.state["scores"](n)
+        self.reply(200, pickle.dumps({"scores": scores}))
+
+
+@pytest.mark.parametrize("make", [lambda n: [np.float32(0.25)] * n, lambda n: np.full(n, 0.25, dtype=np.float32)],
+                         ids=["float32-scalars", "float32-array"])
+def test_client_reads_a_pickle_servers_numpy_scores(make) -> None:
+    """HPS's scorer service answers numpy float32 scores; veRL-Omni's client reads them, so does ours."""
+    with serve(_NumpyPickle, {"scores": make}) as url:
+        reward = HttpReward(url, protocol="pickle", timeout_s=TIMEOUT, backoff_s=0.01)
+        assert reward(quantised_rand(2, 3, 4, 4), ["a", "b"]).tolist() == [0.25, 0.25]
 
 
 def test_client_refuses_a_pickle_answer_that_is_not_plain_data() -> None:

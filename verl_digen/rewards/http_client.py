@@ -37,6 +37,7 @@ import base64
 import io
 import json
 import math
+import numbers
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -137,12 +138,15 @@ def parse_scores(data: Any, expected: int, keys: Sequence[str], name: str) -> li
     scores = data[key]
     if isinstance(scores, tuple):
         scores = list(scores)
+    if isinstance(scores, np.ndarray) and scores.ndim == 1:  # a pickle server's numpy array
+        scores = list(scores)
     if not isinstance(scores, list):
         raise bad(f"{key!r} must be a list, got {type(scores).__name__}")
     if len(scores) != expected:
         raise bad(f"got {len(scores)} {key} for {expected} samples")
     for index, value in enumerate(scores):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        # numbers.Real: int, float and numpy's numbers (HPS's server answers float32 scores)
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or not math.isfinite(value):
             raise bad(f"score {index} is not a finite number: {value!r}")
     return [float(value) for value in scores]
 
