@@ -248,6 +248,24 @@ def test_client_reads_a_pickle_servers_numpy_scores(make) -> None:
         assert reward(quantised_rand(2, 3, 4, 4), ["a", "b"]).tolist() == [0.25, 0.25]
 
 
+class _PickleTraceback(JsonHandler):
+    state: dict
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        trace = "Traceback (most recent call last):\n" + "  File \"app.py\", line 1, in score\n" * 40
+        self.reply(500, pickle.dumps({"error": trace + "KeyError: 'meta_datas'"}))
+
+
+def test_a_pickled_error_body_is_shown_as_its_text_with_the_exception() -> None:
+    """flow_grpo's reward-server apps answer a failure with a pickled ``{"error": traceback}``."""
+    with serve(_PickleTraceback, {}) as url:
+        reward = HttpReward(url, protocol="pickle", timeout_s=TIMEOUT, max_retries=1, backoff_s=0.01)
+        with pytest.raises(RewardServerError, match=r"(?s)HTTP 500 .*KeyError: 'meta_datas'") as info:
+            reward(quantised_rand(1, 3, 4, 4), ["a"])
+    assert "\\x80" not in str(info.value) and "\x80" not in str(info.value)
+
+
 def test_client_refuses_a_pickle_answer_that_is_not_plain_data() -> None:
     with serve(_EvilPickle, {}) as url:
         reward = HttpReward(url, protocol="pickle", timeout_s=TIMEOUT, backoff_s=0.01)

@@ -46,7 +46,6 @@ import asyncio
 import inspect
 import math
 import os
-import threading
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -126,29 +125,14 @@ def _plan_call(fn: Callable[..., Any], fields: Sequence[str], settings: Mapping[
 
 
 def _run_coroutines(coros: list[Any]) -> list[Any]:
-    """Await ``coros`` concurrently; results in order, the first exception raised. In a thread
-    of its own when this thread already runs an event loop."""
+    """Await ``coros`` concurrently (``asyncio.gather``); results in order, the first exception
+    raised (on a helper thread's loop when this thread already runs one: ``run_sync``)."""
+    from verl_digen.rewards.transport import run_sync
+
     async def gather() -> list[Any]:
         return await asyncio.gather(*coros)
 
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(gather())
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["out"] = asyncio.run(gather())
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-            box["err"] = e
-
-    t = threading.Thread(target=run, name="custom-reward")
-    t.start()
-    t.join()
-    if "err" in box:
-        raise box["err"]
-    return box["out"]
+    return run_sync(gather)
 
 
 @register_reward("custom")

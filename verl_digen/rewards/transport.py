@@ -76,7 +76,19 @@ def check_retry_settings(
 
 
 def snippet(payload: bytes, limit: int = 200) -> str:
-    """The start of a response body, for error messages."""
+    """A response body for error messages: its start; a pickled body (the flow_grpo / veRL-Omni
+    servers answer a 500 with ``pickle.dumps({"error": traceback})``) unpickled safely, its
+    ``error`` text with the end kept (where a traceback names the exception), up to 4 x ``limit``."""
+    if payload[:1] == b"\x80":  # a pickle (protocol 2+)
+        from verl_digen.rewards.safe_pickle import UnsafePickleError, safe_loads
+
+        try:
+            value = safe_loads(payload)
+        except UnsafePickleError:
+            value = None
+        if value is not None:
+            text = str(value["error"] if isinstance(value, dict) and "error" in value else value).strip()
+            return text if len(text) <= 4 * limit else "..." + text[-4 * limit:]
     text = payload[: limit * 4].decode("utf-8", errors="replace").strip()
     return text if len(text) <= limit else text[:limit] + "..."
 
