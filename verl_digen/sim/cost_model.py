@@ -685,15 +685,33 @@ class CostModel:
             act = m.layers * per_block
         return act * self.workload.cfg_factor
 
-    def pass_batch(self, dev: DeviceProfile, group: TrainGroup) -> int:
-        """Samples per forward+backward pass on one rank: the workload's value, else the
-        system's micro-batch, else (this runtime) one transformer call's rows
-        (``workers/training.py`` trains a micro-batch call by call); never more than one rank's
-        share of a PPO mini-batch (the optimizer steps between mini-batches)."""
+    def pass_batch(self, dev: DeviceProfile, group: TrainGroup, pool: str = "trainer") -> int:
+        """Samples per forward+backward pass on one rank: the workload's value; else, for a
+        system with its own micro-batch (veRL's ``ppo_micro_batch_size_per_gpu``, which its users
+        size to memory), that micro-batch or the most that fit (checkpointed when that fits more);
+        else this runtime's: one transformer call's rows (``workers/training.py`` trains a
+        micro-batch call by call). Never more than one rank's share of a PPO mini-batch (the
+        optimizer steps between mini-batches)."""
         w = self.workload
-        batch = w.train_device_batch or self.system.train_micro_batch or w.call_rows or w.group_size
+        if w.train_device_batch:
+            batch = w.train_device_batch
+        elif self.system.train_micro_batch:
+            cap = self.system.train_micro_batch
+            configured = self.gradient_checkpointing
+            fits = self._fitting_batch(dev, group, pool, bool(configured))
+            if configured is None and fits < cap:
+                fits = max(fits, self._fitting_batch(dev, group, pool, True))
+            batch = max(1, min(cap, fits))
+        else:
+            batch = w.call_rows or w.group_size
         share = math.ceil(w.images_per_step / (w.mini_batches * max(1, group.ranks)))
         return max(1, min(batch, share))
+
+    def _fitting_batch(self, dev: DeviceProfile, group: TrainGroup, pool: str, checkpointing: bool) -> int:
+        """The most samples one pass fits next to the rank's state and a resident reward model."""
+        free = (dev.hbm_gb * GB * self.system.memory_headroom - self.state_bytes_per_rank(group)
+                - self.resident_reward_bytes(pool))
+        return int(free // self.activation_bytes_per_sample(checkpointing)) if free > 0 else 0
 
     def resident_reward_bytes(self, pool: str) -> float:
         """A reward model's weights that stay on a device of ``pool`` while it trains: a fused
@@ -706,7 +724,7 @@ class CostModel:
         """Peak bytes of one rank in a training pass: its training state, a resident reward
         model, and one pass's activations."""
         return (self.state_bytes_per_rank(group) + self.resident_reward_bytes(pool)
-                + self.pass_batch(dev, group) * self.activation_bytes_per_sample(checkpointing))
+                + self.pass_batch(dev, group, pool) * self.activation_bytes_per_sample(checkpointing))
 
     def checkpointing(self, dev: DeviceProfile, group: TrainGroup, pool: str = "trainer") -> bool:
         """Activation checkpointing of a training pass: as configured, else on exactly when the
@@ -839,7 +857,7 @@ class CostModel:
     def train_seconds(self, images: int, dev: DeviceProfile, group: TrainGroup, trained_steps: int | None = None,
                       pool: str = "trainer") -> float:
         k = self.workload.trained_steps if trained_steps is None else trained_steps
-        b = self.pass_batch(dev, group)  # a pass that does not fit is reported by memory_problems
+        b = self.pass_batch(dev, group, pool)  # a pass that does not fit is reported by memory_problems
         t = k * sum(self.train_pass_seconds(n, dev, group, pool) for n in _passes(images, b))
         if self.system.recompute_logprob:
             bl = self.system.logprob_micro_batch or b
@@ -1085,7 +1103,7 @@ class CostModel:
                     problems.append(
                         f"{pool}: {state / GB:.0f} GB of training state per rank "
                         f"({f'{group.shard}-way sharded' if group.shard > 1 else 'unsharded'}) + "
-                        f"{(need - state) / GB:.0f} GB of activations for a pass of {self.pass_batch(dev, group)} "
+                        f"{(need - state) / GB:.0f} GB of activations for a pass of {self.pass_batch(dev, group, pool)} "
                         f"sample(s){' and a resident reward model' if self.resident_reward_bytes(pool) else ''} "
                         f"exceed {cap / GB:.0f} GB on {dev.name}"
                     )
