@@ -208,9 +208,35 @@ def test_digen_mode_needs_no_critic_and_no_llm_keys_from_the_user(tmp_path, tiny
     from verl.utils.config import validate_config
 
     monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.delenv("RAY_OVERRIDE_RESOURCES", raising=False)
 
     validate_config(_verl_config("trainer.v1.trainer_mode=digen", "trainer.total_training_steps=1",
-                                 f"trainer.default_local_dir={tmp_path}"), use_reference_policy=False, use_critic=True)
+                                 f"trainer.default_local_dir={tmp_path}", "+ray_kwargs.ray_init.num_cpus=16",
+                                 "trainer.n_gpus_per_node=1"),
+                    use_reference_policy=False, use_critic=True)
+
+
+def test_main_ppo_on_too_few_cpu_slots_stops_at_once_naming_the_key(tmp_path, tiny_flux, monkeypatch):
+    """veRL's TaskRunner starts TransferQueue (a controller and 8 storage units, a CPU slot each)
+    for every trainer mode; with fewer local Ray slots than that plus the digen workers, main_ppo
+    would wait 10 minutes and die without a word. The digen mode's checks stop it first."""
+    from verl.utils.config import validate_config
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.delenv("RAY_OVERRIDE_RESOURCES", raising=False)
+    base = ["trainer.v1.trainer_mode=digen", "trainer.total_training_steps=1", f"trainer.default_local_dir={tmp_path}",
+            "trainer.n_gpus_per_node=1"]
+    # 1 TaskRunner + 1 controller + 8 units + 1 fused worker (trainer.n_gpus_per_node=1) = 11
+    with pytest.raises(ConfigError, match=r"local Ray with 4 CPU slots \(ray_kwargs.ray_init.num_cpus\), but needs 11.*"
+                                          r"set ray_kwargs.ray_init.num_cpus=11"):
+        validate_config(_verl_config(*base, "+ray_kwargs.ray_init.num_cpus=4"), use_reference_policy=False, use_critic=True)
+    # fewer storage units need fewer slots; Ray's own override counts as the slots
+    validate_config(_verl_config(*base, "+ray_kwargs.ray_init.num_cpus=4",
+                                 "transfer_queue.backend.SimpleStorage.num_data_storage_units=1"),
+                    use_reference_policy=False, use_critic=True)
+    monkeypatch.setenv("RAY_OVERRIDE_RESOURCES", '{"CPU": 10}')
+    with pytest.raises(ConfigError, match=r"10 CPU slots \(RAY_OVERRIDE_RESOURCES\), but needs 11"):
+        validate_config(_verl_config(*base), use_reference_policy=False, use_critic=True)
 
 
 def test_the_verl_hooks_we_rely_on_have_not_moved():

@@ -336,21 +336,61 @@ def ray_init_keys(container: dict[str, Any]) -> tuple[str | None, int | None]:
     return ray_init.get("address"), ray_init.get("num_cpus")
 
 
-def preflight_ray(address: str | None) -> None:
+# What veRL's main_ppo starts before a trainer mode runs, CPUs reserved in Ray (verl 0.9.1): the
+# TaskRunner actor (1), TransferQueue's controller (1) and its storage units (1 each,
+# transfer_queue.backend.SimpleStorage.num_data_storage_units, 8 by default).
+TASK_RUNNER_CPUS = 1
+TQ_CONTROLLER_CPUS = 1
+TQ_UNITS_KEY = "transfer_queue.backend.SimpleStorage.num_data_storage_units"
+
+
+def check_local_ray_cpus(container: dict[str, Any], workers: int, num_cpus: int | None) -> None:
+    """``main_ppo`` starting a local Ray: its CPU slots must hold the TaskRunner, TransferQueue
+    (which veRL's TaskRunner starts for every trainer mode) and the digen workers (one CPU slot
+    each, placement/pools.py); otherwise the job waits for them until veRL gives up (10 minutes,
+    no message). Slots are ``ray_kwargs.ray_init.num_cpus``, else Ray's override
+    (``RAY_OVERRIDE_RESOURCES``), else this machine's cores; logical slots may exceed cores."""
+    import json
+
+    backend = ((container.get("transfer_queue") or {}).get("backend") or {})
+    units = int(((backend.get("SimpleStorage") or {}).get("num_data_storage_units")) or 8)
+    need = TASK_RUNNER_CPUS + TQ_CONTROLLER_CPUS + units + workers
+    source = "ray_kwargs.ray_init.num_cpus"
+    have = num_cpus
+    if have is None:
+        try:
+            have = json.loads(os.environ.get("RAY_OVERRIDE_RESOURCES") or "{}").get("CPU")
+            source = "RAY_OVERRIDE_RESOURCES"
+        except (ValueError, AttributeError):
+            have = None
+    if have is None:
+        have, source = os.cpu_count() or 1, "this machine's cores (ray_kwargs.ray_init.num_cpus unset)"
+    if have < need:
+        raise ConfigError(
+            f"invalid config: main_ppo starts a local Ray with {have:g} CPU slots ({source}), but needs {need}: veRL's "
+            f"TaskRunner ({TASK_RUNNER_CPUS}), TransferQueue ({TQ_CONTROLLER_CPUS} controller + {units} storage units, "
+            f"{TQ_UNITS_KEY}) and the {workers} digen workers (one slot each); set ray_kwargs.ray_init.num_cpus={need} "
+            "or more (slots may exceed the cores)"
+        )
+
+
+def preflight_ray(address: str | None) -> bool:
     """``main_ppo``: the Ray cluster veRL's driver is about to join answers (the probe
     ``verl_digen.main`` makes in :func:`verl_digen.trainer.runtime.init_ray`), so that a stale
     ``ray_current_cluster`` marker or a dead ``RAY_ADDRESS`` stops the job in one line instead of
     ``ray.init`` retrying it for minutes. Nothing to check once Ray runs (inside veRL's TaskRunner).
-    ``address``: ``ray_kwargs.ray_init.address``."""
+    ``address``: ``ray_kwargs.ray_init.address``. True when the driver will start a local Ray."""
     import ray
 
     from verl_digen.trainer.runtime import check_ray_target, ray_target
 
     if ray.is_initialized():
-        return
+        return False
     target, source = ray_target(address)
     if target is not None:
         check_ray_target(target, source)
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -451,8 +491,8 @@ def check_run_config(config: Any, entry: str = DIGEN_MAIN) -> CheckedRun:
         # Last: with veRL's default trainer.logger=[console,wandb], a missing W&B key must not hide
         # the errors above.
         check_logger_setup(trainer.logger)
-        if entry == MAIN_PPO:
-            preflight_ray(ray_address)
+        if entry == MAIN_PPO and preflight_ray(ray_address):  # veRL's driver will start a local Ray
+            check_local_ray_cpus(container, sum(layout.worker_counts.values()), ray_num_cpus)
     except (ConfigError, FileNotFoundError) as e:
         raise type(e)(run_config.rename(str(e))) from None
     return CheckedRun(container, run_config, cfg, layout, cluster, records, val_records, steps, model_path,
