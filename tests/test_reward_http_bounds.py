@@ -480,3 +480,45 @@ def test_server_bounds_connections_with_a_json_503() -> None:
                 break
             time.sleep(0.1)
         assert status == 200
+
+
+class _GenEvalServices(JsonHandler):
+    """The two GenEval apps users run, as they read a request: the GenEval scorer service reads
+    ``payload["metadata"]["meta_datas"]`` and ``only_strict`` beside them; flow_grpo's
+    reward-server app reads top-level ``meta_datas`` and ``only_strict``; both answer ``scores``."""
+
+    state: dict
+
+    def do_POST(self) -> None:
+        data = pickle.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.state["shape"] == "service":
+            records, strict = data["metadata"]["meta_datas"], data["metadata"]["only_strict"]
+        else:
+            records, strict = data["meta_datas"], data["only_strict"]
+        self.state["seen"].append((records, strict))
+        self.reply(200, pickle.dumps({"scores": [float(len(r["tag"])) for r in records]}))
+
+
+@pytest.mark.parametrize("shape", ["service", "reward-server"])
+def test_our_pickle_client_talks_to_both_geneval_apps(shape: str) -> None:
+    records = [{"tag": "colors", "prompt": "a red cat", "include": []}, {"tag": "position", "prompt": "x", "include": []}]
+    state = {"shape": shape, "seen": []}
+    with serve(_GenEvalServices, state) as url:
+        reward = HttpReward(url, protocol="pickle", timeout_s=TIMEOUT, extra_fields={"only_strict": False})
+        scores = reward(quantised_rand(2, 3, 4, 4), ["a red cat", "x"], records)
+    assert scores.tolist() == [6.0, 8.0] and state["seen"] == [(records, False)]
+    with pytest.raises(ValueError, match="metadata_format"):
+        HttpReward("http://h:1", protocol="pickle", metadata_format="dict")
+
+
+class _DeqaApp(JsonHandler):
+    state: dict
+
+    def do_POST(self) -> None:
+        data = pickle.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.reply(200, pickle.dumps({"outputs": [0.5] * len(data["images"])}))
+
+
+def test_our_pickle_client_reads_the_deqa_apps_outputs() -> None:
+    with serve(_DeqaApp, {}) as url:
+        assert HttpReward(url, protocol="pickle", timeout_s=TIMEOUT)(quantised_rand(2, 3, 4, 4), ["a", "b"]).tolist() == [0.5, 0.5]

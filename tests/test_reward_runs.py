@@ -2,7 +2,7 @@
 
 - A pickle-protocol reward server (the flow_grpo / veRL-Omni wire format), written here as a
   plain ``http.server`` handler because the point is to speak *their* protocol, not ours: it
-  checks it receives JPEG images and each prompt's ground truth (both metadata spellings), and
+  checks it receives JPEG images and each prompt's ground truth (both GenEval metadata shapes), and
   the run's rewards must be exactly the scores it returned.
 - The real OCR reward in a 2-step run with ground truths from a jsonl file, validation included.
 """
@@ -47,8 +47,12 @@ class _PickleScorer(JsonHandler):
     def do_POST(self) -> None:
         data = pickle.loads(self.rfile.read(int(self.headers["Content-Length"])))
         problems = []
-        if data.get("meta_datas") != data.get("metadata"):
-            problems.append("the two metadata spellings differ")
+        # the records twice: nested for the GenEval scorer service, top level for reward-server's app
+        nested = data.get("metadata")
+        if not isinstance(nested, dict) or nested.get("meta_datas") != data.get("meta_datas"):
+            problems.append("metadata is not {'meta_datas': <the top-level meta_datas>, ...}")
+        elif nested.get("only_strict") != data.get("only_strict"):
+            problems.append("the extra fields are not inside metadata too")
         sizes = set()
         for raw in data["images"]:
             if not (isinstance(raw, bytes) and raw.startswith(b"\xff\xd8\xff")):

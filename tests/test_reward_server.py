@@ -20,10 +20,12 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
 
+from verl_digen.rewards.safe_pickle import safe_loads
 from verl_digen.rewards import HttpReward, RewardFn, RewardServerError, build_reward, encode_images_png_b64
 from verl_digen.rewards.serve import RewardServer, is_loopback
 from verl_digen.sync import find_free_port
@@ -64,7 +66,9 @@ def raw_request(
         conn.request(method, path, body=body, headers=headers or {})
         response = conn.getresponse()
         payload = response.read()
-        return response.status, json.loads(payload), response.msg  # header names case-insensitive
+        # an answer to a pickle request is a pickle (errors included)
+        data = safe_loads(payload) if payload[:1] == b"\x80" else json.loads(payload)
+        return response.status, data, response.msg  # header names case-insensitive
     finally:
         conn.close()
 
@@ -454,3 +458,68 @@ def test_pickle_can_be_switched_off_and_unsafe_pickles_are_refused() -> None:
         body = pickle.dumps({"prompts": ["a"], "images": [Evil()]})
         status, data, _ = raw_request(srv, "POST", "/score", body, {"Content-Type": "application/octet-stream"})
         assert status == 400 and "refusing to unpickle global 'posix.system'" in data["error"]
+
+
+# --------------------------------------------------------------------------- other systems' clients
+
+def _jpeg(seed: int) -> bytes:
+    from PIL import Image
+
+    array = (np.random.default_rng(seed).random((8, 8, 3)) * 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, format="JPEG", quality=95)
+    return buf.getvalue()
+
+
+def _post_pickle(srv: RewardServer, payload: dict) -> tuple[int, Any]:
+    """As those clients post: a pickle body, no Content-Type (requests) or octet-stream (aiohttp)."""
+    import pickle
+
+    status, data, _ = raw_request(srv, "POST", "/", pickle.dumps(payload), {})
+    return status, data
+
+
+def test_our_server_answers_verl_omni_and_flow_grpo_clients_as_they_send() -> None:
+    """Request payloads shaped exactly as the clients build them: veRL-Omni's HTTP scorer client
+    (one JPEG, its ground truth as the prompt, ``metadata: {}``), Flow-GRPO's GenEval client (no
+    prompts; ``meta_datas`` records and ``only_strict``), its UnifiedReward client (prompts as a
+    numpy str array; it reads ``outputs``); a DeQA-style request without prompts or records gets
+    an error it can read (pickled, like every answer to a pickle request)."""
+    import numpy as np
+
+    with RewardServer("brightness", port=0) as srv:
+        status, data = _post_pickle(srv, {"images": [_jpeg(0)], "prompts": ["OPEN"], "metadata": {}})
+        assert status == 200 and len(data["scores"]) == 1 and 0.0 <= float(data["scores"][0]) <= 1.0
+        records = [{"tag": "single_object", "prompt": "a photo of a cat", "include": [{"class": "cat", "count": 1}]},
+                   {"tag": "two_object", "prompt": "a cat and a dog", "include": [{"class": "cat", "count": 1}]}]
+        status, data = _post_pickle(srv, {"images": [_jpeg(1), _jpeg(2)], "meta_datas": records, "only_strict": False})
+        assert status == 200 and len(data["scores"]) == 2
+        status, data = _post_pickle(srv, {"images": [_jpeg(1), _jpeg(2)],
+                                          "prompts": np.array(["a cat", "a dog"])})
+        assert status == 200 and data["outputs"] == data["scores"] and len(data["outputs"]) == 2
+        status, data = _post_pickle(srv, {"images": [_jpeg(3)]})
+        assert status == 400 and "missing field(s) ['prompts']" in data["error"]
+        # the GenEval scorer service's shape, which our client sends by default, is read too
+        status, data = _post_pickle(srv, {"images": [_jpeg(1)], "prompts": ["a"],
+                                          "metadata": {"meta_datas": [records[0]], "only_strict": True}})
+        assert status == 200 and len(data["scores"]) == 1
+
+
+def test_the_records_reach_the_reward_whichever_shape_carries_them() -> None:
+    from verl_digen.rewards.serve import parse_score_request
+    import pickle
+
+    limits = {"max_batch": 8, "max_image_pixels": 1 << 20, "max_request_pixels": 1 << 22}
+    record = {"prompt": "a cat", "ground_truth": "cat"}
+    for payload in ({"images": [_jpeg(0)], "prompts": ["p"], "metadata": [record]},
+                    {"images": [_jpeg(0)], "prompts": ["p"], "meta_datas": [record]},
+                    {"images": [_jpeg(0)], "prompts": ["p"], "metadata": {"meta_datas": [record], "only_strict": 1}}):
+        assert parse_score_request(pickle.dumps(payload), "pickle", **limits).metadata == [record]
+    no_records = parse_score_request(pickle.dumps({"images": [_jpeg(0)], "prompts": ["p"], "metadata": {}}), "pickle",
+                                     **limits)
+    assert no_records.metadata == [{}]
+    from verl_digen.rewards.serve import RequestError
+
+    with pytest.raises(RequestError, match=r"'metadata' must be a list of 1 records, \{\} or \{'meta_datas'"):
+        parse_score_request(pickle.dumps({"images": [_jpeg(0)], "prompts": ["p"], "metadata": {"x": 1}}), "pickle",
+                            **limits)

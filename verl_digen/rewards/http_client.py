@@ -14,9 +14,10 @@
     POST <url>   Content-Type: application/octet-stream
     pickle.dumps({"images": [<JPEG bytes>, ...],              (or "videos": [{"frames": [...], "fps"}])
                   "prompts": [...],
-                  "metadata": [...], "meta_datas": [...],     (both spellings, see metadata_keys)
+                  "metadata": {"meta_datas": [...], **extra_fields},   (metadata_format="nested", the default;
+                  "meta_datas": [...],                                  "list": a list under metadata_keys)
                   **extra_fields})                            (e.g. {"only_strict": False} for GenEval)
-    -> 200 pickle.dumps({"scores": [...], ...})               ("rewards" is accepted too)
+    -> 200 pickle.dumps({"scores": [...], ...})               ("rewards", "outputs" are accepted too)
 
 The answer of a pickle server is unpickled with :func:`~verl_digen.rewards.safe_pickle.safe_loads`:
 plain data only (anything else is a named error: unpickling can run code).
@@ -168,11 +169,16 @@ class HttpReward(RewardFn):
             ``"clip"``: whole clips are sent (``videos`` with ``frames`` and ``fps``).
         fps: frames per second sent with clips.
         max_response_mb: largest answer accepted, MiB.
-        metadata_keys: the request fields that carry the per-sample metadata (pickle protocol;
-            flow_grpo's GenEval server reads ``meta_datas``, others ``metadata``).
+        metadata_format: how the pickle protocol carries the per-sample records. ``"nested"``
+            (default): ``metadata`` is an object, ``{"meta_datas": [records], **extra_fields}``,
+            as veRL-Omni's client sends an object there and the GenEval scorer service reads
+            ``metadata["meta_datas"]`` (and ``only_strict`` beside it), and ``meta_datas`` is the
+            list again at the top level, where flow_grpo's reward-server GenEval app reads it;
+            ``"list"``: the list under each of ``metadata_keys``.
+        metadata_keys: the request fields that carry the records with ``metadata_format="list"``.
         extra_fields: more request fields, sent as they are (e.g. ``{"only_strict": false}``).
         score_key: the answer's field with the scores (default: ``rewards`` then ``scores``
-            for JSON, ``scores`` then ``rewards`` for pickle).
+            for JSON, ``scores``, ``rewards`` then ``outputs`` (flow_grpo's DeQA app) for pickle).
         jpeg_quality: JPEG quality of the pickle protocol's images.
     """
 
@@ -193,6 +199,7 @@ class HttpReward(RewardFn):
         max_response_mb: float = 16.0,
         metadata_keys: Sequence[str] = ("metadata", "meta_datas"),
         extra_fields: Mapping[str, Any] | None = None,
+        metadata_format: str = "nested",
         score_key: str | None = None,
         jpeg_quality: int = 95,
     ) -> None:
@@ -215,8 +222,10 @@ class HttpReward(RewardFn):
             raise bad(f"fps must be a finite number > 0, got {fps!r}")
         if isinstance(metadata_keys, str) or not all(isinstance(k, str) and k for k in metadata_keys):
             raise bad(f"metadata_keys must be a list of field names, got {metadata_keys!r}")
+        if metadata_format not in ("nested", "list"):
+            raise bad(f"metadata_format must be 'nested' or 'list', got {metadata_format!r}")
         extra = dict(extra_fields or {})
-        reserved = {"images", "videos", "prompts", "fps", *metadata_keys} & set(extra)
+        reserved = {"images", "videos", "prompts", "fps", "metadata", "meta_datas", *metadata_keys} & set(extra)
         if reserved:
             raise bad(f"extra_fields may not set {sorted(reserved)} (the protocol's own fields)")
         if not isinstance(jpeg_quality, int) or not 1 <= jpeg_quality <= 100:
@@ -233,8 +242,9 @@ class HttpReward(RewardFn):
         self.fps = float(fps)
         self.max_response_bytes = int(max_response_mb * 1024 * 1024)
         self.metadata_keys = list(metadata_keys) if protocol == "pickle" else ["metadata"]
+        self.metadata_format = metadata_format if protocol == "pickle" else "list"
         self.extra_fields = extra
-        default_keys = ["rewards", "scores"] if protocol == "json" else ["scores", "rewards"]
+        default_keys = ["rewards", "scores"] if protocol == "json" else ["scores", "rewards", "outputs"]
         self.score_keys = [score_key] if score_key else default_keys
         self.jpeg_quality = jpeg_quality
 
@@ -308,8 +318,12 @@ class HttpReward(RewardFn):
         else:
             payload["images"] = encode(images)
         payload["prompts"] = list(prompts)
-        for key in self.metadata_keys:
-            payload[key] = records
+        if self.metadata_format == "nested":
+            payload["metadata"] = {"meta_datas": records, **self.extra_fields}
+            payload["meta_datas"] = records
+        else:
+            for key in self.metadata_keys:
+                payload[key] = records
         if pickle:
             return safe_dumps(payload)
         try:

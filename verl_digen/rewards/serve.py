@@ -15,13 +15,20 @@ Protocols (see :mod:`verl_digen.rewards.http_client`)::
     POST / or /score   Content-Type: application/octet-stream (or no type, a pickle body)
                        pickle {"images": [<JPEG/PNG bytes>, ...] | "videos": [...], "prompts": [...],
                                "metadata" or "meta_datas": [...]}
-                       -> 200 pickle {"scores": [float, ...], "rewards": [float, ...]}
+                       -> 200 pickle {"scores": [float, ...], "rewards": [...], "outputs": [...]}
+
+The pickle form also takes what the flow_grpo / veRL-Omni clients send: ``metadata`` as ``{}``
+(veRL-Omni's HTTP scorer client) or ``{"meta_datas": [...]}`` (the GenEval service's shape);
+``prompts`` as a numpy ``str`` array (Flow-GRPO's UnifiedReward client) or left out when each
+record carries its ``prompt`` (Flow-GRPO's GenEval client); the answer's ``outputs`` is what
+Flow-GRPO's UnifiedReward and DeQA clients read.
     GET  /health       -> 200 {"status": "ok", "reward": NAME}   (never needs the token)
 
 Pickle bodies are read with the restricted unpickler (:mod:`verl_digen.rewards.safe_pickle`):
 plain data only; ``allow_pickle=False`` (``--no-pickle``) refuses them.
 
-Every error is a JSON object ``{"error": "<message>"}``, whatever the method or status:
+Every error is an object ``{"error": "<message>"}``, whatever the method or status: JSON, or a
+pickle when the request was one (those clients unpickle every answer):
 
 * 400: body not JSON (or not a plain-data pickle) / not UTF-8 / nested deeper than
   ``MAX_JSON_DEPTH``; not an object; ``prompts`` or ``images`` missing or not a list; a prompt
@@ -261,21 +268,29 @@ def parse_score_request(
     if not isinstance(data, dict):
         raise RequestError(400, f"request body must be a JSON object, got {type(data).__name__}")
     kind = "videos" if "videos" in data else "images"
-    missing = [key for key in ("prompts", kind) if key not in data]
-    if missing:
-        raise RequestError(400, f"request is missing field(s) {missing}; expected 'prompts' and 'images' (or 'videos')")
-    prompts, samples = data["prompts"], data[kind]
+    if kind not in data:
+        raise RequestError(400, "request is missing field(s) ['images']; expected 'prompts' and 'images' (or 'videos')")
+    samples = data[kind]
+    # Flow-GRPO's UnifiedReward client sends its prompts as a numpy array of str
+    prompts = data["prompts"].tolist() if isinstance(data.get("prompts"), np.ndarray) else data.get("prompts")
     for key, value in (("prompts", prompts), (kind, samples)):
-        if not isinstance(value, (list, tuple)):
+        if value is not None and not isinstance(value, (list, tuple)):
             raise RequestError(400, f"'{key}' must be a list, got {type(value).__name__}")
-    if len(prompts) != len(samples):
-        raise RequestError(400, f"got {len(prompts)} prompts but {len(samples)} {kind}; they must match")
     if len(samples) > max_batch:
         raise RequestError(413, f"batch of {len(samples)} {kind} exceeds the server limit of {max_batch} (--max-batch)")
+    metadata = _metadata(data, len(samples))
+    if prompts is None:
+        # Flow-GRPO's GenEval and DeQA clients send no prompts; a GenEval record carries its own
+        prompts = [record.get("prompt") for record in metadata]
+        if not all(isinstance(p, str) for p in prompts):
+            raise RequestError(400, "request is missing field(s) ['prompts'] and its records carry no 'prompt'; "
+                                    "expected 'prompts' and 'images' (or 'videos')")
+    if len(prompts) != len(samples):
+        raise RequestError(400, f"got {len(prompts)} prompts but {len(samples)} {kind}; they must match")
     for index, prompt in enumerate(prompts):
         if not isinstance(prompt, str):
             raise RequestError(400, f"prompt {index} must be a string, got {type(prompt).__name__}")
-    metadata = _metadata(data, len(prompts))
+    prompts = [str(p) for p in prompts]  # numpy's str_ as str
     items: list[list[bytes]] = []
     for index, sample in enumerate(samples):
         if kind == "videos":
@@ -330,10 +345,25 @@ def _load_body(body: bytes, protocol: str) -> Any:
 
 
 def _metadata(data: dict[str, Any], count: int) -> list[dict[str, Any]]:
+    """One record per sample, from the shapes the clients send: ``metadata`` as a list (ours),
+    ``{}`` (veRL-Omni's HTTP scorer client: no records), or a dict holding ``meta_datas`` (the
+    GenEval scorer service's shape); or a top-level ``meta_datas`` list (Flow-GRPO's GenEval client)."""
     key = next((k for k in ("metadata", "meta_datas") if k in data), None)
     if key is None or data[key] is None:
         return [{} for _ in range(count)]
     records = data[key]
+    if key == "metadata" and isinstance(records, dict):
+        if "meta_datas" in records:
+            records, key = records["meta_datas"], "metadata.meta_datas"
+        elif data.get("meta_datas") is not None:
+            records, key = data["meta_datas"], "meta_datas"
+        elif not records:
+            return [{} for _ in range(count)]
+        else:
+            raise RequestError(400, f"'metadata' must be a list of {count} records, {{}} or {{'meta_datas': [...]}}, "
+                                    f"got an object with keys {sorted(map(str, records))[:10]}")
+    if isinstance(records, np.ndarray) and records.dtype.kind != "O":
+        records = records.tolist()
     if not isinstance(records, (list, tuple)) or len(records) != count:
         got = f"{len(records)} records" if isinstance(records, (list, tuple)) else type(records).__name__
         raise RequestError(400, f"'{key}' must be a list of {count} records (one per sample), got {got}")
@@ -528,6 +558,15 @@ def _json_error(status: int, message: str, headers: dict[str, str] | None = None
     return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 
+def _error(request: Request, status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    """``{"error": message}``, pickled for a pickle request (flow_grpo's and veRL-Omni's clients
+    unpickle every answer and read its ``error``), JSON otherwise."""
+    if getattr(request.state, "protocol", None) == "pickle":
+        return Response(safe_dumps({"error": message}), status_code=status, headers=headers,
+                        media_type="application/octet-stream")
+    return _json_error(status, message, headers)
+
+
 def _build_app(server: RewardServer) -> FastAPI:
     app = FastAPI(title="verl-digen reward server", docs_url=None, redoc_url=None, openapi_url=None)
     every_method = ["GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "CONNECT"]
@@ -539,10 +578,10 @@ def _build_app(server: RewardServer) -> FastAPI:
         except RequestError as exc:
             level = logging.ERROR if exc.status >= 500 else logging.WARNING
             logger.log(level, "%s %s -> %d: %s", request.method, request.url.path, exc.status, exc.message)
-            return _json_error(exc.status, exc.message, exc.headers)
+            return _error(request, exc.status, exc.message, exc.headers)
         except Exception as exc:  # a bug here must not kill the server; report it
             logger.exception("unexpected error while handling %s %s", request.method, request.url.path)
-            return _json_error(500, f"internal server error: {type(exc).__name__}: {exc}")
+            return _error(request, 500, f"internal server error: {type(exc).__name__}: {exc}")
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:  # pragma: no cover - safety net
@@ -875,6 +914,7 @@ class RewardServer:
             body = await self._read_body(request, length)
             if protocol is None:  # no Content-Type: a pickle starts with the PROTO opcode
                 protocol = "pickle" if body[:1] == b"\x80" else "json"
+            request.state.protocol = protocol  # errors answer in the request's protocol
             if protocol == "pickle" and not self.allow_pickle:
                 raise RequestError(415, "this server does not accept pickle bodies (started with --no-pickle); send JSON")
             loop = asyncio.get_running_loop()
@@ -892,7 +932,9 @@ class RewardServer:
         finally:
             bodies.release(held)
         if protocol == "pickle":
-            return Response(safe_dumps({"scores": scores, "rewards": scores}), media_type="application/octet-stream")
+            # "outputs": what Flow-GRPO's UnifiedReward and DeQA clients read
+            return Response(safe_dumps({"scores": scores, "rewards": scores, "outputs": scores}),
+                            media_type="application/octet-stream")
         return JSONResponse({"rewards": scores})
 
     def _decode_and_score(self, request: ScoreRequest) -> list[float]:
