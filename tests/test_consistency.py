@@ -116,3 +116,33 @@ def test_a_micro_batch_trains_in_passes_of_the_rollouts_calls_with_the_one_pass_
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
     for key in ("actor/loss", "actor/kl_loss", "actor/ratio_mean", "actor/approx_kl"):
         assert metrics[0][key] == pytest.approx(metrics[2][key], rel=1e-4, abs=1e-7), key
+
+
+def test_a_records_negative_prompt_is_its_cfg_negative_in_rollout_and_validation(tiny_sd3):
+    """A prompt record's ``negative_prompt`` (veRL-Omni's per-row column) is the CFG negative of
+    its samples, recorded for the trainer; rows without one use ``digen.sampling.negative_prompt``.
+    Validation takes the records too; without records, or with none of their own, it is unchanged."""
+    import dataclasses
+
+    from verl_digen.workers.validation import sample_deterministic
+
+    adapter = load_adapter(tiny_sd3)
+    settings = dataclasses.replace(_settings(guidance=4.5), negative_prompt="low quality")
+    records = [{"prompt": PROMPTS[0], "negative_prompt": "blurry, dark"}, {"prompt": PROMPTS[1]}]
+    data = sample_groups(adapter, [PROMPTS[0], PROMPTS[1]], [0, 1], [0, 1], group_size=2, settings=settings,
+                         training_step=0, seed=7, policy_version=0, metadata=records)
+    own = adapter.encode_prompts(["blurry, dark"])
+    default = adapter.encode_prompts(["low quality"])
+    neg = data.batch["neg"]
+    close = dict(atol=1e-5, rtol=1e-5)  # SD3's encoders round by batch size (~1 ulp)
+    for key in own:
+        for row, expected in ((0, own), (1, own), (2, default), (3, default)):
+            torch.testing.assert_close(neg[key][row], expected[key][0].cpu(), **close)
+        assert not torch.allclose(neg[key][0], neg[key][2])
+    plain = sample_deterministic(adapter, [PROMPTS[0], PROMPTS[1]], settings, seed=3)
+    same = sample_deterministic(adapter, [PROMPTS[0], PROMPTS[1]], settings, seed=3,
+                                records=[{"prompt": PROMPTS[0]}, {"prompt": PROMPTS[1], "negative_prompt": None}])
+    assert torch.equal(plain, same)
+    mixed = sample_deterministic(adapter, [PROMPTS[0], PROMPTS[1]], settings, seed=3, records=records)
+    assert not torch.equal(mixed[0], plain[0])
+    torch.testing.assert_close(mixed[1], plain[1], atol=1e-5, rtol=1e-5)  # the default row: same negative

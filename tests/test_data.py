@@ -227,3 +227,25 @@ def test_records_of_parquet_plain_and_verl_format(tmp_path: Path) -> None:
     pd.DataFrame({"prompt": [[{"role": "system", "content": "x"}]]}).to_parquet(bad)
     with pytest.raises(ValueError, match=r"row 0: 'prompt' is a chat with no user message"):
         load_prompt_records(bad)
+
+
+def test_a_chats_system_message_is_kept_apart_from_the_image_prompt_and_said(tmp_path: Path, caplog) -> None:
+    import logging
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from verl_digen.data import load_prompt_records
+
+    path = tmp_path / "chats.parquet"
+    pq.write_table(pa.Table.from_pylist([
+        {"prompt": [{"role": "system", "content": "Describe the image."}, {"role": "user", "content": "a red fox"}],
+         "negative_prompt": "blurry"},
+        {"prompt": [{"role": "user", "content": "a blue bird"}], "negative_prompt": None},
+    ]), path)
+    with caplog.at_level(logging.WARNING, logger="verl_digen.data.prompts"):
+        records = load_prompt_records(path)
+    assert [r["prompt"] for r in records] == ["a red fox", "a blue bird"]
+    assert records[0]["system_prompt"] == "Describe the image." and "system_prompt" not in records[1]
+    assert records[0]["negative_prompt"] == "blurry"
+    assert "1 of 2 chats have a system message" in caplog.text and "system_prompt" in caplog.text

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Sequence
 from importlib import resources
@@ -48,6 +49,9 @@ def load_prompts(path: str | os.PathLike[str]) -> list[str]:
     return [record["prompt"] for record in load_prompt_records(path)]
 
 
+_log = logging.getLogger(__name__)
+
+
 def load_prompt_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Load the prompt records of a ``.txt``, ``.jsonl`` or ``.parquet`` file.
 
@@ -60,7 +64,10 @@ def load_prompt_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
       ``include``, ... are kept as they are).
     * ``.parquet``: one record per row with every column. ``"prompt"`` is a string, or veRL's
       chat format (a list of ``{"role", "content"}`` messages: the prompt is the last user
-      message's content and the list is kept under ``"raw_prompt"``). veRL's
+      message's content and the list is kept under ``"raw_prompt"``; system messages are not
+      part of the image prompt, the denoiser's text encoder applying its own template: they are
+      kept under ``"system_prompt"``, and a warning says how many chats had one). A row's
+      ``negative_prompt`` column is its own CFG negative prompt. veRL's
       ``reward_model.ground_truth`` is copied to a top-level ``"ground_truth"`` when the row
       has none.
 
@@ -124,7 +131,14 @@ def _read_parquet(file: Path) -> list[dict[str, Any]]:
     if "prompt" not in columns:
         raise ValueError(f"prompt file {str(file)!r} has no 'prompt' column (columns: {columns})")
     rows = pq.read_table(file).to_pylist()
-    return [_parquet_record(row, f"prompt file {str(file)!r}, row {index}") for index, row in enumerate(rows)]
+    records = [_parquet_record(row, f"prompt file {str(file)!r}, row {index}") for index, row in enumerate(rows)]
+    with_system = sum(1 for r in records if r.get("system_prompt"))
+    if with_system:
+        _log.warning("prompt file %s: %d of %d chats have a system message; the image prompt is each chat's last "
+                     "user message (the denoiser's text encoder applies its own template), and the system message "
+                     "stays in the record as 'system_prompt' (and the chat as 'raw_prompt') for the reward",
+                     file, with_system, len(records))
+    return records
 
 
 def _parquet_record(row: dict[str, Any], where: str) -> dict[str, Any]:
@@ -136,6 +150,9 @@ def _parquet_record(row: dict[str, Any], where: str) -> dict[str, Any]:
             raise ValueError(f"{where}: 'prompt' is a chat with no user message (veRL format expects "
                              "[{'role': 'user', 'content': ...}])")
         record["raw_prompt"] = prompt
+        system = "\n".join(str(m.get("content") or "") for m in prompt if isinstance(m, dict) and m.get("role") == "system")
+        if system.strip() and "system_prompt" not in record:
+            record["system_prompt"] = system
         prompt = users[-1].get("content")
     record["prompt"] = _check_prompt(prompt, where)
     reward_model = record.get("reward_model")

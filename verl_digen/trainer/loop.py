@@ -136,7 +136,8 @@ class DigenTrainer:
             json.dump([{**i, "worker": str(w)} for w, i in zip(actors, infos)], f, indent=2)
         if cfg.prompt_cache.enable and not job.emulated:
             encoders = [a for w, a in actors.items() if w.pool != "reward"]
-            stats = ray.get([a.warm_prompt_cache.remote(job.prompts + job.val_prompts) for a in encoders],
+            stats = ray.get([a.warm_prompt_cache.remote(job.prompts + job.val_prompts + job.negative_prompts)
+                             for a in encoders],
                             timeout=cfg.task_timeout_s)
             self.prompt_cache_stats = stats[0]
         sampler = PromptSampler(job.prompts, seed=cfg.seed, shuffle=cfg.data.shuffle)

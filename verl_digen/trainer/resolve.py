@@ -429,6 +429,12 @@ class CheckedRun:
         return [record["prompt"] for record in self.val_records]
 
     @property
+    def negative_prompts(self) -> list[str]:
+        """The records' own CFG negative prompts (a ``negative_prompt`` column), each once."""
+        records = self.prompt_records + self.val_records
+        return list(dict.fromkeys(r["negative_prompt"] for r in records if isinstance(r.get("negative_prompt"), str)))
+
+    @property
     def test_freq(self) -> int:
         """Validate every this many steps (<= 0: never; an emulated run never validates)."""
         return -1 if self.emulated else self.trainer.test_freq

@@ -23,7 +23,7 @@ gives the images (``verl_digen.workers.validation`` is the caller).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -131,6 +131,13 @@ def rank_rows(batch: int, rows: int, rank: int, ranks: int) -> list[int]:
     return [c * m + t for c in range(rank, batch // m, ranks) for t in range(m)]
 
 
+def negative_prompt_of(record: Mapping[str, Any] | None, default: str) -> str:
+    """The CFG negative prompt of a prompt record: its ``negative_prompt`` when it has a string
+    there (a per-row column), else ``default`` (``digen.sampling.negative_prompt``)."""
+    value = record.get("negative_prompt") if record is not None else None
+    return value if isinstance(value, str) else default
+
+
 def _repeat_cond(cond: Conditioning, n: int) -> Conditioning:
     return {k: v.repeat_interleave(n, dim=0) for k, v in cond.items()}
 
@@ -234,15 +241,19 @@ def begin_groups(
         window, trained = [], []
     else:
         window, trained = step_plan(settings, training_step=request.training_step, seed=request.seed)
+    # CFG's negative prompt: a prompt record's own (a "negative_prompt" column, as veRL-Omni's data
+    # scripts write), else digen.sampling.negative_prompt
+    negatives = [negative_prompt_of(record, settings.negative_prompt)
+                 for record in (request.metadata or [None] * len(prompts))]
     with onloaded(adapter, adapter.text_encoder_names):  # offloaded encoders visit the device
         cond = _repeat_cond(adapter.encode_prompts(prompts), rows)  # [B, ...], B = groups x rows per group
         neg = None
-        if settings.uses_cfg and ode:
+        if settings.uses_cfg and ode and len(set(negatives)) == 1:
             batch = len(prompts) * rows
-            neg_one = adapter.encode_prompts([settings.negative_prompt])
+            neg_one = adapter.encode_prompts(negatives[:1])
             neg = {k: v.expand(batch, *v.shape[1:]).contiguous() for k, v in neg_one.items()}
         elif settings.uses_cfg:
-            neg = _repeat_cond(adapter.encode_prompts([settings.negative_prompt] * len(prompts)), rows)
+            neg = _repeat_cond(adapter.encode_prompts(negatives), rows)
     generators = [torch.Generator().manual_seed(sample_seed(request.seed, g, i))
                   for g in request.group_ids for i in request.sample_range]
     x = torch.cat([adapter.prepare_latents(1, spec, gen) for gen in generators], dim=0)

@@ -22,8 +22,10 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -81,8 +83,10 @@ def sample_deterministic(
     *,
     seed: int,
     batch_size: int | None = None,
+    records: Sequence[Mapping[str, Any]] | None = None,
 ) -> torch.Tensor:
     """One image per prompt with the rollout sampler's deterministic ODE mode (validation / evaluation).
+    ``records``: each prompt's record (its own CFG ``negative_prompt``, when it has one).
 
     Every step is an Euler ODE step (``settings.noise_level``, ``sde_type`` and ``window`` are
     ignored); CFG (``settings.spec.guidance_scale`` with ``settings.negative_prompt``, encoded
@@ -117,7 +121,8 @@ def sample_deterministic(
             indices = list(range(start, end))
             groups = [VALIDATION_GROUP_OFFSET + i for i in indices]  # noise seeds: validation_seed(seed, i)
             request = GroupRequest(prompts[start:end], groups, indices, group_size=1, training_step=0, seed=seed,
-                                   policy_version=0)  # training_step / policy_version: unused by ODE sampling
+                                   policy_version=0,  # training_step / policy_version: unused by ODE sampling
+                                   metadata=list(records[start:end]) if records is not None else None)
             state = begin_groups(adapter, request, settings, ode=True)
             denoise(adapter, state, settings, settings.num_steps)
             out.append(decode_groups(adapter, state, settings))
@@ -263,6 +268,7 @@ def run_validation(
     out_dir: str,
     batch_size: int | None = None,
     nrow: int | None = None,
+    records: Sequence[Mapping[str, Any]] | None = None,
 ) -> ValidationResult:
     """Sample ``prompts`` deterministically, score them, save the grid (and GIFs for video).
 
@@ -271,7 +277,7 @@ def run_validation(
     ``reward_fn(images, prompts) -> [N]`` is any :class:`~verl_digen.rewards.RewardFn`.
     """
     prompts = list(prompts)
-    images = sample_deterministic(adapter, prompts, settings, seed=seed, batch_size=batch_size)
+    images = sample_deterministic(adapter, prompts, settings, seed=seed, batch_size=batch_size, records=records)
     with torch.no_grad():
         rewards = reward_fn(images, prompts).detach().float().cpu().reshape(-1)
     if rewards.shape[0] != len(prompts):

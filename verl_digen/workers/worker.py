@@ -537,7 +537,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         with ema.swapped_in() if ema is not None else nullcontext():
             result = run_validation(
                 self.adapter, prompts, self.settings, reward, seed=self.cfg.validation.seed, step=step,
-                out_dir=target,
+                out_dir=target, records=metadata,  # a record's own negative prompt, as in training
             )
         out = {"metrics": result.metrics(prefix="val"), "grid_path": result.grid_path}
         out["metrics"]["val/ema"] = float(ema is not None)
