@@ -227,10 +227,14 @@ def test_a_pool_on_part_of_a_node_is_charged_as_the_nodes_it_spans(catalog):
     split = Cluster({"trainer": PoolPlacement.spread((6, 0), "A100"), "rollout": PoolPlacement.spread((2, 8), "A100")})
     wire = c.sync_bytes / (c.system.nccl_efficiency * 1e9)
     fixed = c.system.sync_fixed_s
-    assert c.sync_seconds(beside) - fixed == pytest.approx(
+    # ours sends what the step streamed out (state_stream_seconds); an always-sharding engine gathers here
+    engine = c.with_system(dataclasses.replace(c.system, always_sharded=True))
+    assert c.sync_seconds(beside) - fixed == pytest.approx(wire / a100.intra_node_gbps)
+    assert engine.sync_seconds(beside) - fixed == pytest.approx(
         wire / a100.intra_node_gbps + c.sync_bytes * 5 / 6 / c.collective_bw(a100, 1))
     assert c.sync_seconds(split) - c.sync_seconds(beside) == pytest.approx(wire / a100.inter_node_gbps - wire / a100.intra_node_gbps)
-    assert c.sync_seconds(apart) > c.sync_seconds(split)  # and its 22-rank gather crosses nodes
+    assert c.sync_seconds(apart) == pytest.approx(c.sync_seconds(split))  # both over the NIC, nothing gathered
+    assert engine.sync_seconds(apart) - c.sync_seconds(apart) > engine.sync_seconds(beside) - c.sync_seconds(beside)  # 22 ranks across nodes
     with pytest.raises(ValueError, match="cannot be"):
         PoolPlacement(22, 2, "A100", on_nodes=(8, 8, 6))
 
@@ -644,3 +648,26 @@ def test_config_switch_runs_the_real_loop_on_sixteen_emulated_devices(tmp_path, 
     assert result.devices == 16 and len(result.metrics) == 2
     assert result.extra["weights_in_sync"] is True
     assert all(0 < m["bubble_fraction"] < 1 for m in result.metrics)
+
+
+def test_the_fsdp_state_stream_is_charged_to_every_rank_after_the_optimizer_step_not_to_the_sync(catalog):
+    """Under FSDP our trainers stream the full weights out of their shards after each optimizer
+    step, all ranks together (workers/fsdp.py: stream_full_state); trainer 0 sends what it kept,
+    so the sync gathers nothing. Unsharded trainers stream nothing."""
+    c = _costs(catalog, "flux-12b")
+    w = c.workload
+    spec = StrategySpec("disaggregated", 16, 16, w.groups_per_step, w.group_size, gap=True, fsdp=True,
+                        train_micro_batch_groups=4)
+    cluster = Cluster.for_spec(spec, "H800")
+    sharded, unsharded = c.for_spec(spec), c.for_spec(dataclasses.replace(spec, fsdp=False))
+    dev = catalog.devices["H800"]
+    group = sharded.train_group(cluster)
+    stream = sharded.state_stream_seconds(dev, group)
+    assert group.shard == 16 and stream == pytest.approx(
+        sharded.sync_bytes * 15 / 16 / sharded.collective_bw(dev, group.shard_nodes))
+    # an engine that always shards gathers at the sync instead, and streams nothing at the step
+    engine = sharded.with_system(dataclasses.replace(sharded.system, always_sharded=True))
+    assert sharded.optimizer_seconds(dev, group) == pytest.approx(engine.optimizer_seconds(dev, group) + stream)
+    assert engine.sync_seconds(cluster) == pytest.approx(sharded.sync_seconds(cluster) + stream)
+    assert sharded.sync_seconds(cluster) == pytest.approx(unsharded.sync_seconds(cluster))  # no gather in our sync
+    assert unsharded.state_stream_seconds(dev, unsharded.train_group(cluster)) == 0.0

@@ -874,15 +874,26 @@ class CostModel:
         if group.replicas > 1:  # HSDP: all-reduce the gradient shards across replicas once per step
             r = group.replicas
             t += 2.0 * (r - 1) / r * s.grad_bytes_per_param * shard / self.collective_bw(dev, 2)
-        return self.workload.mini_batches * t + s.step_fixed_s
+        return self.workload.mini_batches * t + s.step_fixed_s + self.state_stream_seconds(dev, group)
+
+    def state_stream_seconds(self, dev: DeviceProfile, group: TrainGroup) -> float:
+        """This runtime under FSDP: after every optimizer step all ranks stream the full trained
+        weights out of their shards together (``workers/fsdp.py: stream_full_state``, a
+        collective), which rank 0 keeps for the weight sync and checkpoints; so the sync itself
+        gathers nothing. An engine that always shards (veRL's) gathers at reload instead."""
+        k = group.shard
+        if k <= 1 or self.system.always_sharded:
+            return 0.0
+        return self.sync_bytes * (k - 1) / k / self.collective_bw(dev, group.shard_nodes)
 
     def sync_seconds(self, cluster: Cluster) -> float:
         tp = cluster.placement("trainer")
         dev = self.device(tp.device)
         group = self.train_group(cluster)
         gather = 0.0
-        if group.shard > 1:  # trainer 0 gathers the FSDP shards of the trainable weights
+        if group.shard > 1 and self.system.always_sharded:  # trainer 0 gathers the shards for the sync
             gather = self.sync_bytes * (group.shard - 1) / group.shard / self.collective_bw(dev, group.shard_nodes)
+        # (ours: every rank streamed them after the optimizer step, state_stream_seconds)
         rollout = cluster.placement("rollout")
         ends = (dev, self.device(rollout.device))
         if tp.on_nodes is not None and rollout.on_nodes is not None:
