@@ -77,6 +77,25 @@ def test_kl_loss_maps_to_kl_beta_and_coef_alone_is_refused():
                      "actor_rollout_ref.actor.kl_loss_coef=0.04").digen["algo"]["kl_beta"] == 0.04
     with pytest.raises(ConfigError, match=r"kl_loss_coef=0.04 has no effect without .*use_kl_loss=true"):
         _resolved("actor_rollout_ref.actor.kl_loss_coef=0.04")
+    # Flow-GRPO / veRL-Omni recipes write the no-op pair: accepted, no KL
+    off = _resolved("actor_rollout_ref.actor.use_kl_loss=false", "actor_rollout_ref.actor.kl_loss_coef=0.0")
+    assert off.digen.get("algo", {}).get("kl_beta", 0.0) == 0.0
+
+
+def test_verl_omnis_recipe_keys_with_one_meaning_are_accepted():
+    """algorithm.adv_estimator=flow_grpo is the GRPO group advantage we train with; a micro-batch
+    in samples without rollout.n uses the preset's group size (it was a TypeError), and a message
+    about an unset key says 'unset' (it printed '<object object at 0x...>')."""
+    assert _resolved("algorithm.adv_estimator=flow_grpo").digen is not None
+    micro = _resolved("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8")  # the preset's group size is 4
+    assert micro.digen["batch"]["train_micro_batch_groups"] == 2
+    with pytest.raises(ConfigError, match=r"ppo_micro_batch_size_per_gpu=6; must be a positive multiple of "
+                                          r"actor_rollout_ref.rollout.n=4") as err:
+        _resolved("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=6")
+    assert "object at 0x" not in str(err.value)
+    from verl_digen.config import verl_keys
+
+    assert repr(verl_keys._UNSET) == "unset"
 
 
 def test_batch_sizes_in_samples_become_whole_groups():

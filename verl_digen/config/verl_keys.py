@@ -34,7 +34,14 @@ TRAINER_MODE = "digen"
 AGENT_LOOP_MANAGER = "verl_digen.trainer.verl_mode.DiffusionAgentLoopManager"
 _MANAGER_KEY = "actor_rollout_ref.rollout.agent.agent_loop_manager_class"
 
-_UNSET = object()
+class _Unset:
+    """A key the config does not have (shown as ``unset`` in messages)."""
+
+    def __repr__(self) -> str:
+        return "unset"
+
+
+_UNSET = _Unset()
 
 #: ``trainer.resume_mode``: resume the newest intact checkpoint, start fresh, or resume ``resume_from_path``.
 RESUME_MODES = ("auto", "disable", "resume_path")
@@ -118,7 +125,8 @@ READ_DIRECTLY: dict[str, str] = {
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu":
         "reference log-probs are computed inside each trainer micro-batch: must equal ppo_micro_batch_size_per_gpu",
     "actor_rollout_ref.rollout.name": "unset, or hf (generation runs in diffusers inside our workers)",
-    "algorithm.adv_estimator": "grpo (veRL's default gae reads as unset: advantages are always GRPO's)",
+    "algorithm.adv_estimator": "grpo or flow_grpo (veRL-Omni's name; veRL's default gae reads as unset: "
+                               "advantages are always GRPO's group ones)",
     "reward.custom_reward_function.path": "a Python file -> digen.reward.name=custom",
     "reward.custom_reward_function.name": "the function in it (default compute_score)",
     "reward.reward_manager.name": "naive (per sample, default) or batch (the batched form)",
@@ -209,6 +217,8 @@ def _differs(value: Any, default: Any) -> bool:
 
 def _kl_beta(config: Mapping[str, Any]) -> float:
     if not _get(config, "actor_rollout_ref.actor.use_kl_loss", False):
+        if not _get(config, "actor_rollout_ref.actor.kl_loss_coef", 0.0):
+            return 0.0  # no KL either way (Flow-GRPO recipes write kl_loss_coef=0.0 with use_kl_loss=False)
         raise ConfigError(
             "invalid config: actor_rollout_ref.actor.kl_loss_coef="
             f"{_get(config, 'actor_rollout_ref.actor.kl_loss_coef')!r} has no effect without "
@@ -400,6 +410,12 @@ def _derived_settings(config: Mapping[str, Any], digen: dict[str, Any], ours: di
                       put: Callable[[str, Any, str], None]) -> None:
     """Batch sizes in veRL's units (prompts, samples) -> our groups; the custom reward."""
     group_size = _get({"digen": digen}, "digen.batch.group_size")
+    if group_size is _UNSET:  # rollout.n unset: the preset's (or the schema's) group size
+        group_size = _get({"digen": ours}, "digen.batch.group_size", _UNSET)
+        if group_size is _UNSET:
+            from verl_digen.config.schema import BatchConfig
+
+            group_size = BatchConfig().group_size
     groups_per_step = _get({"digen": digen}, "digen.batch.groups_per_step")
     mini = "actor_rollout_ref.actor.ppo_mini_batch_size"
     if _is_set(config, mini) and _get(config, mini) != groups_per_step:
@@ -484,9 +500,9 @@ def _check_rollout_and_algorithm(config: Mapping[str, Any], trainer: VerlTrainer
         raise ConfigError(f"invalid config: actor_rollout_ref.rollout.name={name!r} cannot apply: "
                           f"{_HINTS['actor_rollout_ref.rollout.name']}")
     adv = _get(config, "algorithm.adv_estimator", "gae")
-    if adv not in ("gae", "grpo"):
-        raise ConfigError(f"invalid config: algorithm.adv_estimator={adv!r}; verl-digen trains with GRPO "
-                          "advantages (grpo)")
+    if adv not in ("gae", "grpo", "flow_grpo"):
+        raise ConfigError(f"invalid config: algorithm.adv_estimator={adv!r}; verl-digen trains with GRPO's "
+                          "group advantages (grpo, or veRL-Omni's flow_grpo: the same)")
     valid = (TRAINER_MODE,) if entry == MAIN_PPO else (TRAINER_MODE, "sync")
     if trainer.trainer_mode not in valid:
         raise ConfigError(f"invalid config: trainer.v1.trainer_mode={trainer.trainer_mode!r}; valid: {', '.join(valid)}")
