@@ -312,3 +312,18 @@ def test_several_data_files_are_read_in_order_and_concatenated(tmp_path):
     mixed = digen(f"digen.data.prompts=[builtin:demo,{second}]")
     with pytest.raises(ConfigError, match="builtin prompt set cannot be combined"):
         resolve_prompt_records(mixed)
+
+
+def test_recipe_keys_for_dtype_validation_samples_and_tensor_parallelism():
+    """veRL-Omni's SD3.5 recipe writes fsdp_config.model_dtype=bfloat16, val_max_samples and
+    rollout.tensor_model_parallel_size=1: each has its meaning here or is a no-op, not a refusal."""
+    run = _resolved("actor_rollout_ref.actor.fsdp_config.model_dtype=bfloat16", "data.val_max_samples=16",
+                    "actor_rollout_ref.rollout.tensor_model_parallel_size=1")
+    assert run.digen["model"]["dtype"] == "bf16" and run.digen["validation"]["num_prompts"] == 16
+    assert _resolved("actor_rollout_ref.actor.fsdp_config.model_dtype=float32").digen["model"]["dtype"] == "fp32"
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=4 cannot apply"):
+        _resolved("actor_rollout_ref.rollout.tensor_model_parallel_size=4")
+    with pytest.raises(ConfigError, match=r"model_dtype='float16'.*valid: bfloat16"):
+        _resolved("actor_rollout_ref.actor.fsdp_config.model_dtype=float16")
+    with pytest.raises(ConfigError, match=r"data.val_max_samples=0"):
+        _resolved("data.val_max_samples=0")

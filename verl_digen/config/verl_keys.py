@@ -62,6 +62,24 @@ def _optimizer(value: Any, _: Mapping[str, Any]) -> str:
     return str(value).lower()
 
 
+def _model_dtype(value: Any, _: Mapping[str, Any]) -> str:
+    """veRL's FSDP ``model_dtype`` (``bfloat16`` / ``bf16``, ``float32`` / ``fp32``) -> digen.model.dtype."""
+    names = {"bfloat16": "bf16", "bf16": "bf16", "float32": "fp32", "fp32": "fp32"}
+    name = str(value).lower()
+    if name not in names:
+        raise ConfigError(f"invalid config: actor_rollout_ref.actor.fsdp_config.model_dtype={value!r}; valid: "
+                          "bfloat16 (bf16), float32 (fp32)")
+    return names[name]
+
+
+def _val_samples(value: Any, _: Mapping[str, Any]) -> int:
+    """veRL's ``data.val_max_samples`` (-1: all) -> how many validation prompts are sampled."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"invalid config: data.val_max_samples={value!r}; a positive number of validation prompts "
+                          "(or leave veRL's -1: digen.validation.num_prompts decides)")
+    return value
+
+
 def _target_modules(value: Any, _: Mapping[str, Any]) -> list[str]:
     if isinstance(value, str):
         return [value]
@@ -106,6 +124,9 @@ MAPPED: tuple[Mapped, ...] = (
            _prompt_files("data.train_files")),
     Mapped("data.val_files", "digen.validation.prompts", "validation prompts", _prompt_files("data.val_files")),
     Mapped("data.shuffle", "digen.data.shuffle", "shuffle the prompts every epoch"),
+    Mapped("data.val_max_samples", "digen.validation.num_prompts", "validation prompts sampled", _val_samples),
+    Mapped("actor_rollout_ref.actor.fsdp_config.model_dtype", "digen.model.dtype",
+           "the weights' compute dtype, rollout and training alike (bfloat16 / float32)", _model_dtype),
     Mapped("data.seed", "digen.seed", "seed"),
     Mapped("algorithm.norm_adv_by_std_in_grpo", "digen.algo.std_mode", "true: group std (group), false: none",
            _std_mode),
@@ -125,6 +146,8 @@ READ_DIRECTLY: dict[str, str] = {
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu":
         "reference log-probs are computed inside each trainer micro-batch: must equal ppo_micro_batch_size_per_gpu",
     "actor_rollout_ref.rollout.name": "unset, or hf (generation runs in diffusers inside our workers)",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": "1 (a diffusers rollout is not tensor-parallel; "
+                                                            "veRL's default 2 reads as unset)",
     "algorithm.adv_estimator": "grpo or flow_grpo (veRL-Omni's name; veRL's default gae reads as unset: "
                                "advantages are always GRPO's group ones)",
     "reward.custom_reward_function.path": "a Python file -> digen.reward.name=custom",
@@ -499,6 +522,10 @@ def _check_rollout_and_algorithm(config: Mapping[str, Any], trainer: VerlTrainer
     if name not in ("???", None, "hf"):
         raise ConfigError(f"invalid config: actor_rollout_ref.rollout.name={name!r} cannot apply: "
                           f"{_HINTS['actor_rollout_ref.rollout.name']}")
+    tp_key = "actor_rollout_ref.rollout.tensor_model_parallel_size"
+    if _is_set(config, tp_key) and _get(config, tp_key) != 1:
+        raise ConfigError(f"invalid config: {tp_key}={_get(config, tp_key)!r} cannot apply: the rollout is a "
+                          "diffusers pipeline per worker, not tensor-parallel; set it to 1 or leave it unset")
     adv = _get(config, "algorithm.adv_estimator", "gae")
     if adv not in ("gae", "grpo", "flow_grpo"):
         raise ConfigError(f"invalid config: algorithm.adv_estimator={adv!r}; verl-digen trains with GRPO's "
