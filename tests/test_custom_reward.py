@@ -297,3 +297,18 @@ async def compute_score(data_source, solution_image, ground_truth, extra_info, *
         first = json.loads(f.readline())
     assert first["reward_mean"] == pytest.approx(0.5) and first["reward/doubled"] == pytest.approx(1.0)
     assert not any("note" in k for k in first)
+
+
+def test_a_failing_coroutine_is_named_by_its_sample_with_its_own_traceback(tmp_path):
+    path = _write(tmp_path, '''
+async def compute_score(prompt, ground_truth):
+    if ground_truth == "boom":
+        return {"oops": 1}["missing"]
+    return 0.5
+''')
+    reward = build_reward("custom", path=path)
+    with pytest.raises(CustomRewardError) as info:
+        reward(torch.rand(3, 3, 8, 8), ["a", "b", "c"], [{"ground_truth": "x"}, {"ground_truth": "boom"}, {}])
+    message = str(info.value)
+    assert "failed on sample 1, prompt 'b'" in message
+    assert "KeyError: 'missing'" in message and 'return {"oops": 1}["missing"]' in message

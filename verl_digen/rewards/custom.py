@@ -125,12 +125,13 @@ def _plan_call(fn: Callable[..., Any], fields: Sequence[str], settings: Mapping[
 
 
 def _run_coroutines(coros: list[Any]) -> list[Any]:
-    """Await ``coros`` concurrently (``asyncio.gather``); results in order, the first exception
-    raised (on a helper thread's loop when this thread already runs one: ``run_sync``)."""
+    """Await ``coros`` concurrently (``asyncio.gather``); results in order, an exception in the
+    place of a coroutine that raised (on a helper thread's loop when this thread already runs
+    one: ``run_sync``)."""
     from verl_digen.rewards.transport import run_sync
 
     async def gather() -> list[Any]:
-        return await asyncio.gather(*coros)
+        return await asyncio.gather(*coros, return_exceptions=True)
 
     return run_sync(gather)
 
@@ -165,6 +166,8 @@ class CustomFunctionReward(RewardFn):
                 scores = self.fn(**kwargs, **self.reward_kwargs)
                 if inspect.isawaitable(scores):
                     (scores,) = _run_coroutines([scores])
+                    if isinstance(scores, Exception):
+                        raise scores
             except Exception:
                 raise self._error(f"on a batch of {len(prompts)} samples, prompts {list(prompts)!r}") from None
             scores = self._score_list(scores)
@@ -173,10 +176,11 @@ class CustomFunctionReward(RewardFn):
         else:
             calls = [{k: v for k, v in r.items() if k in self.wanted} for r in rows]
             if self.is_async:
-                try:
-                    scores = _run_coroutines([self.fn(**kw, **self.reward_kwargs) for kw in calls])
-                except Exception:
-                    raise self._error(f"on one of {len(prompts)} samples, prompts {list(prompts)!r}") from None
+                scores = _run_coroutines([self.fn(**kw, **self.reward_kwargs) for kw in calls])
+                for i, result in enumerate(scores):  # the first sample that failed, with its own traceback
+                    if isinstance(result, Exception):
+                        trace = "".join(traceback.format_exception(type(result), result, result.__traceback__))
+                        raise CustomRewardError(f"{self._where()} failed on sample {i}, prompt {prompts[i]!r}:\n{trace}")
             else:
                 scores = []
                 for i, kw in enumerate(calls):
@@ -184,6 +188,8 @@ class CustomFunctionReward(RewardFn):
                         out = self.fn(**kw, **self.reward_kwargs)
                         if inspect.isawaitable(out):  # a callable object whose __call__ is async
                             (out,) = _run_coroutines([out])
+                            if isinstance(out, Exception):
+                                raise out
                         scores.append(out)
                     except Exception:
                         raise self._error(f"on sample {i}, prompt {prompts[i]!r}") from None
