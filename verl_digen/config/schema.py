@@ -515,6 +515,19 @@ class DigenConfig:
             fsdp=self.fsdp.enable,
         )
 
+    def fsdp_ranks(self, devices: int) -> int:
+        """The ranks one training micro-batch is sharded over (1 without FSDP): the trainer pool,
+        or when colocated every one of the cluster's ``devices``."""
+        if not self.fsdp.enable:
+            return 1
+        return self.pools.trainer.world_size if self.placement == "disaggregated" else devices
+
+    def rollout_lanes(self, devices: int) -> int:
+        """The rollout lanes the planner spreads a step's groups over (StrategySpec.sample_split):
+        the rollout workers (colocated: the cluster's ``devices``), or with TSP their pipelines."""
+        workers = self.pools.rollout.world_size if self.placement == "disaggregated" else devices
+        return max(1, workers // self.tsp.stages)
+
     def pass_rows(self, devices: int) -> int:
         """Samples per transformer call, in rollout and in a training pass, on a cluster of
         ``devices`` GPUs (:func:`verl_digen.schedule.strategies.pass_rows`, what every worker
@@ -522,14 +535,12 @@ class DigenConfig:
         (known only with the cluster when colocated) is a :class:`ConfigError` naming the keys."""
         from verl_digen.schedule.strategies import pass_rows
 
-        disaggregated = self.placement == "disaggregated"
-        ranks = (self.pools.trainer.world_size if disaggregated else devices) if self.fsdp.enable else 1
-        lanes = max(1, (self.pools.rollout.world_size if disaggregated else devices) // self.tsp.stages)
         b = self.batch
         try:
-            return pass_rows(b.group_size, b.train_micro_batch_groups, ranks, b.groups_per_step, b.groups_per_task, lanes)
+            return pass_rows(b.group_size, b.train_micro_batch_groups, self.fsdp_ranks(devices), b.groups_per_step,
+                             b.groups_per_task, self.rollout_lanes(devices))
         except ValueError as e:
-            where = "the trainer pool" if disaggregated else f"all {devices} colocated GPUs"
+            where = "the trainer pool" if self.placement == "disaggregated" else f"all {devices} colocated GPUs"
             raise ConfigError(f"invalid config: {e} (digen.fsdp.enable=true shards each micro-batch over {where}); "
                               "raise digen.batch.train_micro_batch_groups or digen.batch.group_size") from None
 

@@ -206,7 +206,7 @@ def job_shape(cfg: DigenConfig, *, devices_per_node: int, nnodes: int, model_pat
     devices = devices_per_node * nnodes
     disaggregated = cfg.placement == "disaggregated"
     trainer_devices = cfg.pools.trainer.world_size if disaggregated else devices
-    fsdp = trainer_devices if cfg.fsdp.enable else 1
+    fsdp = cfg.fsdp_ranks(devices)
     lora = cfg.model.lora.enable
     if checkpointing is None:
         checkpointing = bool(cfg.model.checkpointing)
@@ -489,7 +489,7 @@ def decide_checkpointing(cfg: DigenConfig, *, devices_per_node: int, nnodes: int
     """``digen.model.gradient_checkpointing`` as the run applies it: the setting when it is
     ``true`` or ``false``; for ``auto``, on exactly when a training pass would not fit without it
     (activation checkpointing costs a recomputed forward, so it is only worth it when needed).
-    The cost model decides the same way (``sim.cost_model.CostModel.gradient_checkpointing``)."""
+    The cost model decides the same way (``sim.cost_model.CostModel.checkpointing``)."""
     if cfg.model.checkpointing is not None:
         return cfg.model.checkpointing
     job = job_shape(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path, checkpointing=False)

@@ -200,7 +200,8 @@ class DiffusionWorker(Worker, WeightSyncMixin):
             add_lora(self.adapter, cfg.model.lora, dtype=self.trainable_dtype)
         self.sync_module = self.adapter.transformer
         self.sync_lora_only = cfg.model.lora.enable
-        self.settings = sampling_settings(cfg, self._fsdp_ranks(), self._rollout_lanes())
+        # a fused worker's group is the whole cluster; pool workers read their pools from the config
+        self.settings = sampling_settings(cfg, cfg.fsdp_ranks(self.world_size), cfg.rollout_lanes(self.world_size))
         if not caps.trains:  # generates only: weights change by sync, never by gradients
             self.adapter.transformer.requires_grad_(False).eval()
         vae = getattr(self.adapter, "vae", None)
@@ -289,20 +290,6 @@ class DiffusionWorker(Worker, WeightSyncMixin):
     def _generates_without_reward_pool(self) -> bool:
         """Trainers generate part of a step under TAG; they score it when no reward pool exists."""
         return self.cfg.tag.enable and self.cfg.pools.reward.devices == 0
-
-    def _rollout_lanes(self) -> int:
-        """The rollout lanes the planner spreads a step's groups over (StrategySpec.sample_split):
-        the rollout workers, or with TSP their pipelines."""
-        workers = self.cfg.pools.rollout.world_size if self.cfg.placement == "disaggregated" else self.world_size
-        return max(1, workers // self.cfg.tsp.stages)
-
-    def _fsdp_ranks(self) -> int:
-        """The ranks one training micro-batch is sharded over (1 without FSDP)."""
-        if not self.cfg.fsdp.enable:
-            return 1
-        if self.role in ("fused", "trainer"):
-            return self.world_size
-        return self.cfg.pools.trainer.world_size
 
     def _check_fsdp_trainable_dtypes(self) -> None:
         """FSDP2 reduce-scatters one unit's gradients in one dtype: every trained parameter of a
