@@ -136,6 +136,16 @@ def _run_coroutines(coros: list[Any]) -> list[Any]:
     return run_sync(gather)
 
 
+def _awaited(value: Any) -> Any:
+    """An awaitable's result (a callable object with an ``async __call__``, an ``async`` batched
+    form), awaited here, its exception raised; anything else as it is."""
+    if inspect.isawaitable(value):
+        (value,) = _run_coroutines([value])
+        if isinstance(value, Exception):
+            raise value
+    return value
+
+
 @register_reward("custom")
 class CustomFunctionReward(RewardFn):
     """Scores with a user's ``compute_score`` loaded from a file (see the module docstring)."""
@@ -163,11 +173,7 @@ class CustomFunctionReward(RewardFn):
                 values["fps"] = self.fps
             kwargs = {k: v for k, v in values.items() if k in self.wanted}
             try:
-                scores = self.fn(**kwargs, **self.reward_kwargs)
-                if inspect.isawaitable(scores):
-                    (scores,) = _run_coroutines([scores])
-                    if isinstance(scores, Exception):
-                        raise scores
+                scores = _awaited(self.fn(**kwargs, **self.reward_kwargs))
             except Exception:
                 raise self._error(f"on a batch of {len(prompts)} samples, prompts {list(prompts)!r}") from None
             scores = self._score_list(scores)
@@ -179,18 +185,12 @@ class CustomFunctionReward(RewardFn):
                 scores = _run_coroutines([self.fn(**kw, **self.reward_kwargs) for kw in calls])
                 for i, result in enumerate(scores):  # the first sample that failed, with its own traceback
                     if isinstance(result, Exception):
-                        trace = "".join(traceback.format_exception(type(result), result, result.__traceback__))
-                        raise CustomRewardError(f"{self._where()} failed on sample {i}, prompt {prompts[i]!r}:\n{trace}")
+                        raise self._error(f"on sample {i}, prompt {prompts[i]!r}", result)
             else:
                 scores = []
                 for i, kw in enumerate(calls):
                     try:
-                        out = self.fn(**kw, **self.reward_kwargs)
-                        if inspect.isawaitable(out):  # a callable object whose __call__ is async
-                            (out,) = _run_coroutines([out])
-                            if isinstance(out, Exception):
-                                raise out
-                        scores.append(out)
+                        scores.append(_awaited(self.fn(**kw, **self.reward_kwargs)))
                     except Exception:
                         raise self._error(f"on sample {i}, prompt {prompts[i]!r}") from None
         out, extras = [], {}
@@ -239,8 +239,10 @@ class CustomFunctionReward(RewardFn):
     def _where(self) -> str:
         return f"reward.custom_reward_function {self.path}:{self.function}"
 
-    def _error(self, sample: str) -> CustomRewardError:
-        return CustomRewardError(f"{self._where()} failed {sample}:\n{traceback.format_exc()}")
+    def _error(self, sample: str, exc: BaseException | None = None) -> CustomRewardError:
+        """The user's failure ``exc`` (default: the one being handled), with its traceback."""
+        trace = traceback.format_exc() if exc is None else "".join(traceback.format_exception(exc))
+        return CustomRewardError(f"{self._where()} failed {sample}:\n{trace}")
 
     def _split(self, s: Any, prompt: str) -> tuple[float, dict[str, float]]:
         """(score, numeric extras) of one result: a number, or a dict with a ``score``."""
