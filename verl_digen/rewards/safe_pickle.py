@@ -7,9 +7,9 @@ accepts only what these protocols carry: ``dict``, ``list``, ``tuple``, ``set``,
 ``str``, ``bytes``, ``bytearray``, ``int``, ``float``, ``complex``, ``bool`` and ``None``, and
 numpy scalars and arrays of plain dtypes (bool, int, uint, float, complex, fixed-width str and
 bytes: what scorer services answer, e.g. HPS's ``float32`` scores, and what clients send, e.g.
-Flow-GRPO's UnifiedReward client's prompts as a ``str`` array): numpy's pickle constructors are reached only through wrappers that build nothing
-but such values (an object, string or structured dtype, or an ``ndarray`` subclass, is
-refused). Any other global (a class, a function) raises :class:`UnsafePickleError` naming it;
+Flow-GRPO's UnifiedReward client's prompts as a ``str`` array): numpy's pickle constructors are
+reached only through wrappers that build nothing but such values (an object, structured or
+datetime dtype, or an ``ndarray`` subclass, is refused). Any other global (a class, a function) raises :class:`UnsafePickleError` naming it;
 persistent ids are refused too.
 
 The standard library's documented way to restrict unpickling is to subclass

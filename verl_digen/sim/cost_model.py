@@ -100,7 +100,6 @@ class ModelProfile:
     lora_linears: int = 0  # linear layers LoRA adapts (attention projections)
     lora_params: float = 0.0  # measured LoRA parameters; overrides the lora_linears estimate
     gradient_checkpointing: bool | None = None  # None: decided per pass by memory (CostModel.checkpointing)
-    max_device_batch: int = 0  # cap on samples per forward+backward pass (0: memory decides)
     video: bool = False
     defaults: Mapping[str, Any] = field(default_factory=dict)  # workload defaults
     sources: Mapping[str, str] = field(default_factory=dict)

@@ -96,11 +96,13 @@ class EmulatedWorker:
     def _work(self, kind: TaskKind, *, groups: tuple[int, ...] = (), step: int = 0, version: int = 0,
               ranks: int = 1, **fields: Any) -> float:
         """Sleep for the cost model's seconds of this worker's part of a task; ``ranks``: the
-        workers of a gang task that split its samples (an FSDP micro-batch), this one among them."""
+        workers of a gang task (an FSDP micro-batch: ranks 0..ranks-1 of this worker's pool),
+        which the cost model charges each member for, as the simulator does."""
         samples = fields.get("samples")
         per_group = samples[1] - samples[0] if samples else self.group_size
+        gang = (self.worker,) if ranks == 1 else tuple(WorkerId(self.worker.pool, r) for r in range(ranks))
         task = Task(
-            id="emulated", kind=kind, workers=(self.worker,) * ranks, step=step, groups=groups, version=version,
+            id="emulated", kind=kind, workers=gang, step=step, groups=groups, version=version,
             images=len(groups) * per_group, **fields,
         )
         seconds = self.costs.task_seconds(task, self.worker, self.cluster, switch_from=self.mode)
