@@ -532,8 +532,8 @@ def test_the_planners_best_flux_plan_at_32_runs_emulated_charging_each_task_what
     """FLUX.1 full fine-tuning on 32 H800: the planner's best configuration, planned for two
     steps, runs on 32 emulated devices (the real Ray executor; each task sleeps for the cost
     model's seconds of that strategy, ``CostModel.for_spec``), and every task takes the
-    simulator's seconds plus the runtime's dispatch overhead (allowed 60 ms a task, at a time
-    scale where the mean generate task sleeps 60 ms). The memory planner's per-GPU peak of the
+    simulator's seconds plus the runtime's dispatch overhead (at a time scale where the mean
+    generate task sleeps 60 ms). The memory planner's per-GPU peak of the
     printed configuration, at FLUX.1's real size, fits the H800s."""
     ray = pytest.importorskip("ray")
     from omegaconf import OmegaConf
@@ -577,9 +577,11 @@ def test_the_planners_best_flux_plan_at_32_runs_emulated_charging_each_task_what
         assert [(k, g) for k, g, _ in got] == [(k, g) for k, g, _ in want], worker
         for (k, g, a), (_, _, b) in zip(got, want):
             assert a == pytest.approx(b, rel=1e-9, abs=1e-12), (worker, k, g)
-    # and the real executor adds only its dispatch overhead (measured here: ~10-40 ms a task on 2 cores)
+    # and no task ran shorter than it was charged: the executor only adds its dispatch overhead
+    # (~10-40 ms a task on a quiet 2-core machine, up to ~0.6 s on a loaded one; not asserted:
+    # the suite does not assert on wall-clock speed)
     excess = sorted((emulated[k] - d) * scale for k, d in simulated.items())  # real seconds
-    assert excess[0] >= -1e-3 and excess[len(excess) // 2] < 0.1 and excess[-1] < 0.5, excess[-5:]
+    assert excess[0] >= -1e-3, excess[:5]
 
     overrides = hydra_overrides(best.candidate, costs, inv) + [
         "digen.model.arch=flux", "digen.memory.device_type=H800", f"digen.output_dir={tmp_path}"]
@@ -594,10 +596,9 @@ def test_the_planners_best_flux_plan_at_32_runs_emulated_charging_each_task_what
 def test_emulated_runtime_matches_the_simulator_on_the_same_plan():
     """8 emulated devices (6 rollout + 2 trainers, GAP + TCSS), tasks of 20-80 modelled ms run at
     5x (0.1-0.4 s): the real Ray executor's makespan is the simulator's plus the runtime's own
-    overhead (about 1 ms per task on a quiet 2-core machine; allowed: up to 40% of the makespan).
-    At 1x, the same overhead under a loaded machine (the other xdist worker and a benchmark
-    beside it) reached 61% of the makespan: the tasks are long enough here for the check to be
-    about the executor, not about the machine's load."""
+    overhead (about 1 ms per task on a quiet 2-core machine). The bound is loose on purpose
+    (makespan under twice the simulator's): it is not a speed check but catches an executor that
+    serialises what the plan runs in parallel (the 8 lanes run one after another take ~4x)."""
     ray = pytest.importorskip("ray")
     from verl_digen.emulate import run_emulated_plan
 
@@ -629,7 +630,7 @@ def test_emulated_runtime_matches_the_simulator_on_the_same_plan():
     for t in planner.plan.tasks:
         assert all(start[str(t.id)] >= end[str(d)] - 1e-6 for d in t.deps), t.id
     gap = run.opt_end[2] / opt_sim[2] - 1
-    assert -0.02 < gap < 0.40, f"emulated {run.opt_end[2]:.3f}s vs simulated {opt_sim[2]:.3f}s"
+    assert -0.02 < gap < 1.0, f"emulated {run.opt_end[2]:.3f}s vs simulated {opt_sim[2]:.3f}s"
 
 
 @pytest.mark.e2e

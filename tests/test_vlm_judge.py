@@ -200,12 +200,10 @@ def test_order_preserved_with_concurrency_and_video(judge: tuple[str, JudgeState
 def test_concurrency_limit_respected(judge: tuple[str, JudgeState]) -> None:
     url, state = judge
     state.delay_s = 0.2
-    start = time.monotonic()
     scores = make(url, concurrency=3)(quantised_rand(9, 3, 8, 8), [f"p{i}" for i in range(9)])
-    elapsed = time.monotonic() - start
     assert scores.shape == (9,) and state.requests == 9
-    assert state.max_in_flight == 3  # parallel, but never more than `concurrency`
-    assert elapsed < 9 * 0.2  # faster than serial
+    # three requests were in the server at once (so they overlapped), never more than `concurrency`
+    assert state.max_in_flight == 3
 
     state.max_in_flight = 0
     make(url, concurrency=1)(quantised_rand(3, 3, 8, 8), ["a", "b", "c"])
