@@ -57,7 +57,7 @@ LADDER = (
     ("+FSDP lockstep", ["disaggregated+gap+fsdp", "disaggregated+gap+fsdp+tcss"]),
 )
 MIXES = ({"H800": 8, "L40S": 16}, {"H800": 16, "L40S": 16})
-JUDGE_SIZES = (4, 8, 16)
+JUDGE_SIZES = (4, 8, 16, 32)
 DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "benchmarks_sim.md")
 
 
@@ -71,11 +71,15 @@ def summary(ev: Evaluation | None, costs: CostModel) -> dict[str, Any] | None:
     r, spec = ev.result, ev.candidate.spec
     row = ev.row(None, costs)
     busy = 1 - r.bubble_fraction
+    split = "-" if spec.placement == "colocated" else "+".join(
+        f"{p.size}{'x' + p.device if len({q.device for q in ev.candidate.pools.values()}) > 1 else ''}"
+        for p in (ev.candidate.pools["rollout"], ev.candidate.pools["trainer"]))
+    if spec.reward_workers:
+        split += f" (+{spec.reward_workers} reward)"
     return {
         "strategy": spec.name,
-        "split": "-" if spec.placement == "colocated" else "+".join(
-            f"{p.size}{'x' + p.device if len({q.device for q in ev.candidate.pools.values()}) > 1 else ''}"
-            for p in (ev.candidate.pools["rollout"], ev.candidate.pools["trainer"])),
+        "split": split,
+        "reward_devices": spec.reward_workers,
         "micro": f"{spec.groups_per_task}/{spec.train_micro_batch_groups}",
         "images_per_s": r.images_per_s,
         "step_s": r.step_time_s,
@@ -87,9 +91,12 @@ def summary(ev: Evaluation | None, costs: CostModel) -> dict[str, Any] | None:
     }
 
 
-def best(costs: CostModel, inventory: Inventory, mechanisms: list[str], *, micro=(1, 2), steps=4, warmup=1) -> Evaluation | None:
+def best(costs: CostModel, inventory: Inventory, mechanisms: list[str], *, micro=(1, 2), steps=4, warmup=1,
+         reward_devices: list[int] | None = None) -> Evaluation | None:
+    """The best configuration; ``reward_devices`` as the planner's (None: its default sizes)."""
     try:
-        result = search(costs, inventory, mechanisms=mechanisms, micro_batches=micro, steps=steps, warmup=warmup)
+        result = search(costs, inventory, mechanisms=mechanisms, micro_batches=micro, steps=steps, warmup=warmup,
+                        reward_devices=reward_devices)
     except ProfileError:
         return None
     return result.best if result.evaluated else None
@@ -116,7 +123,7 @@ def ladder(catalog: Any, model: str, inventory: Inventory) -> list[dict[str, Any
     ours = costs_of(catalog, model, list(inventory.devices), OURS)
     rows = []
     for label, mechs in LADDER:
-        s = summary(best(ours, inventory, mechs), ours)
+        s = summary(best(ours, inventory, mechs, reward_devices=[0]), ours)  # the mechanisms alone
         rows.append({"row": label, **s} if s else {"row": label, "note": "does not fit in memory"})
     return rows
 
@@ -154,8 +161,8 @@ def scaled(costs: CostModel, where: str, field: str, factor: float, clamp: float
 
 
 def disagg_speedup(costs: CostModel, inventory: Inventory) -> float:
-    col = best(costs, inventory, COLOCATED, micro=(1, 2))
-    dis = best(costs, inventory, ["disaggregated+gap+tcss", "disaggregated+gap+fsdp+tcss"], micro=(1, 2))
+    col = best(costs, inventory, COLOCATED, micro=(1, 2), reward_devices=[0])
+    dis = best(costs, inventory, ["disaggregated+gap+tcss", "disaggregated+gap+fsdp+tcss"], micro=(1, 2), reward_devices=[0])
     return dis.images_per_s / col.images_per_s if col and dis else math.nan
 
 
@@ -372,7 +379,10 @@ def write_doc(args, catalog, cases, ladders, judge, hetero, sens, emu, tiny, ela
         f"  training passes at {catalog.systems[OURS].train_efficiency:g}x the fitted training efficiency (measured on an H100:",
         "  README, \"Measured on a GPU\"; one GPU, LoRA, FSDP collectives modelled);",
         "- **ours, best disaggregated**: the best of every disaggregated configuration the planner knows",
-        "  (every pool split, pools sharing nodes, GAP, TSP, TAG, TCSS, FSDP in lockstep, 1 or 2 groups per call).",
+        "  (every pool split, pools sharing nodes, GAP, TSP, TAG, TCSS, FSDP in lockstep, 1 or 2 groups per call,",
+        "  a reward pool of its own for a reward model: none, or 1, 2, 4, ... devices up to a quarter of the cluster);",
+        "  veRL-Omni may give its reward model a pool as its async-reward recipe does. The mechanism ladder",
+        "  below places no reward pool, to show the mechanisms alone.",
         "",
         "% of bound is images/s over the zero-bubble bound (devices / device-seconds of generation + reward",
         "+ training per image at the best efficiency, no overheads); bubble is the idle fraction of device",
@@ -406,8 +416,11 @@ def write_doc(args, catalog, cases, ladders, judge, hetero, sens, emu, tiny, ela
           "### A reward that takes time: veRL-Omni's own OCR recipe", "",
           "The workload of veRL-Omni's published LoRA run (Qwen-Image, 512^2, 10 steps, true CFG, LoRA r64,",
           "32 x 16 images, two PPO mini-batches, a Qwen3-VL-8B judge whose answer decoding keeps a call open for",
-          "a fitted ~70 s), on 4 to 16 H800. A colocated step waits for the judge on every device; a disaggregated",
-          "pipeline scores each group on the rollout side while the trainers train.", ""]
+          "a fitted ~70 s), on 4 to 32 H800. A colocated step waits for the judge on every device; a disaggregated",
+          "pipeline scores each group while the trainers train. Both systems may give the judge devices of its own",
+          "(`--reward-devices`: none, or 1, 2, 4, ... up to a quarter of the cluster): veRL-Omni as its async-reward",
+          "recipe does (colocated actor and rollout, samples streamed to the judge), ours beside the rollout and",
+          "trainer pools; the split column says how many (\"+k reward\").", ""]
     L += headline_md(judge)
     L += ["", "### Heterogeneous pools: cheaper inference GPUs for rollout", "",
           "Rollout on L40S (362 TFLOP/s, $0.90/h), training on H800 ($3.00/h); the planner tries both",

@@ -204,9 +204,15 @@ def test_cli_predicts_verl_omni_on_the_same_cluster_with_step_time_and_cost(tmp_
     assert "system verl-omni" in capsys.readouterr().out
     doc = json.loads(out.read_text())
     assert doc["system"] == "verl-omni"
-    (row,) = doc["rows"]
+    (row,) = [r for r in doc["rows"] if not r["reward_devices"]]
     assert row["strategy"] == "colocated" and row["system"] == "verl-omni"
     assert row["groups_per_task"] == row["train_micro_batch_groups"] == 32 // 16
+    # its async-reward recipe: the reward model (PickScore, FLUX's profile) on 1, 2 or 4 devices of
+    # its own, the actor on the rest, finished samples streamed to it (unit tasks)
+    pooled = [r for r in doc["rows"] if r["reward_devices"]]
+    assert sorted(r["reward_devices"] for r in pooled) == [1, 2, 4]
+    assert all(r["strategy"] == "colocated" and r["rollout_devices"] == 16 - r["reward_devices"]
+               and r["groups_per_task"] == r["train_micro_batch_groups"] == 1 for r in pooled)
     assert row["step_s"] == row["step_time_s"] == pytest.approx(32 * 12 / row["images_per_s"])
     assert row["usd_per_hour"] == pytest.approx(16 * load_catalog().devices["H800"].usd_per_hour)
     assert row["usd_per_1000_images"] == pytest.approx(row["usd_per_hour"] / 3600 * 1000 / row["images_per_s"])
@@ -252,3 +258,124 @@ def test_an_uneven_fsdp_trainer_pool_holds_what_the_memory_planner_plans(catalog
     planned = sum(trainer.phases["train"][k] for k in ("weights", "gradients", "optimizer"))
     assert costs.state_bytes_per_rank(group) == pytest.approx(planned, rel=0.10)
     assert costs.memory_problems(cand.cluster) == [] and trainer.peak_gib <= trainer.device_gib
+
+
+# ---------------------------------------------------------------------------- reward pools
+
+
+def _judge_costs(catalog, system=None):
+    """veRL-Omni's published OCR recipe (Qwen-Image LoRA with a Qwen3-VL-8B judge)."""
+    from verl_digen.sim.calibrate import load_runs
+
+    run = next(r for r in load_runs() if r.name == "lora-4xH800")
+    return CostModel.from_catalog(catalog, run.model, devices=["H800"], system=system, **run.workload)
+
+
+def test_reward_pool_sizes_are_offered_for_a_reward_model_only(catalog):
+    from verl_digen.sim.planner import reward_pool_sizes
+
+    flux = _costs(catalog, "flux-12b")  # PickScore: a reward model
+    assert reward_pool_sizes(flux, Inventory({"H800": 32})) == [0, 1, 2, 4, 8]
+    assert reward_pool_sizes(flux, Inventory({"H800": 8})) == [0, 1, 2]
+    assert reward_pool_sizes(flux, Inventory({"H800": 16, "L40S": 16})) == [0]  # mixed: not modelled
+    no_model = _costs(catalog, "flux-12b", reward="pickscore-clip-h14")
+    import dataclasses
+
+    no_model = dataclasses.replace(no_model, reward=None)
+    assert reward_pool_sizes(no_model, Inventory({"H800": 32})) == [0]
+    with pytest.raises(ProfileError, match="needs a reward model with weights"):
+        search(no_model, Inventory({"H800": 8}), mechanisms=["disaggregated+gap"], reward_devices=[0, 2], steps=3)
+
+
+def test_a_judge_workload_gets_its_own_reward_pool_and_beats_verl_omni_with_its_pool(catalog):
+    """The judge decodes for a fitted ~70 s a step: given devices of its own it scores while the
+    trainers train. Both systems may place a reward pool: veRL-Omni beside its colocated actor
+    (its async-reward recipe), ours beside the rollout and trainer pools. The issue's target,
+    simulated: ours >= 1.5x veRL-Omni at 16 H800."""
+    inv = Inventory({"H800": 16})
+    ours = search(_judge_costs(catalog), inv, mechanisms=["disaggregated+gap+tcss"], micro_batches=(1, 2), steps=3, warmup=1)
+    for e in ours.evaluations:
+        spec, pools = e.candidate.spec, e.candidate.pools
+        assert spec.reward_workers in (0, 1, 2, 4)
+        assert pools.get("reward") is None if not spec.reward_workers else pools["reward"].size == spec.reward_workers
+        assert spec.rollout_workers + spec.trainer_workers + spec.reward_workers == 16
+    best = ours.best
+    no_pool = max((e for e in ours.evaluated if not e.candidate.spec.reward_workers), key=lambda e: e.images_per_s)
+    assert best.candidate.spec.reward_workers > 0 and best.images_per_s > no_pool.images_per_s
+    assert ours.rows()[0]["reward_devices"] == best.candidate.spec.reward_workers
+    omni = search(_judge_costs(catalog, "verl-omni"), inv, mechanisms=["colocated"], steps=3, warmup=1)
+    assert {e.candidate.spec.reward_workers for e in omni.evaluated} == {0, 1, 2, 4}
+    assert best.images_per_s >= 1.5 * omni.best.images_per_s
+
+
+def test_our_colocated_runs_get_no_reward_pool(catalog):
+    """Our runtime places a reward pool in disaggregated runs only (digen.pools is disaggregated)."""
+    result = search(_costs(catalog, "flux-12b", groups_per_step=16), Inventory({"H800": 8}),
+                    mechanisms=["colocated", "disaggregated+gap"], micro_batches=(1,), steps=3, warmup=1)
+    pooled = [e.candidate.spec for e in result.evaluations if e.candidate.spec.reward_workers]
+    assert pooled and all(s.placement == "disaggregated" for s in pooled)
+
+
+def test_a_reward_pool_device_must_hold_a_replica(catalog):
+    import dataclasses
+
+    from verl_digen.schedule.strategies import StrategySpec
+    from verl_digen.sim.cost_model import Cluster
+
+    costs = _costs(catalog, "flux-12b", groups_per_step=16, lora=True)
+    spec = StrategySpec("disaggregated", 4, 3, 16, 12, reward_workers=1, gap=True)
+    cluster = Cluster.for_spec(spec, "H800")
+    assert not [p for p in costs.memory_problems(cluster) if p.startswith("reward")]
+    huge = dataclasses.replace(costs, reward=dataclasses.replace(costs.reward, params=60e9))
+    (problem,) = [p for p in huge.memory_problems(cluster) if p.startswith("reward")]
+    assert "a replica of pickscore-clip-h14 per device holds 120 GB" in problem and "H800" in problem
+
+
+def test_reward_pool_overrides_run_our_pool_or_name_the_served_judge(catalog):
+    """A reward model the job loads gets digen.pools.reward; a served judge's devices are its
+    server's: the overrides count only the job's devices and the note says what to serve."""
+    from omegaconf import OmegaConf
+
+    from verl_digen.config.compose import compose_config
+    from verl_digen.config.schema import digen_config_from_dict
+    from verl_digen.config.verl_keys import VerlTrainerKeys
+    from verl_digen.placement.pools import cluster_from_trainer_keys, pool_layout
+    from verl_digen.sim.planner import reward_note
+
+    inv = Inventory({"H800": 16})
+    costs = _costs(catalog, "flux-12b", groups_per_step=32, lora=True)
+    result = search(costs, inv, mechanisms=["disaggregated+gap+tcss"], micro_batches=(1,), steps=3, warmup=1,
+                    reward_devices=[2])
+    cand = result.best.candidate
+    overrides = hydra_overrides(cand, costs, inv)
+    assert "digen.pools.reward.devices=2" in overrides and reward_note(cand, costs) is None
+    container = OmegaConf.to_container(compose_config(overrides), resolve=True)
+    digen = digen_config_from_dict(container["digen"])
+    layout = pool_layout(digen, cluster_from_trainer_keys(VerlTrainerKeys.of(container)))
+    assert (layout.spec.rollout_workers, layout.spec.trainer_workers, layout.spec.reward_workers) == (
+        cand.spec.rollout_workers, cand.spec.trainer_workers, 2)
+
+    judge = _judge_costs(catalog)
+    result = search(judge, inv, mechanisms=["disaggregated+gap+tcss"], micro_batches=(1,), steps=3, warmup=1,
+                    reward_devices=[4])
+    cand = result.best.candidate
+    overrides = hydra_overrides(cand, judge, inv)
+    assert not [o for o in overrides if o.startswith("digen.pools.reward")]
+    assert "trainer.n_gpus_per_node=8" in overrides and "trainer.nnodes=2" in overrides  # 12 job devices
+    note = reward_note(cand, judge)
+    assert note and "serve qwen3-vl-8b-ocr on 4 devices" in note and "12 devices" in note
+
+
+def test_cli_takes_a_reward_profile_and_names_bad_ones(tmp_path, capsys):
+    out = tmp_path / "judge.json"
+    assert main(["--model", "sd3.5-medium", "--devices", "8", "--groups-per-step", "16", "--lora", "--sim-steps", "3",
+                 "--mechanisms", "disaggregated+gap+tcss", "--micro-batches", "1", "--reward", "qwen3-vl-8b-ocr",
+                 "--reward-devices", "0,2", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "reward qwen3-vl-8b-ocr" in text
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["reward_devices"] for r in rows} == {0, 2} and all(r["reward"] == "qwen3-vl-8b-ocr" for r in rows)
+    assert main(["--model", "flux-12b", "--devices", "8", "--reward", "nope"]) == 2
+    assert "unknown reward profile 'nope'" in capsys.readouterr().err
+    assert main(["--model", "flux-12b", "--devices", "8", "--reward-devices", "two"]) == 2
+    assert "--reward-devices 'two'" in capsys.readouterr().err

@@ -190,10 +190,16 @@ class SystemProfile:
     # strategies with FSDP shard (digen.fsdp.enable), other trainers hold the whole state.
     always_sharded: bool = False
     task_overhead_s: float = 0.0  # the runtime's dispatch cost per task (driver -> worker -> driver)
+    # The placements in which this system can give the reward model devices of its own (a reward
+    # pool); "" for none.
+    reward_pools: str = "disaggregated"
     sources: Mapping[str, str] = field(default_factory=dict)
 
     def runs(self, placement: str) -> bool:
         return placement in {p.strip() for p in self.placements.split(",")}
+
+    def reward_pool_in(self, placement: str) -> bool:
+        return placement in {p.strip() for p in self.reward_pools.split(",") if p.strip()}
 
 
 @dataclass(frozen=True)
@@ -206,6 +212,9 @@ class RewardProfile:
     flops_per_image: float = 0.0  # 0: 2 x params x tokens_per_image
     decode_tail_s: float = 0.0  # sequential decoding until the longest answer of a call ends
     tp: int = 1  # devices one replica spans (its weights are split over them)
+    # Served over HTTP by its own inference server (a VLM judge behind vLLM), not loaded into the
+    # job's Ray workers: a reward pool for it is the server's devices.
+    served: bool = False
     sources: Mapping[str, str] = field(default_factory=dict)
 
     @property
@@ -1072,6 +1081,12 @@ class CostModel:
 
     # ------------------------------------------------------------------ memory
 
+    def reward_replica_bytes(self) -> float:
+        """A whole replica's bf16 weights: a reward pool device holds one (the pool's replicas are
+        one device each; a tensor-parallel replica over k devices has the same throughput as k of
+        them, so the model charges the pool alike either way)."""
+        return 2.0 * self.reward.params if self.reward is not None else 0.0
+
     def reward_weight_bytes(self) -> float:
         return 2.0 * self.reward.params / max(1, self.reward.tp) if self.reward is not None else 0.0
 
@@ -1101,6 +1116,11 @@ class CostModel:
                         f"{', training state' if pool == 'fused' else ''}{', reward model' if self.reward_weight_bytes() else ''})"
                         f", more than {cap / GB:.0f} GB on {dev.name}"
                     )
+            if pool == "reward" and self.reward_replica_bytes() > cap:
+                problems.append(
+                    f"reward: a replica of {self.reward.name} per device holds {self.reward_replica_bytes() / GB:.0f} GB "
+                    f"of weights, more than {cap / GB:.0f} GB on {dev.name}"
+                )
             if pool == "trainer" and trainers_generate and self.param_bytes + self.state_bytes_per_rank(group) > cap:
                 problems.append(
                     f"trainer: generating (TAG) needs the full {self.param_bytes / GB:.0f} GB of weights next to "

@@ -2,7 +2,8 @@
 
 The planner enumerates configurations (colocated; every disaggregated pool split, placed on
 the nodes as the runtime places it: pools may fill part of a node and share it; micro-batch
-sizes; GAP and TCSS on or off), drops the ones that do
+sizes; GAP and TCSS on or off; a reward pool of its own for a reward model with weights, where
+the system places one), drops the ones that do
 not fit in device memory, simulates each with the cost model (the same plans the Ray
 executor would run) and ranks them by images/s. It prints the ranked table, the zero-bubble
 bound and the cost per 1,000 images next to every row, and the hydra overrides that run the
@@ -11,14 +12,15 @@ best configuration::
     python -m verl_digen.sim.planner --model flux-12b --devices 32 --device-type H800
     python -m verl_digen.sim.planner --model wan2.1-14b --mix H800:16,A100:16 --json plan.json
     python -m verl_digen.sim.planner --model flux-12b --devices 16 --system verl-omni   # veRL-Omni's colocated run
+    python -m verl_digen.sim.planner --model qwen-image-20b --devices 32 --reward qwen3-vl-8b-ocr  # a VLM judge
     python -m verl_digen.sim.planner --list            # the model, device, system and reward profiles it knows
 
 ``--system`` predicts another system (a profile in ``profiles/systems.yaml``) on the same
 workload and cluster: ``verl-omni`` is veRL-Omni's colocated FlowGRPO as calibrated on its
 published runs (``python -m verl_digen.sim.calibrate``). Each JSON row has ``step_s`` (seconds per
-training step) and ``usd_per_1000_images`` (the devices' ``usd_per_hour``). A per-role
-``peak_memory_gib`` is not reported yet: it needs the memory planner of the real-scale work
-(docs/design.md sec. 8), which does not exist; the planner only drops configurations that do not fit.
+training step) and ``usd_per_1000_images`` (the devices' ``usd_per_hour``). The planner's memory filter is
+the cost model's coarse one; the per-GPU peak of a printed configuration is the memory
+planner's (``python -m verl_digen.memory`` on the overrides).
 """
 
 from __future__ import annotations
@@ -127,10 +129,12 @@ class Evaluation:
         row: dict[str, Any] = {
             "strategy": spec.name,
             "system": costs.system.name if costs is not None else None,
-            "rollout_devices": spec.rollout_workers if disagg else spec.devices,
-            "trainer_devices": spec.trainer_workers if disagg else spec.devices,
+            "rollout_devices": spec.rollout_workers,  # colocated: the fused workers
+            "trainer_devices": spec.trainer_workers if disagg else spec.rollout_workers,
             "rollout_device_type": pools["rollout" if disagg else "fused"].device,
             "trainer_device_type": pools["trainer" if disagg else "fused"].device,
+            "reward_devices": spec.reward_workers,
+            "reward": costs.reward.name if costs is not None and costs.reward is not None else None,
             "groups_per_task": spec.groups_per_task,
             "train_micro_batch_groups": spec.train_micro_batch_groups,
             "images_per_s": r.images_per_s if r else None,
@@ -235,16 +239,56 @@ def candidates(
     num_steps: int = 8,
     whole_step: bool = False,
     hsdp_shard: int = 0,
+    reward_devices: Iterable[int] = (0,),
+    reward_placements: Iterable[str] = ("disaggregated",),
 ) -> list[Candidate]:
     """Every configuration the planner evaluates. ``whole_step``: a system whose engine takes a
     worker's whole share of the step at once (one generate and one train task per worker).
     One device type: every rollout/trainer split ``r + (n - r)``, placed as the runtime places
     it (pools may fill part of a node and share it); ``hsdp_shard`` (the system's): splits whose
-    training pool breaks an HSDP shard group across nodes are not offered."""
+    training pool breaks an HSDP shard group across nodes are not offered.
+
+    ``reward_devices``: reward pool sizes to try (0: the reward runs where the samples were
+    generated); a pool of ``k`` devices is taken out of the cluster before the split, in the
+    placements of ``reward_placements`` only (the system's). A cluster of two device types gets
+    no reward pool (not modelled)."""
+    out: list[Candidate] = []
+    placements = set(reward_placements)
+    for k in dict.fromkeys(reward_devices):
+        if k < 0 or k >= inventory.total - 1:
+            raise ProfileError(f"a reward pool of {k} devices leaves too few of {inventory.total} to generate and train")
+        if k and len(inventory.devices) > 1:
+            continue
+        labels = [m for m in mechanisms if not k or MECHANISMS.get(m, {}).get("placement") in placements]
+        for c in _candidates_without_reward(
+            inventory, groups_per_step=groups_per_step, group_size=group_size, mechanisms=labels,
+            micro_batches=micro_batches, splits=splits, num_steps=num_steps, whole_step=whole_step,
+            hsdp_shard=hsdp_shard, reward=k,
+        ):
+            out.append(c)
+    return out
+
+
+def _candidates_without_reward(
+    inventory: Inventory,
+    *,
+    groups_per_step: int,
+    group_size: int,
+    mechanisms: Iterable[str],
+    micro_batches: Iterable[int],
+    splits: Iterable[int] | None,
+    num_steps: int,
+    whole_step: bool,
+    hsdp_shard: int,
+    reward: int,
+) -> list[Candidate]:
+    """:func:`candidates` for one reward pool size ``reward`` (devices taken out of the
+    inventory's one device type; 0: none)."""
     micro = _divisors(groups_per_step, micro_batches)
     types = sorted(inventory.devices, key=lambda t: -inventory.devices[t])
     if len(types) > 2:
         raise ProfileError(f"--mix supports at most two device types, got {', '.join(types)}")
+    extra_pool = {"reward": reward} if reward else {}
     out: list[Candidate] = []
     for label in mechanisms:
         switches = MECHANISMS.get(label)
@@ -254,14 +298,18 @@ def candidates(
         if switches["placement"] == "colocated":
             # a mixed colocated pool is not modelled: FSDP across device types runs at the slowest
             t, n = (types[0], inventory.devices[types[0]]) if len(types) == 1 else (types[-1], inventory.total)
-            layouts.append(placed({"fused": n}, min(n, inventory.per_node), math.ceil(n / inventory.per_node), t))
+            layouts.append(placed({"fused": n - reward, **extra_pool}, min(n, inventory.per_node),
+                                  math.ceil(n / inventory.per_node), t))
         elif len(types) == 1:
             t = types[0]
             n = inventory.devices[t]
-            for r in splits if splits is not None else range(1, n):
-                if not 0 < r < n:
+            for r in splits if splits is not None else range(1, n - reward):
+                if not 0 < r < n - reward:
+                    if splits is not None and reward and 0 < r < n:
+                        continue  # an explicit split that the reward pool leaves no room for
                     raise ProfileError(f"a split of {n} devices needs 1..{n - 1} rollout devices, got {r}")
-                layouts.append(placed({"rollout": r, "trainer": n - r}, min(n, inventory.per_node), inventory.nodes_of(t), t))
+                layouts.append(placed({"rollout": r, "trainer": n - reward - r, **extra_pool}, min(n, inventory.per_node),
+                                      inventory.nodes_of(t), t))
         else:
             # each pool on the nodes of its own device type: the first type's nodes, then the second's
             before = {types[0]: 0, types[1]: inventory.nodes_of(types[0])}
@@ -276,9 +324,15 @@ def candidates(
         layouts = [p for p in layouts if shard_groups_stay_in_nodes(p["fused" if "fused" in p else "trainer"], hsdp_shard)]
         for pools in layouts:
             sizes = micro
-            if whole_step:
+            if whole_step and reward:
+                # a reward pool streams finished samples to the reward: unit generate tasks
+                # (veRL-Omni's async-reward mode; sim/calibrate.py run_plan)
+                sizes = [1]
+            elif whole_step:
                 n = pools["fused" if "fused" in pools else "rollout"].size
                 if groups_per_step % n:
+                    if reward:
+                        continue
                     raise ProfileError(f"{groups_per_step} groups per step do not divide over {n} workers, which a "
                                        f"whole-step system needs (change --groups-per-step)")
                 sizes = [groups_per_step // n]
@@ -296,13 +350,13 @@ def candidates(
                             continue  # the runtime refuses it: every fused worker must generate alike
                         spec = StrategySpec(
                             "colocated", pools["fused"].size, pools["fused"].size, groups_per_step, group_size,
-                            groups_per_task=gpt, train_micro_batch_groups=mb, fsdp=fsdp,
+                            groups_per_task=gpt, train_micro_batch_groups=mb, fsdp=fsdp, reward_workers=reward,
                         )
                         out.append(Candidate(spec, pools))
                         continue
                     common = dict(
                         groups_per_task=gpt, train_micro_batch_groups=mb, gap=switches.get("gap", False),
-                        max_staleness=switches.get("max_staleness", 0),
+                        max_staleness=switches.get("max_staleness", 0), reward_workers=reward,
                     )
                     if "tag" in switches:
                         common["tag"] = True
@@ -324,6 +378,20 @@ def candidates(
     return out
 
 
+def reward_pool_sizes(costs: CostModel, inventory: Inventory) -> list[int]:
+    """The reward pool sizes the planner tries by default: none, and for a reward model with
+    weights 1, 2, 4, ... devices up to a quarter of the cluster. A reward without a model (a
+    rule, e.g. JPEG size) gets no pool. A cluster of two device types gets none (not modelled)."""
+    r = costs.reward
+    if r is None or not r.params or len(inventory.devices) > 1:
+        return [0]
+    sizes, k = [0], 1
+    while k <= inventory.total // 4:
+        sizes.append(k)
+        k *= 2
+    return sizes
+
+
 def evaluate(candidate: Candidate, costs: CostModel, *, steps: int = 5, warmup: int = 2) -> Evaluation:
     cluster = candidate.cluster
     costs = costs.for_spec(candidate.spec)  # the strategy's transformer calls and sharding
@@ -341,8 +409,15 @@ def search(
     micro_batches: Iterable[int] = (1, 2),
     steps: int = 5,
     warmup: int = 2,
+    reward_devices: Iterable[int] | None = None,
 ) -> Search:
+    """Evaluate every candidate; ``reward_devices``: the reward pool sizes to try (None:
+    :func:`reward_pool_sizes`), in the placements where the system places a reward pool."""
     w = costs.workload
+    sizes = list(reward_devices) if reward_devices is not None else reward_pool_sizes(costs, inventory)
+    if any(sizes) and (costs.reward is None or not costs.reward.params):
+        raise ProfileError(f"a reward pool needs a reward model with weights; the workload's reward is "
+                           f"{costs.reward.name if costs.reward else 'none'} (pick one with --reward)")
     runnable = [m for m in mechanisms if m not in MECHANISMS or costs.system.runs(MECHANISMS[m]["placement"])]
     if costs.system.always_sharded:  # its engine shards every run; our lockstep-FSDP plans are not its
         runnable = [m for m in runnable if not MECHANISMS.get(m, {}).get("fsdp")]
@@ -352,7 +427,8 @@ def search(
     cands = candidates(
         inventory, groups_per_step=w.groups_per_step, group_size=w.group_size, mechanisms=runnable,
         micro_batches=micro_batches, num_steps=w.num_steps, whole_step=costs.system.whole_step_tasks,
-        hsdp_shard=costs.system.hsdp_shard,
+        hsdp_shard=costs.system.hsdp_shard, reward_devices=sizes,
+        reward_placements=[p for p in ("colocated", "disaggregated") if costs.system.reward_pool_in(p)],
     )
     return Search([evaluate(c, costs, steps=steps, warmup=warmup) for c in cands], costs, inventory)
 
@@ -363,9 +439,12 @@ def search(
 def hydra_overrides(candidate: Candidate, costs: CostModel, inventory: Inventory) -> list[str]:
     """The ``python -m verl_digen.main`` overrides that run ``candidate``."""
     spec, w = candidate.spec, costs.workload
-    nnodes = math.ceil(inventory.total / inventory.per_node)
+    # a served reward (a judge behind its own inference server) keeps its devices outside the job
+    served = spec.reward_workers if costs.reward is not None and costs.reward.served else 0
+    total = inventory.total - served
+    nnodes = math.ceil(total / inventory.per_node)
     out = [
-        f"trainer.n_gpus_per_node={min(inventory.per_node, inventory.total)}",
+        f"trainer.n_gpus_per_node={min(inventory.per_node, total)}",
         f"trainer.nnodes={nnodes}",
         f"digen.placement={spec.placement}",
     ]
@@ -377,6 +456,8 @@ def hydra_overrides(candidate: Candidate, costs: CostModel, inventory: Inventory
             out += [f"digen.pools.{pool}.devices={p.size}", f"digen.pools.{pool}.nodes=null"]
             if mixed:
                 out.append(f"digen.pools.{pool}.accelerator_type={p.device}")
+        if spec.reward_workers and not served:
+            out += [f"digen.pools.reward.devices={spec.reward_workers}", "digen.pools.reward.nodes=null"]
     out += [
         f"digen.batch.groups_per_step={spec.groups_per_step}",
         f"digen.batch.group_size={spec.group_size}",
@@ -400,8 +481,17 @@ def hydra_overrides(candidate: Candidate, costs: CostModel, inventory: Inventory
     return out
 
 
+def reward_note(candidate: Candidate, costs: CostModel) -> str | None:
+    """What the hydra overrides cannot say: a served reward's pool is its server's devices."""
+    r, k = costs.reward, candidate.spec.reward_workers
+    if not k or r is None or not r.served:
+        return None
+    return (f"serve {r.name} on {k} devices of its own ({k} replica(s) of one device each) and point the job's reward at that server (digen.reward.kwargs.base_url); the overrides count "
+            f"only the job's {candidate.spec.devices - k} devices")
+
+
 def format_table(rows: list[dict[str, Any]], top: int | None = None) -> str:
-    head = (f"{'#':>3} {'strategy':<24} {'rollout':>8} {'trainer':>8} {'g/task':>6} {'g/mb':>5} {'img/s':>9} {'step s':>8} "
+    head = (f"{'#':>3} {'strategy':<28} {'rollout':>8} {'trainer':>8} {'reward':>6} {'g/task':>6} {'g/mb':>5} {'img/s':>9} {'step s':>8} "
             f"{'bubble':>7} {'bound':>9} {'%bound':>7} {'vs coloc':>8} {'$/1k img':>9}")
     lines = [head, "-" * len(head)]
     for i, r in enumerate(rows[:top] if top else rows, 1):
@@ -413,7 +503,7 @@ def format_table(rows: list[dict[str, Any]], top: int | None = None) -> str:
         speed = f"{r['speedup_vs_colocated']:.2f}x" if r["speedup_vs_colocated"] else "-"
         usd = f"{r['usd_per_1000_images']:.2f}" if r.get("usd_per_1000_images") else "-"
         lines.append(
-            f"{i:>3} {r['strategy']:<24} {ro:>8} {tr:>8} {r['groups_per_task']:>6} {r['train_micro_batch_groups']:>5} "
+            f"{i:>3} {r['strategy']:<28} {ro:>8} {tr:>8} {r.get('reward_devices') or '-':>6} {r['groups_per_task']:>6} {r['train_micro_batch_groups']:>5} "
             f"{r['images_per_s']:>9.3f} {r['step_s']:>8.1f} {r['bubble_fraction']:>7.3f} {r['bound_images_per_s']:>9.3f} "
             f"{100 * r['fraction_of_bound']:>6.1f}% {speed:>8} {usd:>9}"
         )
@@ -428,6 +518,13 @@ def parse_mix(text: str) -> dict[str, int]:
             raise ProfileError(f"--mix {text!r}: expected TYPE:COUNT[,TYPE:COUNT], e.g. H800:16,A100:16")
         out[name.strip()] = out.get(name.strip(), 0) + int(count)
     return out
+
+
+def parse_sizes(text: str, flag: str) -> list[int]:
+    parts = [x.strip() for x in text.split(",") if x.strip()]
+    if not parts or not all(x.isdigit() for x in parts):
+        raise ProfileError(f"{flag} {text!r}: expected a comma list of device counts, e.g. 0,4,8")
+    return [int(x) for x in parts]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -448,6 +545,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="denoising steps per sample")
     p.add_argument("--sde-window", type=int, default=None, help="trained (SDE) steps per trajectory; 0 = all")
     p.add_argument("--lora", action=argparse.BooleanOptionalAction, default=None, help="LoRA instead of full fine-tuning")
+    p.add_argument("--reward", default=None, help="reward profile (see --list; default: the model profile's)")
+    p.add_argument("--reward-devices", default=None,
+                   help="comma list of reward pool sizes to try, 0 = no pool (default: 0 and whole replicas "
+                        "doubling up to a quarter of the devices, for a reward model with weights)")
     p.add_argument("--mechanisms", default=",".join(MECHANISMS),
                    help=f"comma list of: {', '.join(MECHANISMS)}")
     p.add_argument("--micro-batches", default="1,2", help="groups per generate call / per train micro-batch to try")
@@ -480,11 +581,12 @@ def main(argv: list[str] | None = None) -> int:
         costs = CostModel.from_catalog(
             catalog, args.model, devices=list(inventory.devices), system=args.system, groups_per_step=args.groups_per_step,
             group_size=args.group_size, height=args.height, width=args.width, frames=args.frames,
-            num_steps=args.steps, sde_window=args.sde_window, lora=args.lora,
+            num_steps=args.steps, sde_window=args.sde_window, lora=args.lora, reward=args.reward,
         )
         result = search(
             costs, inventory, mechanisms=[m.strip() for m in args.mechanisms.split(",") if m.strip()],
             micro_batches=[int(x) for x in args.micro_batches.split(",")], steps=args.sim_steps,
+            reward_devices=parse_sizes(args.reward_devices, "--reward-devices") if args.reward_devices else None,
         )
         best = result.best
     except ProfileError as e:
@@ -496,13 +598,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.model} on {' + '.join(f'{n} x {t}' for t, n in inventory.devices.items())}, system {costs.system.name}: "
         f"{d['sequence_tokens']} tokens/sample, {d['forward_tflops_per_sample']:.1f} TFLOP/forward, "
         f"{costs.workload.images_per_step} images/step ({costs.workload.groups_per_step} groups of {costs.workload.group_size}), "
-        f"{'LoRA' if costs.workload.lora else 'full fine-tuning'}"
+        f"{'LoRA' if costs.workload.lora else 'full fine-tuning'}, reward {costs.reward.name if costs.reward else 'without a model'}"
     )
     print(f"evaluated {len(result.evaluated)} configurations ({len(result.evaluations) - len(result.evaluated)} do not fit in memory)")
     print(format_table(rows, args.top))
     print(f"\nbest: {best.candidate.label}, {best.images_per_s:.3f} images/s "
           f"({100 * best.result.fraction_of_bound:.1f}% of the zero-bubble bound)")
     print("hydra overrides:\n  " + " \\\n  ".join(hydra_overrides(best.candidate, costs, inventory)))
+    note = reward_note(best.candidate, costs)
+    if note:
+        print(f"reward: {note}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "inventory": inventory.devices, "rows": rows,
