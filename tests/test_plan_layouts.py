@@ -136,6 +136,8 @@ def reference_plan(spec: StrategySpec, start: int, costs: StepCosts | None) -> l
             held[w] = step + 1
 
     def lookahead_groups(step: int) -> list[int]:
+        if not spec.tag:  # the one-step-off pipeline: the whole next step on the previous weights
+            return group_ids(step, spec.groups_per_step)
         n_tasks = spec.groups_per_step // spec.groups_per_task
         gen_task = costs.generate_per_group * spec.groups_per_task
         gen_total = costs.generate_per_group * spec.groups_per_step / spec.rollout_workers
@@ -159,7 +161,7 @@ def reference_plan(spec: StrategySpec, start: int, costs: StepCosts | None) -> l
                 ahead[step + 1] = lookahead_groups(step + 1)
                 generate(step + 1, ahead[step + 1], False, ())
             rollouts = tuple(f"rollout{r}" for r in range(spec.rollout_workers))
-            rows.append((f"sync:{step + 1}", "sync", ("trainer0", *rollouts), step, (f"opt:{step}",), (), step + 1, 0,
+            rows.append((f"sync:{step + 1}", "sync", rollouts, step, (f"opt:{step}",), (), step + 1, 0,
                          None, True, None, None, None))
             for w in rollouts:
                 held[w] = step + 1

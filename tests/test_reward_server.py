@@ -6,6 +6,7 @@ has a timeout.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import http.client
 import io
@@ -110,12 +111,59 @@ def test_round_trip_with_http_reward_equals_local_brightness(server: RewardServe
 
 def test_health(server: RewardServer) -> None:
     status, data, _ = raw_request(server, "GET", "/health")
-    assert (status, data) == (200, {"status": "ok", "reward": "brightness"})
+    assert (status, data) == (200, {"status": "ok", "reward": "brightness", "latency_s": 0.0})
 
 
 def test_health_needs_no_token(token_server: RewardServer) -> None:
     status, data, _ = raw_request(token_server, "GET", "/health")
-    assert (status, data) == (200, {"status": "ok", "reward": "brightness"})
+    assert (status, data) == (200, {"status": "ok", "reward": "brightness", "latency_s": 0.0})
+
+
+def test_latency_s_holds_every_answer_and_overlaps_concurrent_requests() -> None:
+    """--latency-s: a stand-in for a remote judge on its own GPU (benchmarks). Each answer comes
+    no sooner than the latency after the request; three concurrent requests are all held at
+    once (the server counts them), as a judge serving them together would; bad values refused."""
+    import threading
+    import time
+
+    with RewardServer("brightness", latency_s=0.6) as srv:
+        assert raw_request(srv, "GET", "/health")[1]["latency_s"] == 0.6
+        body, images = score_body(2)
+        t0 = time.monotonic()
+        status, data = post_json(srv, body)
+        assert status == 200 and time.monotonic() - t0 >= 0.6
+        torch.testing.assert_close(torch.tensor(data["rewards"]), images.mean(dim=(1, 2, 3)))
+        held, peak, lock = [0], [0], threading.Lock()
+        real_sleep = asyncio.sleep
+
+        async def counting_sleep(seconds: float, *args: Any) -> None:
+            if seconds != 0.6:  # asyncio is shared: only the server's hold is counted
+                return await real_sleep(seconds, *args)
+            with lock:
+                held[0] += 1
+                peak[0] = max(peak[0], held[0])
+            try:
+                await real_sleep(seconds)
+            finally:
+                with lock:
+                    held[0] -= 1
+
+        import verl_digen.rewards.serve as serve_module
+
+        original = serve_module.asyncio.sleep
+        serve_module.asyncio.sleep = counting_sleep
+        try:
+            threads = [threading.Thread(target=post_json, args=(srv, body)) for _ in range(3)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(TIMEOUT)
+        finally:
+            serve_module.asyncio.sleep = original
+        assert peak[0] == 3
+    for bad in (-1.0, float("inf"), True):
+        with pytest.raises(ValueError, match="latency_s must be a finite number >= 0"):
+            RewardServer("brightness", latency_s=bad)
 
 
 def test_empty_batch(server: RewardServer) -> None:
@@ -369,7 +417,7 @@ def test_cli_serves_and_terminates_cleanly(cli_server: tuple[subprocess.Popen, s
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
-    assert (status, data) == (200, {"status": "ok", "reward": "brightness"})
+    assert (status, data) == (200, {"status": "ok", "reward": "brightness", "latency_s": 0.0})
 
     images = quantised_rand(3, 3, 8, 8, seed=5)
     scores = HttpReward(url + "/score", token=TOKEN, timeout_s=TIMEOUT)(images, ["a", "b", "c"])

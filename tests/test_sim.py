@@ -329,16 +329,33 @@ def test_gap_plan_streams_groups_into_training_by_hand():
     assert t["train:1:1"] == (18.75, 20.75) and t["opt:1"] == (20.75, 21.25)
 
 
-def test_tcss_plan_generates_ahead_during_the_drain_by_hand():
-    # look-ahead k = floor(drain / gen) = floor((0 + 2 + 0.5 + 0.25) / 3) -> at least 1 task
-    # gen2 (version 0) runs [8, 11] while the trainer drains; sync waits for rollout: [12, 12.25]
-    # gen3 (version 1) [12.25, 15.25]; train1:0 (group 2) [12.25, 14.25]; train1:1 [16.25, 18.25]
+def test_tcss_is_a_one_step_off_pipeline_by_hand():
+    # rollout: step 0 gen0 [0,3] r0 [3,4] gen1 [4,7] r1 [7,8], then the whole of step 1 on
+    # version 0 at once: gen2 [8,11] r2 [11,12] gen3 [12,15] r3 [15,16]; only then sync(1):
+    # [16, 16.25] (it waits for the rollout worker, opt0 ended at 10.5)
+    # trainer: train0:0 [4,6] train0:1 [8,10] opt0 [10,10.5]; it does not wait for the sync:
+    # train1:0 as soon as r2 ends [12,14], train1:1 [16,18], opt1 [18,18.5]
+    # (on-policy GAP: opt1 ends at 21.25; the drain-only look-ahead at 18.75)
     t = _run(StrategySpec("disaggregated", 1, 1, groups_per_step=2, group_size=2, gap=True, max_staleness=1), 2)
-    assert t["gen:2"] == (8.0, 11.0)
-    assert t["sync:1"] == (12.0, 12.25)
-    assert t["gen:3"] == (12.25, 15.25)
-    assert t["train:1:0"] == (12.25, 14.25) and t["train:1:1"] == (16.25, 18.25)
-    assert t["opt:1"] == (18.25, 18.75)  # 2.5 s earlier than on-policy GAP
+    assert t["gen:2"] == (8.0, 11.0) and t["gen:3"] == (12.0, 15.0)
+    assert t["sync:1"] == (16.0, 16.25)
+    assert t["train:1:0"] == (12.0, 14.0) and t["train:1:1"] == (16.0, 18.0)
+    assert t["opt:1"] == (18.0, 18.5)
+
+
+def test_the_sync_occupies_only_the_rollout_workers():
+    spec = StrategySpec("disaggregated", 2, 2, groups_per_step=4, group_size=2, gap=True, max_staleness=1)
+    planner = StepPlanner(spec)
+    for s in range(3):
+        planner.plan_step(s, PLAN_COSTS, has_next=s + 1 < 3)
+    syncs = planner.plan.of_kind(TaskKind.SYNC)
+    assert len(syncs) == 3 and all({w.pool for w in t.workers} == {"rollout"} and len(t.workers) == 2 for t in syncs)
+    # one-step-off: every generate task of step s+1 uses version s and is planned before sync(s+1)
+    order = {t.id: i for i, t in enumerate(planner.plan.tasks)}
+    for t in planner.plan.of_kind(TaskKind.GENERATE):
+        assert t.version == max(t.step - 1, 0)
+        assert order[t.id] < order[TaskId.sync(t.step + 1)]
+    planner.plan.check(complete_steps=range(3))
 
 
 def test_colocated_worker_pays_the_switch_on_each_mode_change_by_hand():

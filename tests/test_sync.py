@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -254,6 +255,80 @@ def test_mixin_loads_a_streamed_sync_bucket_by_bucket() -> None:
     largest = max(t.numel() * t.element_size() for t in trainable_state(src, lora_only=False).values())
     assert len(held) > 1 and max(held) <= max(bucket_bytes, largest) and sum(held) == sent
     assert state_digest(trainable_state(dst, lora_only=False)) == state_digest(trainable_state(src, lora_only=False))
+
+
+def test_a_background_send_waits_for_late_receivers_and_returns_at_once() -> None:
+    """The sender's optimizer step hands the new version to a side thread and goes on: the
+    thread waits on the host until every receiver has reached its receive (here: one receiver
+    arrives 1.5 s late, as a rollout worker finishing a step's generation does), then sends.
+    Two versions in a row arrive in order and bitwise; a send that no receiver joins fails on
+    its timeout, and the sender's next join raises that, naming the version."""
+    from verl_digen.sync.transport import WeightSyncMixin
+
+    port = find_free_port()
+    src = make_full_denoiser(7)
+    dsts = [make_full_denoiser(8), make_full_denoiser(9)]
+    snapshots = {v: {k: t.clone() + v for k, t in trainable_state(src, lora_only=False).items()} for v in (1, 2)}
+
+    class Endpoint(WeightSyncMixin):
+        sync_lora_only, policy_version = False, 0
+
+        def __init__(self, module):
+            self.sync_module = module
+
+    sender = Endpoint(src)
+    late_arrived = threading.Event()
+    arrived_before_return: list[bool] = []
+
+    def endpoint(rank: int):
+        if rank == 0:
+            sender._weight_channel = WeightChannel("gloo", 0, 3, "127.0.0.1", port, timeout_s=30)
+            for v in (1, 2):
+                sender.sync_send_in_background(snapshots[v], v, timeout_s=30)
+                arrived_before_return.append(late_arrived.is_set())
+            return sender.sync_join(30)
+        receiver = Endpoint(dsts[rank - 1])
+        receiver._weight_channel = WeightChannel("gloo", rank, 3, "127.0.0.1", port, timeout_s=30)
+        try:
+            got = []
+            for v in (1, 2):
+                if rank == 2:
+                    time.sleep(1.5)  # still generating with the old version
+                    late_arrived.set()
+                got.append((receiver.sync_recv()["version"], state_digest(trainable_state(receiver.sync_module, lora_only=False))))
+            return got
+        finally:
+            receiver.sync_close()
+
+    try:
+        last, got1, got2 = _run_ranks(3, endpoint)
+    finally:
+        sender.sync_close()
+    want = [(v, state_digest(snapshots[v])) for v in (1, 2)]
+    assert got1 == want and got2 == want and last["version"] == 2
+    # the first call returned before the late receiver arrived (a blocking send could not have:
+    # it needs that receiver); the second joined the first, which needed it
+    assert arrived_before_return == [False, True]
+
+    # no receiver comes: the send times out on the host, and the next join says so
+    port = find_free_port()
+    lonely = Endpoint(src)
+
+    def pair(rank: int):
+        if rank == 0:
+            lonely._weight_channel = WeightChannel("gloo", 0, 2, "127.0.0.1", port, timeout_s=30)
+            lonely.sync_send_in_background(snapshots[1], 1, timeout_s=1.0)
+            with pytest.raises(RuntimeError, match=r"digen-weight-sync-v1 failed on the sender: TimeoutError.*transfer 0"):
+                lonely.sync_join(30)
+            return None
+        ch = WeightChannel("gloo", 1, 2, "127.0.0.1", port, timeout_s=30)  # joins the channel, never receives
+        time.sleep(2.0)
+        ch.close()
+
+    try:
+        _run_ranks(2, pair)
+    finally:
+        lonely.sync_close()
 
 
 def test_channel_role_errors() -> None:

@@ -125,7 +125,7 @@ def protocol_mismatches(cls: type) -> list[str]:
 
 def test_the_protocol_names_the_controllers_calls():
     assert _task_methods() == sorted([
-        "init_model", "generate", "compute_reward", "train_micro_batch", "optimizer_step", "sync_send", "sync_recv",
+        "init_model", "generate", "compute_reward", "train_micro_batch", "optimizer_step", "sync_join", "sync_recv",
         "profile_step_costs", "weights_digest", "get_policy_version", "ping",
     ])
 
@@ -173,7 +173,7 @@ def test_the_emulated_worker_answers_each_request_with_its_result():
     assert isinstance(trained, TrainResult) and trained.staleness_max == 0.0
     stepped = w.optimizer_step()
     assert stepped == OptimizerResult(metrics=stepped.metrics, policy_version=1)
-    assert isinstance(w.sync_send(1), SyncResult)
+    assert w.sync_join(5.0) is None  # nothing in flight: the receivers carry the transfer
 
 
 def test_a_generate_request_of_another_weights_version_is_refused():

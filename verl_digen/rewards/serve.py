@@ -803,7 +803,13 @@ class RewardServer:
         max_unauthenticated_connections: int = DEFAULT_MAX_UNAUTHENTICATED_CONNECTIONS,
         decode_threads: int = DEFAULT_DECODE_THREADS,
         allow_pickle: bool = True,
+        latency_s: float = 0.0,
     ) -> None:
+        if isinstance(latency_s, bool) or not isinstance(latency_s, (int, float)) or not 0 <= latency_s < float("inf"):
+            raise ValueError(f"latency_s must be a finite number >= 0, got {latency_s!r}")
+        # A stand-in for a remote judge on its own GPU (benchmarks only): every answer is held
+        # this long after scoring, concurrent requests overlapping as a judge's would.
+        self.latency_s = float(latency_s)
         if isinstance(reward, str):
             reward = build_reward(reward, **(reward_kwargs or {}))
         elif reward_kwargs:
@@ -893,7 +899,7 @@ class RewardServer:
         method = request.method
         if path == HEALTH_PATH:
             if method in ("GET", "HEAD"):
-                return JSONResponse({"status": "ok", "reward": self.reward_name})
+                return JSONResponse({"status": "ok", "reward": self.reward_name, "latency_s": self.latency_s})
             raise RequestError(405, f"method {method} not allowed on {path}; use GET", headers={"Allow": "GET"})
         if path not in SCORE_PATHS:
             raise RequestError(404, f"unknown path {path!r}; POST to / or /score, GET /health")
@@ -931,6 +937,8 @@ class RewardServer:
                 pixels.release(parsed.pixels)
         finally:
             bodies.release(held)
+        if self.latency_s:
+            await asyncio.sleep(self.latency_s)
         if protocol == "pickle":
             # "outputs": what Flow-GRPO's UnifiedReward and DeQA clients read
             return Response(safe_dumps({"scores": scores, "rewards": scores, "outputs": scores}),
@@ -1159,6 +1167,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--decode-threads", type=int, default=DEFAULT_DECODE_THREADS,
                         help=f"threads that parse, decode and score (default {DEFAULT_DECODE_THREADS})")
     parser.add_argument("--no-pickle", action="store_true", help="refuse the pickle protocol")
+    parser.add_argument("--latency-s", type=float, default=0.0,
+                        help="hold every answer this many seconds after scoring (concurrent requests overlap): a "
+                             "stand-in for a remote judge on its own GPU, for benchmarks (default 0)")
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     args = parser.parse_args(argv)
     try:
@@ -1214,6 +1225,7 @@ def main(argv: list[str] | None = None) -> int:
             max_unauthenticated_connections=args.max_unauthenticated_connections,
             decode_threads=args.decode_threads,
             allow_pickle=not args.no_pickle,
+            latency_s=args.latency_s,
         )
     except (ValueError, TypeError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -228,20 +228,30 @@ class AfterStep(Protocol):
 
 @dataclass(frozen=True)
 class Lookahead:
-    """TCSS: the first groups of the next step, on the previous weights, during the drain."""
+    """TCSS: the next step's groups on the previous weights while the trainers train this one.
+
+    ``whole_step`` (the one-step-off pipeline): every group of step k+1 is generated with
+    version k while the trainers train step k; version k+1 reaches the rollout workers after
+    that (the sync waits only for them, :class:`WeightSync`). Otherwise (TAG on: the trainers
+    generate part of each step, so those groups must be left to them) as many tasks per rollout
+    worker as fit in the predicted drain."""
 
     groups_per_step: int
     groups_per_task: int
     rollout_workers: int
     trainer_workers: int
     train_micro_batch_groups: int
+    whole_step: bool = True
 
     def after_step(self, plan: StepBuilder, step: int, costs: StepCosts, has_next: bool) -> None:
         if has_next:
             plan.generate_ahead(step + 1, self.groups(step + 1, costs))
 
     def groups(self, next_step: int, costs: StepCosts) -> list[int]:
-        """As many tasks per rollout worker as fit in the predicted drain (at least one)."""
+        """The whole next step, or as many tasks per rollout worker as fit in the predicted
+        drain (at least one)."""
+        if self.whole_step:
+            return group_ids(next_step, self.groups_per_step)
         n_tasks = self.groups_per_step // self.groups_per_task
         per_worker = math.ceil(n_tasks / self.rollout_workers)
         gen_task = costs.generate_per_group * self.groups_per_task
@@ -255,13 +265,16 @@ class Lookahead:
 
 @dataclass(frozen=True)
 class WeightSync:
-    """Disaggregated: trainer 0 pushes the new weights to every rollout worker, after every
-    step (the last too: rollout ends holding the final weights)."""
+    """Disaggregated: the new weights reach every rollout worker after every step (the last
+    too: rollout ends holding the final weights). The task occupies the receivers only: trainer
+    0 sends from the copy it took at the optimizer step, on a side thread, once every receiver
+    has reached the sync (``workers/worker.py: DiffusionWorker.optimizer_step``), so the trainers
+    go on training while the rollout workers finish what they generate with the old version."""
 
     rollout_workers: int
 
     def after_step(self, plan: StepBuilder, step: int, costs: StepCosts, has_next: bool) -> None:
         version = step + 1
-        workers = (WorkerId("trainer", 0), *[WorkerId("rollout", r) for r in range(self.rollout_workers)])
+        workers = tuple(WorkerId("rollout", r) for r in range(self.rollout_workers))
         plan.add(Task(id=TaskId.sync(version), kind=TaskKind.SYNC, workers=workers, step=step,
                       deps=(TaskId.optimizer_step(step),), version=version))

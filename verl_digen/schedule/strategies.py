@@ -4,8 +4,9 @@
   step all-reduces over all of them and weights change in place (no sync).
 - disaggregated: rollout, trainer and optional reward pools. Without GAP the trainers wait
   for the whole batch; with GAP (``gap``) each micro-batch trains as soon as its groups are
-  rewarded. With ``max_staleness=1`` (TCSS) rollout starts the next step's first groups on
-  the previous weights while the trainers drain, then receives the new weights.
+  rewarded. With ``max_staleness=1`` (TCSS) rollout generates the whole next step on the
+  previous weights while the trainers train this one (with TAG: the first groups, during the
+  drain), then receives the new weights; the sync never stops the trainers.
 
 :class:`StepPlanner` appends one step at a time to a growing :class:`Plan`, so the
 controller can re-plan with measured costs while the executor is running. It composes one
@@ -303,8 +304,9 @@ def _after_step_of(spec: StrategySpec) -> tuple[AfterStep, ...]:
         return ()
     lookahead: tuple[AfterStep, ...] = ()
     if spec.max_staleness >= 1:
+        # the whole next step (one-step-off), unless TAG's trainers generate part of each step
         lookahead = (Lookahead(spec.groups_per_step, spec.groups_per_task, spec.rollout_workers,
-                               spec.trainer_workers, spec.train_micro_batch_groups),)
+                               spec.trainer_workers, spec.train_micro_batch_groups, whole_step=not spec.tag),)
     return (*lookahead, WeightSync(spec.rollout_workers))
 
 

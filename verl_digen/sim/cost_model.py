@@ -894,6 +894,14 @@ class CostModel:
             return 0.0
         return self.sync_bytes * (k - 1) / k / self.collective_bw(dev, group.shard_nodes)
 
+    def snapshot_seconds(self, dev: DeviceProfile, cluster: Cluster) -> float:
+        """Disaggregated: after the optimizer step trainer 0 copies the weights it will send to
+        the host (the sync sends from that copy on a side thread; the optimizer step is a gang,
+        so every rank waits for it). Under FSDP the copy is the state stream's, charged there."""
+        if "rollout" not in cluster.pools or self.train_group(cluster).shard > 1:
+            return 0.0
+        return self.sync_bytes / (dev.host_link_gbps * GB)
+
     def sync_seconds(self, cluster: Cluster) -> float:
         tp = cluster.placement("trainer")
         dev = self.device(tp.device)
@@ -1020,7 +1028,7 @@ class CostModel:
             share = math.ceil(images / len(task.workers))
             t = self.train_seconds(share, dev, self.train_group(cluster), self.trained_steps_of(task), pool=worker.pool)
         elif task.kind == TaskKind.OPTIMIZER_STEP:
-            t = self.optimizer_seconds(dev, self.train_group(cluster))
+            t = self.optimizer_seconds(dev, self.train_group(cluster)) + self.snapshot_seconds(dev, cluster)
         elif task.kind == TaskKind.SYNC:
             t = self.sync_seconds(cluster)
         else:  # pragma: no cover - TaskKind is closed

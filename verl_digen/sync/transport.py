@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import json
 import socket
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
@@ -49,6 +50,7 @@ Backend = Literal["gloo", "nccl"]
 
 _PROTOCOL = "digen-weight-sync/1"
 _STORE_PREFIX = "digen_weight_sync"
+_READY_PREFIX = "digen_weight_sync_ready"
 DEFAULT_BUCKET_BYTES = 1 << 30
 
 
@@ -192,6 +194,10 @@ class WeightChannel:
         )
         prefixed = dist.PrefixStore(_STORE_PREFIX, self._store)
         self._pg: Any = self._make_process_group(prefixed)
+        # Receivers say when they have reached a transfer (a key per receiver and transfer), so
+        # a sender may wait on the host, not in a device collective (send(wait_for_receivers)).
+        self._ready = dist.PrefixStore(_READY_PREFIX, self._store)
+        self._transfers = 0  # transfers begun on this endpoint: the sender's and receivers' counts agree
 
     # -- construction ------------------------------------------------------------------
 
@@ -253,9 +259,23 @@ class WeightChannel:
 
     # -- public API ----------------------------------------------------------------------
 
+    def _await_receivers(self, transfer: int, timeout: timedelta) -> None:
+        """Block on the host until every receiver has reached transfer ``transfer``."""
+        keys = [f"{transfer}/{r}" for r in range(1, self.world_size)]
+        try:
+            self._ready.wait(keys, timeout)
+        except Exception as e:  # the store raises its own error type on a timeout
+            raise TimeoutError(
+                f"weight sync: the rollout workers did not reach transfer {transfer} within "
+                f"{timeout.total_seconds():.0f} s ({type(e).__name__}: {e})"
+            ) from e
+        for k in keys:
+            self._ready.delete_key(k)
+
     @torch.no_grad()
     def send(
-        self, state: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int
+        self, state: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int,
+        *, wait_for_receivers: float | None = None,
     ) -> SyncStats:
         """Broadcast ``state`` tagged with ``version`` to every receiver (rank 0 only).
 
@@ -263,11 +283,18 @@ class WeightChannel:
         gathers sharded weights one at a time); it is sent bucket by bucket. The sender's
         tensors must be ready on the current stream. If this raises halfway, receivers fail on
         their timeout and the channel must be closed and reopened.
+
+        ``wait_for_receivers``: seconds to wait on the host until every receiver has entered its
+        receive before the first collective (a sender on a side thread, which must not hold a
+        device collective open while the receivers still generate); None: go at once.
         """
         if self.rank != 0:
             raise RuntimeError(f"only rank 0 sends; this endpoint is rank {self.rank}")
         if isinstance(version, bool) or not isinstance(version, int):
             raise TypeError(f"version must be an int, got {type(version).__name__}")
+        transfer, self._transfers = self._transfers, self._transfers + 1
+        if wait_for_receivers is not None:
+            self._await_receivers(transfer, timedelta(seconds=wait_for_receivers))
         start = time.perf_counter()
         nbytes = num_tensors = 0
         buckets = iter_buckets(state, self.bucket_bytes)
@@ -298,6 +325,8 @@ class WeightChannel:
         tensor twice. ``sync_each``: wait for each bucket's broadcast before yielding it."""
         if self.rank == 0:
             raise RuntimeError("rank 0 is the sender; it cannot recv")
+        transfer, self._transfers = self._transfers, self._transfers + 1
+        self._ready.set(f"{transfer}/{self.rank}", "1")
         version: int | None = None
         seen: set[str] = set()
         while True:
@@ -363,6 +392,7 @@ class WeightChannel:
                 pass
         # Dropping the store on rank 0 stops its server; gloo's pairs close with the group object.
         self._store = None
+        self._ready = None
         if self._listen_sock is not None:
             self._listen_sock.close()
             self._listen_sock = None
@@ -399,6 +429,8 @@ class WeightSyncMixin:
     sync_lora_only: bool
     policy_version: int
     _weight_channel: WeightChannel | None = None
+    _send_thread: threading.Thread | None = None
+    _send_outcome: dict[str, Any] | BaseException | None = None
 
     def sync_master_endpoint(self) -> tuple[str, int]:
         """``(node ip, free port)`` on this worker's node; call it on the sender."""
@@ -439,6 +471,46 @@ class WeightSyncMixin:
         self.policy_version = version
         return stats.as_dict()
 
+    def sync_send_in_background(self, state: Mapping[str, torch.Tensor], version: int, timeout_s: float) -> None:
+        """Send ``state`` as ``version`` from a side thread and return at once: the thread waits
+        (on the host) until every receiver has called :meth:`sync_recv`, then broadcasts, on a
+        CUDA stream of its own for NCCL, so the caller's work on its streams goes on meanwhile.
+        ``state`` must be a copy the caller no longer changes (the trained weights move on).
+        The previous send is joined first (:meth:`sync_join`): transfers stay in order."""
+        self.sync_join(timeout_s)
+        channel = self._require_sync_channel()
+
+        def send() -> None:
+            try:
+                if channel.device.type == "cuda":
+                    with torch.cuda.device(channel.device), torch.cuda.stream(torch.cuda.Stream(channel.device)):
+                        stats = channel.send(state, version, wait_for_receivers=timeout_s)
+                else:
+                    stats = channel.send(state, version, wait_for_receivers=timeout_s)
+                self._send_outcome = stats.as_dict()
+            except BaseException as e:  # noqa: BLE001 - handed to the next sync_join, which raises it
+                self._send_outcome = e
+
+        self._send_outcome = None
+        self._send_thread = threading.Thread(target=send, name=f"digen-weight-sync-v{version}", daemon=True)
+        self._send_thread.start()
+
+    def sync_join(self, timeout_s: float | None = None) -> dict[str, Any] | None:
+        """Wait for the send in flight (:meth:`sync_send_in_background`), if any; its stats, or
+        None when there was none. Raises what the send raised, naming the version."""
+        thread, self._send_thread = self._send_thread, None
+        if thread is None:
+            return None
+        thread.join(timeout_s)
+        if thread.is_alive():
+            self._send_thread = thread
+            raise TimeoutError(f"weight sync: {thread.name} still sending after {timeout_s} s")
+        outcome, self._send_outcome = self._send_outcome, None
+        if isinstance(outcome, BaseException):
+            raise RuntimeError(f"weight sync: {thread.name} failed on the sender: "
+                               f"{type(outcome).__name__}: {outcome}") from outcome
+        return outcome
+
     def sync_recv(self) -> dict[str, Any]:
         """Receive one sync and load it into ``sync_module`` bucket by bucket (each bucket is
         copied into the module and dropped before the next arrives), then adopt its version.
@@ -460,6 +532,11 @@ class WeightSyncMixin:
                          num_tensors=len(received)).as_dict()
 
     def sync_close(self) -> None:
+        if self._send_thread is not None:
+            # a send still waiting for receivers that will not come (the run is stopping) ends
+            # when the channel closes under it; one that is broadcasting gets a moment to finish
+            self._send_thread.join(5.0)
+            self._send_thread, self._send_outcome = None, None
         if self._weight_channel is not None:
             self._weight_channel.close()
             self._weight_channel = None

@@ -147,11 +147,10 @@ class RayPlanExecutor(PlanRunner):
         return [self.actors[w].optimizer_step.remote() for w in task.workers]
 
     def sync(self, task: Task) -> list[ray.ObjectRef]:
-        """Push the trained weights (LoRA-only when LoRA is on) to the rollout workers."""
-        sender, *receivers = task.workers
-        return [self.actors[sender].sync_send.remote(task.version)] + [
-            self.actors[w].sync_recv.remote() for w in receivers
-        ]
+        """The rollout workers receive the trained weights (LoRA-only when LoRA is on): trainer
+        0 has been sending them since its optimizer step, from a side thread that waits for
+        every receiver (``DiffusionWorker.optimizer_step``)."""
+        return [self.actors[w].sync_recv.remote() for w in task.workers]
 
     def _launch(self, task: Task) -> None:
         refs = getattr(self, _PHASE[task.kind])(task)

@@ -508,9 +508,11 @@ def open_weight_channel(spec: Any, actors: dict[WorkerId, Any], cfg: DigenConfig
     receivers = [actors[WorkerId("rollout", r)] for r in range(spec.rollout_workers)]
     addr, port = ray.get(sender.sync_master_endpoint.remote(), timeout=60)
     world = len(receivers) + 1
+    # a collective may wait as long as a task may run (the receivers join a send after
+    # generating what they were generating, up to a whole step with TCSS)
     ray.get(
-        [sender.sync_open.remote(0, world, addr, port, backend)]
-        + [w.sync_open.remote(i + 1, world, addr, port, backend) for i, w in enumerate(receivers)],
+        [sender.sync_open.remote(0, world, addr, port, backend, cfg.task_timeout_s)]
+        + [w.sync_open.remote(i + 1, world, addr, port, backend, cfg.task_timeout_s) for i, w in enumerate(receivers)],
         timeout=cfg.task_timeout_s,
     )
     digests = ray.get([sender.weights_digest.remote(), receivers[0].weights_digest.remote()], timeout=60)
@@ -525,6 +527,8 @@ def finish_weights(spec: Any, actors: dict[WorkerId, Any], cfg: DigenConfig, out
     extra: dict[str, Any] = {}
     source = actors[spec.trainers[0]]
     if spec.placement == "disaggregated":
+        # the last send has ended (its receivers have the weights); raise what it raised, if anything
+        ray.get(source.sync_join.remote(cfg.task_timeout_s), timeout=cfg.task_timeout_s + 60)
         digests = ray.get(
             [source.weights_digest.remote()] + [actors[w].weights_digest.remote() for w in spec.generators], timeout=120
         )

@@ -2,7 +2,7 @@
 
 Each :class:`EmulatedWorker` is a Ray actor with the task methods of
 :class:`~verl_digen.workers.worker.DiffusionWorker` (:class:`~verl_digen.workers.messages.WorkerTasks`:
-``generate``, ``compute_reward``, ``train_micro_batch``, ``optimizer_step``, ``sync_send``,
+``generate``, ``compute_reward``, ``train_micro_batch``, ``optimizer_step``, ``sync_join``,
 ``sync_recv``, plus the set-up calls the training loop makes), taking the same requests. A call
 sleeps for the cost model's duration of the task, times ``time_scale``, and returns the same
 typed results with the smallest data the executor and the loop consume: reward vectors, zero
@@ -214,10 +214,10 @@ class EmulatedWorker:
         nbytes = int(getattr(self.costs, "sync_bytes", 0))
         return SyncResult(version=version, nbytes=nbytes, seconds=seconds * self.time_scale, num_tensors=0)
 
-    def sync_send(self, version: int) -> SyncResult:
-        seconds = self._work(TaskKind.SYNC, version=version)
-        self.policy_version = version
-        return self._sync_stats(version, seconds)
+    def sync_join(self, timeout_s: float | None = None) -> None:
+        """The real sender's background send has nothing to wait for here: the receivers'
+        sync task carries the transfer's seconds, as in the plan."""
+        return None
 
     def sync_recv(self) -> SyncResult:
         seconds = self._work(TaskKind.SYNC)

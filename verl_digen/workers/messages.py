@@ -136,11 +136,12 @@ class WorkerTasks(Protocol):
         ...
 
     def optimizer_step(self) -> OptimizerResult:
-        """Step on the accumulated gradients: the next weights version."""
+        """Step on the accumulated gradients: the next weights version (the weight-sync sender,
+        trainer 0 of a disaggregated run, starts sending it in the background)."""
         ...
 
-    def sync_send(self, version: int) -> SyncResult:
-        """Send the trained weights as ``version``."""
+    def sync_join(self, timeout_s: float | None = None) -> Any:
+        """Wait for the background send of the last version (the sender; others: nothing)."""
         ...
 
     def sync_recv(self) -> SyncResult:

@@ -428,7 +428,19 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         metrics = self.updater.optimizer_step(None if self.fsdp else self._pg)
         self.policy_version += 1
         self._refresh_sync_cache()
+        if self._weight_channel is not None and self._weight_channel.rank == 0:
+            # The weight-sync sender (trainer 0 of a disaggregated run): send the new version
+            # from a copy on a side thread; the plan's sync task is the receivers' part, and
+            # this trainer goes on training meanwhile (schedule/mechanisms.py: WeightSync).
+            self.sync_send_in_background(self._sync_snapshot(), self.policy_version, self.cfg.task_timeout_s)
         return OptimizerResult(metrics=metrics, policy_version=self.policy_version)
+
+    def _sync_snapshot(self) -> dict[str, torch.Tensor]:
+        """The weights to send, as a copy training will not change: FSDP's host copy of this
+        version (made for every version by ``_refresh_sync_cache``), else a host copy now."""
+        if self.fsdp:
+            return self._full_state()
+        return {k: v.detach().to("cpu", copy=True) for k, v in self._full_state().items()}
 
     # ------------------------------------------------------------------ inspection
 
@@ -464,6 +476,8 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         return trainable_state(self.adapter.transformer, lora_only=self.cfg.model.lora.enable)
 
     def sync_send(self, version: int) -> SyncResult:
+        """Send now, blocking (tools and tests; a run's optimizer step sends in the background)."""
+        self.sync_join(self.cfg.task_timeout_s)
         stats = self._require_sync_channel().send(self._full_state(), version)
         self.policy_version = version
         return SyncResult(**stats.as_dict())
