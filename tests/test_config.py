@@ -159,3 +159,9 @@ def test_pools_of_any_size_the_cluster_holds_validate():
     assert two.pools.rollout.world_size == 10
     with pytest.raises(ConfigError, match=r"digen.pools.trainer.nodes=0; must be >= 1, or unset"):
         digen_config_from_dict({**container["digen"], "pools": {"trainer": {"devices": 4, "nodes": 0}}})
+
+
+def test_a_reward_pool_with_colocated_placement_is_refused_not_ignored():
+    with pytest.raises(ConfigError, match=r"digen.pools.reward.devices=2; a reward pool needs digen.placement=disaggregated"):
+        digen_config_from_dict({"placement": "colocated", "pools": {"reward": {"devices": 2}}}).validate()
+    digen_config_from_dict({"placement": "disaggregated", "pools": {"reward": {"devices": 2}}}).validate()

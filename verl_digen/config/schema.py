@@ -580,6 +580,10 @@ class DigenConfig:
                       f"{self.pools.trainer.world_size} FSDP trainer ranks")
         if self.placement == "disaggregated":
             self.pools.validate("digen.pools")
+        elif self.pools.reward.devices:
+            # the pools are the disaggregated placement's; a colocated run would not place it
+            _fail("digen.pools.reward.devices", self.pools.reward.devices,
+                  "a reward pool needs digen.placement=disaggregated (colocated workers score what they generate)")
         if self.algo.std_mode == "global" and self.gap.enable:
             _fail("digen.algo.std_mode", "global", "GAP streams groups before the batch is complete; use group or none")
         _positive("digen.task_timeout_s", self.task_timeout_s)
