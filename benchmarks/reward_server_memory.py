@@ -77,11 +77,11 @@ def free_port() -> int:
 
 
 def start_server(
-    args: list[str], *, token: str | None = None, timeout_s: float = 60.0
+    args: list[str], *, token: str | None = None, timeout_s: float = 60.0, port: int | None = None
 ) -> tuple[subprocess.Popen, str, Any]:
-    """Start the CLI server on a free loopback port; returns (process, base URL, its log file)
-    once ``/health`` answers. Stop it with :func:`stop_server`."""
-    port = free_port()
+    """Start the CLI server on a loopback port (``port``, else a free one); returns (process,
+    base URL, its log file) once ``/health`` answers. Stop it with :func:`stop_server`."""
+    port = port or free_port()
     env = {**os.environ, "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
     env.pop("VERL_DIGEN_REWARD_TOKEN", None)
     if token:

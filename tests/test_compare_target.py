@@ -87,6 +87,31 @@ def test_bad_arguments_are_named(tmp_path, capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
+def test_reward_devices_give_the_disaggregated_modes_a_reward_pool_beside_the_colocated_devices():
+    """compare --reward-devices K: the disaggregated modes run on the colocated run's devices
+    split into rollout and trainer pools, plus K reward workers (their config's pool layout)."""
+    from omegaconf import OmegaConf
+
+    from verl_digen.compare import _pool_split, mode_overrides, reward_pool_overrides
+    from verl_digen.config.compose import compose_config
+    from verl_digen.config.schema import digen_config_from_dict
+    from verl_digen.config.verl_keys import VerlTrainerKeys
+    from verl_digen.placement.pools import cluster_from_trainer_keys, pool_layout
+
+    split, r, t = _pool_split([], 2)
+    extra = split + reward_pool_overrides(3, 2, 1)
+    container = OmegaConf.to_container(
+        compose_config(["trainer.n_gpus_per_node=2", *mode_overrides("+tcss", r, t), *extra], config_name="digits"),
+        resolve=True)
+    digen = digen_config_from_dict(container["digen"])
+    layout = pool_layout(digen, cluster_from_trainer_keys(VerlTrainerKeys.of(container)))
+    assert (layout.spec.rollout_workers, layout.spec.trainer_workers, layout.spec.reward_workers) == (1, 1, 3)
+    assert layout.worker_counts == {"rollout": 1, "trainer": 1, "reward": 3}
+    assert reward_pool_overrides(0, 2, 1) == []
+    with pytest.raises(SystemExit, match="one node"):
+        reward_pool_overrides(2, 16, 2)
+
+
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_compare_on_digits_reports_time_to_target(shared_ray, toy_digits, tmp_path, capsys):

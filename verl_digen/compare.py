@@ -190,6 +190,16 @@ def _pool_split(overrides: list[str], devices: int, base=None) -> tuple[list[str
     return [f"digen.pools.rollout.devices={rollout}", f"digen.pools.trainer.devices={trainer}"], rollout, trainer
 
 
+def reward_pool_overrides(reward_devices: int, devices: int, nnodes: int) -> list[str]:
+    """A reward pool of ``reward_devices`` workers for the disaggregated modes, on top of the
+    ``devices`` the colocated mode runs on (one node: its device count grows by as many)."""
+    if not reward_devices:
+        return []
+    if reward_devices < 0 or nnodes != 1:
+        raise SystemExit(f"--reward-devices {reward_devices}: needs a count >= 0 and one node (trainer.nnodes={nnodes})")
+    return [f"digen.pools.reward.devices={reward_devices}", f"trainer.n_gpus_per_node={devices + reward_devices}"]
+
+
 def run_modes(
     out: str,
     overrides: list[str],
@@ -200,11 +210,17 @@ def run_modes(
     target_reward: float | None = None,
     target_window: int = 10,
     resume: bool = False,
+    reward_devices: int = 0,
 ) -> list[Row]:
     """Run every mode (see the module docstring). Each finished mode writes its row to
     ``<run dir>/compare_row.json``; with ``resume``, a mode whose row was written by a run of the
     same config, overrides and ``target_window`` is read back instead of run again (a compare that
-    was stopped part-way continues where it stopped; the reused rows keep their own timings)."""
+    was stopped part-way continues where it stopped; the reused rows keep their own timings).
+
+    ``reward_devices``: the disaggregated modes also get a reward pool of that many workers, on
+    top of the devices colocated runs on (``trainer.n_gpus_per_node`` grows by as many; one node
+    only): they score while rollout generates, which pays when the reward is a remote judge that
+    takes time (the colocated workers score what they generate, and wait for it)."""
     from verl_digen.config.compose import CONFIG_DIR, CONFIG_NAME
     from verl_digen.config.compose import compose_config as _compose
     from verl_digen.trainer.loop import run_training
@@ -218,6 +234,7 @@ def run_modes(
     base = compose_config(overrides)
     devices = int(base.trainer.n_gpus_per_node) * int(base.trainer.nnodes)
     split, n_roll, n_train = _pool_split(overrides, devices, base)
+    split = split + reward_pool_overrides(reward_devices, devices, int(base.trainer.nnodes))
     for mode in modes:
         mode_ovr = mode_overrides(mode, n_roll, n_train)
         if mode_ovr is None:
@@ -397,6 +414,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="add time-to-target columns: seconds and images until the reward first reaches this")
     parser.add_argument("--target-window", type=int, default=10,
                         help="steps in the moving average of the training reward (default 10)")
+    parser.add_argument("--reward-devices", type=int, default=0,
+                        help="give the disaggregated modes a reward pool of this many workers besides the colocated "
+                             "run's devices (a remote reward that takes time; one node)")
     parser.add_argument("--resume", action="store_true",
                         help="reuse the modes a stopped compare with the same arguments already finished in --out")
     args, overrides = parser.parse_known_args(argv)
@@ -413,7 +433,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         rows = run_modes(args.out, overrides, modes, config_name=args.config_name, config_dir=args.config_dir,
-                         target_reward=args.target_reward, target_window=args.target_window, resume=args.resume)
+                         target_reward=args.target_reward, target_window=args.target_window, resume=args.resume,
+                         reward_devices=args.reward_devices)
     except (ConfigError, FileNotFoundError) as e:
         print(f"[verl-digen] error: {e}", file=sys.stderr)
         return 2
