@@ -133,6 +133,7 @@ class _Redirector(JsonHandler):
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers["Content-Length"]))
+        self.state["hits"] = self.state.get("hits", 0) + 1
         self.send_response(self.state["status"])
         self.send_header("Location", self.state["to"])
         self.send_header("Content-Length", "0")
@@ -142,12 +143,13 @@ class _Redirector(JsonHandler):
 @pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
 def test_client_never_follows_redirects_nor_leaks_the_token(status: int) -> None:
     thief = Seen()
-    with serve(_Recorder, thief) as thief_url, serve(_Redirector, {"status": status, "to": thief_url + "/steal"}) as url:
+    state: dict = {"status": status}
+    with serve(_Recorder, thief) as thief_url, serve(_Redirector, state) as url:
+        state["to"] = thief_url + "/steal"
         reward = HttpReward(url + "/score", token="s3cret", max_retries=3, backoff_s=0.01, timeout_s=TIMEOUT)
-        start = time.monotonic()
         with pytest.raises(RewardServerError, match=rf"answered HTTP {status} redirecting to .*/steal.*not followed"):
             reward(quantised_rand(1, 3, 4, 4), ["a"])
-        assert time.monotonic() - start < 2.0  # not retried
+        assert state.get("hits") == 1  # asked once: a redirect is not retried
     assert thief.requests == 0 and thief.auth == []  # the redirect target never heard from us
 
 
@@ -218,7 +220,7 @@ def test_client_deadline_is_total_not_per_read() -> None:
         with pytest.raises(RewardServerError, match=r"unreachable after 2 attempts: timed out.*timeout_s=1 s"):
             reward(quantised_rand(1, 3, 4, 4), ["a"])
         elapsed = time.monotonic() - start
-    assert elapsed < 5.0, elapsed  # 2 x 1 s (+ slack on a loaded machine), never 30 s
+    assert elapsed < 20.0, elapsed  # 2 x 1 s (+ slack on a loaded machine), never 30 s
 
 
 class _EvilPickle(JsonHandler):
@@ -387,7 +389,7 @@ def test_server_global_decode_budget_makes_concurrent_requests_wait_then_503() -
 
 
 def test_server_slow_client_does_not_block_another_and_is_cut_at_the_deadline() -> None:
-    with RewardServer("brightness", port=0, read_timeout_s=3.0, decode_threads=1) as srv:
+    with RewardServer("brightness", port=0, read_timeout_s=6.0, decode_threads=1) as srv:
         host, port = srv.url.removeprefix("http://").rsplit(":", 1)
         body = _score_body()
         with socket.create_connection((host, int(port)), timeout=TIMEOUT) as slow:
@@ -397,10 +399,10 @@ def test_server_slow_client_does_not_block_another_and_is_cut_at_the_deadline() 
             images = quantised_rand(2, 3, 8, 8)
             torch.testing.assert_close(HttpReward(srv.url, timeout_s=TIMEOUT)(images, ["a", "b"]),
                                        images.mean(dim=(1, 2, 3)))
-            assert time.monotonic() - start < 2.5  # long before the slow request's 3 s deadline
+            assert time.monotonic() - start < 5.0  # before the slow request's 6 s deadline
             response = http.client.HTTPResponse(slow)
             status = None
-            for byte in body[10:40]:
+            for byte in body[10:60]:
                 try:
                     slow.sendall(bytes([byte]))
                 except OSError:
@@ -412,8 +414,8 @@ def test_server_slow_client_does_not_block_another_and_is_cut_at_the_deadline() 
             response.begin()
             status, data = response.status, json.loads(response.read())
             held = time.monotonic() - start
-        assert status == 408 and "did not arrive within 3 s" in data["error"]
-        assert held < 6.0  # a total deadline, although every byte came within 0.3 s (30 bytes: 9 s)
+        assert status == 408 and "did not arrive within 6 s" in data["error"]
+        assert held < 12.0  # a total deadline, although every byte came within 0.3 s (50 bytes: 15 s)
 
 
 def test_server_dripping_head_is_cut_at_the_deadline() -> None:
