@@ -260,12 +260,11 @@ def candidates(
         if k and len(inventory.devices) > 1:
             continue
         labels = [m for m in mechanisms if not k or MECHANISMS.get(m, {}).get("placement") in placements]
-        for c in _candidates_without_reward(
+        out.extend(_candidates_without_reward(
             inventory, groups_per_step=groups_per_step, group_size=group_size, mechanisms=labels,
             micro_batches=micro_batches, splits=splits, num_steps=num_steps, whole_step=whole_step,
             hsdp_shard=hsdp_shard, reward=k,
-        ):
-            out.append(c)
+        ))
     return out
 
 
@@ -331,8 +330,6 @@ def _candidates_without_reward(
             elif whole_step:
                 n = pools["fused" if "fused" in pools else "rollout"].size
                 if groups_per_step % n:
-                    if reward:
-                        continue
                     raise ProfileError(f"{groups_per_step} groups per step do not divide over {n} workers, which a "
                                        f"whole-step system needs (change --groups-per-step)")
                 sizes = [groups_per_step // n]
@@ -486,8 +483,9 @@ def reward_note(candidate: Candidate, costs: CostModel) -> str | None:
     r, k = costs.reward, candidate.spec.reward_workers
     if not k or r is None or not r.served:
         return None
-    return (f"serve {r.name} on {k} devices of its own ({k} replica(s) of one device each) and point the job's reward at that server (digen.reward.kwargs.base_url); the overrides count "
-            f"only the job's {candidate.spec.devices - k} devices")
+    return (f"serve {r.name} on {k} devices of its own ({k} replica(s) of one device each) and point the job's "
+            f"reward at that server (digen.reward.kwargs.base_url); the overrides count only the job's "
+            f"{candidate.spec.devices - k} devices")
 
 
 def format_table(rows: list[dict[str, Any]], top: int | None = None) -> str:
@@ -547,8 +545,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora", action=argparse.BooleanOptionalAction, default=None, help="LoRA instead of full fine-tuning")
     p.add_argument("--reward", default=None, help="reward profile (see --list; default: the model profile's)")
     p.add_argument("--reward-devices", default=None,
-                   help="comma list of reward pool sizes to try, 0 = no pool (default: 0 and whole replicas "
-                        "doubling up to a quarter of the devices, for a reward model with weights)")
+                   help="comma list of reward pool sizes to try, 0 = no pool (default: 0 and 1, 2, 4, ... "
+                        "devices up to a quarter of the cluster, for a reward model with weights)")
     p.add_argument("--mechanisms", default=",".join(MECHANISMS),
                    help=f"comma list of: {', '.join(MECHANISMS)}")
     p.add_argument("--micro-batches", default="1,2", help="groups per generate call / per train micro-batch to try")

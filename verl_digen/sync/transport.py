@@ -465,7 +465,9 @@ class WeightSyncMixin:
         return self._weight_channel
 
     def sync_send(self, version: int) -> dict[str, Any]:
-        """Broadcast this worker's trainable state as ``version``; also records it as ours."""
+        """Broadcast this worker's trainable state as ``version``; also records it as ours.
+        A background send still in flight ends first (transfers stay in order)."""
+        self.sync_join()
         state = trainable_state(self.sync_module, lora_only=self.sync_lora_only)
         stats = self._require_sync_channel().send(state, version)
         self.policy_version = version
