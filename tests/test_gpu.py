@@ -44,14 +44,37 @@ def test_colocated_run_on_one_gpu(tmp_path, tiny_flux):
     assert len(result.metrics) == 2 and result.metrics[-1]["images_per_s"] > 0
 
 
+@needs_cuda
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full_kl"])
+def test_one_gpu_fsdp_colocated_run(tmp_path, tiny_flux, lora):
+    """One sharded rank on NCCL (a process group of one, bound to its GPU), bf16, the prompt cache
+    warmed on the GPU; the full fine-tune with a KL reference builds the reference next to the
+    sharded policy (issue 24 items 1, 3 and 8)."""
+    from verl_digen.config.compose import compose_config
+    from verl_digen.trainer.loop import run_training
+
+    overrides = ["trainer.n_gpus_per_node=1", "trainer.total_training_steps=2", "digen.model.dtype=bf16",
+                 "digen.fsdp.enable=true", "digen.prompt_cache.enable=true", f"digen.prompt_cache.dir={tmp_path}/pc",
+                 "digen.progress_bar=false", f"digen.output_dir={tmp_path}/run"]
+    if not lora:
+        overrides += ["digen.model.lora.enable=false", "digen.algo.kl_beta=0.01"]
+    result = run_training(compose_config(overrides))
+    assert len(result.metrics) == 2
+    for row in result.metrics:
+        assert row["images_per_s"] > 0 and all(v == v for v in row.values() if isinstance(v, float))  # no NaN
+
+
 @needs_two
 def test_disaggregated_run_with_nccl_sync_and_fsdp(tmp_path, tiny_flux):
+    """Two GPUs: a sharded trainer pool (FSDP2 on NCCL) sends each version to the rollout worker
+    over NCCL; the weights agree at the end."""
     from verl_digen.config.compose import compose_config
     from verl_digen.trainer.loop import run_training
 
     cfg = compose_config([
         "trainer.n_gpus_per_node=2", "trainer.total_training_steps=2", "digen.placement=disaggregated",
-        "digen.gap.enable=true", "digen.model.dtype=bf16", "digen.progress_bar=false", f"digen.output_dir={tmp_path}/run",
+        "digen.gap.enable=true", "digen.model.dtype=bf16", "digen.fsdp.enable=true", "digen.progress_bar=false",
+        f"digen.output_dir={tmp_path}/run",
     ])
     result = run_training(cfg)
     assert result.extra["weights_in_sync"] is True

@@ -90,3 +90,53 @@ def test_rollout_working_set_of_real_flux_matches_the_trace():
     measured = torch.cuda.max_memory_allocated() - base
     print(f"FLUX 512x512, 8 rows, no grad: measured {measured / 2**30:.2f} GiB, planned {predicted / 2**30:.2f} GiB")
     assert 0.7 * measured <= predicted <= 1.5 * measured
+
+
+@pytest.mark.parametrize("preset", ["flux_colocated", "wan_colocated", "hunyuan_video_colocated"])
+def test_vae_decode_of_one_call_at_real_size_matches_the_plan(preset):
+    """The planner's decode term (``_vae_decode_bytes``: one VAE call of the preset's decode chunk,
+    video tiled as the workers tile it) against ``max_memory_allocated`` of the real-size VAE
+    (random weights, the shipped config) decoding that call on the GPU, as ``decode_groups`` does:
+    no grad, ``vae_decode_chunk`` samples, ``enable_tiling()`` for video."""
+    import os
+
+    from omegaconf import OmegaConf
+
+    from verl_digen.config.compose import compose_config
+    from verl_digen.config.schema import digen_config_from_dict
+    from verl_digen.memory.plan import _vae_decode_bytes, job_shape
+    from verl_digen.memory.trace import latent_layout
+    from verl_digen.models.registry import ADAPTERS
+    from verl_digen.models.real_configs import instantiate
+    from verl_digen.memory.plan import trace_shape
+
+    configs = os.path.join(os.path.dirname(__file__), "..", "configs")
+    cfg = compose_config([], config_name=preset, config_dir=configs)
+    dcfg = digen_config_from_dict(OmegaConf.to_container(cfg.digen, resolve=True))
+    job = job_shape(dcfg, devices_per_node=cfg.trainer.n_gpus_per_node, nnodes=1)
+    samples = job.groups_per_task * job.group_size
+    chunk = samples if job.vae_decode_chunk <= 0 else min(job.vae_decode_chunk, samples)
+    planned = _vae_decode_bytes(job, samples)
+    dtype = torch.float32 if "vae" in ADAPTERS[job.family].fp32_components else torch.bfloat16
+    with torch.device("cuda"):
+        vae = instantiate(job.family, "vae").to(dtype).eval().requires_grad_(False)
+    if job.num_frames > 1:
+        vae.enable_tiling()
+    lay = latent_layout(trace_shape(job))
+    shape = (chunk, lay["channels"], lay["h"], lay["w"]) if job.num_frames == 1 else (
+        chunk, lay["channels"], lay["frames"], lay["h"], lay["w"])
+    if job.family == "flux":  # FLUX's VAE decodes the unpacked 16-channel latents
+        shape = (chunk, vae.config.latent_channels, job.height // 8, job.width // 8)
+    z = torch.randn(shape, device="cuda", dtype=dtype)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        out = vae.decode(z, return_dict=False)[0].float()  # the adapters hand fp32 pixels on
+    torch.cuda.synchronize()
+    measured = torch.cuda.max_memory_allocated() - base
+    print(f"{preset}: VAE decode of {chunk} x {tuple(out.shape[1:])}: measured {measured / 2**30:.2f} GiB, "
+          f"planned {planned / 2**30:.2f} GiB")
+    # The plan is an upper estimate: never more than 15% under the measurement, and not so far
+    # over that it would refuse runs that fit (docs/memory.md).
+    assert 0.85 * measured <= planned <= 3.0 * measured
