@@ -70,11 +70,12 @@ def test_plan_follows_the_knobs():
     # Checkpointing off: the trainer keeps every block's activations (8 samples of 1536 tokens).
     ckpt = _roles("flux_disaggregated", "digen.model.gradient_checkpointing=false")["trainer"]
     assert ckpt.phase == "train" and ckpt.bytes["activations"] > 8 * 10 * GIB
-    # The prompt cache frees the text encoders after warm-up: the warm-up (weights + encoders) is
-    # the rollout's peak; without the cache the encoders (T5-XXL: ~9 GiB bf16) stay in every phase.
-    assert base["rollout"].phase == "load"
+    # The prompt cache frees the text encoders after warm-up: the warm-up (weights + encoders + a
+    # batch of digen.prompt_cache.encode_batch_size prompts) is the rollout's peak; without the
+    # cache the encoders (T5-XXL: ~9 GiB bf16) stay in every phase, and there is no warm-up.
+    assert base["rollout"].phase == "warm"
     no_cache = _roles("flux_disaggregated", "digen.prompt_cache.enable=false")["rollout"]
-    assert no_cache.phase != "load" and no_cache.bytes["encoders_vae"] > 9 * GIB
+    assert no_cache.phase not in ("load", "warm") and no_cache.bytes["encoders_vae"] > 9 * GIB
     # Full fine-tuning with FSDP over 4 trainers: fp32 gradients and two AdamW states, sharded 4 ways.
     full = _roles("flux_full_disaggregated")["trainer"]
     params = 11.90e9

@@ -98,6 +98,12 @@ class ModelConfig:
     # decide_checkpointing); the cost model decides the same way. The built-in tiny models
     # (no digen.model.path) train without it.
     gradient_checkpointing: str = "auto"
+    # Text encoders of the generating workers (fused, rollout) between encode calls: true: on
+    # CPU, moved to the GPU for each encode; false: resident on the GPU; auto: resident exactly
+    # when the memory plan fits with them resident, decided before Ray starts (memory.plan:
+    # decide_encoder_offload). Moot once the prompt cache releases them; trainers always keep
+    # them (and the VAE) on CPU between uses. The built-in tiny models keep them resident.
+    offload_text_encoders: str = "auto"
     # Samples per VAE decode call (0: the whole batch at once); video VAEs also decode tiled.
     vae_decode_chunk: int = 0
     lora: LoraConfigSpec = field(default_factory=LoraConfigSpec)
@@ -107,12 +113,18 @@ class ModelConfig:
         """``gradient_checkpointing`` as a bool; None while it is ``auto`` (undecided)."""
         return {"true": True, "false": False, "auto": None}[self.gradient_checkpointing]
 
+    @property
+    def encoders_offloaded(self) -> bool | None:
+        """``offload_text_encoders`` as a bool; None while it is ``auto`` (undecided)."""
+        return {"true": True, "false": False, "auto": None}[self.offload_text_encoders]
+
     def validate(self, key: str) -> None:
-        # hydra and YAML give true/false as booleans, which the str field receives as True/False
-        value = str(self.gradient_checkpointing).lower()
-        if value not in ("true", "false", "auto"):
-            _fail(f"{key}.gradient_checkpointing", self.gradient_checkpointing, "valid: true, false, auto")
-        self.gradient_checkpointing = value
+        # hydra and YAML give true/false as booleans, which the str fields receive as True/False
+        for name in ("gradient_checkpointing", "offload_text_encoders"):
+            value = str(getattr(self, name)).lower()
+            if value not in ("true", "false", "auto"):
+                _fail(f"{key}.{name}", getattr(self, name), "valid: true, false, auto")
+            setattr(self, name, value)
         if self.dtype not in ("auto", "fp32", "bf16"):
             _fail(f"{key}.dtype", self.dtype, "valid: auto, fp32, bf16")
         if self.trainable_dtype not in ("fp32", "bf16"):
@@ -330,11 +342,24 @@ class TagConfig:
 
 @dataclass
 class PromptCacheConfig:
-    """Text encoders run once per unique prompt (memory + disk), then are freed."""
+    """Text encoders run once per unique prompt (memory + disk), then are freed.
+
+    Before training the prompt set is encoded once per run: the workers that see the same cache
+    directory split it and encode their shares on their own GPUs (trainer/warmup.py)."""
 
     enable: bool = False
     dir: Optional[str] = None  # default: $VERL_DIGEN_CACHE/prompt_embeds or ~/.cache/verl_digen/prompt_embeds
     release_encoders: bool = True
+    # Prompts per text-encoder call while warming up (the memory plan charges this batch's activations).
+    encode_batch_size: int = 32
+    # Host RAM of embedding rows each worker keeps (least recently used evicted, read back from disk).
+    max_host_mb: float = 2048.0
+
+    def validate(self, key: str) -> None:
+        if isinstance(self.encode_batch_size, bool) or not isinstance(self.encode_batch_size, int) \
+                or self.encode_batch_size < 1:
+            _fail(f"{key}.encode_batch_size", self.encode_batch_size, "must be an integer >= 1")
+        _non_negative(f"{key}.max_host_mb", self.max_host_mb)
 
 
 @dataclass
@@ -559,6 +584,7 @@ class DigenConfig:
         self.tag.validate("digen.tag")
         self.validation.validate("digen.validation")
         self.emulate.validate("digen.emulate")
+        self.prompt_cache.validate("digen.prompt_cache")
         self.ema.validate("digen.ema")
         self.resume.validate("digen.resume")
         self.memory.validate("digen.memory")

@@ -9,6 +9,14 @@
 docs/memory.md explains the derivation and how far off it can be.
 """
 
-from verl_digen.memory.plan import MemoryPlanError, RolePlan, check_job_memory, decide_checkpointing, plan_job
+from verl_digen.memory.plan import (
+    MemoryPlanError,
+    RolePlan,
+    check_job_memory,
+    decide_checkpointing,
+    decide_encoder_offload,
+    plan_job,
+)
 
-__all__ = ["MemoryPlanError", "RolePlan", "check_job_memory", "decide_checkpointing", "plan_job"]
+__all__ = ["MemoryPlanError", "RolePlan", "check_job_memory", "decide_checkpointing", "decide_encoder_offload",
+           "plan_job"]

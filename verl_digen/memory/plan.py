@@ -9,8 +9,9 @@ GPUs) goes through phases; its peak is the largest phase, broken into
 * ``activations``: training (saved for backward, measured on the meta device, see
   :mod:`verl_digen.memory.trace`), or rollout (the no-grad working set, the trajectory's latents,
   the VAE's decode);
-* ``encoders_vae``: text encoders (only while the prompt cache warms up when it releases them)
-  and the VAE weights, plus a model reward's weights;
+* ``encoders_vae``: text encoders (resident on generating roles unless the prompt cache released
+  them or ``digen.model.offload_text_encoders`` keeps them on CPU: then only in the phases that
+  encode, ``warm`` and ``encode``) and the VAE weights, plus a model reward's weights;
 * ``sync_buffers``: weight-sync buckets in flight (disaggregated);
 * ``overhead``: CUDA context, cuBLAS workspaces and NCCL buffers (a fixed allowance).
 
@@ -171,6 +172,8 @@ class JobShape:
     fsdp: int  # FSDP degree (1: none)
     checkpointing: bool  # decided (digen.model.gradient_checkpointing=auto: decide_checkpointing)
     prompt_cache_releases: bool
+    encoders_offloaded: bool  # generating roles keep the text encoders on CPU between encodes (decide_encoder_offload)
+    warm_batch: int  # prompts per encoder call of the prompt-cache warm-up (0: no warm-up)
     optimizer_states: int  # AdamW: 2, SGD: 0
     ema_on_gpu: bool
     kl_reference: bool  # a full fine-tune with a KL term keeps a frozen copy
@@ -190,9 +193,11 @@ def model_config_path(path: str | None) -> str | None:
 
 
 def job_shape(cfg: DigenConfig, *, devices_per_node: int, nnodes: int, model_path: str | None = None,
-              checkpointing: bool | None = None) -> JobShape:
+              checkpointing: bool | None = None, encoders_offloaded: bool | None = None) -> JobShape:
     """Resolve ``cfg`` on a cluster of ``nnodes`` x ``devices_per_node`` GPUs; ``checkpointing``
-    overrides ``digen.model.gradient_checkpointing`` (an ``auto`` left undecided plans without)."""
+    overrides ``digen.model.gradient_checkpointing`` (an ``auto`` left undecided plans without),
+    ``encoders_offloaded`` ``digen.model.offload_text_encoders`` (undecided: resident, as the
+    workers then keep them)."""
 
     config_path = model_config_path(model_path if model_path is not None else cfg.model.path)
     family = cfg.model.arch
@@ -210,6 +215,8 @@ def job_shape(cfg: DigenConfig, *, devices_per_node: int, nnodes: int, model_pat
     lora = cfg.model.lora.enable
     if checkpointing is None:
         checkpointing = bool(cfg.model.checkpointing)
+    if encoders_offloaded is None:
+        encoders_offloaded = bool(cfg.model.encoders_offloaded)
     return JobShape(
         family=family,
         config_path=config_path,
@@ -235,6 +242,8 @@ def job_shape(cfg: DigenConfig, *, devices_per_node: int, nnodes: int, model_pat
         fsdp=fsdp,
         checkpointing=checkpointing,
         prompt_cache_releases=cfg.prompt_cache.enable and cfg.prompt_cache.release_encoders,
+        encoders_offloaded=encoders_offloaded,
+        warm_batch=cfg.prompt_cache.encode_batch_size if cfg.prompt_cache.enable else 0,
         optimizer_states=2 if cfg.algo.optimizer == "adamw" else 0,
         ema_on_gpu=cfg.ema.enable and not cfg.ema.offload,
         kl_reference=cfg.algo.kl_beta > 0 and not lora,
@@ -266,10 +275,10 @@ def _encoder_and_vae_bytes(job: JobShape) -> tuple[int, int]:
     return encoders, vae
 
 
-def _encoder_activation_bytes(job: JobShape) -> int:
-    """One encode call (a task's prompts and the negative one): batch x tokens x the widest
-    layer's width, twice (input and output of the layer), at the encoders' dtype. Small next to
-    the weights; an estimate."""
+def _encoder_activation_bytes(job: JobShape, prompts: int | None = None) -> int:
+    """One encode call of ``prompts`` prompts (default: a task's prompts and the negative one):
+    batch x tokens x the widest layer's width, twice (input and output of the layer), at the
+    encoders' dtype. Small next to the weights; an estimate."""
     from verl_digen.memory.trace import text_tokens
     from verl_digen.models.real_configs import component_config, model_components
 
@@ -280,7 +289,8 @@ def _encoder_activation_bytes(job: JobShape) -> int:
         c = component_config(job.family, name, job.config_path)
         c = c.get("text_config", c)
         widest = max(widest, int(c.get("intermediate_size") or c.get("d_ff") or 0), 4 * int(c.get("hidden_size") or c.get("d_model") or 0))
-    prompts = job.groups_per_task + 1
+    if prompts is None:
+        prompts = job.groups_per_task + 1
     return 2 * prompts * text_tokens(job.family) * widest * _bytes_per(job.dtype)
 
 
@@ -389,6 +399,9 @@ def plan_roles(job: JobShape, gib: float) -> list[RolePlan]:
         train_weights = params * tb / f + gather + cast_copy
     kl_ref = dense_bytes / f if (job.kl_reference and f > 1) else 0  # without FSDP the copy stays on CPU
     encoders_resident = 0 if job.prompt_cache_releases else encoders
+    # Generating roles (colocated, rollout): resident unless offloaded (workers/worker.py
+    # offloaded_parts); offloaded ones visit the GPU only while a generate call encodes.
+    gen_encoders = 0 if job.encoders_offloaded else encoders_resident
     # One training pass: a transformer call's samples (both CFG branches) on one rank; the
     # micro-batch trains pass after pass (workers/training.py), so no more is alive at once.
     train_rows = job.cfg_rows * job.pass_samples
@@ -402,15 +415,20 @@ def plan_roles(job: JobShape, gib: float) -> list[RolePlan]:
     sync_state = lora_params * tb if job.lora else dense_bytes
     sync = min(sync_state, 2 * DEFAULT_BUCKET_BYTES)  # one bucket in flight, one filling
     load_encoders = _encoder_activation_bytes(job)
+    encode = dict(encoders_vae=encoders, activations=load_encoders)  # an offloaded encode call's extra
+    # The prompt-cache warm-up (after init_model, before the first optimizer step: no optimizer
+    # state yet): the encoders on the GPU, warm_batch prompts per call.
+    warm = dict(encoders_vae=encoders, activations=_encoder_activation_bytes(job, job.warm_batch))
 
     train_knobs = _training_knobs(job)
     rollout_knobs = _rollout_knobs(job)
     plans = []
     if job.placement == "colocated":
         b = _RoleBuilder(job, "colocated", job.devices, gib)
-        resident = dict(weights=train_weights + ema + kl_ref, optimizer=optimizer, encoders_vae=encoders_resident + vae + reward)
+        resident = dict(weights=train_weights + ema + kl_ref, optimizer=optimizer, encoders_vae=gen_encoders + vae + reward)
         # Loading: the dense model in its dtype on every GPU before FSDP shards it.
         b.add("load", weights=dense_bytes, encoders_vae=encoders + vae + reward, activations=load_encoders)
+        _add_encode_phases(b, job, resident, warm, encode, gen_encoders)
         b.add("generate", activations=rollout_acts, **resident)
         b.add("decode", activations=decode, **resident)
         b.add("train", gradients=grads, activations=train_acts, **resident)
@@ -419,8 +437,9 @@ def plan_roles(job: JobShape, gib: float) -> list[RolePlan]:
 
     reward_on_rollout = reward if job.reward_devices == 0 else 0
     r = _RoleBuilder(job, "rollout", job.rollout_devices, gib)
-    r_resident = dict(weights=rollout_weights, encoders_vae=encoders_resident + vae + reward_on_rollout)
+    r_resident = dict(weights=rollout_weights, encoders_vae=gen_encoders + vae + reward_on_rollout)
     r.add("load", weights=rollout_weights, encoders_vae=encoders + vae + reward_on_rollout, activations=load_encoders)
+    _add_encode_phases(r, job, r_resident, warm, encode, gen_encoders)
     r.add("generate", activations=rollout_acts, **r_resident)
     r.add("decode", activations=decode, **r_resident)
     r.add("sync", sync_buffers=sync, **r_resident)
@@ -441,6 +460,21 @@ def plan_roles(job: JobShape, gib: float) -> list[RolePlan]:
         w.add("score", encoders_vae=reward)
         plans.append(w.plan(["a smaller reward model"], []))
     return plans
+
+
+def _add_encode_phases(b: _RoleBuilder, job: JobShape, resident: dict[str, int], warm: dict[str, int],
+                       encode: dict[str, int], resident_encoders: int) -> None:
+    """A generating role's phases with its text encoders on the GPU beyond ``resident``: the
+    prompt-cache warm-up (``warm``: resident encoders counted once), and with offloaded encoders
+    that the cache does not release, each generate call's encode (``encode``)."""
+    if job.warm_batch:
+        parts = {k: v for k, v in resident.items() if k != "optimizer"}
+        parts["encoders_vae"] = parts["encoders_vae"] - resident_encoders + warm["encoders_vae"]
+        b.add("warm", activations=warm["activations"], **parts)
+    if job.encoders_offloaded and not job.prompt_cache_releases:
+        parts = dict(resident)
+        parts["encoders_vae"] = parts["encoders_vae"] + encode["encoders_vae"]
+        b.add("encode", activations=encode["activations"], **parts)
 
 
 def _training_knobs(job: JobShape) -> list[str]:
@@ -473,6 +507,8 @@ def _rollout_knobs(job: JobShape) -> list[str]:
         knobs.append("smaller digen.sampling.height / width / num_frames")
     if not job.prompt_cache_releases:
         knobs.append("digen.prompt_cache.enable=true")
+        if not job.encoders_offloaded:
+            knobs.append("digen.model.offload_text_encoders=true (text encoders on CPU between encodes)")
     return knobs
 
 
@@ -496,12 +532,32 @@ def decide_checkpointing(cfg: DigenConfig, *, devices_per_node: int, nnodes: int
     return not training_fits(plan_roles(job, device_gib(cfg)))
 
 
-def plan_job(cfg: DigenConfig, *, devices_per_node: int, nnodes: int = 1, model_path: str | None = None) -> list[RolePlan]:
-    """Every role's per-GPU peak for the validated config ``cfg`` on its cluster (with the
-    activation checkpointing :func:`decide_checkpointing` applies)."""
+def decide_encoder_offload(cfg: DigenConfig, *, devices_per_node: int, nnodes: int = 1,
+                           model_path: str | None = None) -> bool:
+    """``digen.model.offload_text_encoders`` as the generating workers apply it: the setting when
+    it is ``true`` or ``false``; for ``auto``, resident (False) when the prompt cache releases
+    the encoders (nothing to move after the warm-up) or when every generating role (colocated,
+    rollout) fits with them resident; offloaded otherwise (each generate call then moves them
+    host <-> GPU, 10-16 GB each way, so only when they do not fit)."""
+    if cfg.model.encoders_offloaded is not None:
+        return cfg.model.encoders_offloaded
+    if cfg.prompt_cache.enable and cfg.prompt_cache.release_encoders:
+        return False
     checkpointing = decide_checkpointing(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path)
     job = job_shape(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path,
-                    checkpointing=checkpointing)
+                    checkpointing=checkpointing, encoders_offloaded=False)
+    return not all(p.peak_gib <= p.device_gib for p in plan_roles(job, device_gib(cfg))
+                   if p.role in ("colocated", "rollout"))
+
+
+def plan_job(cfg: DigenConfig, *, devices_per_node: int, nnodes: int = 1, model_path: str | None = None) -> list[RolePlan]:
+    """Every role's per-GPU peak for the validated config ``cfg`` on its cluster (with the
+    activation checkpointing :func:`decide_checkpointing` and the encoder placement
+    :func:`decide_encoder_offload` apply)."""
+    checkpointing = decide_checkpointing(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path)
+    offloaded = decide_encoder_offload(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path)
+    job = job_shape(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path,
+                    checkpointing=checkpointing, encoders_offloaded=offloaded)
     return plan_roles(job, device_gib(cfg))
 
 

@@ -281,9 +281,12 @@ TEXT_ENCODERS_RELEASED_MESSAGE = "text encoders were released; use the prompt ca
 @contextmanager
 def onloaded(adapter: DiffusionAdapter, names: tuple[str, ...]):
     """Within the block, the offloaded modules among ``names`` are on the adapter's device;
-    they go back to CPU afterwards (even on error). Modules not offloaded are left alone."""
-    modules = [m for n in names if n in adapter.offloaded and isinstance(m := getattr(adapter, n, None), torch.nn.Module)]
+    they go back to CPU afterwards (even on error). Modules not offloaded are left alone, and so
+    are modules already on the device: a nested block (the prompt cache encoding its misses
+    inside a sampling call's block) neither moves them again nor sends them back early."""
     device = adapter.device
+    modules = [m for n in names if n in adapter.offloaded and isinstance(m := getattr(adapter, n, None), torch.nn.Module)
+               and _tensor_device(m) != device]
     if device.type == "cpu" or not modules:
         yield
         return
@@ -294,6 +297,13 @@ def onloaded(adapter: DiffusionAdapter, names: tuple[str, ...]):
     finally:
         for m in modules:
             m.to("cpu")
+
+
+def _tensor_device(module: torch.nn.Module) -> torch.device | None:
+    """The device of the module's first parameter or buffer (None: it has neither)."""
+    for t in (*module.parameters(), *module.buffers()):
+        return t.device
+    return None
 
 
 def release_modules(adapter: DiffusionAdapter, names: tuple[str, ...]) -> int:

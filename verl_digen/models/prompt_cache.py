@@ -6,16 +6,23 @@ recompute identical embeddings every step and sit in device memory next to the d
 :class:`PromptEmbeddingCache` wraps an adapter's ``encode_prompts``:
 
 - ``encode(prompts)`` looks every prompt up (memory, then disk), encodes only the misses in ONE
-  batched call of the adapter (repeated prompts of a request are encoded once), stores each
+  batched call of the adapter (repeated prompts of a request are encoded once) with offloaded
+  text encoders on the adapter's device for the call (:func:`~.base.onloaded`), stores each
   prompt's row (``[1, ...]`` CPU tensors per conditioning key) and returns the request's batch in
   request order on the adapter's device: the same dict of tensors ``encode_prompts`` returns;
-- ``warm(prompts)`` precomputes a whole prompt set (the training prompts, validation prompts
-  and the negative prompt) before training;
+- ``warm(prompts, batch_size=...)`` precomputes a prompt set (the training prompts, validation
+  prompts and the negative prompt, or a worker's share of them) before training, ``batch_size``
+  prompts per encoder call, the offloaded encoders on the device for the whole warm-up;
 - ``release_encoders()`` then drops the adapter's text encoders and tokenizers
   (:meth:`DiffusionAdapter.release_text_encoders`); a later miss raises a ``RuntimeError``
   naming the prompt instead of computing anything;
 - ``install()`` makes ``adapter.encode_prompts`` go through the cache, so that the sampling
   code (``begin_groups`` calls ``adapter.encode_prompts``) needs no change.
+
+Host memory. The in-memory rows are a least-recently-used set bounded in bytes
+(``max_memory_bytes``; ``digen.prompt_cache.max_host_mb`` in a run) and in count; with a disk
+cache an evicted row is read back from disk when needed, so a worker holds at most that many
+bytes of embeddings, whatever the number of prompts.
 
 Disk layout (shared by processes and runs)::
 
@@ -57,7 +64,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from .base import Conditioning, DiffusionAdapter, has_component, read_model_index
+from .base import Conditioning, DiffusionAdapter, has_component, onloaded, read_model_index
 
 FORMAT = "verl_digen.prompt_cache/1"
 # Weight files are keyed by name, size and mtime (hashing gigabytes would take minutes); every
@@ -130,6 +137,10 @@ def model_cache_key(model_path: str, adapter: DiffusionAdapter | None = None) ->
     return f"{slug or 'model'}-{h.hexdigest()[:20]}"
 
 
+def _row_bytes(row: Mapping[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in row.values())
+
+
 def _tensor_digest(tensors: Mapping[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for key in sorted(tensors):
@@ -150,6 +161,8 @@ class PromptEmbeddingCache:
         cache_dir: root of the disk cache, or ``None`` for memory only.
         max_memory_items: prompts kept in memory (least recently used ones are dropped first;
             with a disk cache they are read back when needed).
+        max_memory_bytes: bytes of rows kept in memory (``None``: no byte bound), the same LRU
+            order; a row larger than the bound is not kept (disk only).
     """
 
     def __init__(
@@ -159,15 +172,23 @@ class PromptEmbeddingCache:
         model_key: str,
         cache_dir: str | None,
         max_memory_items: int = 100_000,
+        max_memory_bytes: int | None = None,
     ) -> None:
         if not isinstance(model_key, str) or not _KEY_PATTERN.fullmatch(model_key) or model_key in (".", ".."):
             raise ValueError(f"model_key must be a non-empty directory name of [A-Za-z0-9._+-], got {model_key!r}")
         if max_memory_items < 0:
             raise ValueError(f"max_memory_items must be >= 0, got {max_memory_items}")
+        if max_memory_bytes is not None and max_memory_bytes < 0:
+            raise ValueError(f"max_memory_bytes must be >= 0 or None, got {max_memory_bytes}")
         self.adapter = adapter
         self.model_key = model_key
         self.cache_dir = None if cache_dir is None else os.path.abspath(cache_dir)
         self.max_memory_items = int(max_memory_items)
+        self.max_memory_bytes = None if max_memory_bytes is None else int(max_memory_bytes)
+        self._memory_bytes = 0
+        # Prompts whose disk file this object wrote or verified: files are replaced only
+        # atomically by valid ones, so they are not read again just to check they are there.
+        self._on_disk: set[str] = set()
         self._encode_fn = adapter.encode_prompts  # the adapter's own encoder, bound now
         self._memory: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
         self._layout: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
@@ -223,7 +244,12 @@ class PromptEmbeddingCache:
     def is_cached(self, prompt: str) -> bool:
         """Whether ``prompt`` is served without encoding (in memory, or a valid file on disk)."""
         with self._lock:
-            return prompt in self._memory or self._load(prompt) is not None
+            if prompt in self._memory or prompt in self._on_disk:
+                return True
+            if self._load(prompt) is None:
+                return False
+            self._on_disk.add(prompt)
+            return True
 
     def release_encoders(self, needed: Iterable[str] | None = None) -> int:
         """Release the adapter's text encoders; returns the bytes freed.
@@ -252,7 +278,8 @@ class PromptEmbeddingCache:
             if missing:
                 raise RuntimeError(
                     f"release_encoders(): {len(missing)} needed prompt(s) are not cached, e.g. {missing[0]!r}; "
-                    "warm() them before releasing the text encoders"
+                    "warm() them before releasing the text encoders (without a disk cache, rows evicted from "
+                    "memory by max_memory_items / max_memory_bytes are gone)"
                 )
             already = getattr(self.adapter, "text_encoders_released", False)
             freed = 0 if already else int(self.adapter.release_text_encoders())
@@ -279,6 +306,7 @@ class PromptEmbeddingCache:
             out = dict(self._stats)
             out["hits"] = out["memory_hits"] + out["disk_hits"]
             out["memory_items"] = len(self._memory)
+            out["memory_bytes"] = self._memory_bytes
             out["released"] = self.released
             return out
 
@@ -312,6 +340,7 @@ class PromptEmbeddingCache:
                     missing.append(p)
                     continue
                 self._stats["disk_hits"] += 1
+                self._on_disk.add(p)
                 self._remember(p, row)
             if keep:
                 rows[p] = row
@@ -324,15 +353,21 @@ class PromptEmbeddingCache:
                     "the text encoders were released; warm() the cache with every prompt the run needs "
                     "(training, validation and negative prompts) before release_encoders()"
                 )
-            step = len(missing) if batch_size is None else batch_size
+            self._encode_misses(missing, batch_size, rows if keep else None)
+        return rows
+
+    def _encode_misses(self, missing: list[str], batch_size: int | None, rows: dict | None) -> None:
+        """Encode ``missing`` ``batch_size`` at a time, the offloaded text encoders on the adapter's
+        device for all the batches (moved there once, back to CPU after: :func:`onloaded`)."""
+        step = len(missing) if batch_size is None else batch_size
+        with onloaded(self.adapter, self.adapter.text_encoder_names):
             for start in range(0, len(missing), step):
                 chunk = missing[start : start + step]
                 for p, row in zip(chunk, self._encode_batch(chunk)):
                     self._remember(p, row)
                     self._store(p, row)
-                    if keep:
+                    if rows is not None:
                         rows[p] = row
-        return rows
 
     def _encode_batch(self, prompts: list[str]) -> list[dict[str, torch.Tensor]]:
         """One call of the adapter's encoder; its output split into per-prompt CPU rows."""
@@ -377,10 +412,17 @@ class PromptEmbeddingCache:
         return None
 
     def _remember(self, prompt: str, row: dict[str, torch.Tensor]) -> None:
+        """Keep ``row`` in memory, evicting the least recently used rows beyond the bounds."""
+        old = self._memory.pop(prompt, None)
+        if old is not None:
+            self._memory_bytes -= _row_bytes(old)
         self._memory[prompt] = row
-        self._memory.move_to_end(prompt)
-        while len(self._memory) > self.max_memory_items:
-            self._memory.popitem(last=False)
+        self._memory_bytes += _row_bytes(row)
+        limit = self.max_memory_bytes
+        while self._memory and (len(self._memory) > self.max_memory_items
+                                or (limit is not None and self._memory_bytes > limit)):
+            _, dropped = self._memory.popitem(last=False)
+            self._memory_bytes -= _row_bytes(dropped)
 
     # ------------------------------------------------------------------ disk
 
@@ -411,6 +453,7 @@ class PromptEmbeddingCache:
                 f.write(data)
             os.replace(tmp, path)  # atomic: readers see the old file or the whole new one
             tmp = None
+            self._on_disk.add(prompt)
             self._stats["disk_writes"] += 1
         except OSError as e:  # a full or read-only disk degrades to memory only
             self._stats["disk_write_errors"] += 1

@@ -134,12 +134,12 @@ class DigenTrainer:
         infos = ray.get([a.init_model.remote() for a in actors.values()], timeout=cfg.task_timeout_s)
         with open(os.path.join(job.output_dir, "workers.json"), "w") as f:
             json.dump([{**i, "worker": str(w)} for w, i in zip(actors, infos)], f, indent=2)
-        if cfg.prompt_cache.enable and not job.emulated:
-            encoders = [a for w, a in actors.items() if w.pool != "reward"]
-            stats = ray.get([a.warm_prompt_cache.remote(job.prompts + job.val_prompts + job.negative_prompts)
-                             for a in encoders],
-                            timeout=cfg.task_timeout_s)
-            self.prompt_cache_stats = stats[0]
+        if cfg.prompt_cache.enable and not job.emulated:  # each prompt encoded once per cache directory
+            from verl_digen.trainer.warmup import warm_prompt_caches
+
+            self.prompt_cache_stats = warm_prompt_caches(
+                {w: a for w, a in actors.items() if w.pool != "reward"},
+                job.prompts + job.val_prompts + job.negative_prompts, cfg.task_timeout_s)
         sampler = PromptSampler(job.prompts, seed=cfg.seed, shuffle=cfg.data.shuffle)
         if job.resume_from is not None:
             self.history = self.checkpoints.load(job.resume_from, actors, sampler)

@@ -485,6 +485,17 @@ def check_run_config(config: Any, entry: str = DIGEN_MAIN) -> CheckedRun:
                 decided = decide_checkpointing(cfg, devices_per_node=trainer.n_gpus_per_node, nnodes=trainer.nnodes,
                                                model_path=model_path)
             cfg.model.gradient_checkpointing = "true" if decided else "false"
+        if cfg.emulate.model is None and cfg.model.encoders_offloaded is None:
+            # digen.model.offload_text_encoders=auto, decided here once for every worker: the
+            # generating workers keep the text encoders resident when the memory plan fits
+            # with them there; the built-in tiny models keep them resident.
+            offload = False
+            if cfg.model.path is not None:
+                from verl_digen.memory import decide_encoder_offload
+
+                offload = decide_encoder_offload(cfg, devices_per_node=trainer.n_gpus_per_node, nnodes=trainer.nnodes,
+                                                 model_path=model_path)
+            cfg.model.offload_text_encoders = "true" if offload else "false"
         if cfg.emulate.model is None and cfg.model.path is not None and cfg.memory.check:
             # Every role's per-GPU peak at this model's size must fit the GPU (MemoryPlanError
             # names the knob). The built-in tiny models (no model.path) are kilobytes.

@@ -222,6 +222,20 @@ class GroupsInFlight:
 
 
 @torch.no_grad()
+def _encoders_on_device(adapter: DiffusionAdapter):
+    """The block the prompts are encoded in: offloaded text encoders :func:`onloaded` for it,
+    unless a prompt cache serves ``adapter.encode_prompts``. The cache moves them only for its
+    misses, so a step whose prompts are all cached moves nothing (without this, 10-16 GB of
+    encoders would cross the host link both ways on every generate call)."""
+    from contextlib import nullcontext
+
+    from verl_digen.models.prompt_cache import PromptEmbeddingCache
+
+    if isinstance(getattr(adapter.encode_prompts, "__self__", None), PromptEmbeddingCache):
+        return nullcontext()
+    return onloaded(adapter, adapter.text_encoder_names)
+
+
 def begin_groups(
     adapter: DiffusionAdapter, request: GroupRequest, settings: SamplingSettings, *, ode: bool = False
 ) -> GroupsInFlight:
@@ -245,7 +259,7 @@ def begin_groups(
     # scripts write), else digen.sampling.negative_prompt
     negatives = [negative_prompt_of(record, settings.negative_prompt)
                  for record in (request.metadata or [None] * len(prompts))]
-    with onloaded(adapter, adapter.text_encoder_names):  # offloaded encoders visit the device
+    with _encoders_on_device(adapter):  # offloaded encoders visit the device (if they encode)
         cond = _repeat_cond(adapter.encode_prompts(prompts), rows)  # [B, ...], B = groups x rows per group
         neg = None
         if settings.uses_cfg and ode and len(set(negatives)) == 1:

@@ -61,24 +61,37 @@ class RoleCapabilities:
     (process group, gradient checkpointing, KL reference, FSDP, the updater); ``scores``: builds
     the reward; ``scores_when_generating``: builds it when the role generates part of a step
     (TAG) and no reward pool exists; ``offloads``: what stays on CPU between uses on a GPU
-    (``"text_encoders"``, ``"vae"``)."""
+    (``"text_encoders"``, ``"vae"``); ``generates``: a generating role, whose text encoders stay
+    on the GPU or on CPU as ``digen.model.offload_text_encoders`` (decided by the memory plan
+    before Ray starts) says."""
 
     policy: bool
     trains: bool
     scores: bool
     scores_when_generating: bool = False
     offloads: tuple[str, ...] = ()
+    generates: bool = False
 
 
 ROLE_CAPABILITIES: dict[str, RoleCapabilities] = {
-    "fused": RoleCapabilities(policy=True, trains=True, scores=True, offloads=("text_encoders",)),
-    "rollout": RoleCapabilities(policy=True, trains=False, scores=True),
+    "fused": RoleCapabilities(policy=True, trains=True, scores=True, generates=True),
+    "rollout": RoleCapabilities(policy=True, trains=False, scores=True, generates=True),
     # Trainers decode only for validation or TAG: the VAE waits on CPU too.
     "trainer": RoleCapabilities(policy=True, trains=True, scores=False, scores_when_generating=True,
                                 offloads=("text_encoders", "vae")),
     "reward": RoleCapabilities(policy=False, trains=False, scores=True),
 }
 ROLES = tuple(ROLE_CAPABILITIES)
+
+
+def offloaded_parts(caps: RoleCapabilities, cfg: DigenConfig) -> tuple[str, ...]:
+    """What a worker of ``caps`` keeps on CPU between uses on a GPU: the role's fixed offloads,
+    plus a generating role's text encoders when ``digen.model.offload_text_encoders`` is true
+    (``auto`` is decided before Ray starts; left undecided, e.g. the built-in tiny models, they
+    stay resident). The memory plan charges the same (``memory.plan``: ``encoders_offloaded``)."""
+    if caps.generates and cfg.model.encoders_offloaded:
+        return (*caps.offloads, "text_encoders")
+    return caps.offloads
 
 
 def sampling_settings(cfg: DigenConfig, fsdp_ranks: int = 1, rollout_lanes: int = 1) -> SamplingSettings:
@@ -208,10 +221,11 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         if self.settings.spec.num_frames > 1 and hasattr(vae, "enable_tiling"):
             vae.enable_tiling()  # video decodes tile by tile (diffusers' tiled VAE decode)
         info: dict[str, Any] = {}
-        if device.type == "cuda" and caps.offloads:
-            # Training GPUs keep the text encoders (and, on trainers, which decode only for
-            # validation or TAG, the VAE) on CPU between uses.
-            names = tuple(n for part in caps.offloads for n in self._module_names(part))
+        offloads = offloaded_parts(caps, self.cfg)
+        if device.type == "cuda" and offloads:
+            # Trainers keep the text encoders and the VAE (they decode only for validation or TAG)
+            # on CPU between uses; generating roles their encoders when the memory plan says so.
+            names = tuple(n for part in offloads for n in self._module_names(part))
             info["offloaded_bytes"] = self.adapter.offload_to_cpu(names)
         info["device"] = str(device)
         info["dtype"] = str(dtype).removeprefix("torch.")
@@ -494,26 +508,51 @@ class DiffusionWorker(Worker, WeightSyncMixin):
             return self._sync_digest
         return state_digest(self._full_state())
 
-    def warm_prompt_cache(self, prompts: list[str]) -> dict[str, Any]:
-        """Encode every prompt this worker may need once, then free the text encoders.
+    # ------------------------------------------------------------------ prompt cache (workers/prompt_warmup.py)
 
-        ``prompts``: training + validation prompts (the negative prompt is added here).
-        """
-        import os as _os
+    def _prompt_cache(self):
+        from verl_digen.workers.prompt_warmup import open_cache
 
-        from verl_digen.models.prompt_cache import PromptEmbeddingCache, model_cache_key
+        if getattr(self, "prompt_cache", None) is None:
+            self.prompt_cache = open_cache(self.adapter, self.model_path, self.cfg.prompt_cache)
+        return self.prompt_cache
+
+    def _node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def prompt_cache_probe(self, token: str) -> str:
+        """Mark this node in the cache directory (:func:`~verl_digen.workers.prompt_warmup.write_probe`)."""
+        from verl_digen.workers.prompt_warmup import cache_root, write_probe
+
+        write_probe(cache_root(self.cfg.prompt_cache), token, self._node_id())
+        return self._node_id()
+
+    def prompt_cache_peers(self, token: str) -> list[str]:
+        """The nodes this worker shares the cache directory with."""
+        from verl_digen.workers.prompt_warmup import cache_root, visible_nodes
+
+        return visible_nodes(cache_root(self.cfg.prompt_cache), token)
+
+    def warm_prompt_cache(self, prompts: list[str], index: int = 0, count: int = 1) -> dict[str, Any]:
+        """Encode share ``index`` of ``count`` of ``prompts`` into the disk cache, in bounded batches
+        on this worker's device (:func:`~verl_digen.workers.prompt_warmup.warm_share`)."""
+        from verl_digen.workers.prompt_warmup import warm_share
+
+        return warm_share(self._prompt_cache(), prompts, index, count, self.cfg.prompt_cache.encode_batch_size)
+
+    def finish_prompt_cache(self, prompts: list[str], token: str | None = None) -> dict[str, Any]:
+        """Every prompt this worker may need (``prompts`` and its negative prompt) cached, the cache
+        installed, the text encoders released when ``digen.prompt_cache.release_encoders``."""
+        from verl_digen.workers.prompt_warmup import cache_root, finish, remove_probe
 
         pc = self.cfg.prompt_cache
-        root = pc.dir or _os.path.join(
-            _os.environ.get("VERL_DIGEN_CACHE") or _os.path.join(_os.path.expanduser("~"), ".cache", "verl_digen"),
-            "prompt_embeds",
-        )
-        cache = PromptEmbeddingCache(self.adapter, model_key=model_cache_key(self.model_path, self.adapter), cache_dir=root)
-        cache.warm(list(dict.fromkeys(list(prompts) + [self.settings.negative_prompt])))
-        cache.install()
-        freed = cache.release_encoders() if pc.release_encoders else 0
-        self.prompt_cache = cache
-        return {**cache.stats(), "bytes_freed": freed}
+        needed = list(dict.fromkeys([*prompts, self.settings.negative_prompt]))
+        out = finish(self._prompt_cache(), needed, batch_size=pc.encode_batch_size, release=pc.release_encoders)
+        if token is not None:
+            remove_probe(cache_root(pc), token, self._node_id())
+        return out
 
     def validate(
         self, prompts: list[str], step: int, out_dir: str, metadata: list[dict[str, Any]] | None = None
