@@ -219,3 +219,15 @@ def test_training_activations_are_one_pass_and_auto_checkpointing_is_on_only_whe
     assert roomy.cfg.model.gradient_checkpointing == "false"
     tight = check_run_config(compose_config(run + ["digen.memory.device_gib=1.5", "digen.memory.check=false"]))
     assert tight.cfg.model.gradient_checkpointing == "true" and tight.cfg.model.checkpointing is True
+
+
+def test_the_trainer_plan_holds_the_senders_staging_bucket_while_it_trains():
+    """Trainer 0 sends the previous version while it trains (one-step-off): the planner charges
+    the sender's reused device buffer (sync/transport.py: WeightChannel._on_device, at most one
+    bucket) in the training phase, as the code holds it."""
+    from verl_digen.sync.transport import DEFAULT_BUCKET_BYTES
+
+    full = _roles("flux_full_disaggregated")["trainer"].phases["train"]
+    lora = _roles("flux_disaggregated")["trainer"].phases["train"]
+    assert full["sync_buffers"] == DEFAULT_BUCKET_BYTES  # a full model: one whole bucket
+    assert 0 < lora["sync_buffers"] < DEFAULT_BUCKET_BYTES  # LoRA: all its factors, less than a bucket

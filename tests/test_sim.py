@@ -689,3 +689,28 @@ def test_the_fsdp_state_stream_is_charged_to_every_rank_after_the_optimizer_step
     assert engine.sync_seconds(cluster) == pytest.approx(sharded.sync_seconds(cluster) + stream)
     assert sharded.sync_seconds(cluster) == pytest.approx(unsharded.sync_seconds(cluster))  # no gather in our sync
     assert unsharded.state_stream_seconds(dev, unsharded.train_group(cluster)) == 0.0
+
+
+def test_the_optimizer_step_is_charged_the_host_snapshot_the_trainer_copies(catalog):
+    """Trainer 0 copies each version into its pinned host snapshot (sync/snapshot.py) after the
+    optimizer step: under FSDP in every run (rank 0 keeps it), overlapping the state stream's
+    gathers, so the step pays the copy beyond the stream; unsharded, only a sender copies."""
+    c = _costs(catalog, "flux-12b")
+    w = c.workload
+    spec = StrategySpec("disaggregated", 16, 16, w.groups_per_step, w.group_size, gap=True, fsdp=True,
+                        train_micro_batch_groups=4)
+    cluster = Cluster.for_spec(spec, "H800")
+    dev = catalog.devices["H800"]
+    sharded, unsharded = c.for_spec(spec), c.for_spec(dataclasses.replace(spec, fsdp=False))
+    copy = sharded.sync_bytes / (dev.host_link_gbps * 1e9)
+    stream = sharded.state_stream_seconds(dev, sharded.train_group(cluster))
+    assert copy > stream > 0  # PCIe is the slower link: the step pays the copy beyond the stream
+    assert sharded.snapshot_seconds(dev, cluster) == pytest.approx(copy - stream)
+    assert unsharded.snapshot_seconds(dev, cluster) == pytest.approx(copy)
+    engine = sharded.with_system(dataclasses.replace(sharded.system, always_sharded=True))
+    assert engine.snapshot_seconds(dev, cluster) == 0.0  # veRL's engine keeps no snapshot
+    colocated = StrategySpec("colocated", 16, 16, w.groups_per_step, w.group_size, fsdp=True, train_micro_batch_groups=4)
+    fused = c.for_spec(colocated)
+    one_pool = Cluster.for_spec(colocated, "H800")
+    assert fused.snapshot_seconds(dev, one_pool) == pytest.approx(
+        copy - fused.state_stream_seconds(dev, fused.train_group(one_pool)))

@@ -448,7 +448,10 @@ def plan_roles(job: JobShape, gib: float) -> list[RolePlan]:
     t = _RoleBuilder(job, "trainer", job.trainer_devices, gib)
     t_resident = dict(weights=train_weights + ema + kl_ref, optimizer=optimizer, encoders_vae=encoders_resident + vae)
     t.add("load", weights=dense_bytes, encoders_vae=encoders + vae, activations=load_encoders)
-    t.add("train", gradients=grads, activations=train_acts, **t_resident)
+    # trainer 0 sends the last version from its host snapshot while training goes on, through one
+    # reused device buffer of a flat bucket (sync/transport.py: WeightChannel._on_device)
+    staging = min(sync_state, DEFAULT_BUCKET_BYTES)
+    t.add("train", gradients=grads, activations=train_acts, sync_buffers=staging, **t_resident)
     t.add("sync", sync_buffers=sync, **t_resident)
     if job.trainers_generate:
         t.add("generate", activations=rollout_acts, **t_resident)

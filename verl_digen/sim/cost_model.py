@@ -895,12 +895,20 @@ class CostModel:
         return self.sync_bytes * (k - 1) / k / self.collective_bw(dev, group.shard_nodes)
 
     def snapshot_seconds(self, dev: DeviceProfile, cluster: Cluster) -> float:
-        """Disaggregated: after the optimizer step trainer 0 copies the weights it will send to
-        the host (the sync sends from that copy on a side thread; the optimizer step is a gang,
-        so every rank waits for it). Under FSDP the copy is the state stream's, charged there."""
-        if "rollout" not in cluster.pools or self.train_group(cluster).shard > 1:
+        """Trainer 0 copies each new version into its reused, pinned host snapshot
+        (``sync/snapshot.py: HostSnapshot``) on a side stream that the next step's work waits
+        for: the disaggregated sender sends from it on a side thread, and under FSDP rank 0 keeps
+        it (checkpoints, final weights) in every run. Under FSDP the copy of one bucket overlaps
+        the gather of the next (``state_stream_seconds``), so the step pays the slower of the two:
+        the copy beyond the stream. The optimizer step is a gang: every rank waits for it. An
+        engine that always shards keeps no snapshot."""
+        group = self.train_group(cluster)
+        if self.system.always_sharded:
             return 0.0
-        return self.sync_bytes / (dev.host_link_gbps * GB)
+        copy = self.sync_bytes / (dev.host_link_gbps * GB)
+        if group.shard > 1 or self.workload.fsdp is True:
+            return max(0.0, copy - self.state_stream_seconds(dev, group))
+        return copy if "rollout" in cluster.pools else 0.0
 
     def sync_seconds(self, cluster: Cluster) -> float:
         tp = cluster.placement("trainer")

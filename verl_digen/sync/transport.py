@@ -35,6 +35,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from verl_digen.sync.snapshot import HostSnapshot
 from verl_digen.sync.state import (
     FlatMetadata,
     TensorSlot,
@@ -198,6 +199,9 @@ class WeightChannel:
         # a sender may wait on the host, not in a device collective (send(wait_for_receivers)).
         self._ready = dist.PrefixStore(_READY_PREFIX, self._store)
         self._transfers = 0  # transfers begun on this endpoint: the sender's and receivers' counts agree
+        # The sender's device copy of one flat buffer of a host snapshot (NCCL), reused.
+        self._staging: torch.Tensor | None = None
+        self.staging_allocations = 0
 
     # -- construction ------------------------------------------------------------------
 
@@ -274,13 +278,16 @@ class WeightChannel:
 
     @torch.no_grad()
     def send(
-        self, state: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int,
+        self, state: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | HostSnapshot, version: int,
         *, wait_for_receivers: float | None = None,
     ) -> SyncStats:
         """Broadcast ``state`` tagged with ``version`` to every receiver (rank 0 only).
 
         ``state`` may be a dict or a stream of ``(name, tensor)`` pairs (e.g. a generator that
-        gathers sharded weights one at a time); it is sent bucket by bucket. The sender's
+        gathers sharded weights one at a time), packed and sent bucket by bucket; or a
+        :class:`~verl_digen.sync.snapshot.HostSnapshot`, whose buckets are already packed: they
+        go as they are when on the channel's device (gloo), else through one reused device
+        buffer (NCCL: a ``non_blocking`` copy from pinned memory per flat buffer). The sender's
         tensors must be ready on the current stream. If this raises halfway, receivers fail on
         their timeout and the channel must be closed and reopened.
 
@@ -296,29 +303,41 @@ class WeightChannel:
         if wait_for_receivers is not None:
             self._await_receivers(transfer, timedelta(seconds=wait_for_receivers))
         start = time.perf_counter()
+        packed = isinstance(state, HostSnapshot)
+        parts = state.parts() if packed else (
+            flatten_state(b, device=self.device) for b in iter_buckets(state, self.bucket_bytes))
         nbytes = num_tensors = 0
-        buckets = iter_buckets(state, self.bucket_bytes)
-        current = next(buckets)
+        current = next(parts)
         # One bucket of look-ahead tells us which message is the last one.
-        for following in itertools.chain(buckets, [None]):
-            buffers, metadata = flatten_state(current, device=self.device)
-            self._send_header(
-                {
-                    "protocol": _PROTOCOL,
-                    "version": version,
-                    "is_last": following is None,
-                    "layout": _metadata_to_json(metadata),
-                }
-            )
+        for following in itertools.chain(parts, [None]):
+            buffers, metadata = current
+            self._send_header({"protocol": _PROTOCOL, "version": version, "is_last": following is None,
+                               "layout": _metadata_to_json(metadata)})
             for buf in buffers:
                 if buf.numel():
-                    self._broadcast(buf)
-            # Buffers are dropped on the next iteration: make sure NCCL has finished reading them.
-            self._synchronize()
+                    self._broadcast(self._on_device(buf))
+            if not packed:  # the packed buffers are dropped next: NCCL must have finished reading them
+                self._synchronize()
             nbytes += metadata.nbytes
             num_tensors += len(metadata.slots)
             current = following  # type: ignore[assignment]
+        self._synchronize()  # the snapshot's host memory may be refilled once this returns
         return SyncStats(version=version, nbytes=nbytes, seconds=time.perf_counter() - start, num_tensors=num_tensors)
+
+    def _on_device(self, buf: torch.Tensor) -> torch.Tensor:
+        """``buf`` where the collective runs: itself, or a view of the reused staging buffer
+        holding a copy (queued on the current stream, which waited for the previous broadcast:
+        the staging is not overwritten while NCCL still reads it)."""
+        if buf.device == self.device:
+            return buf
+        nbytes = buf.numel() * buf.element_size()
+        if self._staging is None or self._staging.numel() < nbytes:
+            self._staging = None  # free the smaller one first
+            self._staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self.staging_allocations += 1
+        out = self._staging[:nbytes].view(buf.dtype)
+        out.copy_(buf, non_blocking=True)
+        return out
 
     def _recv_parts(self, *, sync_each: bool) -> Iterator[tuple[dict[str, torch.Tensor], int, int]]:
         """The messages of one sync as ``(bucket, version, nbytes)``, checked: one version, no
@@ -393,6 +412,7 @@ class WeightChannel:
         # Dropping the store on rank 0 stops its server; gloo's pairs close with the group object.
         self._store = None
         self._ready = None
+        self._staging = None
         if self._listen_sock is not None:
             self._listen_sock.close()
             self._listen_sock = None
@@ -473,11 +493,13 @@ class WeightSyncMixin:
         self.policy_version = version
         return stats.as_dict()
 
-    def sync_send_in_background(self, state: Mapping[str, torch.Tensor], version: int, timeout_s: float) -> None:
+    def sync_send_in_background(self, state: Mapping[str, torch.Tensor] | HostSnapshot, version: int,
+                                timeout_s: float) -> None:
         """Send ``state`` as ``version`` from a side thread and return at once: the thread waits
         (on the host) until every receiver has called :meth:`sync_recv`, then broadcasts, on a
         CUDA stream of its own for NCCL, so the caller's work on its streams goes on meanwhile.
-        ``state`` must be a copy the caller no longer changes (the trained weights move on).
+        ``state`` must be a copy the caller does not change until the send is joined (the trained
+        weights move on): a :class:`HostSnapshot` (reused for the next version once joined).
         The previous send is joined first (:meth:`sync_join`): transfers stay in order."""
         self.sync_join(timeout_s)
         channel = self._require_sync_channel()

@@ -18,7 +18,6 @@ tasks land on the worker a plan names.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -31,8 +30,9 @@ from verl import DataProto
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 from verl_digen.config.schema import DigenConfig
-from verl_digen.sync.state import digest_update, state_digest, trainable_state
-from verl_digen.sync.transport import WeightSyncMixin
+from verl_digen.sync.snapshot import HostSnapshot, WeightsDigest, weights_digest
+from verl_digen.sync.state import trainable_state
+from verl_digen.sync.transport import DEFAULT_BUCKET_BYTES, WeightSyncMixin
 from verl_digen.workers.messages import (
     GenerateRequest,
     OptimizerResult,
@@ -172,7 +172,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         self.reward_fn = None
         self._pg: dist.ProcessGroup | None = None
         self.fsdp = ROLE_CAPABILITIES[role].trains and config.fsdp.enable
-        self._sync_cache: dict[str, torch.Tensor] | None = None
+        self._snapshot: HostSnapshot | None = None  # FSDP rank 0 / the sender: this version on the host
         self._sync_digest: str | None = None  # FSDP ranks other than 0, after a checkpoint load
 
     # ------------------------------------------------------------------ set-up
@@ -449,12 +449,25 @@ class DiffusionWorker(Worker, WeightSyncMixin):
             self.sync_send_in_background(self._sync_snapshot(), self.policy_version, self.cfg.task_timeout_s)
         return OptimizerResult(metrics=metrics, policy_version=self.policy_version)
 
-    def _sync_snapshot(self) -> dict[str, torch.Tensor]:
-        """The weights to send, as a copy training will not change: FSDP's host copy of this
-        version (made for every version by ``_refresh_sync_cache``), else a host copy now."""
-        if self.fsdp:
-            return self._full_state()
-        return {k: v.detach().to("cpu", copy=True) for k, v in self._full_state().items()}
+    def _sync_snapshot(self) -> HostSnapshot:
+        """The weights to send, as a copy training will not change: FSDP's host snapshot of this
+        version (taken for every version by ``_refresh_sync_cache``), else one taken now, into
+        the same reused (pinned, on a GPU) host buffers."""
+        if not self.fsdp:
+            self._capture(trainable_state(self.adapter.transformer, lora_only=self.cfg.model.lora.enable))
+        return self._require_snapshot()
+
+    def _capture(self, named_tensors) -> None:
+        """Copy a version into the host snapshot, once the send still reading it has ended."""
+        self.sync_join(self.cfg.task_timeout_s)
+        if self._snapshot is None:
+            self._snapshot = HostSnapshot(DEFAULT_BUCKET_BYTES)
+        self._snapshot.capture(named_tensors)
+
+    def _require_snapshot(self) -> HostSnapshot:
+        if self._snapshot is None:
+            raise RuntimeError(f"{self.role}{self.rank}: only FSDP rank 0 and the weight-sync sender keep a host snapshot")
+        return self._snapshot
 
     # ------------------------------------------------------------------ inspection
 
@@ -464,35 +477,35 @@ class DiffusionWorker(Worker, WeightSyncMixin):
     def _refresh_sync_cache(self, *, digest: bool = False) -> None:
         """FSDP: stream the full trained state out of the shards (a collective: every rank, once
         per version), one bucket at a time on the device. Rank 0 (the sender, and the source of
-        checkpoints and final weights) keeps it on CPU and hashes it when asked; the other ranks
-        only take part, and hash what passes when ``digest`` (after a checkpoint load, whose
-        digest every rank reports): hashing the full model on every rank at every step would
-        cost more than the step's sync."""
+        checkpoints and final weights) copies each bucket into its reused host snapshot (pinned,
+        on a side stream: :class:`HostSnapshot`); the other ranks only take part, and digest what
+        passes on the device when ``digest`` (after a checkpoint load, whose digest every rank
+        reports)."""
         if self.fsdp:
             from verl_digen.workers.fsdp import stream_full_state
 
-            keep = self.rank == 0
-            h = hashlib.sha256() if digest and not keep else None
-            cache: dict[str, torch.Tensor] = {}
-            for name, full in stream_full_state(self.adapter.transformer, lora_only=self.cfg.model.lora.enable):
-                if keep:
-                    cache[name] = full.to("cpu", copy=True)
-                elif h is not None:
-                    digest_update(h, name, full)
-            self._sync_cache = cache if keep else None
-            self._sync_digest = h.hexdigest() if h is not None else None
+            stream = stream_full_state(self.adapter.transformer, lora_only=self.cfg.model.lora.enable)
+            if self.rank == 0:
+                self._capture(stream)
+                return
+            d = WeightsDigest() if digest else None
+            for name, full in stream:
+                if d is not None:
+                    d.update(name, full)
+            self._sync_digest = d.hexdigest() if d is not None else None
 
     def _full_state(self) -> dict[str, torch.Tensor]:
+        """The trained weights: FSDP rank 0's host snapshot (views), else the module's own."""
         if self.fsdp:
-            if self._sync_cache is None:
-                raise RuntimeError(f"{self.role}{self.rank}: only FSDP rank 0 keeps the gathered weights")
-            return self._sync_cache
+            return self._require_snapshot().state()
         return trainable_state(self.adapter.transformer, lora_only=self.cfg.model.lora.enable)
 
     def sync_send(self, version: int) -> SyncResult:
-        """Send now, blocking (tools and tests; a run's optimizer step sends in the background)."""
+        """Send now, blocking (tools and tests; a run's optimizer step sends in the background):
+        FSDP's snapshot as packed, else the module's weights straight from the device."""
         self.sync_join(self.cfg.task_timeout_s)
-        stats = self._require_sync_channel().send(self._full_state(), version)
+        state = self._require_snapshot() if self.fsdp else self._full_state()
+        stats = self._require_sync_channel().send(state, version)
         self.policy_version = version
         return SyncResult(**stats.as_dict())
 
@@ -501,12 +514,14 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         return SyncResult(**WeightSyncMixin.sync_recv(self))
 
     def weights_digest(self) -> str:
+        """A :class:`WeightsDigest` of the trained weights, summed on this worker's device (a
+        host snapshot goes over in chunks): seconds for a full model, not a CPU sha256's minutes."""
         if self.fsdp and self.rank != 0:
             if self._sync_digest is None:
-                raise RuntimeError(f"{self.role}{self.rank}: an FSDP rank other than 0 hashes the weights only "
+                raise RuntimeError(f"{self.role}{self.rank}: an FSDP rank other than 0 digests the weights only "
                                    "when it loads a checkpoint")
             return self._sync_digest
-        return state_digest(self._full_state())
+        return weights_digest(self._full_state(), device=compute_device())
 
     # ------------------------------------------------------------------ prompt cache (workers/prompt_warmup.py)
 

@@ -1,0 +1,183 @@
+"""The sender's host snapshot (reused, pinned on a GPU) and the device-side weights digest.
+
+The FSDP trainer used to copy every tensor to fresh pageable host memory each step, then pack it
+back onto the device to send; the start-up and end-of-run checks hashed the full state with a
+sha256 on one CPU core. These tests pin down what replaced that (sync/snapshot.py)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from verl_digen.sync.snapshot import HostSnapshot, WeightsDigest, weights_digest
+from verl_digen.sync.state import state_digest, state_nbytes, trainable_state
+from verl_digen.sync.transport import WeightChannel, find_free_port
+
+
+def _state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "a.weight": torch.randn(64, 33, generator=g).to(torch.bfloat16),
+        "b.bias": torch.randn(7, generator=g),
+        "c.scale": torch.randn((), generator=g),
+        "d.count": torch.randint(0, 255, (5,), generator=g, dtype=torch.uint8),
+    }
+
+
+class _CountCalls(TorchFunctionMode):
+    def __init__(self, names: set[str]) -> None:
+        super().__init__()
+        self.names, self.calls = names, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.names:
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_snapshot_reuses_its_host_buffers_for_every_version() -> None:
+    """Version after version the same host buffers hold the weights (no fresh allocation per
+    step), in the wire's buckets, bitwise."""
+    snap = HostSnapshot(bucket_bytes=4096)
+    snap.capture(_state(1))
+    ptrs, made = snap.buffer_ptrs(), snap.allocations
+    assert len(list(snap.parts())) > 1  # several buckets
+    for seed in (2, 3):
+        snap.capture(_state(seed))
+        assert snap.buffer_ptrs() == ptrs and snap.allocations == made
+        assert state_digest(snap.state()) == state_digest(_state(seed))
+    assert snap.nbytes == state_nbytes(_state(3))
+
+
+def test_a_worker_sends_each_version_from_the_same_host_buffers() -> None:
+    """DiffusionWorker._sync_snapshot (the background send's copy) reuses one snapshot; the
+    old code made a fresh host copy of every tensor per version."""
+    from verl_digen.config import digen_config_from_dict
+    from verl_digen.workers.worker import DiffusionWorker
+
+    from test_sync import make_full_denoiser
+
+    worker = object.__new__(DiffusionWorker)  # only the snapshot path runs: no Ray, no group
+    worker.cfg, worker.role, worker.fsdp, worker._snapshot = digen_config_from_dict({"model": {"lora": {"enable": False}}}), "trainer", False, None
+    worker.adapter = type("A", (), {"transformer": make_full_denoiser(3)})()
+    first = worker._sync_snapshot()
+    ptrs = [t.data_ptr() for t in first.state().values()]
+    with torch.no_grad():
+        for p in worker.adapter.transformer.parameters():
+            p.add_(1.0)
+    second = worker._sync_snapshot()
+    assert [t.data_ptr() for t in second.state().values()] == ptrs
+    want = trainable_state(worker.adapter.transformer, lora_only=False)
+    assert state_digest(second.state()) == state_digest(want)
+
+
+def test_a_snapshot_goes_over_the_channel_as_packed_and_arrives_bitwise() -> None:
+    """The sender broadcasts the snapshot's buckets as they are: no repacking (flatten_state is
+    not called), and the receiver gets every tensor bitwise, in several messages."""
+    import verl_digen.sync.transport as transport
+
+    port = find_free_port()
+    state = _state(5)
+    snap = HostSnapshot(bucket_bytes=4096)
+    snap.capture(state)
+    got: dict[int, object] = {}
+    packs = []
+    real_flatten = transport.flatten_state
+
+    def counting_flatten(*a, **k):
+        packs.append(1)
+        return real_flatten(*a, **k)
+
+    def endpoint(rank: int) -> None:
+        ch = WeightChannel("gloo", rank, 2, "127.0.0.1", port, timeout_s=30)
+        try:
+            got[rank] = ch.send(snap, 4) if rank == 0 else ch.recv()
+        finally:
+            ch.close()
+
+    transport.flatten_state = counting_flatten
+    try:
+        threads = [threading.Thread(target=endpoint, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        transport.flatten_state = real_flatten
+    received, version, _ = got[1]
+    assert version == 4 and state_digest(received) == state_digest(state)
+    assert got[0].nbytes == state_nbytes(state) and not packs
+
+
+def test_weights_digest_matches_bitwise_equal_states_and_catches_any_changed_word() -> None:
+    state = _state(7)
+    d = weights_digest(state)
+    relaid = {k: v.t().contiguous().t() if v.ndim == 2 else v.clone() for k, v in state.items()}  # strided copy
+    assert weights_digest(relaid) == d
+    assert weights_digest(list(sorted(state.items()))) == d
+    for name in state:
+        for pos in (0, state[name].numel() - 1):
+            changed = {k: v.clone() for k, v in state.items()}
+            raw = changed[name].reshape(-1).view(torch.uint8)
+            raw[pos * state[name].element_size()] ^= 1  # one bit of one element
+            assert weights_digest(changed) != d, (name, pos)
+    assert weights_digest({"x" + k: v for k, v in state.items()}) != d  # names count
+    assert weights_digest({**state, "b.bias": state["b.bias"].double()}) != d  # dtypes count
+
+
+def test_weights_digest_brings_one_small_tensor_to_the_host_per_state() -> None:
+    """The old digest moved every tensor to the host (.cpu() per tensor) and hashed its bytes
+    there; this one sums on the device and moves the sums once."""
+    state = {f"t{i}": torch.randn(100) for i in range(12)}
+    with _CountCalls({"cpu", "numpy"}) as mode:
+        weights_digest(state)
+    assert mode.calls == 1
+
+
+def test_weights_digest_chunks_large_tensors_exactly() -> None:
+    """Chunk sums are exact int64 (no overflow for the largest words and weights), so a tensor
+    past one chunk digests the same as its bitwise copy and differs from a changed one."""
+    from verl_digen.sync import snapshot
+
+    big = torch.full((snapshot._DIGEST_CHUNK_WORDS + 5,), -32768, dtype=torch.int16)
+    d = WeightsDigest()
+    d.update("big", big)
+    once = d.hexdigest()
+    assert weights_digest({"big": big.clone()}) == once
+    big[-1] = 0
+    assert weights_digest({"big": big}) != once
+
+
+@pytest.mark.gpu
+def test_pinned_snapshot_and_nccl_send_on_one_gpu() -> None:  # pragma: no cover - GPU only
+    """On a GPU: the snapshot's buffers are pinned and reused across versions, the side-stream
+    copies land before the host reads them (bitwise), the device digest equals the host one,
+    and the NCCL sender's device staging (``WeightChannel._on_device``: pinned -> device,
+    non_blocking) is made once and carries every buffer bitwise. (NCCL forbids two ranks on
+    one GPU; tests/test_sync.py::test_nccl_channel_between_two_gpus runs the wire.)"""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    dev = torch.device("cuda", 0)
+    snap = HostSnapshot(bucket_bytes=1 << 20)
+    gpu = {k: (torch.randn(512, 1024, device=dev) * (i + 1)).to(torch.bfloat16) for i, k in enumerate("abcd")}
+    snap.capture(gpu)
+    ptrs, made = snap.buffer_ptrs(), snap.allocations
+    assert all(b.is_pinned() for buffers, _ in snap.parts() for b in buffers)
+    sender = object.__new__(WeightChannel)  # only the staging path: no process group
+    sender.device, sender._staging, sender.staging_allocations = dev, None, 0
+    for v in range(3):
+        for t in gpu.values():
+            t.add_(1)  # the next version, written on the current stream before the capture
+        snap.capture(gpu)
+        assert snap.buffer_ptrs() == ptrs and snap.allocations == made
+        host = snap.state()
+        assert all(torch.equal(host[k], gpu[k].cpu()) for k in gpu), v
+        assert weights_digest(gpu) == weights_digest(host) == weights_digest(host, device=dev)
+        for buffers, _ in snap.parts():
+            for buf in buffers:
+                staged = sender._on_device(buf)
+                assert staged.device == dev and torch.equal(staged.cpu(), buf)
+    assert sender.staging_allocations == 1
