@@ -34,7 +34,7 @@ def test_flux_phases_on_the_tiny_model_measure_every_phase_and_stay_on_policy(ti
     rv = out["rollout_vs_pipeline"]
     assert rv["ours_images_per_s"] > 0 and rv["pipeline_images_per_s"] > 0
     # predictions for the same shape from both models, compared phase by phase
-    assert set(out["memory_plan"]) == {"load", "generate", "decode", "train"}
+    assert set(out["memory_plan"]) == {"load", "warm", "generate", "decode", "train"}
     assert out["comparison"]["generate"]["predicted_seconds"] > 0
     assert out["sync_bytes"] > 0 and out["text_encoder_bytes_freed"] > 0
 
@@ -143,3 +143,13 @@ def test_the_real_size_flux_is_built_from_the_shipped_configs_in_bf16():
     assert not any(p.requires_grad for m in modules[1:] for p in m.parameters())
     assert adapter.clip_max_length == 77 and adapter.max_sequence_length == 512
     assert adapter.compute_dtype == torch.bfloat16
+
+
+def test_predictions_are_for_the_device_the_check_runs_on(monkeypatch):
+    """An H200 is predicted as an H200 (its own row of the device table), an unknown card and
+    the CPU as the H100 the cost model was measured on."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    assert gpu_check.device_type(torch.device("cuda", 0)) == "H200"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA GeForce RTX 4090")
+    assert gpu_check.device_type(torch.device("cuda", 0)) == "H100"
+    assert gpu_check.device_type(torch.device("cpu")) == "H100"

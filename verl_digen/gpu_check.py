@@ -180,6 +180,20 @@ def _device(name: str) -> torch.device:
     return device
 
 
+def device_type(device: torch.device) -> str:
+    """The device table's entry (verl_digen/platform/devices.yaml) for ``device``: the CUDA
+    device's name when the table has it (an H200 is predicted as an H200), else H100, the
+    device the cost model was measured on (also for the CPU: predictions are for a GPU)."""
+    from verl_digen.platform.devices import device_types
+
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device).upper()
+        for kind in sorted(device_types(), key=len, reverse=True):
+            if kind.upper() in name:
+                return kind
+    return "H100"
+
+
 def _preset_config(size: str, group_size: int, overrides: list[str]):
     """The ``flux_colocated`` preset on one device with one group of ``group_size`` samples per step."""
     from verl_digen.config.compose import compose_config
@@ -408,7 +422,9 @@ def part_flux_phases(size: str, device_name: str, *, group_size: int, pipeline_r
                                                    images_per_step=group_size, trainable_dtype=torch.float32))
     out["trainable_params"] = sum(p.numel() for p in updater.params)
     steps = len(step_plan(settings, training_step=0, seed=3)[1])
-    out.update(_predictions(dcfg, "H100", group_size, settings.num_steps, steps, settings.forward_rows))
+    out["cost_model_device_type"] = device_type(device)
+    out.update(_predictions(dcfg, out["cost_model_device_type"], group_size, settings.num_steps, steps,
+                            settings.forward_rows))
 
     data = _rollout(adapter, settings, group_size, seed=3, meter=meter)
     reward_fn = build_reward_from_config(dcfg.reward.as_spec())
@@ -505,6 +521,7 @@ def _compare(out: dict[str, Any]) -> dict[str, Any]:
         if pred_s:
             row["predicted_seconds"] = pred_s
             row["time_ratio"] = rec["seconds"] / pred_s
+            row["time_within_25pct"] = 0.75 <= row["time_ratio"] <= 1.25
         if "max_allocated_gib" in rec:
             row["max_allocated_gib"] = rec["max_allocated_gib"]
             plan_phase = _PLAN_PHASE.get(name)
@@ -512,6 +529,7 @@ def _compare(out: dict[str, Any]) -> dict[str, Any]:
                 pred = out["memory_plan"][plan_phase]["without_overhead_gib"]
                 row["planned_gib"] = pred
                 row["memory_ratio"] = rec["max_allocated_gib"] / pred
+                row["memory_within_15pct"] = 0.85 <= row["memory_ratio"] <= 1.15
         rows[name] = row
     return rows
 
