@@ -86,3 +86,60 @@ def test_plan_check_refuses_a_mini_batch_that_does_not_wait_for_the_previous_ste
 def test_mini_batches_must_split_the_step_into_whole_micro_batches(kwargs, field):
     with pytest.raises(ValueError, match=f"{field}="):
         StrategySpec("disaggregated", rollout_workers=1, trainer_workers=1, group_size=2, **kwargs)
+
+
+# ----------------------------------------------------------------------------- the simulator and cost model
+
+
+def _flux(**workload):
+    from verl_digen.sim.cost_model import CostModel, load_catalog
+
+    return CostModel.from_catalog(load_catalog(), "flux-12b", devices=["H800"], **workload)
+
+
+def test_the_simulator_charges_one_optimizer_step_per_mini_batch():
+    from verl_digen.sim.cost_model import Cluster
+    from verl_digen.sim.simulator import simulate
+
+    one = StrategySpec("disaggregated", rollout_workers=4, trainer_workers=4, groups_per_step=8, group_size=8,
+                       gap=True, max_staleness=1, fsdp=True)
+    two = dataclasses.replace(one, mini_batches=2)
+    cluster = Cluster.for_spec(one, "H800")
+    costs = _flux()
+    runs = {s.mini_batches: simulate(s, costs, cluster, steps=3, warmup=1) for s in (one, two)}
+    per_step = {}
+    for k, run in runs.items():
+        opts = [r for r in run.timeline.records if r.kind == "optimizer_step" and r.step == 1]
+        assert len({r.task for r in opts}) == k  # the optimizer steps of step 1, one per mini-batch
+        per_step[k] = sum(r.end - r.start for r in opts)
+    model = costs.for_spec(two)
+    dev, group = model.device("H800"), model.train_group(cluster)
+    assert model.workload.mini_batches == 2 and model.workload.optimizer_tasks == 2
+    # mini-batch 0's step is one Adam update; the last adds the per-version work once
+    assert model.optimizer_task_seconds(dev, group, 0) == pytest.approx(model.update_seconds(dev, group))
+    assert model.optimizer_task_seconds(dev, group, 0) + model.optimizer_task_seconds(dev, group, 1) == \
+        pytest.approx(model.optimizer_seconds(dev, group))
+    # two mini-batches cost exactly one more update (and one more task) than one
+    extra = model.update_seconds(dev, group) + model.system.task_overhead_s
+    assert per_step[2] - per_step[1] == pytest.approx(extra, rel=1e-6)
+
+
+def test_the_emulated_worker_steps_per_mini_batch_and_versions_per_step():
+    from verl_digen.sim.cost_model import Cluster, PoolPlacement
+    from verl_digen.schedule.plan import WorkerId
+    from verl_digen.workers.emulated import EmulatedWorker
+    from verl_digen.workers.messages import OptimizerRequest
+
+    spec = StrategySpec("disaggregated", rollout_workers=1, trainer_workers=1, groups_per_step=2, group_size=2,
+                        mini_batches=2)
+    costs = _flux(groups_per_step=2, group_size=2).for_spec(spec)
+    cluster = Cluster({"rollout": PoolPlacement(1, 1, "H800"), "trainer": PoolPlacement(1, 1, "H800")})
+    w = EmulatedWorker(WorkerId("trainer", 0), costs, cluster, group_size=2, time_scale=0.0)
+    assert w.optimizer_step(OptimizerRequest(mini_batch=0, final=False)).policy_version == 0
+    assert w.optimizer_step(OptimizerRequest(mini_batch=1, final=True)).policy_version == 1
+    charged = [s for kind, _, s in w.charged if kind == "optimizer_step"]
+    dev, group = costs.device("H800"), costs.train_group(cluster)
+    overhead = costs.system.task_overhead_s
+    assert charged[0] == pytest.approx(costs.optimizer_task_seconds(dev, group, 0) + overhead)
+    assert charged[1] == pytest.approx(costs.optimizer_task_seconds(dev, group, 1) + overhead
+                                       + costs.snapshot_seconds(dev, cluster))
