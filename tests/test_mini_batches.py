@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from verl_digen.schedule.plan import Plan, PlanError, Task, TaskId, TaskKind
 from verl_digen.schedule.strategies import StepPlanner, StrategySpec
@@ -143,3 +144,51 @@ def test_the_emulated_worker_steps_per_mini_batch_and_versions_per_step():
     assert charged[0] == pytest.approx(costs.optimizer_task_seconds(dev, group, 0) + overhead)
     assert charged[1] == pytest.approx(costs.optimizer_task_seconds(dev, group, 1) + overhead
                                        + costs.snapshot_seconds(dev, cluster))
+
+
+# ----------------------------------------------------------------------------- the numerics (tiny model)
+
+
+def _two_mini_batches(adapter, device: str = "cpu"):
+    """Sample two groups of 2 with ``adapter``, then train them as two PPO mini-batches of one
+    group each (an optimizer step after each), as the worker does; the metrics of both."""
+    from test_consistency import _sample, _settings
+    from verl_digen.config.schema import AlgoConfig, LoraConfigSpec
+    from verl_digen.workers.training import PolicyUpdater, TrainSettings, add_lora
+
+    add_lora(adapter, LoraConfigSpec(rank=4))
+    settings = _settings()
+    data = _sample(adapter, settings)
+    rows = data.non_tensor_batch["group_id"]
+    updater = PolicyUpdater(adapter, TrainSettings(algo=AlgoConfig(lr=0.5), sampling=settings, lora_only=True,
+                                                   images_per_step=2))  # one mini-batch: one group of 2
+    out = []
+    for g in (0, 1):
+        idx = [i for i, r in enumerate(rows) if int(r) == g]
+        out.append(updater.train_micro_batch(data.select_idxs(idx), torch.tensor([1.0, -1.0])))
+        out[-1].update(updater.optimizer_step())
+    return out
+
+
+def test_the_second_mini_batch_trains_against_the_behaviour_log_probs(tiny_flux):
+    """Mini-batch 0 is on-policy (ratio exactly 1, nothing clipped); mini-batch 1 runs on the
+    weights mini-batch 0's step made, against the log-probs recorded at rollout: its ratio
+    moves and, with a large learning rate and Flow-GRPO's small clip range, clips."""
+    from verl_digen.models.registry import load_adapter
+
+    first, second = _two_mini_batches(load_adapter(tiny_flux))
+    assert abs(first["actor/ratio_mean"] - 1.0) < 1e-5 and first["actor/clip_frac"] == 0.0
+    assert abs(second["actor/ratio_mean"] - 1.0) > 1e-4
+    assert second["actor/clip_frac"] > 0.0
+
+
+@pytest.mark.gpu
+def test_the_second_mini_batch_trains_against_the_behaviour_log_probs_on_cuda_bf16(tiny_flux):
+    """The same on a GPU in bf16 (digen.model.dtype=bfloat16): the first mini-batch's ratio is
+    still exactly 1 (rollout and trainer make the same calls), the second's moves."""
+    from verl_digen.models.registry import load_adapter
+
+    adapter = load_adapter(tiny_flux, device="cuda", dtype=torch.bfloat16)
+    first, second = _two_mini_batches(adapter)
+    assert first["actor/ratio_mean"] == 1.0 and first["actor/clip_frac"] == 0.0
+    assert second["actor/ratio_mean"] != 1.0 and second["actor/clip_frac"] > 0.0

@@ -906,7 +906,7 @@ class CostModel:
         shard = self.trainable_params / group.shard
         # read + write fp32 master, m, v and the gradient of the local shard
         t = s.optimizer_fixed_s + 2.0 * (s.optimizer_bytes_per_param + s.grad_bytes_per_param) * shard / (dev.hbm_tbps * 1e12)
-        if group.replicas > 1:  # HSDP: all-reduce the gradient shards across replicas once per step
+        if group.replicas > 1:  # HSDP: all-reduce the gradient shards across replicas once per update
             r = group.replicas
             t += 2.0 * (r - 1) / r * s.grad_bytes_per_param * shard / self.collective_bw(dev, 2)
         return t
