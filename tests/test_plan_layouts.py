@@ -23,9 +23,11 @@ from verl_digen.schedule.strategies import StepCosts, StepPlanner, StrategySpec
 
 MECHANISMS = list(itertools.product(("colocated", "disaggregated"), (False, True), (0, 1), (1, 2),
                                     ("sample", "timestep"), (False, True), (False, True)))
-# rollout, trainer, reward workers, groups_per_step, group_size, groups_per_task, train_micro_batch_groups
-SHAPES = [(1, 1, 0, 2, 2, 1, 1), (2, 1, 0, 4, 2, 1, 1), (2, 2, 1, 4, 4, 2, 2), (4, 2, 2, 8, 2, 1, 2),
-          (4, 3, 0, 4, 4, 2, 1), (2, 3, 2, 2, 4, 1, 2), (4, 1, 1, 12, 2, 2, 3)]
+# rollout, trainer, reward workers, groups_per_step, group_size, groups_per_task, train_micro_batch_groups,
+# PPO mini-batches per step
+SHAPES = [(1, 1, 0, 2, 2, 1, 1, 1), (2, 1, 0, 4, 2, 1, 1, 1), (2, 2, 1, 4, 4, 2, 2, 1), (4, 2, 2, 8, 2, 1, 2, 1),
+          (4, 3, 0, 4, 4, 2, 1, 1), (2, 3, 2, 2, 4, 1, 2, 1), (4, 1, 1, 12, 2, 2, 3, 1),
+          (2, 2, 1, 4, 2, 1, 1, 2), (4, 2, 0, 8, 2, 2, 2, 2), (2, 1, 1, 12, 2, 1, 1, 3)]
 COSTS = [None, StepCosts(generate_per_group=0.3, train_per_group=5.0),
          StepCosts(generate_per_group=4.0, train_per_group=0.5)]
 STEPS = 4
@@ -33,11 +35,12 @@ STEPS = 4
 
 def _specs(placement, gap, staleness, tsp, split, tag, fsdp) -> list[StrategySpec]:
     out = []
-    for r, t, rw, g, gs, gpt, mb in SHAPES:
+    for r, t, rw, g, gs, gpt, mb, minis in SHAPES:
         try:
             out.append(StrategySpec(
                 placement=placement, rollout_workers=r, trainer_workers=t, reward_workers=rw, groups_per_step=g,
-                group_size=gs, groups_per_task=gpt, train_micro_batch_groups=mb, gap=gap, max_staleness=staleness,
+                group_size=gs, groups_per_task=gpt, train_micro_batch_groups=mb, mini_batches=minis,
+                gap=gap, max_staleness=staleness,
                 tsp_stages=tsp, train_split=split, tag=tag, fsdp=fsdp, num_steps=8,
                 stage_bounds=(0, 3, 8) if tsp == 2 and r == 4 else None,
             ))
@@ -53,7 +56,8 @@ def _tag_shares(spec: StrategySpec) -> list[int]:
 
 def _rows(tasks) -> list[tuple]:
     return [(str(t.id), t.kind.value, tuple(str(w) for w in t.workers), t.step, tuple(str(d) for d in t.deps),
-             t.groups, t.version, t.images, t.denoise, t.final, t.stage, t.train_part, t.samples) for t in tasks]
+             t.groups, t.version, t.images, t.denoise, t.final, t.stage, t.train_part, t.samples, t.mini_batch)
+            for t in tasks]
 
 
 def _planned(spec: StrategySpec, start: int, costs: StepCosts | None) -> Plan:
@@ -103,12 +107,12 @@ def reference_plan(spec: StrategySpec, start: int, costs: StepCosts | None) -> l
                     tid = base if k is None else f"{base}:s{k}"
                     rows.append((tid, "generate", (worker,), step, deps + prev, tg, version, images,
                                  None if k is None else (bounds[k], bounds[k + 1]),
-                                 k is None or k == k_stages - 1, k, None, samples))
+                                 k is None or k == k_stages - 1, k, None, samples, 0))
                     prev = (tid,)
                 finals.append((prev[0], worker, images))
             rw = f"reward{take('reward', spec.reward_workers)}" if spec.reward_workers else finals[-1][1]
             rows.append((f"reward:{tag}", "reward", (rw,), step, tuple(f[0] for f in finals), tg, 0,
-                         sum(f[2] for f in finals), None, True, None, None, None))
+                         sum(f[2] for f in finals), None, True, None, None, None, 0))
             position[f"reward:{tag}"], first_worker[f"reward:{tag}"] = len(rows), finals[0][1]
             reward_of.update({g: f"reward:{tag}" for g in tg})
 
@@ -116,8 +120,11 @@ def reference_plan(spec: StrategySpec, start: int, costs: StepCosts | None) -> l
         whole = tuple(sorted({reward_of[g] for g in groups}))
         order = sorted(groups, key=lambda g: position[reward_of[g]])
         ids = []
+        mini_groups = spec.groups_per_step // spec.mini_batches  # a PPO mini-batch: whole micro-batches
+        previous: tuple[str, ...] = ()  # the previous mini-batch's optimizer step
         for j, mb in enumerate(chunk(order, spec.train_micro_batch_groups)):
-            deps = tuple(sorted({reward_of[g] for g in mb})) if spec.gap else whole
+            mini = j * spec.train_micro_batch_groups // mini_groups
+            deps = (tuple(sorted({reward_of[g] for g in mb})) if spec.gap else whole) + previous
             if spec.fsdp:
                 placed = [(tuple(trainers), None)]
             elif spec.placement == "colocated":
@@ -129,9 +136,13 @@ def reference_plan(spec: StrategySpec, start: int, costs: StepCosts | None) -> l
             for workers, part in placed:
                 ids.append(f"train:{step}:{j}" + (f":p{part[0]}" if part else ""))
                 rows.append((ids[-1], "train", workers, step, deps, mb, 0, len(mb) * spec.group_size, None, True,
-                             None, part, None))
-        rows.append((f"opt:{step}", "optimizer_step", tuple(trainers), step, tuple(ids), (), step + 1, 0, None, True,
-                     None, None, None))
+                             None, part, None, mini))
+            if (j + 1) * spec.train_micro_batch_groups % mini_groups == 0:  # the mini-batch is complete
+                last = mini == spec.mini_batches - 1
+                opt = f"opt:{step}" if last else f"opt:{step}:m{mini}"
+                rows.append((opt, "optimizer_step", tuple(trainers), step, tuple(ids), (),
+                             step + 1 if last else step, 0, None, True, None, None, None, mini))
+                previous, ids = (opt,), []
         for w in trainers:
             held[w] = step + 1
 
@@ -162,7 +173,7 @@ def reference_plan(spec: StrategySpec, start: int, costs: StepCosts | None) -> l
                 generate(step + 1, ahead[step + 1], False, ())
             rollouts = tuple(f"rollout{r}" for r in range(spec.rollout_workers))
             rows.append((f"sync:{step + 1}", "sync", rollouts, step, (f"opt:{step}",), (), step + 1, 0,
-                         None, True, None, None, None))
+                         None, True, None, None, None, 0))
             for w in rollouts:
                 held[w] = step + 1
     return rows
@@ -191,7 +202,7 @@ def test_every_combination_plans_what_the_rules_say(mechanism):
 def test_the_grid_covers_every_mechanism():
     specs = [s for m in MECHANISMS for s in _specs(*m)]
     names = {part for s in specs for part in s.name.split("+")}
-    assert names >= {"colocated", "fsdp", "disaggregated", "gap", "tsp2", "tsp_train", "tag", "tcss"}
+    assert names >= {"colocated", "fsdp", "disaggregated", "gap", "tsp2", "tsp_train", "tag", "tcss", "mb2", "mb3"}
     assert any(s.sample_split > 1 for s in specs) and any(s.reward_workers for s in specs)
     assert len(specs) > 400
 
@@ -211,6 +222,8 @@ def test_task_ids_name_their_task_and_plans_look_tasks_up_by_them(mechanism):
                 assert t.id.stage == t.stage and (t.id.sample_slice is None) == (t.samples is None)
             if t.kind in (TaskKind.TRAIN, TaskKind.OPTIMIZER_STEP):
                 assert t.id.step == t.step
+            if t.kind == TaskKind.OPTIMIZER_STEP:  # the last mini-batch's step has no index: it makes the version
+                assert t.id.mini_batch == (None if t.mini_batch == spec.mini_batches - 1 else t.mini_batch)
             if t.kind == TaskKind.TRAIN:
                 assert t.id.part == (t.train_part[0] if t.train_part else None)
             if t.kind == TaskKind.SYNC:
@@ -222,9 +235,9 @@ def test_task_id_text_forms_and_order():
     assert [str(i) for i in (
         TaskId.generate((4, 5)), TaskId.generate((3,), sample_slice=1), TaskId.generate((3,), sample_slice=1, stage=2),
         TaskId.generate((7,), stage=0), TaskId.reward((4, 5)), TaskId.train(2, 3), TaskId.train(2, 3, part=1),
-        TaskId.optimizer_step(2), TaskId.sync(3),
+        TaskId.optimizer_step(2), TaskId.optimizer_step(2, 0), TaskId.sync(3),
     )] == ["gen:4-5", "gen:3:k1", "gen:3:k1:s2", "gen:7:s0", "reward:4-5", "train:2:3", "train:2:3:p1", "opt:2",
-           "sync:3"]
+           "opt:2:m0", "sync:3"]
     assert TaskId.reward((1,)) == TaskId.reward((1,)) != TaskId.generate((1,))
     assert len({TaskId.sync(1), TaskId.sync(1), TaskId.optimizer_step(1)}) == 2
     # Ids order as their text does (the executor's input order for a micro-batch depends on it).

@@ -107,11 +107,24 @@ def test_batch_sizes_in_samples_become_whole_groups():
             batch["groups_per_task"]) == (4, 4, 2, 2)
 
 
+def test_ppo_mini_batch_size_gives_optimizer_steps_per_rollout_batch():
+    """veRL-Omni's recipes: 4 of 8 prompts per mini-batch -> two optimizer steps per step."""
+    batch = _resolved("data.train_batch_size=8", "actor_rollout_ref.rollout.n=2",
+                      "actor_rollout_ref.actor.ppo_mini_batch_size=4").digen["batch"]
+    assert (batch["groups_per_step"], batch["mini_batches_per_step"]) == (8, 2)
+    run = _resolved("data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8")
+    assert run.digen["batch"]["mini_batches_per_step"] == 1
+    # one value per setting: the digen key and the veRL key may not disagree
+    with pytest.raises(ConfigError, match=r"ppo_mini_batch_size=4.*digen.batch.mini_batches_per_step=4 are the same"):
+        _resolved("data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                  "digen.batch.mini_batches_per_step=4")
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     (["actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=6"],
      r"ppo_micro_batch_size_per_gpu=6; must be a positive multiple of actor_rollout_ref.rollout.n=4"),
-    (["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2"],
-     r"ppo_mini_batch_size=2; must equal data.train_batch_size=4"),
+    (["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=3"],
+     r"ppo_mini_batch_size=3; must be a positive divisor of data.train_batch_size=4"),
     (["actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
       "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8"],
      r"ref.log_prob_micro_batch_size_per_gpu=8; must equal .*ppo_micro_batch_size_per_gpu=4"),

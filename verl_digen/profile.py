@@ -226,7 +226,7 @@ def _task_timings(overrides: list[str], threads: int, repeats: int, barrier: Any
     )
     trainer = PolicyUpdater(
         adapter,
-        TrainSettings(algo=cfg.algo, sampling=settings, lora_only=cfg.model.lora.enable, images_per_step=cfg.batch.images_per_step),
+        TrainSettings(algo=cfg.algo, sampling=settings, lora_only=cfg.model.lora.enable, images_per_step=cfg.batch.images_per_optimizer_step),
     )
     data = {n: gen(n, settings) for n in (1, 2)}
     if barrier is not None:

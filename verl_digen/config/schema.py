@@ -192,6 +192,9 @@ class BatchConfig:
     group_size: int = 4  # images per prompt (GRPO group, G)
     groups_per_task: int = 1  # groups sampled together in one generate call
     train_micro_batch_groups: int = 1  # groups per trainer micro-batch (gradient accumulation unit)
+    # PPO mini-batches: optimizer steps per training step, each on groups_per_step / mini_batches_per_step
+    # groups (veRL's ppo_mini_batch_size); the ratio stays against the rollout's log-probs.
+    mini_batches_per_step: int = 1
 
     def validate(self, key: str) -> None:
         # That groups_per_task and train_micro_batch_groups divide groups_per_step is a
@@ -204,6 +207,11 @@ class BatchConfig:
     @property
     def images_per_step(self) -> int:
         return self.groups_per_step * self.group_size
+
+    @property
+    def images_per_optimizer_step(self) -> int:
+        """Images of one PPO mini-batch: what one optimizer step's loss is the mean over."""
+        return self.images_per_step // self.mini_batches_per_step
 
 
 @dataclass
@@ -479,6 +487,7 @@ _STRATEGY_KEYS = {
     "groups_per_step": "digen.batch.groups_per_step",
     "groups_per_task": "digen.batch.groups_per_task",
     "train_micro_batch_groups": "digen.batch.train_micro_batch_groups",
+    "mini_batches": "digen.batch.mini_batches_per_step",
     "max_staleness": "digen.async.max_staleness",
     "tsp_stages": "digen.tsp.stages",
     "num_steps": "digen.sampling.num_steps",
@@ -532,6 +541,7 @@ class DigenConfig:
             groups_per_step=b.groups_per_step,
             groups_per_task=b.groups_per_task,
             train_micro_batch_groups=b.train_micro_batch_groups,
+            mini_batches=b.mini_batches_per_step,
             max_staleness=self.async_.max_staleness,
             tsp_stages=self.tsp.stages,
             num_steps=self.sampling.num_steps,

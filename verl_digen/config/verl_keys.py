@@ -137,7 +137,9 @@ MAPPED: tuple[Mapped, ...] = (
 # veRL keys whose value we check or read but that set no digen.* field (see _derived_settings,
 # and VerlTrainerKeys for trainer.*).
 READ_DIRECTLY: dict[str, str] = {
-    "actor_rollout_ref.actor.ppo_mini_batch_size": "must equal data.train_batch_size: one optimizer step per step",
+    "actor_rollout_ref.actor.ppo_mini_batch_size":
+        "prompts per PPO mini-batch (optimizer step): must divide data.train_batch_size -> "
+        "digen.batch.mini_batches_per_step = train_batch_size / ppo_mini_batch_size",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu":
         "samples per trainer micro-batch: a multiple of rollout.n -> digen.batch.train_micro_batch_groups",
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu":
@@ -439,12 +441,7 @@ def _derived_settings(config: Mapping[str, Any], digen: dict[str, Any], ours: di
             from verl_digen.config.schema import BatchConfig
 
             group_size = BatchConfig().group_size
-    groups_per_step = _get({"digen": digen}, "digen.batch.groups_per_step")
-    mini = "actor_rollout_ref.actor.ppo_mini_batch_size"
-    if _is_set(config, mini) and _get(config, mini) != groups_per_step:
-        raise ConfigError(
-            f"invalid config: {mini}={_get(config, mini)!r}; must equal data.train_batch_size={groups_per_step} "
-            "(verl-digen steps the optimizer once per step, after the whole batch)")
+    _mini_batches(config, digen, ours, put)
 
     def groups(key: str) -> int | None:
         samples = _get(config, key)
@@ -493,6 +490,25 @@ def _derived_settings(config: Mapping[str, Any], digen: dict[str, Any], ours: di
             raise ConfigError("invalid config: reward.custom_reward_function.path and digen.reward.* both choose the "
                               "reward; set one of them")
         digen["reward"] = {**ours["reward"], **spec, "components": []}
+
+
+def _mini_batches(config: Mapping[str, Any], digen: dict[str, Any], ours: dict[str, Any],
+                  put: Callable[[str, Any, str], None]) -> None:
+    """``ppo_mini_batch_size`` (prompts per optimizer step) -> ``digen.batch.mini_batches_per_step``:
+    several optimizer steps per rollout batch, as in veRL, veRL-Omni and Flow-GRPO."""
+    mini = "actor_rollout_ref.actor.ppo_mini_batch_size"
+    if not _is_set(config, mini):
+        return
+    groups_per_step = _get({"digen": digen}, "digen.batch.groups_per_step")
+    if groups_per_step is _UNSET:
+        from verl_digen.config.schema import BatchConfig
+
+        groups_per_step = _get({"digen": ours}, "digen.batch.groups_per_step", BatchConfig().groups_per_step)
+    value = _get(config, mini)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or groups_per_step % value:
+        raise ConfigError(f"invalid config: {mini}={value!r}; must be a positive divisor of "
+                          f"data.train_batch_size={groups_per_step} (prompts per optimizer step)")
+    put("digen.batch.mini_batches_per_step", groups_per_step // value, mini)
 
 
 def _custom_reward(config: Mapping[str, Any]) -> tuple[Any, Any, Any]:

@@ -58,6 +58,7 @@ def strategy_violations(
     max_staleness: int = 0,
     tsp_stages: int = 1,
     num_steps: int = 8,
+    mini_batches: int = 1,
     train_split: str = "sample",
     tag: bool = False,
     fsdp: bool = False,
@@ -107,6 +108,12 @@ def strategy_violations(
         if v < 1 or groups_per_step % v:
             valid = f"must be >= 1 and divide {name('groups_per_step')}={groups_per_step} (whole groups only)"
             out.append((field, valid))
+    if mini_batches < 1 or groups_per_step % mini_batches:
+        out.append(("mini_batches", f"must be >= 1 and divide {name('groups_per_step')}={groups_per_step} "
+                                    "(mini-batches of whole groups)"))
+    elif train_micro_batch_groups >= 1 and (groups_per_step // mini_batches) % train_micro_batch_groups:
+        out.append(("train_micro_batch_groups", f"must divide the {groups_per_step // mini_batches} groups of a "
+                                                f"PPO mini-batch ({name('groups_per_step')} / {name('mini_batches')})"))
     return out
 
 
@@ -183,6 +190,9 @@ class StrategySpec:
     # FSDP over the training ranks (trainers; fused workers when colocated): each micro-batch is
     # a gang task on every rank (lockstep), each rank taking a share of its samples.
     fsdp: bool = False
+    # PPO mini-batches: optimizer steps per training step, each on groups_per_step / mini_batches
+    # groups (veRL's ppo_mini_batch_size); weights versions still count training steps.
+    mini_batches: int = 1
 
     def __post_init__(self) -> None:
         problems = strategy_violations(
@@ -190,6 +200,7 @@ class StrategySpec:
             groups_per_task=self.groups_per_task, train_micro_batch_groups=self.train_micro_batch_groups,
             max_staleness=self.max_staleness, tsp_stages=self.tsp_stages, num_steps=self.num_steps,
             train_split=self.train_split, tag=self.tag, fsdp=self.fsdp, stage_bounds=self.stage_bounds,
+            mini_batches=self.mini_batches,
         )
         if problems:
             raise ValueError("; ".join(f"{name}={getattr(self, name)!r}: {valid}" for name, valid in problems))
@@ -212,6 +223,10 @@ class StrategySpec:
 
     @property
     def name(self) -> str:
+        mini = f"+mb{self.mini_batches}" if self.mini_batches > 1 else ""
+        return self._mechanisms() + mini
+
+    def _mechanisms(self) -> str:
         if self.placement == "colocated":
             return "colocated+fsdp" if self.fsdp else "colocated"
         parts = ["disaggregated"]
@@ -364,7 +379,7 @@ class StepPlanner:
         """Append ``task``; track the weights version each worker will hold after it."""
         self.plan.add(task)
         if task.kind == TaskKind.OPTIMIZER_STEP:
-            for w in task.workers:
+            for w in task.workers:  # between mini-batches: still counted as the step's version
                 self._version[w] = task.version
         elif task.kind == TaskKind.SYNC:
             for w in task.workers:
@@ -437,23 +452,34 @@ class StepPlanner:
 
     def _add_training(self, step: int, groups: list[int]) -> None:
         """The step's micro-batches, in the order their groups become available (planned-ahead
-        groups first), then its optimizer step."""
+        groups first), cut into PPO mini-batches of consecutive micro-batches; each mini-batch
+        ends in its optimizer step, which the next mini-batch's micro-batches wait for. Only
+        the last one makes the next weights version (``step + 1``)."""
         spec = self.spec
         whole_step = tuple(sorted({self._reward_of[g].id for g in groups}))
         order = sorted(groups, key=lambda g: self._position[self._reward_of[g].id])
+        per_mini = spec.groups_per_step // spec.mini_batches // spec.train_micro_batch_groups
         train_ids: list[TaskId] = []
+        previous: tuple[TaskId, ...] = ()  # the previous mini-batch's optimizer step
         for j, mb in enumerate(chunk(order, spec.train_micro_batch_groups)):
+            mini = j // per_mini
             own = tuple(sorted({self._reward_of[g].id for g in mb}))
-            deps = self.layout.waits.deps(own, whole_step)
+            deps = self.layout.waits.deps(own, whole_step) + previous
             for workers, part in self.layout.training.parts(j, mb[0], self._generated_on):
                 t = self.add(Task(
                     id=TaskId.train(step, j, part=part[0] if part else None), kind=TaskKind.TRAIN,
                     workers=workers, step=step, deps=deps, groups=mb, images=len(mb) * spec.group_size,
-                    train_part=part,
+                    train_part=part, mini_batch=mini,
                 ))
                 train_ids.append(t.id)
-        self.add(Task(id=TaskId.optimizer_step(step), kind=TaskKind.OPTIMIZER_STEP, workers=tuple(spec.trainers),
-                      step=step, deps=tuple(train_ids), version=step + 1))
+            if (j + 1) % per_mini == 0:
+                last = mini == spec.mini_batches - 1
+                opt = self.add(Task(
+                    id=TaskId.optimizer_step(step, None if last else mini), kind=TaskKind.OPTIMIZER_STEP,
+                    workers=tuple(spec.trainers), step=step, deps=tuple(train_ids),
+                    version=step + 1 if last else step, mini_batch=mini,
+                ))
+                previous, train_ids = (opt.id,), []
 
 
 def measure_costs(records: list, step: int, spec: StrategySpec, fallback: StepCosts) -> StepCosts:

@@ -247,6 +247,9 @@ class Workload:
     # (profiles and callers that predate the flag). Set by for_spec.
     fsdp: bool | None = None
     mini_batches: int = 1  # PPO mini-batches (optimizer steps) per step
+    # OPTIMIZER_STEP tasks a step's plan has (this runtime: one per mini-batch, StrategySpec.mini_batches;
+    # 1: one task does all of the step's updates, how a published run of another system is planned). Set by for_spec.
+    optimizer_tasks: int = 1
     text_tokens: int | None = None  # prompt tokens in the sequence; None: the model profile's
     reward: str | None = None  # reward profile; None: the model profile's
 
@@ -533,6 +536,8 @@ class CostModel:
             raise ProfileError(f"model {model!r} workload: {e}") from None
         if w.mini_batches < 1:
             raise ProfileError(f"workload mini_batches={w.mini_batches}; must be >= 1")
+        if w.optimizer_tasks < 1 or w.mini_batches % w.optimizer_tasks:
+            raise ProfileError(f"workload optimizer_tasks={w.optimizer_tasks}; must divide mini_batches={w.mini_batches}")
         names = list(devices) if devices is not None else list(catalog.devices)
         devs = {n: catalog.device(n) for n in names}
         if system is None:
@@ -564,7 +569,11 @@ class CostModel:
         sharded = bool(getattr(spec, "fsdp", False)) or self.system.always_sharded
         ranks = len(spec.trainers) if getattr(spec, "fsdp", False) else 1
         rows = call_rows(spec.group_size, spec.train_micro_batch_groups, ranks, spec.sample_split)
-        return self.with_workload(call_rows=rows, fsdp=sharded)
+        tasks = getattr(spec, "mini_batches", 1)
+        # A plan with an optimizer step per mini-batch fixes the mini-batches; a plan with one
+        # keeps the workload's (a published run's system stepping k times inside one task).
+        minis = tasks if tasks > 1 else self.workload.mini_batches
+        return self.with_workload(call_rows=rows, fsdp=sharded, mini_batches=minis, optimizer_tasks=tasks)
 
     def device(self, name: str) -> DeviceProfile:
         if name not in self.devices:
@@ -876,13 +885,31 @@ class CostModel:
         """The step's optimizer work: one Adam update per PPO mini-batch, plus the system's
         per-step overhead (charged here: every training rank waits for it)."""
         s = self.system
+        return self.workload.mini_batches * self.update_seconds(dev, group) + s.step_fixed_s + \
+            self.state_stream_seconds(dev, group)
+
+    def optimizer_task_seconds(self, dev: DeviceProfile, group: TrainGroup, mini_batch: int = 0) -> float:
+        """One OPTIMIZER_STEP task of the plan, the step of mini-batch ``mini_batch``: its share of
+        the updates (``mini_batches / optimizer_tasks``); the step's last task also pays the
+        per-step overhead and the FSDP state stream, which the runtime does once per weights
+        version (``workers/worker.py: DiffusionWorker.optimizer_step``). A step's tasks sum to
+        :meth:`optimizer_seconds`."""
+        w = self.workload
+        t = w.mini_batches // w.optimizer_tasks * self.update_seconds(dev, group)
+        if mini_batch == w.optimizer_tasks - 1:
+            t += self.system.step_fixed_s + self.state_stream_seconds(dev, group)
+        return t
+
+    def update_seconds(self, dev: DeviceProfile, group: TrainGroup) -> float:
+        """One Adam update of the local shard (+ the HSDP gradient all-reduce across replicas)."""
+        s = self.system
         shard = self.trainable_params / group.shard
         # read + write fp32 master, m, v and the gradient of the local shard
         t = s.optimizer_fixed_s + 2.0 * (s.optimizer_bytes_per_param + s.grad_bytes_per_param) * shard / (dev.hbm_tbps * 1e12)
-        if group.replicas > 1:  # HSDP: all-reduce the gradient shards across replicas once per step
+        if group.replicas > 1:  # HSDP: all-reduce the gradient shards across replicas once per update
             r = group.replicas
             t += 2.0 * (r - 1) / r * s.grad_bytes_per_param * shard / self.collective_bw(dev, 2)
-        return self.workload.mini_batches * t + s.step_fixed_s + self.state_stream_seconds(dev, group)
+        return t
 
     def state_stream_seconds(self, dev: DeviceProfile, group: TrainGroup) -> float:
         """This runtime under FSDP: after every optimizer step all ranks stream the full trained
@@ -1036,7 +1063,10 @@ class CostModel:
             share = math.ceil(images / len(task.workers))
             t = self.train_seconds(share, dev, self.train_group(cluster), self.trained_steps_of(task), pool=worker.pool)
         elif task.kind == TaskKind.OPTIMIZER_STEP:
-            t = self.optimizer_seconds(dev, self.train_group(cluster)) + self.snapshot_seconds(dev, cluster)
+            mini = getattr(task, "mini_batch", 0)
+            t = self.optimizer_task_seconds(dev, self.train_group(cluster), mini)
+            if mini == self.workload.optimizer_tasks - 1:  # the new version's host copy (sync)
+                t += self.snapshot_seconds(dev, cluster)
         elif task.kind == TaskKind.SYNC:
             t = self.sync_seconds(cluster)
         else:  # pragma: no cover - TaskKind is closed

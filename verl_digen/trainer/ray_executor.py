@@ -22,6 +22,7 @@ from verl_digen.schedule.plan import Plan, Task, TaskKind, WorkerId
 from verl_digen.schedule.runner import PlanRunner
 from verl_digen.workers.messages import (
     GenerateRequest,
+    OptimizerRequest,
     OptimizerResult,
     RewardResult,
     SyncResult,
@@ -51,7 +52,7 @@ class StepResults:
     reward_extras: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # name -> per-call values
     versions: dict[int, int] = field(default_factory=dict)  # group -> weights version it was sampled with
     train: list[TrainResult] = field(default_factory=list)
-    optimizer: OptimizerResult | None = None
+    optimizer: list[OptimizerResult] = field(default_factory=list)  # one per PPO mini-batch
     sync: list[SyncResult] = field(default_factory=list)
 
 
@@ -143,8 +144,10 @@ class RayPlanExecutor(PlanRunner):
                 for r, w in enumerate(task.workers)]
 
     def optimizer_step(self, task: Task) -> list[ray.ObjectRef]:
-        """Reduce gradients over the trainer ranks and step: weights version ``task.version``."""
-        return [self.actors[w].optimizer_step.remote() for w in task.workers]
+        """Reduce gradients over the trainer ranks and step (one PPO mini-batch's); the step's
+        last mini-batch makes weights version ``task.version``."""
+        request = OptimizerRequest(mini_batch=task.mini_batch, final=task.id.mini_batch is None)
+        return [self.actors[w].optimizer_step.remote(request) for w in task.workers]
 
     def sync(self, task: Task) -> list[ray.ObjectRef]:
         """The rollout workers receive the trained weights (LoRA-only when LoRA is on): trainer
@@ -234,7 +237,9 @@ class RayPlanExecutor(PlanRunner):
         elif task.kind == TaskKind.TRAIN:
             res.train.extend(result)
         elif task.kind == TaskKind.OPTIMIZER_STEP:
-            res.optimizer = result[0]
+            res.optimizer.append(result[0])
+            if task.id.mini_batch is not None:
+                return  # a mini-batch before the last: the step's trajectories are still to train
             # The step's trajectories are trained: free them from the object store.
             for g in [g for g, tids in self.gen_of_group.items() if self.plan[tids[0]].step == task.step]:
                 for tid in self.gen_of_group.pop(g):
@@ -265,7 +270,9 @@ class RayPlanExecutor(PlanRunner):
             values = values[~torch.isnan(values)]
             if len(values):
                 m[f"reward/{name}"] = float(values.mean())
-        if res.optimizer is not None:
-            m.update(res.optimizer.metrics)
+        for k in sorted({k for o in res.optimizer for k in o.metrics}):  # over the mini-batches' steps:
+            values = [o.metrics[k] for o in res.optimizer if k in o.metrics]  # skipped ones counted, the rest means
+            m[k] = float(sum(values) if k == "actor/skipped_nonfinite" else sum(values) / len(values))
+        m["actor/optimizer_steps"] = len(res.optimizer)
         m["policy_version"] = step + 1
         return m

@@ -34,6 +34,7 @@ from verl_digen.schedule.plan import Task, TaskKind, WorkerId
 from verl_digen.sim.cost_model import Cluster, CostModel, PoolPlacement
 from verl_digen.workers.messages import (
     GenerateRequest,
+    OptimizerRequest,
     OptimizerResult,
     RewardResult,
     SyncResult,
@@ -202,8 +203,12 @@ class EmulatedWorker:
             staleness_min=float(self.policy_version - max(versions)),
         )
 
-    def optimizer_step(self) -> OptimizerResult:
-        self._work(TaskKind.OPTIMIZER_STEP)
+    def optimizer_step(self, request: OptimizerRequest = OptimizerRequest()) -> OptimizerResult:
+        """The cost model's seconds for this mini-batch's step; the last one makes the version."""
+        self._work(TaskKind.OPTIMIZER_STEP, mini_batch=request.mini_batch)
+        if not request.final:
+            return OptimizerResult(metrics={"actor/grad_norm": 0.0, "actor/lr": 0.0, "actor/skipped_nonfinite": 0.0},
+                                   policy_version=self.policy_version)
         self.policy_version += 1
         return OptimizerResult(
             metrics={"actor/grad_norm": 0.0, "actor/lr": 0.0, "actor/skipped_nonfinite": 0.0},

@@ -58,6 +58,17 @@ class TrainRequest:
     row_part: tuple[int, int] | None = None
 
 
+@dataclass(frozen=True)
+class OptimizerRequest:
+    """Step on the gradients accumulated since the last optimizer step: PPO mini-batch
+    ``mini_batch`` of a training step. ``final``: the step's last mini-batch, the only one
+    that makes the next weights version (versions count rollout batches; ``schedule/plan.py``),
+    which rollout receives and checkpoints save."""
+
+    mini_batch: int = 0
+    final: bool = True
+
+
 # ---------------------------------------------------------------------------- results
 
 
@@ -135,9 +146,10 @@ class WorkerTasks(Protocol):
         """Accumulate one micro-batch's gradients."""
         ...
 
-    def optimizer_step(self) -> OptimizerResult:
-        """Step on the accumulated gradients: the next weights version (the weight-sync sender,
-        trainer 0 of a disaggregated run, starts sending it in the background)."""
+    def optimizer_step(self, request: OptimizerRequest = OptimizerRequest()) -> OptimizerResult:
+        """Step on the accumulated gradients; the step's last mini-batch makes the next weights
+        version (the weight-sync sender, trainer 0 of a disaggregated run, starts sending it in
+        the background)."""
         ...
 
     def sync_join(self, timeout_s: float | None = None) -> Any:

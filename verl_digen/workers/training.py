@@ -6,8 +6,10 @@ time: a pass is one transformer call's rows (``SamplingSettings.forward_rows``, 
 calls), and each pass recomputes the velocity, scores the recorded transitions, and runs its
 own backward. Activation memory is therefore bounded by one pass whatever the micro-batch size
 (what the memory planner and the cost model charge, ``memory.plan`` and ``sim.cost_model``).
-Each backward is scaled so that the gradients accumulated over a whole step equal the gradient
-of the batch-mean loss, whatever the order or the grouping of the micro-batches and passes.
+Each backward is scaled so that the gradients accumulated up to an optimizer step equal the
+gradient of the mean loss over its batch (the step's, or one PPO mini-batch's), whatever the
+order or the grouping of the micro-batches and passes. The ratio is always taken against the
+behaviour log-probs recorded at rollout: 1 in the first mini-batch, not after an optimizer step.
 """
 
 from __future__ import annotations
@@ -110,6 +112,8 @@ class TrainSettings:
     algo: AlgoConfig
     sampling: SamplingSettings
     lora_only: bool
+    # Images per optimizer step: the step's batch, or one PPO mini-batch of it
+    # (digen.batch.mini_batches_per_step); the loss each optimizer step takes is their mean.
     images_per_step: int
     ema_decay: float | None = None  # keep an EMA of the trained weights (validation uses it)
     ema_offload: bool = False  # keep the EMA shadows on CPU (digen.ema.offload)
@@ -253,7 +257,8 @@ class PolicyUpdater:
         all_steps = self._trained_steps(data)
         steps = all_steps[part[0] :: part[1]] if part else all_steps
         n = len(data)
-        # Share of the step's mean loss: (n / images_per_step) of the batch, 1/len(all) per step;
+        # Share of the optimizer step's mean loss (its mini-batch's): n / images_per_step of the
+        # batch, 1/len(all) per trained time step;
         # a pass of m samples carries m / n of its micro-batch's mean.
         scale = n / self.settings.images_per_step / max(len(all_steps), 1)
         adv = advantages.to(device=device, dtype=torch.float32)

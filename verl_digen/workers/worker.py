@@ -35,6 +35,7 @@ from verl_digen.sync.state import trainable_state
 from verl_digen.sync.transport import DEFAULT_BUCKET_BYTES, WeightSyncMixin
 from verl_digen.workers.messages import (
     GenerateRequest,
+    OptimizerRequest,
     OptimizerResult,
     RewardResult,
     SyncResult,
@@ -295,7 +296,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
             algo=cfg.algo,
             sampling=self.settings,
             lora_only=cfg.model.lora.enable,
-            images_per_step=cfg.batch.images_per_step,
+            images_per_step=cfg.batch.images_per_optimizer_step,
             ema_decay=cfg.ema.decay if cfg.ema.enable else None,
             ema_offload=cfg.ema.offload,
             trainable_dtype=self.trainable_dtype,
@@ -433,13 +434,17 @@ class DiffusionWorker(Worker, WeightSyncMixin):
             staleness_min=float(self.policy_version - versions.max()),
         )
 
-    def optimizer_step(self) -> OptimizerResult:
-        if self.policy_version + 1 in self.cfg.fault_nonfinite_grad_steps:
+    def optimizer_step(self, request: OptimizerRequest = OptimizerRequest()) -> OptimizerResult:
+        """Step on the accumulated gradients (one PPO mini-batch's); after the step's last
+        mini-batch, the next version: sent to rollout, streamed out of FSDP shards."""
+        if request.final and self.policy_version + 1 in self.cfg.fault_nonfinite_grad_steps:
             for p in self.updater.opt_params:  # fault injection for tests (digen.fault_nonfinite_grad_steps)
                 if p.grad is not None:
                     p.grad.fill_(float("nan"))
         # FSDP already reduce-scattered the gradients in backward: no second all-reduce.
         metrics = self.updater.optimizer_step(None if self.fsdp else self._pg)
+        if not request.final:  # between mini-batches: no version to publish yet
+            return OptimizerResult(metrics=metrics, policy_version=self.policy_version)
         self.policy_version += 1
         self._refresh_sync_cache()
         if self._weight_channel is not None and self._weight_channel.rank == 0:
