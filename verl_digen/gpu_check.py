@@ -83,15 +83,20 @@ class Report:
         print(f"[gpu_check] {name}: {'ok' if out['ok'] else 'FAILED: ' + out['error']} ({out['seconds']} s)", flush=True)
 
 
-def _run(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """A subprocess with a time limit: return code and the tail of its output."""
+def _run(cmd: list[str], timeout: float, env: dict[str, str] | None = None,
+         log_path: str | None = None) -> dict[str, Any]:
+    """A subprocess with a time limit: return code and the tail of its output (the whole output
+    also in ``log_path`` when given)."""
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-        out = (p.stdout or "") + (p.stderr or "")
-        return {"rc": p.returncode, "tail": out[-4000:]}
+        out, result = (p.stdout or "") + (p.stderr or ""), {"rc": p.returncode}
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        return {"rc": None, "timed_out": timeout, "tail": out[-4000:]}
+        result = {"rc": None, "timed_out": timeout}
+    if log_path:
+        with open(log_path, "w", encoding="utf-8") as f:
+            f.write(out)
+    return {**result, "tail": out[-4000:]}
 
 
 # ---------------------------------------------------------------------- versions, pytest
@@ -120,13 +125,16 @@ def part_versions() -> dict[str, Any]:
     return out
 
 
-def part_pytest_gpu(timeout: float) -> dict[str, Any]:
+def part_pytest_gpu(timeout: float, log_path: str | None = None, workers: int = 1) -> dict[str, Any]:
+    """``pytest -m gpu`` (on ``workers`` pytest-xdist processes when more than one); its whole
+    output goes to ``log_path`` when given (the report keeps the tail)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     tests = os.path.join(root, "tests")
     if not os.path.isdir(tests):
         raise FileNotFoundError(f"no tests/ next to the package at {root} (run from a checkout)")
-    res = _run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-                "--timeout", str(int(timeout)), tests], timeout=timeout + 30)
+    res = _run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rfEs", "--durations=20", "-p", "no:cacheprovider",
+                "-o", "addopts=", "--timeout", str(int(timeout)), *(["-n", str(workers)] if workers > 1 else []), tests],
+               timeout=timeout + 30, log_path=log_path)
     lines = [ln for ln in res["tail"].splitlines() if ln.strip()]
     summary = next((ln for ln in reversed(lines) if " passed" in ln or " failed" in ln or " error" in ln), None)
     if res["rc"] not in (0,):
@@ -665,6 +673,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--group-size", type=int, default=None, help="flux_phases samples (default 8; tiny: 2)")
     p.add_argument("--no-encoder-cpu", action="store_true", help="flux_phases: skip timing the text encoders on the CPU")
     p.add_argument("--pytest-timeout", type=float, default=240.0)
+    p.add_argument("--pytest-log", default=None, help="pytest_gpu: write pytest's whole output here")
+    p.add_argument("--pytest-workers", type=int, default=1, help="pytest_gpu: pytest-xdist processes (-n)")
     p.add_argument("--tiny-run-timeout", type=float, default=240.0)
     p.add_argument("--no-pipeline", action="store_true", help="flux_phases: skip the FluxPipeline comparison")
     p.add_argument("--no-checkpointing", action="store_true", help="flux_phases: train without activation checkpointing")
@@ -689,7 +699,7 @@ def main(argv: list[str] | None = None) -> int:
     report.data.update(device=device, size=args.size, command=" ".join([sys.executable, "-m", "verl_digen.gpu_check", *(argv or sys.argv[1:])]))
     runners = {
         "versions": part_versions,
-        "pytest_gpu": lambda: part_pytest_gpu(args.pytest_timeout),
+        "pytest_gpu": lambda: part_pytest_gpu(args.pytest_timeout, args.pytest_log, args.pytest_workers),
         "flux_phases": lambda: part_flux_phases_child(args, device, group),
         "fsdp_dcp": lambda: part_fsdp_dcp(device),
         "tiny_run": lambda: part_tiny_run(args.tiny_run_timeout, "bf16" if device.startswith("cuda") else "fp32"),
