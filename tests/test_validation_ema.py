@@ -114,6 +114,24 @@ def test_run_validation_scores_the_deterministic_images(flux, tmp_path):
     assert set(res.metrics()) == {"val/reward_mean", "val/reward_std", "val/reward_min", "val/reward_max"}
 
 
+def test_run_validation_logs_only_the_first_log_images_images(flux, tmp_path):
+    """veRL's trainer.log_val_generations (digen.validation.log_images): the loggers get a grid of
+    the first N images; the full grid is still written."""
+    settings = _settings()
+    reward = build_reward_from_config({"name": "brightness"})
+    res = run_validation(flux, PROMPTS, settings, reward, seed=5, step=3, out_dir=str(tmp_path), log_images=1)
+    assert res.logged_grid_path == os.path.join(str(tmp_path), "val_step000003_logged.png")
+    with Image.open(res.logged_grid_path) as im:
+        assert im.size == (34 + 2, 34 + 2) and json.loads(im.info["prompts"]) == PROMPTS[:1]
+        logged = np.asarray(im.convert("RGB"))
+    with Image.open(res.grid_path) as im:
+        assert json.loads(im.info["prompts"]) == PROMPTS
+        full = np.asarray(im.convert("RGB"))
+    assert np.array_equal(logged[2:34, 2:34], full[2:34, 2:34])  # the same first image
+    assert run_validation(flux, PROMPTS, settings, reward, seed=5, step=4, out_dir=str(tmp_path),
+                          log_images=2).logged_grid_path is None  # all of them: the grid itself
+
+
 class _FakeVideoAdapter(DiffusionAdapter):
     """Minimal video 'model': velocity = latents, decode = sigmoid, [B, 3, F, 8, 8]."""
 

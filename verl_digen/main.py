@@ -36,4 +36,7 @@ def main(config: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    from verl_digen.config.omni_keys import plain_overrides
+
+    sys.argv[1:] = plain_overrides(sys.argv[1:])  # veRL-Omni's diffusion keys without '+', as under main_ppo
     main()

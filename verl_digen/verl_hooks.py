@@ -14,6 +14,8 @@
   checks run instead (:func:`verl_digen.trainer.resolve.check_run_config`: veRL's keys mapped onto
   ours, keys that cannot apply refused, files, model and reward checked), so a bad key stops
   the job before Ray with a message naming it. Every other mode gets veRL's own function.
+* The command line of ``main_ppo`` in the digen mode (:func:`accept_omni_keys`): veRL-Omni's
+  diffusion keys, which veRL's config lacks, become ``++key=value`` before Hydra parses it.
 """
 
 from __future__ import annotations
@@ -72,6 +74,36 @@ def patch_validate_config() -> bool:
     return True
 
 
+MAIN_PPO_MODULE = "verl.trainer.main_ppo"
+
+
+def accept_omni_keys(argv: list[str], main_module: str | None) -> bool:
+    """``python -m verl.trainer.main_ppo trainer.v1.trainer_mode=digen``: rewrite veRL-Omni's
+    diffusion keys in ``argv`` (in place) to ``++key=value``, so that Hydra, which parses the
+    command line after ``import verl`` has run this plugin, adds them to veRL's config instead of
+    refusing them ("Could not override"); the digen mode's checks then map or refuse each
+    (:mod:`verl_digen.config.omni_keys`). Any other program or trainer mode: ``argv`` untouched.
+    True when it rewrote something."""
+    if main_module != MAIN_PPO_MODULE:
+        return False
+    from verl_digen.config.verl_keys import TRAINER_MODE
+
+    modes = [a.partition("=")[2] for a in argv[1:] if a.partition("=")[0].lstrip("+") == "trainer.v1.trainer_mode"]
+    if not modes or modes[-1] != TRAINER_MODE:
+        return False
+    from verl_digen.config.omni_keys import plain_overrides
+
+    rewritten = argv[:1] + plain_overrides(argv[1:])
+    changed = rewritten != argv
+    argv[:] = rewritten
+    return changed
+
+
+def _main_module() -> str | None:
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return getattr(spec, "name", None)
+
+
 _HOOKS: dict[str, Callable[[], Any]] = {V1_TRAINERS: register_trainer_mode, VERL_CONFIG: patch_validate_config}
 
 
@@ -110,7 +142,13 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    """Arrange every hook: now for a module already imported, else right after its import."""
+    """Arrange every hook: now for a module already imported, else right after its import; and,
+    under ``main_ppo`` in the digen mode, veRL-Omni's keys on the command line (:func:`accept_omni_keys`)."""
+    try:
+        accept_omni_keys(sys.argv, _main_module())
+    except Exception as e:  # never break veRL itself
+        HOOK_ERRORS["argv"] = f"{type(e).__name__}: {e}"
+        _log.warning("verl-digen: veRL-Omni keys on the command line not rewritten: %s", HOOK_ERRORS["argv"])
     for name in _HOOKS:
         if name in sys.modules:
             _run_hook(name)

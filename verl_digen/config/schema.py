@@ -400,10 +400,19 @@ class ValidationConfig:
     prompts: Any = "builtin:val"  # held-out prompts: builtin:<name>, a file, or a list of files
     num_prompts: int = 8
     seed: int = 2024
+    # Denoising steps of a validation sample (ODE: no memory beyond one step); None: digen.sampling.num_steps.
+    num_steps: Optional[int] = None
+    # Validation images sent to the loggers (the first N, in prompt order); None: all. The grid
+    # file in <run dir>/val always has every image.
+    log_images: Optional[int] = None
 
     def validate(self, key: str) -> None:
         if self.num_prompts < 1:
             _fail(f"{key}.num_prompts", self.num_prompts, "must be >= 1")
+        for name in ("num_steps", "log_images"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                _fail(f"{key}.{name}", value, "must be >= 1 (or null)")
 
 
 # What makes a resumed run the run that wrote the checkpoint (``meta.json``'s ``identity``,

@@ -23,6 +23,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping
 
+from verl_digen.config.omni_keys import OMNI_HANDLED, OMNI_MAPPED, is_omni_key, omni_settings
 from verl_digen.config.schema import DEVICES, ConfigError, hydra_defaults, prompt_sources
 
 # The two ways in: veRL's own entry point running our trainer mode, or our short form.
@@ -96,6 +97,22 @@ def _prompt_files(key: str) -> Callable[[Any, Mapping[str, Any]], Any]:
     return convert
 
 
+def _strategy(value: Any, _: Mapping[str, Any]) -> bool:
+    """veRL's ``fsdp2`` (its default ``fsdp`` reads as unset) -> shard the trainers with FSDP2."""
+    if value != "fsdp2":
+        raise ConfigError(f"invalid config: actor_rollout_ref.actor.strategy={value!r}; valid: fsdp2 (FSDP2 over "
+                          "the training ranks, digen.fsdp.enable=true), or leave veRL's default fsdp (unsharded)")
+    return True
+
+
+def _val_generations(value: Any, _: Mapping[str, Any]) -> int:
+    """veRL's ``trainer.log_val_generations`` (its default 0 reads as unset) -> validation images logged."""
+    if not _is_positive_int(value):
+        raise ConfigError(f"invalid config: trainer.log_val_generations={value!r}; a positive number of validation "
+                          "images to log (or leave veRL's 0: digen.validation.log_images decides)")
+    return value
+
+
 def _std_mode(value: Any, _: Mapping[str, Any]) -> str:
     return "group" if value else "none"
 
@@ -132,6 +149,12 @@ MAPPED: tuple[Mapped, ...] = (
            _std_mode),
     Mapped("ray_kwargs.ray_init.num_cpus", "digen.ray_num_cpus", "Ray CPUs (verl_digen.main starts Ray; "
            "main_ppo hands it to ray.init itself)"),
+    Mapped("actor_rollout_ref.actor.strategy", "digen.fsdp.enable", "fsdp2: FSDP2 over the training ranks",
+           _strategy),
+    Mapped("trainer.log_val_generations", "digen.validation.log_images", "validation images sent to the loggers",
+           _val_generations),
+    # veRL-Omni's diffusion keys (verl_digen.config.omni_keys)
+    *(Mapped(*row) for row in OMNI_MAPPED),
 )
 
 # veRL keys whose value we check or read but that set no digen.* field (see _derived_settings,
@@ -185,7 +208,15 @@ _MAIN_PPO_ONLY = ("ray_kwargs", "transfer_queue")
 _HINTS = {
     "actor_rollout_ref.rollout.name": "generation runs in diffusers inside verl-digen's workers; leave it unset (or hf)",
     "actor_rollout_ref.model.lora.rank": "use actor_rollout_ref.model.lora_rank",
-    "actor_rollout_ref.actor.strategy": "verl-digen shards the trainer pool with digen.fsdp.enable=true",
+    "actor_rollout_ref.actor.fsdp_config.param_offload": "verl-digen does not park training weights on the host; "
+        "shard them over the trainers with actor_rollout_ref.actor.strategy=fsdp2 (digen.fsdp.enable=true)",
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload": "verl-digen does not park optimizer state on the host; "
+        "shard it over the trainers with actor_rollout_ref.actor.strategy=fsdp2 (digen.fsdp.enable=true)",
+    "data.max_prompt_length": "verl-digen has no token limit for prompts: each text encoder keeps the pipeline's "
+        "text length (actor_rollout_ref.rollout.pipeline.max_sequence_length) and over-long prompts are refused "
+        "by characters (digen.data.max_prompt_chars)",
+    "trainer.rollout_data_dir": "verl-digen does not dump rollouts; the validation grids (prompts in their "
+        "metadata) are written to <run dir>/val (digen.output_dir)",
     "actor_rollout_ref.actor.clip_ratio_low": "verl-digen clips symmetrically: use actor_rollout_ref.actor.clip_ratio",
     "actor_rollout_ref.actor.clip_ratio_high": "verl-digen clips symmetrically: use actor_rollout_ref.actor.clip_ratio",
     "data.prompt_key": "verl-digen reads the prompt from the 'prompt' column (chat messages or a string)",
@@ -424,6 +455,7 @@ def resolve_run_config(config: Mapping[str, Any], entry: str = DIGEN_MAIN) -> Ru
                               "(full fine-tuning: digen.model.lora.enable=false)")
         put("digen.model.lora.enable", True, "actor_rollout_ref.model.lora_rank")
 
+    omni_settings(config, digen, put)
     _derived_settings(config, digen, ours, put)
     trainer = VerlTrainerKeys.of(config)
     _check_rollout_and_algorithm(config, trainer, entry)
@@ -559,7 +591,7 @@ def _check_inapplicable(config: Mapping[str, Any], entry: str) -> None:
     """Every other veRL key is at veRL's default, or the run stops naming it."""
     handled = {row.verl_key for row in MAPPED} | set(READ_DIRECTLY) | {
         "trainer.use_v1", "algorithm.adv_estimator", "reward.custom_reward_function.reward_kwargs",
-        "custom_reward_function.reward_kwargs"}
+        "custom_reward_function.reward_kwargs"} | OMNI_HANDLED
     skip_roots = {"digen", "model_engine"} | (set(_MAIN_PPO_ONLY) if entry == MAIN_PPO else set())
     defaults = _verl_defaults_cached()
     bad: list[str] = []
@@ -582,6 +614,7 @@ def _check_inapplicable(config: Mapping[str, Any], entry: str) -> None:
         key = bad[0]
         default = _get(defaults, key)
         hint = _HINTS.get(key) or (
+            "a veRL-Omni diffusion key verl-digen has no setting for" if is_omni_key(key) else
             "it is not a veRL key" if default is _UNSET else
             f"it has no meaning for diffusion RL in verl-digen; leave it at veRL's default {default!r}")
         more = f" (and {len(bad) - 1} more: {', '.join(bad[1:6])}{', ...' if len(bad) > 6 else ''})" if len(bad) > 1 else ""

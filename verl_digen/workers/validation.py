@@ -242,6 +242,7 @@ class ValidationResult:
     rewards: list[float]
     grid_path: str
     gif_paths: list[str] = field(default_factory=list)
+    logged_grid_path: str | None = None  # the grid of the first ``log_images`` images (None: log grid_path)
 
     def metrics(self, prefix: str = "val") -> dict[str, float]:
         """Scalar metrics for a tracker: ``{prefix}/reward_mean``, ``_std``, ``_min``, ``_max``."""
@@ -269,12 +270,15 @@ def run_validation(
     batch_size: int | None = None,
     nrow: int | None = None,
     records: Sequence[Mapping[str, Any]] | None = None,
+    log_images: int | None = None,
 ) -> ValidationResult:
     """Sample ``prompts`` deterministically, score them, save the grid (and GIFs for video).
 
     Writes ``out_dir/val_step{step:06d}.png`` (prompts in its metadata) and, for video models,
     ``out_dir/val_step{step:06d}_{i}.gif`` for the first :data:`MAX_VIDEO_GIFS` prompts.
     ``reward_fn(images, prompts) -> [N]`` is any :class:`~verl_digen.rewards.RewardFn`.
+    ``log_images``: also write ``val_step{step:06d}_logged.png``, the grid of the first that many
+    images, for the loggers (veRL's ``trainer.log_val_generations``); the full grid stays.
     """
     prompts = list(prompts)
     images = sample_deterministic(adapter, prompts, settings, seed=seed, batch_size=batch_size, records=records)
@@ -284,6 +288,10 @@ def run_validation(
         raise RuntimeError(f"reward_fn returned {tuple(rewards.shape)} scores for {len(prompts)} prompts")
     os.makedirs(out_dir, exist_ok=True)
     grid_path = save_grid_png(images, os.path.join(out_dir, f"val_step{step:06d}.png"), prompts, nrow=nrow)
+    logged = None
+    if log_images is not None and log_images < len(prompts):
+        logged = save_grid_png(images[:log_images], os.path.join(out_dir, f"val_step{step:06d}_logged.png"),
+                               prompts[:log_images], nrow=nrow)
     gif_paths = []
     if images.dim() == 5:
         for i in range(min(MAX_VIDEO_GIFS, images.shape[0])):
@@ -294,4 +302,5 @@ def run_validation(
         rewards=[float(r) for r in rewards],
         grid_path=grid_path,
         gif_paths=gif_paths,
+        logged_grid_path=logged,
     )

@@ -594,12 +594,16 @@ class DiffusionWorker(Worker, WeightSyncMixin):
             reward = lambda images, batch_prompts: self.reward_fn(images, batch_prompts, metadata)  # noqa: E731
         # Under FSDP every trainer rank samples (forwards are collectives); rank 0 writes.
         target = out_dir if self.rank == 0 else tempfile.mkdtemp(prefix="digen_val_")
+        val = self.cfg.validation
+        settings = self.settings if val.num_steps is None else dataclasses.replace(self.settings,
+                                                                                     num_steps=val.num_steps)
         with ema.swapped_in() if ema is not None else nullcontext():
             result = run_validation(
-                self.adapter, prompts, self.settings, reward, seed=self.cfg.validation.seed, step=step,
+                self.adapter, prompts, settings, reward, seed=val.seed, step=step,
                 out_dir=target, records=metadata,  # a record's own negative prompt, as in training
+                log_images=val.log_images,
             )
-        out = {"metrics": result.metrics(prefix="val"), "grid_path": result.grid_path}
+        out = {"metrics": result.metrics(prefix="val"), "grid_path": result.logged_grid_path or result.grid_path}
         out["metrics"]["val/ema"] = float(ema is not None)
         return out
 

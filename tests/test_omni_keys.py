@@ -1,0 +1,199 @@
+"""veRL-Omni's diffusion keys in the digen mode: Hydra accepts them as veRL-Omni's scripts write
+them (no '+'), each maps onto its digen.* setting with the one-value-per-setting rule, and values
+verl-digen cannot honour are refused naming the key and what to use instead."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+
+import pytest
+from omegaconf import OmegaConf
+
+from verl_digen.config.compose import compose_config
+from verl_digen.config.omni_keys import plain_overrides
+from verl_digen.config.schema import ConfigError, digen_config_from_dict
+from verl_digen.config.verl_keys import MAIN_PPO, resolve_run_config
+
+ARR = "actor_rollout_ref"
+
+
+def _resolved(*overrides: str):
+    """verl_digen.main's config, the overrides written as veRL-Omni writes them (no '+')."""
+    config = compose_config(plain_overrides(list(overrides)))
+    return resolve_run_config(OmegaConf.to_container(config, resolve=True))
+
+
+def _verl_config(overrides: list[str]):
+    """What main_ppo composes: veRL's own ppo_trainer config, no digen group."""
+    import verl
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(os.path.join(os.path.dirname(verl.__file__), "trainer", "config"),
+                                   version_base=None):
+            return compose("ppo_trainer", overrides=overrides)
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _sd3_dir(tmp_path):
+    model = tmp_path / "stable-diffusion-3.5-medium"
+    model.mkdir()
+    (model / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusion3Pipeline"}))
+    return model
+
+
+# veRL-Omni's examples/flowgrpo_trainer/sd35/run_sd35_medium_ocr_lora.sh, line for line as the
+# shell hands them to Python, less the vllm_omni engine keys (rollout.name, agent.num_workers,
+# load_format, engine_kwargs.vllm_omni.*), the vLLM reward-model keys (reward.num_workers,
+# reward.reward_model.*) and keys outside this item (ppo_mini_batch_size=4: PPO mini-batches;
+# custom_chat_template); environment keys (paths, devices, logger, steps) changed.
+SD35_OCR_LORA = """
+    trainer.v1.trainer_mode=digen data.train_files={train} data.val_files={val} data.train_batch_size=8 data.val_max_samples=32
+    data.max_prompt_length=512 data.truncation=error data.seed=42
+    actor_rollout_ref.model.algorithm=flow_grpo actor_rollout_ref.actor.diffusion_loss.clip_ratio=1e-5
+    actor_rollout_ref.model.path={model}
+    'actor_rollout_ref.model.extra_tokenizers={{clip: {{path: tokenizer, max_length: 77}}, t5: {{path: tokenizer_3, max_length: 256}}}}'
+    actor_rollout_ref.model.attn_backend=native actor_rollout_ref.rollout.rollout_attn_backend=TORCH_SDPA
+    actor_rollout_ref.model.lora_rank=32 actor_rollout_ref.model.lora_alpha=64
+    actor_rollout_ref.model.target_modules="['to_q','to_k','to_v','to_out.0','add_q_proj','add_k_proj','add_v_proj','to_add_out']"
+    actor_rollout_ref.actor.optim.lr=1e-4 actor_rollout_ref.actor.optim.weight_decay=0.0001
+    actor_rollout_ref.actor.ppo_mini_batch_size=8 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8
+    actor_rollout_ref.actor.use_kl_loss=False actor_rollout_ref.actor.kl_loss_coef=0.0
+    actor_rollout_ref.actor.fsdp_config.param_offload=False actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
+    actor_rollout_ref.actor.fsdp_config.model_dtype=bfloat16 actor_rollout_ref.actor.strategy=fsdp2
+    actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=1
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8 actor_rollout_ref.rollout.tensor_model_parallel_size=1
+    actor_rollout_ref.rollout.n=8 actor_rollout_ref.rollout.seed=42
+    actor_rollout_ref.rollout.pipeline.height=384 actor_rollout_ref.rollout.pipeline.width=384
+    actor_rollout_ref.rollout.pipeline.num_inference_steps=10 actor_rollout_ref.rollout.pipeline.guidance_scale=1.0
+    actor_rollout_ref.rollout.pipeline.max_sequence_length=256 actor_rollout_ref.rollout.max_prompt_embed_length=333
+    actor_rollout_ref.rollout.algo.noise_level=0.8 actor_rollout_ref.rollout.algo.sde_type="cps"
+    actor_rollout_ref.rollout.algo.sde_window_size=3 actor_rollout_ref.rollout.algo.sde_window_range="[0,5]"
+    actor_rollout_ref.rollout.val_kwargs.pipeline.num_inference_steps=28
+    actor_rollout_ref.rollout.val_kwargs.algo.noise_level=0.0
+    actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8
+    reward.custom_reward_function.path={reward} reward.custom_reward_function.name=compute_score_ocr
+    trainer.logger='["console"]' trainer.project_name=flow_grpo trainer.experiment_name=sd35_medium_ocr_lora
+    trainer.log_val_generations=8 trainer.val_before_train=False trainer.n_gpus_per_node=2 trainer.nnodes=1
+    trainer.save_freq=100 trainer.test_freq=20 trainer.total_epochs=15 trainer.total_training_steps=100
+"""
+
+
+def test_verl_omnis_sd35_ocr_lora_command_line_composes_into_the_digen_config(tmp_path):
+    argv = shlex.split(SD35_OCR_LORA.format(train=tmp_path / "train.parquet", val=tmp_path / "test.parquet",
+                                            model=_sd3_dir(tmp_path), reward=tmp_path / "genrm_ocr.py"))
+    with pytest.raises(Exception, match="Could not override"):  # what veRL's Hydra says without the plugin
+        _verl_config(argv)
+    config = OmegaConf.to_container(_verl_config(plain_overrides(argv)), resolve=True)
+    digen = resolve_run_config(config, MAIN_PPO).digen
+    cfg = digen_config_from_dict(digen)  # the whole digen config is valid
+    s = cfg.sampling
+    assert (s.height, s.width, s.num_steps, s.guidance_scale) == (384, 384, 10, 1.0)
+    assert (s.noise_level, s.sde_type) == (0.8, "cps")
+    w = s.sde_window  # start uniform in [0, 5 - 3]: steps [start, start + 3) inside [0, 5)
+    assert (w.mode, w.size, w.start, w.range_end) == ("random", 3, 0, 4)
+    assert (cfg.algo.clip_range, cfg.algo.kl_beta, cfg.algo.lr) == (1e-5, 0.0, 1e-4)
+    assert cfg.fsdp.enable and cfg.model.dtype == "bf16"
+    assert (cfg.model.lora.rank, cfg.model.lora.alpha) == (32, 64)
+    assert (cfg.validation.num_steps, cfg.validation.log_images, cfg.validation.num_prompts) == (28, 8, 32)
+    assert (cfg.batch.group_size, cfg.batch.groups_per_step, cfg.batch.train_micro_batch_groups) == (8, 8, 1)
+    assert cfg.reward.name == "custom" and cfg.reward.kwargs["function"] == "compute_score_ocr"
+
+
+def test_plain_overrides_rewrites_only_veRL_Omnis_diffusion_keys():
+    argv = [f"{ARR}.rollout.pipeline.height=384", f"+{ARR}.rollout.algo.noise_level=0.8",
+            f"++{ARR}.model.algorithm=flow_grpo", f"~{ARR}.rollout.pipeline", "data.train_batch_size=8",
+            "+trainer.rollout_data_dir=/tmp/r", f"{ARR}.actor.diffusion_loss.clip_ratio=1e-5", "--config-name=x"]
+    assert plain_overrides(argv) == [
+        f"++{ARR}.rollout.pipeline.height=384", f"++{ARR}.rollout.algo.noise_level=0.8",
+        f"++{ARR}.model.algorithm=flow_grpo", f"~{ARR}.rollout.pipeline", "data.train_batch_size=8",
+        "++trainer.rollout_data_dir=/tmp/r", f"++{ARR}.actor.diffusion_loss.clip_ratio=1e-5", "--config-name=x"]
+
+
+def test_the_plugin_rewrites_main_ppos_command_line_in_the_digen_mode_only():
+    from verl_digen.verl_hooks import MAIN_PPO_MODULE, accept_omni_keys
+
+    key = f"{ARR}.rollout.pipeline.height=384"
+    argv = ["main_ppo.py", "trainer.v1.trainer_mode=digen", key]
+    assert accept_omni_keys(argv, MAIN_PPO_MODULE) and argv[2] == f"++{key}"
+    for main, mode in ((MAIN_PPO_MODULE, "sync"), ("some.other.program", "digen")):
+        argv = ["x.py", f"trainer.v1.trainer_mode={mode}", key]
+        assert not accept_omni_keys(argv, main) and argv[2] == key
+    argv = ["main_ppo.py", key]  # veRL's default mode
+    assert not accept_omni_keys(argv, MAIN_PPO_MODULE) and argv[1] == key
+
+
+def test_one_value_per_setting_across_veRL_Omni_veRL_and_digen_keys():
+    clip = f"{ARR}.actor.diffusion_loss.clip_ratio"
+    with pytest.raises(ConfigError, match=rf"{clip}=1e-05 and digen.algo.clip_range=0.001 are the same setting"):
+        _resolved(f"{clip}=1e-5", "digen.algo.clip_range=1e-3")
+    with pytest.raises(ConfigError, match=rf"{ARR}.actor.clip_ratio and {clip} set digen.algo.clip_range"):
+        _resolved(f"{ARR}.actor.clip_ratio=0.001", f"{clip}=1e-5")
+    assert _resolved(f"{clip}=1e-5", "digen.algo.clip_range=1e-5").digen["algo"]["clip_range"] == 1e-5
+    with pytest.raises(ConfigError, match=rf"{ARR}.rollout.pipeline.num_inference_steps=10 and "
+                                          r"digen.sampling.num_steps=12"):
+        _resolved(f"{ARR}.rollout.pipeline.num_inference_steps=10", "digen.sampling.num_steps=12")
+
+
+def test_guidance_scale_means_what_diffusers_means_for_the_family():
+    guidance = f"{ARR}.rollout.pipeline.guidance_scale=3.5"
+    assert _resolved(guidance).digen["sampling"]["distilled_guidance"] == 3.5  # the tiny FLUX
+    assert _resolved(guidance, "digen.model.arch=sd3").digen["sampling"]["guidance_scale"] == 3.5
+    assert _resolved(f"{ARR}.rollout.pipeline.true_cfg_scale=4.0").digen["sampling"]["guidance_scale"] == 4.0
+    with pytest.raises(ConfigError, match=r"guidance_scale=3.5 cannot apply: Qwen-Image is not guidance-distilled"):
+        _resolved(guidance, "digen.model.arch=qwen_image")
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ([f"{ARR}.model.algorithm=dpo"], r"model.algorithm='dpo' cannot apply: verl-digen trains FlowGRPO"),
+    ([f"{ARR}.actor.diffusion_loss.dpo_beta=2000"], r"diffusion_loss.dpo_beta=2000 cannot apply: .*other algorithms"),
+    ([f"{ARR}.actor.diffusion_loss.ref_kl_coef=0.1"], r"ref_kl_coef=0.1 cannot apply: .*use_kl_loss=true"),
+    ([f"{ARR}.model.attn_backend=_flash_3_varlen_hub"], r"attn_backend='_flash_3_varlen_hub' cannot apply: .*native"),
+    ([f"{ARR}.rollout.rollout_attn_backend=FLASH_ATTN_3_HUB"], r"cannot apply: .*TORCH_SDPA"),
+    ([f"{ARR}.rollout.algo.sde_window_range=[0,5]"], r"sde_window_range=\[0, 5\] cannot apply: it needs .*size"),
+    ([f"{ARR}.rollout.algo.sde_window_size=3"], r"sde_window_size=3 cannot apply: give .*sde_window_range"),
+    ([f"{ARR}.rollout.algo.sde_window_size=6", f"{ARR}.rollout.algo.sde_window_range=[0,5]"],
+     r"sde_window_size=6 cannot apply: must be an integer in \[1, 5\]"),
+    ([f"{ARR}.rollout.algo.sde_type=ode"], r"sde_type='ode'; valid: sde, cps, dance_sde"),
+    ([f"{ARR}.rollout.val_kwargs.algo.noise_level=0.5"], r"val_kwargs.algo.noise_level=0.5 cannot apply: .*deterministic"),
+    ([f"{ARR}.rollout.pipeline.height=384", f"{ARR}.rollout.val_kwargs.pipeline.height=512"],
+     r"val_kwargs.pipeline.height=512 cannot apply: .*equal actor_rollout_ref.rollout.pipeline.height=384"),
+    ([f"{ARR}.rollout.pipeline.max_sequence_length=128"], r"max_sequence_length=128 cannot apply: .*flux .*512 tokens"),
+    ([f"{ARR}.rollout.max_prompt_embed_length=333"], r"max_prompt_embed_length=333 cannot apply: .*flux"),
+    ([f"{ARR}.model.extra_tokenizers={{t5: {{path: tokenizer_2, max_length: 256}}}}"],
+     r"extra_tokenizers.t5.max_length=256 cannot apply: .*tokenizer_2 with 512 tokens"),
+    ([f"{ARR}.rollout.pipeline.num_frames=81"], r"pipeline.num_frames=81 cannot apply: a veRL-Omni diffusion key"),
+    ([f"{ARR}.actor.fsdp_config.param_offload=True"], r"param_offload=True cannot apply: .*strategy=fsdp2"),
+    ([f"{ARR}.actor.fsdp_config.optimizer_offload=True"], r"optimizer_offload=True cannot apply: .*digen.fsdp.enable"),
+    ([f"{ARR}.actor.strategy=megatron"], r"strategy='megatron'; valid: fsdp2"),
+    (["data.max_prompt_length=256"], r"data.max_prompt_length=256 cannot apply: .*digen.data.max_prompt_chars"),
+    (["+trainer.rollout_data_dir=/tmp/rollouts"], r"rollout_data_dir='/tmp/rollouts' cannot apply: .* does not dump"),
+    (["trainer.log_val_generations=-1"], r"log_val_generations=-1; a positive number"),
+])
+def test_values_verl_digen_cannot_honour_are_refused_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        _resolved(*overrides)
+
+
+def test_sd3_text_lengths_and_tokenizers_are_checked_against_the_family():
+    ok = _resolved("digen.model.arch=sd3", f"{ARR}.rollout.pipeline.max_sequence_length=256",
+                   f"{ARR}.rollout.max_prompt_embed_length=333",
+                   f"{ARR}.model.extra_tokenizers={{clip: {{path: tokenizer, max_length: 77}}, "
+                   f"t5: {{path: tokenizer_3, max_length: 256}}}}")
+    assert ok.digen["model"]["arch"] == "sd3"
+    with pytest.raises(ConfigError, match=r"extra_tokenizers.t5.path='text_encoder' cannot apply: .*tokenizer_3"):
+        _resolved("digen.model.arch=sd3", f"{ARR}.model.extra_tokenizers={{t5: {{path: text_encoder, max_length: 256}}}}")
+
+
+def test_strategy_and_log_val_generations_map_and_veRLs_defaults_set_nothing():
+    run = _resolved(f"{ARR}.actor.strategy=fsdp2", "trainer.log_val_generations=4",
+                    f"{ARR}.rollout.val_kwargs.pipeline.num_inference_steps=28")
+    assert run.digen["fsdp"]["enable"] is True and run.digen["validation"]["log_images"] == 4
+    assert run.digen["validation"]["num_steps"] == 28
+    plain = digen_config_from_dict(_resolved(f"{ARR}.actor.strategy=fsdp", "trainer.log_val_generations=0").digen)
+    assert plain.fsdp.enable is False and plain.validation.log_images is None

@@ -1,0 +1,322 @@
+"""veRL-Omni's diffusion keys in the digen mode: accepted, and each mapped onto its ``digen.*`` setting.
+
+veRL-Omni's run scripts (``python -m verl_omni.trainer.main_diffusion ...``) write diffusion keys
+that veRL's ``ppo_trainer`` config does not have (``actor_rollout_ref.rollout.pipeline.height``,
+``actor_rollout_ref.rollout.algo.noise_level``, ``actor_rollout_ref.actor.diffusion_loss.clip_ratio``,
+...), without Hydra's ``+``. Under ``python -m verl.trainer.main_ppo trainer.v1.trainer_mode=digen``
+Hydra would refuse them ("Could not override"), so :func:`plain_overrides` turns exactly these
+keys into ``++key=value`` (add or override) before Hydra parses the command line
+(:func:`verl_digen.verl_hooks.accept_omni_keys`, in the digen mode only). Then
+:mod:`verl_digen.config.verl_keys` applies :data:`OMNI_MAPPED` like its own table (one value per
+setting: the same setting given as a veRL-Omni key, a veRL key or a ``digen.*`` key with
+different values is an error naming both), and :func:`omni_settings` checks the keys that set
+nothing or depend on the model family. Values verl-digen cannot honour are refused with what to
+use instead; nothing is silently dropped. ``docs/verl_keys.md`` lists every key.
+
+The semantics follow veRL-Omni's config dataclasses (``DiffusionRolloutAlgoConfig``,
+``DiffusionPipelineConfig``, ``DiffusionLossConfig``): ``noise_level`` and ``sde_type``
+(``sde`` | ``cps`` | ``dance_sde``) are the same SDE as ``digen.sampling``'s; a window of
+``sde_window_size`` steps starts uniformly in ``[r0, r1 - size]`` for ``sde_window_range=[r0, r1]``
+(end exclusive), which is ``digen.sampling.sde_window`` ``mode=random, start=r0, range_end=r1-1``
+(inclusive); validation (``val_kwargs``) is deterministic (``noise_level=0``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Mapping
+
+from verl_digen.config.schema import ConfigError
+
+ARR = "actor_rollout_ref"
+LOSS = f"{ARR}.actor.diffusion_loss"
+PIPE = f"{ARR}.rollout.pipeline"
+ALGO = f"{ARR}.rollout.algo"
+VAL_PIPE = f"{ARR}.rollout.val_kwargs.pipeline"
+VAL_ALGO = f"{ARR}.rollout.val_kwargs.algo"
+
+#: veRL-Omni's algorithm name for what verl-digen trains.
+FLOW_GRPO = "flow_grpo"
+#: veRL-Omni's attention backends that are what verl-digen runs (diffusers' default: torch SDPA).
+ATTN_BACKENDS = ("native",)
+ROLLOUT_ATTN_BACKENDS = ("TORCH_SDPA",)
+
+# Keys (and key prefixes, ending in '.') Hydra must accept without '+' in the digen mode.
+_EXACT = (f"{ARR}.model.algorithm", f"{ARR}.model.extra_tokenizers", f"{ARR}.model.attn_backend",
+          f"{ARR}.rollout.rollout_attn_backend", f"{ARR}.rollout.max_prompt_embed_length", "trainer.rollout_data_dir")
+_PREFIXES = (f"{LOSS}.", f"{PIPE}.", f"{ALGO}.", f"{VAL_PIPE}.", f"{VAL_ALGO}.")
+OMNI_ROOTS = (*_EXACT, *(p[:-1] for p in _PREFIXES))
+
+
+def is_omni_key(key: str) -> bool:
+    """``key`` is one of veRL-Omni's diffusion keys (or under one of its diffusion groups)."""
+    return key in _EXACT or key.startswith(_PREFIXES) or key in OMNI_ROOTS
+
+
+def plain_overrides(argv: list[str]) -> list[str]:
+    """``argv`` with each veRL-Omni diffusion override (``key=value`` or ``+key=value``) written
+    ``++key=value``, so Hydra adds the key veRL's config lacks; every other argument unchanged."""
+    out = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        bare = key.lstrip("+")
+        if sep and not key.startswith(("~", "++")) and is_omni_key(bare):
+            arg = f"++{bare}={value}"
+        out.append(arg)
+    return out
+
+
+def _sde_type(value: Any, _: Mapping[str, Any]) -> str:
+    from verl_digen.algos.sde import SDE_TYPES
+
+    if value not in SDE_TYPES:
+        raise ConfigError(f"invalid config: {ALGO}.sde_type={value!r}; valid: {', '.join(SDE_TYPES)}")
+    return str(value)
+
+
+# (veRL-Omni key, digen key, meaning, convert or None): rows of verl_keys.MAPPED.
+OMNI_MAPPED: tuple[tuple[str, str, str, Callable[[Any, Mapping[str, Any]], Any] | None], ...] = (
+    (f"{LOSS}.clip_ratio", "digen.algo.clip_range", "PPO clip range (veRL-Omni's spelling)", None),
+    (f"{LOSS}.adv_clip_max", "digen.algo.adv_clip_max", "advantage clip", None),
+    (f"{PIPE}.height", "digen.sampling.height", "image height (pixels)", None),
+    (f"{PIPE}.width", "digen.sampling.width", "image width (pixels)", None),
+    (f"{PIPE}.num_inference_steps", "digen.sampling.num_steps", "denoising steps of a rollout", None),
+    (f"{PIPE}.true_cfg_scale", "digen.sampling.guidance_scale", "true CFG scale (> 1: with the negative prompt)",
+     None),
+    (f"{ALGO}.noise_level", "digen.sampling.noise_level", "the SDE's noise scale (same formula per sde_type)",
+     None),
+    (f"{ALGO}.sde_type", "digen.sampling.sde_type", "sde | cps | dance_sde", _sde_type),
+    (f"{VAL_PIPE}.num_inference_steps", "digen.validation.num_steps", "denoising steps of a validation sample",
+     None),
+)
+
+# Keys that set no digen.* field: the one value (or rule) they may hold, and what to use instead.
+OMNI_CHECKED: dict[str, str] = {
+    f"{ARR}.model.algorithm": "flow_grpo (what verl-digen trains)",
+    f"{LOSS}.loss_mode": "flow_grpo",
+    f"{LOSS}.ref_kl_coef": "0.0; the KL to the reference is actor_rollout_ref.actor.use_kl_loss=true with "
+                           "kl_loss_coef (digen.algo.kl_beta)",
+    f"{LOSS}.*": "other diffusion_loss fields belong to veRL-Omni's other algorithms (MixGRPO, DPO, NFT): refused",
+    f"{PIPE}.guidance_scale": "the pipeline's guidance_scale: CFG (digen.sampling.guidance_scale) for SD3 and Wan, "
+                              "the distilled guidance embedding (digen.sampling.distilled_guidance) for FLUX and "
+                              "HunyuanVideo; Qwen-Image: null or 1.0 (its CFG is true_cfg_scale)",
+    f"{PIPE}.max_sequence_length": "the pipeline's text length, which verl-digen keeps (SD3 256, FLUX 512, "
+                                   "Qwen-Image 512, Wan 512, HunyuanVideo 256); another value is refused",
+    f"{ARR}.rollout.max_prompt_embed_length": "the text tokens the transformer sees (SD3 77 + 256 = 333, ...): "
+                                              "must equal the family's",
+    f"{ALGO}.sde_window_size": "with sde_window_range: digen.sampling.sde_window (mode=random, size)",
+    f"{ALGO}.sde_window_range": "[r0, r1]: digen.sampling.sde_window start=r0, range_end=r1-1",
+    f"{ALGO}.sde_contiguous": "true (windows are contiguous)",
+    f"{VAL_ALGO}.noise_level": "0.0 (validation samples are deterministic)",
+    f"{VAL_ALGO}.*": "sde_type / sde_window_*: no effect at noise 0; must equal the training value",
+    f"{VAL_PIPE}.*": "height, width, guidance_scale, true_cfg_scale, max_sequence_length: validation samples at "
+                     "the training values (must equal them)",
+    f"{ARR}.model.extra_tokenizers": "{name: {path: <tokenizer subfolder>, max_length}}: the tokenizers the "
+                                     "diffusers pipeline loads, at the lengths verl-digen uses (checked)",
+    f"{ARR}.model.attn_backend": "native (diffusers' default, torch SDPA: what verl-digen runs)",
+    f"{ARR}.rollout.rollout_attn_backend": "TORCH_SDPA (the same attention as training)",
+}
+
+
+# Every veRL-Omni key verl_keys' walk over unknown keys leaves to this module (whole groups
+# where :func:`omni_settings` checks each of their fields).
+OMNI_HANDLED = frozenset({
+    *(row[0] for row in OMNI_MAPPED), *_EXACT, LOSS, VAL_PIPE, VAL_ALGO,
+    *(f"{PIPE}.{n}" for n in ("guidance_scale", "max_sequence_length")),
+    *(f"{ALGO}.{n}" for n in ("sde_window_size", "sde_window_range", "sde_contiguous")),
+}) - {"trainer.rollout_data_dir"}
+
+
+def _get(tree: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    node: Any = tree
+    for part in key.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def _fail(key: str, value: Any, rule: str) -> None:
+    raise ConfigError(f"invalid config: {key}={value!r} cannot apply: {rule}")
+
+
+def model_family(config: Mapping[str, Any], digen: Mapping[str, Any]) -> str | None:
+    """The model family the run trains: ``digen.model.arch``, else the model directory's
+    (``model_index.json``), else the tiny model's; None when the directory cannot be read (its
+    own check names it later)."""
+    model = digen.get("model") or {}
+    if model.get("arch"):
+        return str(model["arch"])
+    path = model.get("path")
+    if path is None:
+        return str(model.get("tiny_arch") or "flux")
+    if not os.path.isfile(os.path.join(str(path), "model_index.json")):
+        return None
+    from verl_digen.models.registry import detect_arch
+
+    try:
+        return detect_arch(str(path))
+    except ValueError:
+        return None
+
+
+def omni_settings(config: Mapping[str, Any], digen: dict[str, Any],
+                  put: Callable[[str, Any, str], None]) -> None:
+    """Check veRL-Omni's keys that set nothing by themselves or depend on the model family, and
+    put what they mean (``put(digen_key, value, verl_key)``, the one-value rule)."""
+    _check_algorithm(config)
+    _check_backends(config)
+    _sde_window(config, put)
+    _check_validation(config)
+    family = model_family(config, digen)
+    _guidance(config, family, put)
+    _text_lengths(config, family)
+
+
+def _check_algorithm(config: Mapping[str, Any]) -> None:
+    for key in (f"{ARR}.model.algorithm", f"{LOSS}.loss_mode"):
+        value = _get(config, key)
+        if value is not None and value != FLOW_GRPO:
+            _fail(key, value, "verl-digen trains FlowGRPO (flow_grpo); veRL-Omni's other algorithms are not here")
+    loss = _get(config, LOSS) or {}
+    for name, value in loss.items():
+        if name in ("clip_ratio", "adv_clip_max", "loss_mode"):
+            continue
+        if name == "ref_kl_coef":
+            if value:
+                _fail(f"{LOSS}.ref_kl_coef", value, OMNI_CHECKED[f"{LOSS}.ref_kl_coef"])
+            continue
+        _fail(f"{LOSS}.{name}", value, "it belongs to veRL-Omni's other algorithms (MixGRPO, DPO, NFT); "
+                                       "verl-digen's FlowGRPO loss has clip_ratio, adv_clip_max and the KL "
+                                       "(actor_rollout_ref.actor.use_kl_loss / kl_loss_coef)")
+
+
+def _check_backends(config: Mapping[str, Any]) -> None:
+    for key, valid, what in ((f"{ARR}.model.attn_backend", ATTN_BACKENDS, "diffusers' default attention"),
+                             (f"{ARR}.rollout.rollout_attn_backend", ROLLOUT_ATTN_BACKENDS, "torch SDPA")):
+        value = _get(config, key)
+        if value is not None and value not in valid:
+            _fail(key, value, f"verl-digen runs {what} (torch SDPA) in rollout and training alike; set "
+                              f"{' or '.join(valid)} or leave it unset (flash-attention backends are not wired)")
+
+
+def _window_range(key: str, value: Any) -> tuple[int, int]:
+    if isinstance(value, str):
+        import ast
+
+        try:
+            value = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            _fail(key, value, "give [first_step, end_step] (end exclusive)")
+    if (not isinstance(value, (list, tuple)) or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in value) or value[0] < 0):
+        _fail(key, value, "give [first_step, end_step] (two integers, end exclusive)")
+    return int(value[0]), int(value[1])
+
+
+def _sde_window(config: Mapping[str, Any], put: Callable[[str, Any, str], None]) -> None:
+    size_key, range_key = f"{ALGO}.sde_window_size", f"{ALGO}.sde_window_range"
+    size, window = _get(config, size_key), _get(config, range_key)
+    if _get(config, f"{ALGO}.sde_contiguous", True) is not True:
+        _fail(f"{ALGO}.sde_contiguous", _get(config, f"{ALGO}.sde_contiguous"), "SDE windows are contiguous here")
+    if size is None:
+        if window is not None:
+            _fail(range_key, window, f"it needs {size_key} (without one every step is an SDE step)")
+        return
+    if window is None:
+        _fail(size_key, size, f"give {range_key} too ([first_step, end_step], end exclusive)")
+    first, end = _window_range(range_key, window)
+    if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= end - first:
+        _fail(size_key, size, f"must be an integer in [1, {end - first}] (the steps of {range_key}={window!r})")
+    put("digen.sampling.sde_window.mode", "random", size_key)
+    put("digen.sampling.sde_window.size", size, size_key)
+    put("digen.sampling.sde_window.start", first, range_key)
+    put("digen.sampling.sde_window.range_end", end - 1, range_key)
+
+
+def _check_validation(config: Mapping[str, Any]) -> None:
+    noise = _get(config, f"{VAL_ALGO}.noise_level")
+    if noise is not None and noise != 0:
+        _fail(f"{VAL_ALGO}.noise_level", noise, "validation samples are deterministic here (ODE, noise 0); "
+                                                "set 0.0 or leave it unset")
+    for name, value in (_get(config, VAL_ALGO) or {}).items():
+        train = _get(config, f"{ALGO}.{name}")
+        if name != "noise_level" and value != train:
+            _fail(f"{VAL_ALGO}.{name}", value, f"at noise 0 it has no effect; it must equal {ALGO}.{name}={train!r}")
+    for name, value in (_get(config, VAL_PIPE) or {}).items():
+        if name == "num_inference_steps":
+            continue
+        train = _get(config, f"{PIPE}.{name}")
+        if value != train:
+            _fail(f"{VAL_PIPE}.{name}", value, f"validation samples with the training pipeline settings; it must "
+                                               f"equal {PIPE}.{name}={train!r} (only num_inference_steps may differ)")
+
+
+# guidance_scale: which digen setting it is, per family (diffusers' meaning of the argument).
+_GUIDANCE = {"sd3": "digen.sampling.guidance_scale", "wan": "digen.sampling.guidance_scale",
+             "flux": "digen.sampling.distilled_guidance", "hunyuan_video": "digen.sampling.distilled_guidance"}
+
+
+def _guidance(config: Mapping[str, Any], family: str | None, put: Callable[[str, Any, str], None]) -> None:
+    key = f"{PIPE}.guidance_scale"
+    value = _get(config, key)
+    if value is None:
+        return
+    if family == "qwen_image":
+        if value != 1.0:
+            _fail(key, value, f"Qwen-Image is not guidance-distilled; its CFG is {PIPE}.true_cfg_scale")
+        return
+    if family not in _GUIDANCE:
+        _fail(key, value, "its meaning depends on the model family, which cannot be read from "
+                          "actor_rollout_ref.model.path; set digen.model.arch")
+    put(_GUIDANCE[family], float(value), key)
+
+
+def family_text_length(family: str) -> int:
+    """The text tokens per prompt the family's pipeline keeps by default (``max_sequence_length``)."""
+    import importlib
+
+    return int(importlib.import_module(f"verl_digen.models.{family}").DEFAULT_MAX_SEQUENCE_LENGTH)
+
+
+# The tokenizers each family's adapter loads (subfolder -> max length; None: the pipeline's text length).
+_TOKENIZERS = {"sd3": {"tokenizer": 77, "tokenizer_2": 77, "tokenizer_3": None},
+               "flux": {"tokenizer": 77, "tokenizer_2": None}}
+
+
+def _text_lengths(config: Mapping[str, Any], family: str | None) -> None:
+    keys = (f"{PIPE}.max_sequence_length", f"{ARR}.rollout.max_prompt_embed_length", f"{ARR}.model.extra_tokenizers")
+    given = {k: _get(config, k) for k in keys if _get(config, k) is not None}
+    if not given:
+        return
+    if family is None:
+        key = next(iter(given))
+        _fail(key, given[key], "it is checked against the model family, which cannot be read from "
+                               "actor_rollout_ref.model.path; set digen.model.arch")
+    from verl_digen.models.families import FAMILY_SPECS
+
+    length = family_text_length(family)
+    if keys[0] in given and given[keys[0]] != length:
+        _fail(keys[0], given[keys[0]], f"verl-digen keeps the {family} pipeline's text length, {length} tokens; "
+                                       "set that or leave it unset")
+    embed = FAMILY_SPECS[family].text_tokens()
+    if keys[1] in given and given[keys[1]] != embed:
+        _fail(keys[1], given[keys[1]], f"the {family} transformer sees {embed} text tokens per prompt here; "
+                                       "set that or leave it unset")
+    if keys[2] in given:
+        _check_tokenizers(keys[2], given[keys[2]], family, length)
+
+
+def _check_tokenizers(key: str, value: Any, family: str, length: int) -> None:
+    known = _TOKENIZERS.get(family)
+    if not isinstance(value, Mapping) or known is None:
+        _fail(key, value, f"the {family} pipeline loads its own tokenizer(s) from the model directory; "
+                          "leave it unset" if known is None else "give {name: {path, max_length}}")
+    for name, entry in value.items():
+        path = entry.get("path") if isinstance(entry, Mapping) else None
+        if path not in known:
+            _fail(f"{key}.{name}.path", path, f"the {family} pipeline's tokenizers are {', '.join(known)}")
+        want = known[path] if known[path] is not None else length
+        if entry.get("max_length") != want:
+            _fail(f"{key}.{name}.max_length", entry.get("max_length"),
+                  f"verl-digen reads {path} with {want} tokens (the {family} pipeline's)")
