@@ -286,7 +286,7 @@ def test_the_readme_recipe_joins_both_nodes_and_the_job_follows_the_token(recipe
 
 
 @pytest.mark.e2e
-def test_a_mismatched_driver_stops_in_one_line_within_seconds(recipe_cluster):
+def test_a_mismatched_driver_stops_in_one_line_before_ray_init(recipe_cluster):
     c = recipe_cluster
     base = {**c["env"], "RAY_ADDRESS": c["address"]}
     cases = [({"HOME": c["head_home"], "RAY_AUTH_MODE": "disabled"}, "RAY_AUTH_MODE=disabled here"),
