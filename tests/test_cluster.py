@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -18,12 +17,14 @@ import tempfile
 import time
 from types import SimpleNamespace
 
-import psutil
 import pytest
 import ray
 import torch
 from safetensors.torch import load_file
 
+from raylets import free_ports as _free_ports
+from raylets import ray_start as _ray_start
+from raylets import stop as _stop
 from runs import QUIET, metrics_lines, run
 from verl_digen.config.schema import ConfigError
 from verl_digen.placement.pools import ClusterSpec, RayNode, assign_nodes, check_cluster, cluster_nodes, node_counts
@@ -83,48 +84,6 @@ def test_rollout_workers_spread_over_the_free_devices():
 
 
 # ----------------------------------------------------------------------------- two raylets
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _ray_start(*args: str, env: dict[str, str]) -> subprocess.Popen:
-    ports = _free_ports(6)
-    cmd = [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--block", "--node-ip-address=127.0.0.1",
-           "--disable-usage-stats", f"--node-manager-port={ports[0]}", f"--object-manager-port={ports[1]}",
-           f"--dashboard-agent-listen-port={ports[2]}", f"--dashboard-agent-grpc-port={ports[3]}",
-           f"--runtime-env-agent-port={ports[4]}", f"--metrics-export-port={ports[5]}", *args]
-    return subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    """Stop the ``ray start`` processes and everything they started, by PID."""
-    victims = []
-    for p in procs:
-        try:
-            victims += [psutil.Process(p.pid)] + psutil.Process(p.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            pass
-    for v in victims:
-        try:
-            v.send_signal(signal.SIGTERM)
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(victims, timeout=3)
-    for v in alive:
-        try:
-            v.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=15)
 
 
 def _alive_nodes(address: str) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import os
 import pickle
 import socket
@@ -524,3 +525,51 @@ class _DeqaApp(JsonHandler):
 def test_our_pickle_client_reads_the_deqa_apps_outputs() -> None:
     with serve(_DeqaApp, {}) as url:
         assert HttpReward(url, protocol="pickle", timeout_s=TIMEOUT)(quantised_rand(2, 3, 4, 4), ["a", "b"]).tolist() == [0.5, 0.5]
+
+
+GENEVAL_TAGS = ["single_object", "two_object", "counting", "colors", "position", "color_attr"]
+
+
+class _GenEvalAnswers(JsonHandler):
+    """reward-server's GenEval app's answer, shaped as its ``compute_geneval`` builds it: per
+    sample ``scores``, ``rewards`` (correct), ``strict_rewards``; per tag in ``group_rewards`` /
+    ``group_strict_rewards`` a value for every sample, -10.0 where the sample has another tag."""
+
+    state: dict
+
+    def do_POST(self) -> None:
+        data = pickle.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        records = data["meta_datas"]
+        correct, strict = self.state["correct"][:len(records)], self.state["strict"][:len(records)]
+        self.state["correct"], self.state["strict"] = self.state["correct"][len(records):], self.state["strict"][len(records):]
+        groups = {k: [c if r["tag"] == k else -10.0 for r, c in zip(records, correct)] for k in GENEVAL_TAGS}
+        strict_groups = {k: [s if r["tag"] == k else -10.0 for r, s in zip(records, strict)] for k in GENEVAL_TAGS}
+        self.reply(200, pickle.dumps({"scores": [0.5 * c + 0.25 for c in correct], "rewards": correct,
+                                      "strict_rewards": strict, "group_rewards": groups,
+                                      "group_strict_rewards": strict_groups}))
+
+
+def test_our_client_reads_genevals_strict_and_group_answers_as_flow_grpo_names_them() -> None:
+    """Per-sample ``accuracy``, ``strict_accuracy`` and ``<tag>_accuracy`` / ``<tag>_strict_accuracy``
+    (NaN for samples of other tags), over request chunks; the scores stay ``scores``."""
+    records = [{"tag": "colors", "prompt": "a"}, {"tag": "counting", "prompt": "b"}, {"tag": "colors", "prompt": "c"}]
+    state = {"correct": [1.0, 0.0, 1.0], "strict": [0.0, 0.0, 1.0]}
+    with serve(_GenEvalAnswers, state) as url:
+        reward = HttpReward(url, protocol="pickle", timeout_s=TIMEOUT, batch_size=2, extra_fields={"only_strict": False})
+        scores = reward(quantised_rand(3, 3, 4, 4), ["a", "b", "c"], records)
+        extras = reward.take_extras()
+        assert reward.take_extras() == {}  # handed over once
+    assert scores.tolist() == [0.75, 0.25, 0.75]
+    got = {k: [None if math.isnan(x) else x for x in v.tolist()] for k, v in extras.items()}
+    assert got["accuracy"] == [1.0, 0.0, 1.0] and got["strict_accuracy"] == [0.0, 0.0, 1.0]
+    assert got["colors_accuracy"] == [1.0, None, 1.0] and got["colors_strict_accuracy"] == [0.0, None, 1.0]
+    assert got["counting_accuracy"] == [None, 0.0, None] and got["position_accuracy"] == [None, None, None]
+    assert set(got) == {"accuracy", "strict_accuracy", *(f"{t}_{m}" for t in GENEVAL_TAGS
+                                                        for m in ("accuracy", "strict_accuracy"))}
+
+
+def test_a_plain_servers_rewards_are_not_taken_for_genevals() -> None:
+    with serve(_NumpyPickle, {"scores": lambda n: [0.5] * n}) as url:
+        reward = HttpReward(url, protocol="pickle", timeout_s=TIMEOUT)
+        reward(quantised_rand(2, 3, 4, 4), ["a", "b"])
+        assert reward.take_extras() == {}

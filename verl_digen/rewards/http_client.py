@@ -152,6 +152,40 @@ def parse_scores(data: Any, expected: int, keys: Sequence[str], name: str) -> li
     return [float(value) for value in scores]
 
 
+#: A GenEval answer's per-sample fields besides the scores, under the metric names Flow-GRPO logs.
+GENEVAL_LISTS = {"rewards": "accuracy", "strict_rewards": "strict_accuracy"}
+#: ... and its per-group fields: ``{tag: [value or -10.0 where the sample is not of that tag]}``.
+GENEVAL_GROUPS = {"group_rewards": "accuracy", "group_strict_rewards": "strict_accuracy"}
+GENEVAL_ABSENT = -10.0
+
+
+def _merge_chunks(chunks: list[dict[str, list[float]]], sizes: list[int]) -> dict[str, list[float]]:
+    """One list per extra over all chunks of a call, NaN for the samples of a chunk without it
+    (a group no sample of that chunk had)."""
+    names = sorted({k for chunk in chunks for k in chunk})
+    return {k: [v for chunk, n in zip(chunks, sizes) for v in chunk.get(k, [math.nan] * n)] for k in names}
+
+
+def geneval_extras(data: Any, expected: int, name: str) -> dict[str, list[float]]:
+    """The per-sample extras of a GenEval scorer's answer (reward-server's GenEval app, the GenEval
+    service), named as Flow-GRPO logs them: ``accuracy`` (``rewards``), ``strict_accuracy``
+    (``strict_rewards``), ``<tag>_accuracy`` / ``<tag>_strict_accuracy`` (``group_rewards`` /
+    ``group_strict_rewards``; NaN for a sample of another tag, where GenEval writes -10.0). Empty
+    for an answer without ``strict_rewards`` (not GenEval's): other servers' ``rewards`` stay
+    theirs. A malformed field is a malformed-response error naming it."""
+    if not isinstance(data, dict) or "strict_rewards" not in data:
+        return {}
+    extras = {metric: parse_scores(data, expected, [key], name) for key, metric in GENEVAL_LISTS.items() if key in data}
+    for key, metric in GENEVAL_GROUPS.items():
+        groups = data.get(key, {})
+        if not isinstance(groups, dict):
+            raise malformed_response(name, f"{key!r} must be an object of per-tag lists, got {type(groups).__name__}")
+        for tag, _ in sorted(groups.items()):
+            values = parse_scores(groups, expected, [tag], name)
+            extras[f"{tag}_{metric}"] = [math.nan if v == GENEVAL_ABSENT else v for v in values]
+    return extras
+
+
 @register_reward("http")
 class HttpReward(RewardFn):
     """Reward from a remote server speaking the JSON or the pickle protocol (module docstring).
@@ -291,6 +325,9 @@ class HttpReward(RewardFn):
             per_frame = self._request_scores(
                 flat, [p for p in prompts for _ in range(frames)], [r for r in records for _ in range(frames)]
             )
+            # a clip's extras: the mean over its frames that have one
+            self._extras = {k: torch.tensor(v).view(batch, frames).nanmean(dim=1).tolist()
+                            for k, v in self._extras.items()}
             return per_frame.view(batch, frames).mean(dim=1)
         return self._request_scores(images, prompts, records)
 
@@ -300,9 +337,19 @@ class HttpReward(RewardFn):
         content_type = "application/json" if self.protocol == "json" else "application/octet-stream"
         answers = self._endpoint().post_many(bodies, content_type)
         scores: list[float] = []
+        extras: list[dict[str, list[float]]] = []
         for (a, b), payload in zip(chunks, answers, strict=True):
-            scores.extend(parse_scores(self._decode(payload), b - a, self.score_keys, self._server))
+            data = self._decode(payload)
+            scores.extend(parse_scores(data, b - a, self.score_keys, self._server))
+            extras.append(geneval_extras(data, b - a, self._server))
+        self._extras = _merge_chunks(extras, [b - a for a, b in chunks])
         return torch.tensor(scores, dtype=torch.float32)
+
+    def take_extras(self) -> dict[str, torch.Tensor]:
+        """A GenEval scorer's per-sample accuracies of the last call (:func:`geneval_extras`),
+        handed over once; logged as ``reward/<name>``."""
+        extras, self._extras = getattr(self, "_extras", {}), {}
+        return {k: torch.tensor(v, dtype=torch.float32) for k, v in extras.items()}
 
     def _body(self, images: torch.Tensor, prompts: list[str], records: list[dict[str, Any]]) -> bytes:
         pickle = self.protocol == "pickle"

@@ -378,10 +378,12 @@ def preflight_ray(address: str | None) -> bool:
     """``main_ppo``: the Ray cluster veRL's driver is about to join answers (the probe
     ``verl_digen.main`` makes in :func:`verl_digen.trainer.runtime.init_ray`), so that a stale
     ``ray_current_cluster`` marker or a dead ``RAY_ADDRESS`` stops the job in one line instead of
-    ``ray.init`` retrying it for minutes. Nothing to check once Ray runs (inside veRL's TaskRunner).
-    ``address``: ``ray_kwargs.ray_init.address``. True when the driver will start a local Ray."""
+    ``ray.init`` retrying it for minutes, and so that a cluster requiring token authentication is
+    joined with this machine's token (or refused naming ``RAY_AUTH_MODE``). Nothing to check once
+    Ray runs (inside veRL's TaskRunner). ``address``: ``ray_kwargs.ray_init.address``. True when the driver will start a local Ray."""
     import ray
 
+    from verl_digen.trainer.ray_auth import follow_cluster_auth
     from verl_digen.trainer.runtime import check_ray_target, ray_target
 
     if ray.is_initialized():
@@ -389,6 +391,7 @@ def preflight_ray(address: str | None) -> bool:
     target, source = ray_target(address)
     if target is not None:
         check_ray_target(target, source)
+        follow_cluster_auth(target)  # veRL's ray.init then joins in the cluster's auth mode
         return False
     return True
 

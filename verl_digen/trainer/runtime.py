@@ -25,6 +25,7 @@ from verl_digen.placement.pools import (
     cluster_nodes,
 )
 from verl_digen.schedule.plan import WorkerId
+from verl_digen.trainer.ray_auth import follow_cluster_auth
 
 WorkerGroupFactory = Callable[[PoolLayout], "tuple[dict[str, Any], dict[WorkerId, Any]]"]
 
@@ -211,7 +212,9 @@ def init_ray(devices: int, cfg: DigenConfig, *, address: str | None = None, num_
     (and Ray refuses counts from a connecting driver), so ``digen.ray_num_cpus`` /
     ``ray_kwargs.ray_init.num_cpus`` set while connecting is an error. A cluster whose GCS does
     not accept a connection within :data:`GCS_PROBE_S` is refused (:func:`check_ray_target`)
-    instead of being retried by ``ray.init`` for minutes.
+    instead of being retried by ``ray.init`` for minutes; one that requires token authentication
+    is joined with this machine's token, or refused in one line naming ``RAY_AUTH_MODE`` /
+    ``RAY_AUTH_TOKEN`` (:func:`verl_digen.trainer.ray_auth.follow_cluster_auth`).
 
     The instance the job starts is a single node: every Ray process (GCS, raylet, workers,
     dashboard agent) listens on 127.0.0.1 only, and no dashboard is started; ``devices``
@@ -232,6 +235,7 @@ def init_ray(devices: int, cfg: DigenConfig, *, address: str | None = None, num_
                 f"Ray cluster at {target} (whose nodes declared their resources at `ray start`); unset it"
             )
         check_ray_target(target, source)
+        follow_cluster_auth(target)
         ray.init(address=target, log_to_driver=True, runtime_env=env)
         print(f"[verl-digen] connected to the Ray cluster at {target} ({len(ray.nodes())} node(s))", flush=True)
         return True
