@@ -203,7 +203,8 @@ def test_a_preference_model_scores_on_the_workers_gpu_like_on_cpu(specs):
         assert worker._build_reward().type == "cuda"
         assert parameter_devices(worker.reward_fn) == {"cuda"}
         torch.testing.assert_close(worker.reward_fn(images, PROMPTS), on_cpu, atol=1e-4, rtol=1e-3)
-        bf16 = {"name": name, "kwargs": dict(specs[name]["kwargs"], dtype="bfloat16")}
-        scores = build_reward_from_config(bf16, device="cuda")(images.cuda(), PROMPTS)
-        assert scores.device.type == "cuda"
-        torch.testing.assert_close(scores.cpu(), on_cpu, atol=3e-2, rtol=3e-2)
+    bf16 = {"name": "pickscore", "kwargs": dict(specs["pickscore"]["kwargs"], dtype="bfloat16")}
+    scores = build_reward_from_config(bf16, device="cuda")(images.cuda(), PROMPTS)
+    assert scores.device.type == "cuda"  # scores come back on the images' device
+    on_cpu = build_reward_from_config(specs["pickscore"], device="cpu")(images, PROMPTS)
+    torch.testing.assert_close(scores.cpu(), on_cpu, atol=3e-2, rtol=3e-2)
