@@ -27,7 +27,15 @@ from raylets import ray_start as _ray_start
 from raylets import stop as _stop
 from runs import QUIET, metrics_lines, run
 from verl_digen.config.schema import ConfigError
-from verl_digen.placement.pools import ClusterSpec, RayNode, assign_nodes, check_cluster, cluster_nodes, node_counts
+from verl_digen.placement.pools import (
+    ClusterSpec,
+    RayNode,
+    assign_nodes,
+    check_accelerator_types,
+    check_cluster,
+    cluster_nodes,
+    node_counts,
+)
 from verl_digen.platform.nodes import PlacementError
 
 
@@ -83,6 +91,63 @@ def test_rollout_workers_spread_over_the_free_devices():
     assert placed == {"trainer": ["node0"], "rollout": ["node1", "node0"]}
 
 
+def _typed(*nodes: tuple[int, str]) -> list[RayNode]:
+    return [RayNode(f"node{i}", d, frozenset([t]) if t else frozenset()) for i, (d, t) in enumerate(nodes)]
+
+
+def test_accelerator_types_come_from_rays_accelerator_type_resources():
+    listed = [{"NodeID": "a", "Alive": True, "Resources": {"GPU": 8.0, "accelerator_type:H100": 1.0}},
+              {"NodeID": "b", "Alive": True, "Resources": {"GPU": 8.0, "accelerator_type:L40S": 1.0, "L40S": 1.0}},
+              {"NodeID": "c", "Alive": True, "Resources": {"CPU": 4.0}}]
+    assert [n.accelerator_types for n in cluster_nodes(listed, "cuda")] == [
+        frozenset({"H100"}), frozenset({"L40S"}), frozenset()]  # a bare "L40S" resource is not Ray's type
+
+
+def test_a_typed_pool_goes_only_to_nodes_of_its_type():
+    nodes = _typed((4, "H100"), (4, "L40S"), (4, "L40S"))
+    placed = assign_nodes({"rollout": 6, "trainer": 4}, nodes, per_node=4, pool_types={"rollout": "L40S"})
+    assert sorted(placed["rollout"]) == ["node1"] * 3 + ["node2"] * 3
+    assert placed["trainer"] == ["node0"] * 4  # untyped: what the typed pool left
+    both = assign_nodes({"rollout": 2, "trainer": 2}, nodes[:2], per_node=4,
+                        pool_types={"rollout": "accelerator_type:L40S", "trainer": "H100"})  # Ray's spelling too
+    assert both == {"trainer": ["node0"] * 2, "rollout": ["node1"] * 2}
+    # without types the trainer would take the first node whatever it is: the sim's rule is unchanged
+    assert assign_nodes({"rollout": 4, "trainer": 4}, nodes[:2], per_node=4)["trainer"] == ["node0"] * 4
+
+
+def test_a_type_no_node_has_is_refused_naming_the_key_and_the_types_there_are():
+    nodes = _typed((4, "H100"), (4, "L40S"), (4, None))
+    with pytest.raises(ConfigError, match=r"digen.pools.rollout.accelerator_type='A100'; no node .* "
+                                          r"'accelerator_type:A100'. Accelerator types of its nodes: H100, L40S"):
+        assign_nodes({"rollout": 1, "trainer": 1}, nodes, per_node=4, pool_types={"rollout": "A100"})
+    with pytest.raises(ConfigError, match=r"digen.pools.rollout.accelerator_type='L40S': the rollout pool needs 5 "
+                                          r"devices of that type but its nodes have 4 free"):
+        assign_nodes({"rollout": 5, "trainer": 1}, nodes, per_node=4, pool_types={"rollout": "L40S"})
+    with pytest.raises(ConfigError, match="Accelerator types of its nodes: none"):
+        check_accelerator_types({"trainer": "H800"}, _nodes(8))
+
+
+def test_the_nodes_the_job_uses_include_those_of_the_wanted_types():
+    nodes = _typed((8, "H100"), (8, "H100"), (8, "L40S"))
+    chosen = check_cluster(nodes, ClusterSpec(8, 2), "cuda", frozenset({"L40S"}))
+    assert [n.node_id for n in chosen] == ["node2", "node0"]
+    assert [n.node_id for n in check_cluster(nodes, ClusterSpec(8, 2), "cuda")] == ["node0", "node1"]
+
+
+def test_a_typed_pools_bundles_ask_for_rays_resource_name():
+    from verl_digen.placement.pools import accelerator_resource, pool_layout
+    from verl_digen.config.schema import digen_config_from_dict
+
+    cfg = digen_config_from_dict({"placement": "disaggregated", "pools": {
+        "rollout": {"devices": 1, "accelerator_type": "L40S"}, "trainer": {"devices": 1}}})
+    layout = pool_layout(cfg, ClusterSpec(2, 1))
+    assert layout.accelerator_types == {"rollout": "L40S", "trainer": None}
+    assert accelerator_resource("L40S") == accelerator_resource("accelerator_type:L40S") == "accelerator_type:L40S"
+    from ray._common.utils import RESOURCE_CONSTRAINT_PREFIX  # Ray's own prefix, as the raylet sets it
+
+    assert accelerator_resource("L40S") == RESOURCE_CONSTRAINT_PREFIX + "L40S"
+
+
 # ----------------------------------------------------------------------------- two raylets
 
 
@@ -97,6 +162,19 @@ def _alive_nodes(address: str) -> int:
 @pytest.fixture(scope="module")
 def two_node_cluster(tiny_flux):
     """``ray start --head`` + ``ray start --address``: two raylets, 4 logical CPUs each."""
+    yield from _two_raylets([], [])
+
+
+@pytest.fixture(scope="module")
+def typed_cluster(tiny_flux):
+    """Two raylets of different accelerator types, declared as Ray names a node's type: the
+    head ``accelerator_type:L40S``, the other ``accelerator_type:H100``."""
+    yield from _two_raylets(['--resources={"accelerator_type:L40S": 1}'], ['--resources={"accelerator_type:H100": 1}'])
+
+
+def _two_raylets(head_args: list[str], other_args: list[str]):
+    """Start a head and a second raylet (extra ``ray start`` arguments each), yield the address,
+    then stop both by PID."""
     assert not ray.is_initialized()
     temp = tempfile.mkdtemp(prefix="digen-ray-")  # short: Ray's unix sockets live under it
     port, client_port = _free_ports(2)
@@ -113,7 +191,7 @@ def two_node_cluster(tiny_flux):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join([root, os.path.join(root, "tests"), env.get("PYTHONPATH", "")])
     procs = [_ray_start("--head", f"--port={port}", f"--ray-client-server-port={client_port}", f"--temp-dir={temp}",
-                        "--num-cpus=4", "--include-dashboard=false", env=env)]
+                        "--num-cpus=4", "--include-dashboard=false", *head_args, env=env)]
     address = f"127.0.0.1:{port}"
     try:
         deadline = time.time() + 180
@@ -122,7 +200,7 @@ def two_node_cluster(tiny_flux):
                 if s.connect_ex(("127.0.0.1", port)) == 0:
                     break
             time.sleep(0.5)
-        procs.append(_ray_start(f"--address={address}", "--num-cpus=4", env=env))
+        procs.append(_ray_start(f"--address={address}", "--num-cpus=4", *other_args, env=env))
         deadline = time.time() + 180
         while _alive_nodes(address) < 2:
             assert time.time() < deadline, "the second raylet did not join"
@@ -193,6 +271,41 @@ def test_a_cluster_smaller_than_declared_is_named(two_node_cluster, tmp_path, ti
     assert not ray.is_initialized()
 
 
+TYPED = ["digen.placement=disaggregated", "trainer.nnodes=2", "trainer.n_gpus_per_node=2",
+         "digen.pools.rollout.devices=2", "digen.pools.trainer.devices=1", "digen.batch.groups_per_step=2",
+         "trainer.total_training_steps=1"]
+
+
+@pytest.mark.e2e
+def test_pools_of_an_accelerator_type_run_on_the_nodes_of_that_type(typed_cluster, tmp_path, tiny_flux, monkeypatch):
+    """Rollout on the L40S node, trainer on the H100 node of a real two-raylet cluster (before
+    the fix the bundles asked for a resource named ``L40S`` and the job waited until it timed out)."""
+    monkeypatch.setenv("RAY_ADDRESS", typed_cluster)
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    result = run(tmp_path, "typed", *TYPED, "digen.pools.rollout.accelerator_type=L40S",
+                 "digen.pools.trainer.accelerator_type=H100", "digen.task_timeout_s=300")
+    workers = json.loads(open(os.path.join(result.output_dir, "workers.json")).read())
+    ray.init(address=typed_cluster, log_to_driver=False)
+    try:
+        types = {n["NodeID"]: {k for k in n["Resources"] if k.startswith("accelerator_type:")}
+                 for n in ray.nodes() if n["Alive"]}
+    finally:
+        ray.shutdown()
+    assert {r: {t for w in workers if w["role"] == r for t in types[w["node_id"]]} for r in ("rollout", "trainer")} == {
+        "rollout": {"accelerator_type:L40S"}, "trainer": {"accelerator_type:H100"}}
+
+
+@pytest.mark.e2e
+def test_a_type_the_cluster_lacks_is_named_before_ray_waits(typed_cluster, tmp_path, tiny_flux, monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", typed_cluster)
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    with pytest.raises(ConfigError, match=r"digen.pools.rollout.accelerator_type='A100'; no node of the Ray cluster "
+                                          r"has the resource 'accelerator_type:A100'. Accelerator types of its nodes: "
+                                          r"H100, L40S"):
+        run(tmp_path, "no_a100", *TYPED, "digen.pools.rollout.accelerator_type=A100")
+    assert not ray.is_initialized()
+
+
 # ----------------------------------------------------------------------------- device kind
 
 
@@ -213,3 +326,27 @@ def test_an_unknown_trainer_device_is_refused_before_ray_starts(tmp_path):
     with pytest.raises(ConfigError, match=r"trainer.device='npu'"):
         DigenTrainer(run_config(tmp_path, "npu", "trainer.device=npu"))
     assert not ray.is_initialized()
+
+
+@pytest.mark.gpu
+@pytest.mark.e2e
+def test_a_gpu_nodes_detected_type_is_what_a_typed_pool_asks_for(tmp_path):
+    """On a GPU machine Ray detects the card's type (H100, H200, ...) as ``accelerator_type:<type>``:
+    cluster_nodes reads it, and a bundle built as the pools build theirs becomes ready."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from verl_digen.placement.pools import accelerator_resource
+
+    ray.init(num_gpus=1, num_cpus=2, include_dashboard=False, log_to_driver=False,
+             _temp_dir=tempfile.mkdtemp(prefix="digen-ray-"))
+    try:
+        (node,) = cluster_nodes(ray.nodes(), "cuda")
+        assert node.devices == 1 and len(node.accelerator_types) == 1, node
+        (kind,) = node.accelerator_types
+        assert kind in torch.cuda.get_device_name(0)  # "NVIDIA H100 80GB HBM3" -> "H100"
+        assert assign_nodes({"rollout": 1}, [node], 1, {"rollout": kind}) == {"rollout": [node.node_id]}
+        pg = placement_group([{"CPU": 1, "GPU": 1, accelerator_resource(kind): 1e-4}], strategy="PACK")
+        ray.get(pg.ready(), timeout=60)
+        remove_placement_group(pg)
+    finally:
+        ray.shutdown()

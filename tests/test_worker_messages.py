@@ -204,6 +204,7 @@ def test_every_role_has_its_capabilities():
     loads = {r for r, c in ROLE_CAPABILITIES.items() if c.policy}
     assert trains == {"fused", "trainer"} and loads == {"fused", "rollout", "trainer"}
     assert trains <= loads  # a role trains the policy it loaded
-    assert {r for r, c in ROLE_CAPABILITIES.items() if c.scores} == {"fused", "rollout", "reward"}
+    assert {r for r, c in ROLE_CAPABILITIES.items() if c.scores} == {"fused", "reward"}
+    assert ROLE_CAPABILITIES["rollout"].scores_without_reward_pool  # a reward pool scores instead
     assert ROLE_CAPABILITIES["trainer"].scores_when_generating  # TAG without a reward pool
     assert all(not c.offloads or c.trains for c in ROLE_CAPABILITIES.values())  # only training GPUs offload

@@ -237,11 +237,18 @@ class AlgoConfig:
             _fail(f"{key}.optimizer", self.optimizer, "valid: adamw, sgd")
 
 
+REWARD_DEVICES = ("auto", "cpu", "cuda")
+
+
 @dataclass
 class RewardConfig:
     name: str = "brightness"
     kwargs: dict[str, Any] = field(default_factory=dict)
     components: list[dict[str, Any]] = field(default_factory=list)  # for name=weighted: [{name, weight, kwargs}, ...]
+    # Where a reward model runs: auto = its worker's device (the GPU Ray gave it, else CPU);
+    # cpu; cuda (the worker's GPU; an error on a worker without one). A reward's own
+    # kwargs.device wins for that reward.
+    device: str = "auto"
 
     def as_spec(self) -> dict[str, Any]:
         """The mapping ``verl_digen.rewards.build_reward_from_config`` takes."""
@@ -253,6 +260,8 @@ class RewardConfig:
     def validate(self, key: str) -> None:
         from verl_digen.rewards import registered_rewards
 
+        if self.device not in REWARD_DEVICES:
+            _fail(f"{key}.device", self.device, f"one of {', '.join(REWARD_DEVICES)}")
         names = [self.name] + [c.get("name", "?") for c in self.components]
         for n in names:
             if n not in registered_rewards():

@@ -515,13 +515,15 @@ def _derived_settings(config: Mapping[str, Any], digen: dict[str, Any], ours: di
         if kwargs:
             spec["kwargs"]["reward_kwargs"] = dict(kwargs)
         mine = {k: digen.get("reward", {}).get(k, v) for k, v in ours["reward"].items()}
+        device = mine.pop("device")  # where the reward runs, not which reward: kept with veRL's keys
+        defaults = {k: v for k, v in ours["reward"].items() if k != "device"}
         extra = dict(mine["kwargs"] or {})
-        if mine["name"] in (ours["reward"]["name"], "custom") and not mine["components"] and set(extra) <= {"fps"}:
+        if mine["name"] in (defaults["name"], "custom") and not mine["components"] and set(extra) <= {"fps"}:
             spec["kwargs"].update(extra)  # +digen.reward.kwargs.fps: the one custom-reward setting veRL has no key for
-        elif mine != ours["reward"] and (mine["name"] != "custom" or mine["kwargs"] != spec["kwargs"]):
+        elif mine != defaults and (mine["name"] != "custom" or mine["kwargs"] != spec["kwargs"]):
             raise ConfigError("invalid config: reward.custom_reward_function.path and digen.reward.* both choose the "
                               "reward; set one of them")
-        digen["reward"] = {**ours["reward"], **spec, "components": []}
+        digen["reward"] = {**ours["reward"], **spec, "components": [], "device": device}
 
 
 def _mini_batches(config: Mapping[str, Any], digen: dict[str, Any], ours: dict[str, Any],

@@ -37,8 +37,9 @@ OVERHEAD_BYTES = int(1.5 * GIB)  # CUDA context (~0.5), cuBLAS workspaces, NCCL 
 VAE_WORKING_SET = 4  # live full-resolution feature maps in a VAE decoder (conv in/out, norm, residual)
 VIDEO_TILE = 256  # diffusers' video VAE tiling: 256x256-pixel tiles (tile_sample_min_height/width)
 HUNYUAN_TILE_FRAMES = 16  # AutoencoderKLHunyuanVideo's tile_sample_min_num_frames
-# Model-backed rewards: parameters (fp32 on the GPU). Rule-based and remote (http, vlm_judge)
-# rewards hold no GPU memory.
+# Model-backed rewards: parameters, held on the scoring worker's GPU in the reward's dtype
+# (reward_gpu_bytes). Rule-based, remote (http, vlm_judge), scikit-learn (digit_classifier)
+# and onnxruntime (ocr) rewards hold no GPU memory.
 REWARD_MODEL_PARAMS = {
     "pickscore": 0.99e9,  # CLIP ViT-H/14
     "hpsv2": 0.99e9,  # CLIP ViT-H/14
@@ -101,10 +102,25 @@ def _transformer_facts(family: str, config_path: str | None, dtype: str, lora_ta
     return params, module_bytes(model), largest_block_bytes(model), lora
 
 
-def _reward_params(spec: dict[str, Any]) -> float:
+def reward_gpu_bytes(spec: dict[str, Any], device: str = "auto", params_of: Any = None) -> int:
+    """GPU bytes the reward of ``spec`` (``RewardConfig.as_spec()``) holds on a GPU worker that
+    builds it: each model's parameters in its ``kwargs.dtype`` (float32 by default), where it
+    runs on the GPU. As :func:`verl_digen.rewards.build_reward_from_config` places it: a
+    reward's ``kwargs.device`` wins, a weighted sum's reaches its components, else ``device``
+    (``digen.reward.device``: ``auto`` / ``cuda``: the worker's GPU; ``cpu``: none).
+    ``params_of``: parameters per reward name (default :data:`REWARD_MODEL_PARAMS`)."""
+    params_of = params_of or (lambda name: REWARD_MODEL_PARAMS.get(name, 0.0))
+    kwargs = spec.get("kwargs") or {}
+    where = str(kwargs.get("device", device))
     if spec.get("name") == "weighted":
-        return sum(_reward_params(c) for c in spec.get("components", []))
-    return REWARD_MODEL_PARAMS.get(str(spec.get("name")), 0.0)
+        return sum(reward_gpu_bytes(c, where, params_of) for c in spec.get("components") or kwargs.get("components", []))
+    if where.startswith("cpu"):
+        return 0
+    dtype = str(kwargs.get("dtype", "float32"))
+    return int(params_of(str(spec.get("name"))) * _REWARD_DTYPE_BYTES.get(dtype, 4))
+
+
+_REWARD_DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "float64": 8, "double": 8}
 
 
 # ---------------------------------------------------------------------- the job
@@ -179,7 +195,8 @@ class JobShape:
     kl_reference: bool  # a full fine-tune with a KL term keeps a frozen copy
     vae_decode_chunk: int
     trainers_generate: bool
-    reward_params: float
+    reward_bytes: int  # per GPU of a worker that scores (reward_gpu_bytes)
+    trainers_score: bool  # trainers generate under TAG with no reward pool: they build the reward too
 
 
 def model_config_path(path: str | None) -> str | None:
@@ -249,7 +266,9 @@ def job_shape(cfg: DigenConfig, *, devices_per_node: int, nnodes: int, model_pat
         kl_reference=cfg.algo.kl_beta > 0 and not lora,
         vae_decode_chunk=cfg.model.vae_decode_chunk,
         trainers_generate=disaggregated and cfg.tag.enable,
-        reward_params=_reward_params(cfg.reward.as_spec()),
+        reward_bytes=reward_gpu_bytes(cfg.reward.as_spec(), cfg.reward.device),
+        # the worker's rule (DiffusionWorker._generates_without_reward_pool)
+        trainers_score=disaggregated and cfg.tag.enable and cfg.pools.reward.devices == 0,
     )
 
 
@@ -380,7 +399,7 @@ def plan_roles(job: JobShape, gib: float) -> list[RolePlan]:
     trace = plan_trace(job)
     tb = job.trainable_bytes
     f = job.fsdp
-    reward = int(job.reward_params * 4)
+    reward = job.reward_bytes
 
     # Trainable state per trainer GPU (FSDP shards it f ways).
     trainable = lora_params if job.lora else params
@@ -446,8 +465,10 @@ def plan_roles(job: JobShape, gib: float) -> list[RolePlan]:
     plans.append(r.plan([], rollout_knobs))
 
     t = _RoleBuilder(job, "trainer", job.trainer_devices, gib)
-    t_resident = dict(weights=train_weights + ema + kl_ref, optimizer=optimizer, encoders_vae=encoders_resident + vae)
-    t.add("load", weights=dense_bytes, encoders_vae=encoders + vae, activations=load_encoders)
+    reward_on_trainer = reward if job.trainers_score else 0
+    t_resident = dict(weights=train_weights + ema + kl_ref, optimizer=optimizer,
+                      encoders_vae=encoders_resident + vae + reward_on_trainer)
+    t.add("load", weights=dense_bytes, encoders_vae=encoders + vae + reward_on_trainer, activations=load_encoders)
     # trainer 0 sends the last version from its host snapshot while training goes on, through one
     # reused device buffer of a flat bucket (sync/transport.py: WeightChannel._on_device)
     staging = min(sync_state, DEFAULT_BUCKET_BYTES)

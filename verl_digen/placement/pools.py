@@ -14,7 +14,12 @@ Then the declared cluster is checked against the Ray cluster the job runs on
 (:func:`assign_nodes`): the trainer (or fused) pool packed on as few nodes as possible, since
 its collectives prefer NVLink to the network; rollout and reward anywhere, spread over what is
 left. Each worker's placement-group bundle is pinned to its node by Ray's ``ray.io/node-id``
-label.
+label. A pool with an accelerator type (``digen.pools.<pool>.accelerator_type=L40S``) goes only
+to nodes of that type: Ray names the type of a node by the resource ``accelerator_type:L40S``
+(``ray._common.utils.RESOURCE_CONSTRAINT_PREFIX``; set for GPUs it detects, or declared with
+``ray start --resources``), which every bundle of the pool also asks for; a type no node has is
+refused here, naming the key and the types the cluster has, instead of a placement group
+that waits forever.
 """
 
 from __future__ import annotations
@@ -29,6 +34,17 @@ from verl_digen.schedule.plan import WorkerId
 from verl_digen.schedule.strategies import StrategySpec
 
 NODE_ID_LABEL = "ray.io/node-id"  # the label Ray gives every node (ray.util.placement_group)
+ACCELERATOR_PREFIX = "accelerator_type:"  # Ray's resource of a node's accelerator type (RESOURCE_CONSTRAINT_PREFIX)
+
+
+def accelerator_name(value: str) -> str:
+    """The accelerator type a user wrote, without Ray's resource prefix (``L40S`` either way)."""
+    return value[len(ACCELERATOR_PREFIX):] if value.startswith(ACCELERATOR_PREFIX) else value
+
+
+def accelerator_resource(accelerator_type: str) -> str:
+    """Ray's resource name of an accelerator type: ``accelerator_type:L40S``."""
+    return ACCELERATOR_PREFIX + accelerator_name(accelerator_type)
 
 
 @dataclass(frozen=True)
@@ -54,14 +70,21 @@ def cluster_nodes(nodes: list[dict[str, Any]], device_kind: str) -> list[RayNode
     device on a CPU-only cluster).
     """
     resource = "GPU" if device_kind == "cuda" else "CPU"
-    return [RayNode(n["NodeID"], int(n.get("Resources", {}).get(resource, 0))) for n in nodes if n.get("Alive")]
+    return [RayNode(n["NodeID"], int(n.get("Resources", {}).get(resource, 0)), _accelerator_types(n.get("Resources", {})))
+            for n in nodes if n.get("Alive")]
 
 
-def check_cluster(nodes: list[RayNode], cluster: ClusterSpec, device_kind: str) -> list[RayNode]:
+def _accelerator_types(resources: dict[str, float]) -> frozenset[str]:
+    return frozenset(accelerator_name(k) for k, v in resources.items() if k.startswith(ACCELERATOR_PREFIX) and v > 0)
+
+
+def check_cluster(nodes: list[RayNode], cluster: ClusterSpec, device_kind: str,
+                  wanted_types: frozenset[str] = frozenset()) -> list[RayNode]:
     """The ``cluster.nnodes`` nodes the job uses, each offering ``n_devices_per_node`` devices.
 
     Raises ``ConfigError`` naming ``trainer.nnodes`` / ``trainer.n_gpus_per_node`` and what the
-    Ray cluster has when it cannot give them. Nodes with the most devices come first (the head
+    Ray cluster has when it cannot give them. Nodes of an accelerator type in ``wanted_types``
+    (the pools' ``accelerator_type``) come first, then those with the most devices (the head
     node first among equals, as Ray lists it).
     """
     unit = "GPUs" if device_kind == "cuda" else "CPU slots"
@@ -74,18 +97,37 @@ def check_cluster(nodes: list[RayNode], cluster: ClusterSpec, device_kind: str) 
             f"cluster has {len(big_enough)} such node(s) ({unit} per node: {offered}); add nodes with "
             "`ray start --address=<head>:<port>` or lower trainer.nnodes / trainer.n_gpus_per_node"
         )
-    order = sorted(range(len(big_enough)), key=lambda i: (-big_enough[i].devices, i))
+    order = sorted(range(len(big_enough)),
+                   key=lambda i: (not big_enough[i].accelerator_types & wanted_types, -big_enough[i].devices, i))
     return [big_enough[i] for i in order[: cluster.nnodes]]
 
 
-def assign_nodes(pool_sizes: dict[str, int], nodes: list[RayNode], per_node: int | None) -> dict[str, list[str]]:
+def assign_nodes(pool_sizes: dict[str, int], nodes: list[RayNode], per_node: int | None,
+                 pool_types: dict[str, str | None] | None = None) -> dict[str, list[str]]:
     """The node of every worker of every pool (:func:`verl_digen.platform.nodes.pack_pools`: the
     trainer or fused pool packed on as few nodes as possible, the others spread over what is
-    left); ``ConfigError`` when the pools need more devices than the nodes offer."""
+    left; a pool with an accelerator type in ``pool_types`` only on nodes of that type);
+    ``ConfigError`` when the pools need more devices than the nodes offer, or a type no node has."""
+    types = {p: accelerator_name(t) for p, t in (pool_types or {}).items() if t}
+    check_accelerator_types(types, nodes)
     try:
-        return pack_pools(pool_sizes, nodes, per_node)
+        return pack_pools(pool_sizes, nodes, per_node, types)
     except PlacementError as e:
         raise ConfigError(f"invalid config: {e}") from None
+
+
+def check_accelerator_types(pool_types: dict[str, str | None], nodes: list[RayNode]) -> None:
+    """``ConfigError`` naming ``digen.pools.<pool>.accelerator_type`` and the types the nodes have
+    when no node has a pool's type (Ray would wait for it forever)."""
+    have = sorted(set().union(*(n.accelerator_types for n in nodes)))
+    for pool, wanted in pool_types.items():
+        if wanted and not any(accelerator_name(wanted) in n.accelerator_types for n in nodes):
+            raise ConfigError(
+                f"invalid config: digen.pools.{pool}.accelerator_type={wanted!r}; no node of the Ray cluster has "
+                f"the resource {accelerator_resource(wanted)!r}. Accelerator types of its nodes: "
+                f"{', '.join(have) or 'none'} (Ray detects a GPU's type, or `ray start --resources "
+                f"'{{\"{accelerator_resource(wanted)}\": 1}}'` declares one)"
+            )
 
 
 @dataclass(frozen=True)
@@ -102,6 +144,11 @@ class PoolLayout:
         """Workers per pool name, over all its nodes."""
         return {name: sum(counts) for name, (counts, _accel) in self.pools.items()}
 
+    @property
+    def accelerator_types(self) -> dict[str, str | None]:
+        """The accelerator type each pool asks for (None: any)."""
+        return {name: accel for name, (_counts, accel) in self.pools.items()}
+
 
 def pool_layout(cfg: DigenConfig, cluster: ClusterSpec) -> PoolLayout:
     # The strategy fields the config fixes (the same mapping DigenConfig.validate checks).
@@ -114,7 +161,8 @@ def pool_layout(cfg: DigenConfig, cluster: ClusterSpec) -> PoolLayout:
     pools_cfg.validate_cluster("digen.pools", cluster.n_devices_per_node, cluster.nnodes)
     roles = [r for r in ("rollout", "trainer", "reward") if r != "reward" or pools_cfg.reward.devices]
     counts = node_counts({r: getattr(pools_cfg, r).world_size for r in roles}, cluster.n_devices_per_node, cluster.nnodes)
-    pools = {r: (list(counts[r]), getattr(pools_cfg, r).accelerator_type) for r in roles}
+    types = {r: getattr(pools_cfg, r).accelerator_type for r in roles}
+    pools = {r: (list(counts[r]), accelerator_name(types[r]) if types[r] else None) for r in roles}
     spec = StrategySpec(
         **common,
         trainer_workers=pools_cfg.trainer.world_size,
@@ -147,7 +195,8 @@ def build_worker_groups(
     from verl_digen.workers.worker import DiffusionWorker
 
     if placement is None:
-        placement = assign_nodes(layout.worker_counts, cluster_nodes(ray.nodes(), "cuda" if use_gpu else "cpu"), None)
+        nodes = cluster_nodes(ray.nodes(), "cuda" if use_gpu else "cpu")
+        placement = assign_nodes(layout.worker_counts, nodes, None, layout.accelerator_types)
     groups: dict[str, Any] = {}
     actors: dict[WorkerId, Any] = {}
     remote_cls = ray.remote(DiffusionWorker)
@@ -158,19 +207,19 @@ def build_worker_groups(
         bundle: dict[str, float] = {"CPU": 1}
         if use_gpu:
             bundle["GPU"] = 1
-            if accel is not None:
-                bundle[accel] = 1e-4  # as veRL's RayResourcePool asks for it
+        if accel is not None:  # a sliver of the node's type resource, as veRL's RayResourcePool asks
+            bundle[accelerator_resource(accel)] = 1e-4
         pg = placement_group(
             [dict(bundle) for _ in nodes], strategy="PACK", name=f"digen_{pool_name}_pg",
             bundle_label_selector=[{NODE_ID_LABEL: n} for n in nodes],
         )
-        ray.get(pg.ready(), timeout=config.task_timeout_s)
+        _wait_ready(pg, pool_name, bundle, nodes, config.task_timeout_s)
         pool = RayResourcePool(
             process_on_nodes=[len(nodes)],
             use_gpu=use_gpu,
             max_colocate_count=1,
             name_prefix=f"digen_{pool_name}_",
-            accelerator_type=accel,
+            accelerator_type=accelerator_resource(accel) if accel else None,  # unused: the pool takes our pg
         )
         pool.pgs = [pg]
         cls = RayClassWithInitArgs(
@@ -184,3 +233,19 @@ def build_worker_groups(
         for rank, actor in enumerate(wg.workers):
             actors[WorkerId(pool_name, rank)] = actor
     return groups, actors
+
+
+def _wait_ready(pg: Any, pool_name: str, bundle: dict[str, float], nodes: list[str], timeout_s: float) -> None:
+    """Wait for a pool's placement group; on timeout say what it waited for (not a bare timeout)."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except GetTimeoutError:
+        ray.util.remove_placement_group(pg)
+        raise TimeoutError(
+            f"the {pool_name} pool's placement group was not ready after {timeout_s:g} s (digen.task_timeout_s): "
+            f"{len(nodes)} bundle(s) of {bundle} on node(s) {sorted(set(n[:8] for n in nodes))}; `ray status` shows "
+            "what the cluster has free (another job holding the devices, or a resource no node offers)"
+        ) from None

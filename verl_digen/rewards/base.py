@@ -62,6 +62,7 @@ __all__ = [
     "registered_rewards",
     "reward_class",
     "check_metadata",
+    "with_device",
 ]
 
 
@@ -244,8 +245,13 @@ def _check_kwargs(name: str, cls: type[RewardFn], kwargs: Mapping[str, Any]) -> 
         raise ValueError(f"reward {name!r} is missing required argument(s) {', '.join(map(repr, missing))}")
 
 
-def build_reward_from_config(cfg: Any) -> RewardFn:
+def build_reward_from_config(cfg: Any, device: Any = None) -> RewardFn:
     """Build a reward from a config (plain dict/list/str or an OmegaConf node).
+
+    ``device``: where rewards with a model put it (and its inputs): the worker's device, so a
+    reward pool's GPUs (or a rollout worker's) score instead of CPU threads. It reaches every
+    reward whose constructor takes ``device`` (the weighted sum hands it to its components)
+    unless the reward's own ``kwargs`` name one, which wins. None: each reward's default.
 
     Accepted forms:
 
@@ -257,9 +263,9 @@ def build_reward_from_config(cfg: Any) -> RewardFn:
     """
     cfg = _to_container(cfg)
     if isinstance(cfg, str):
-        return build_reward(cfg)
+        return build_reward(cfg, **with_device(cfg, {}, device))
     if isinstance(cfg, list):
-        return build_reward("weighted", components=cfg)
+        return build_reward("weighted", **with_device("weighted", {"components": cfg}, device))
     if not isinstance(cfg, Mapping):
         raise ValueError(f"reward config must be a name, a mapping or a list of components, got {type(cfg).__name__}")
     allowed = {"name", "kwargs", "components"}
@@ -274,7 +280,17 @@ def build_reward_from_config(cfg: Any) -> RewardFn:
         if "components" in kwargs:
             raise ValueError(f"reward config for {name!r} gives 'components' both at top level and in 'kwargs'")
         kwargs["components"] = cfg["components"]
-    return build_reward(name, **kwargs)
+    return build_reward(name, **with_device(name, kwargs, device))
+
+
+def with_device(name: str, kwargs: dict[str, Any], device: Any) -> dict[str, Any]:
+    """``kwargs`` plus ``device`` (as a string) when the reward registered under ``name`` takes
+    one and ``kwargs`` names none; ``kwargs`` as they are otherwise (rewards without a model:
+    rule-based, remote, scikit-learn, onnxruntime on CPU)."""
+    if device is None or "device" in kwargs:
+        return kwargs
+    params = inspect.signature(reward_class(name).__init__).parameters
+    return {**kwargs, "device": str(device)} if "device" in params else kwargs
 
 
 def _to_container(cfg: Any) -> Any:

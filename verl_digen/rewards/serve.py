@@ -1123,6 +1123,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--reward", required=True, help="registered reward name, e.g. brightness, clip_score")
     parser.add_argument("--reward-kwargs", default="{}", help="JSON object of keyword arguments for the reward")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                        help="where a reward model runs: auto (default) = the GPU when one is visible "
+                             "(CUDA_VISIBLE_DEVICES), else CPU; a device in --reward-kwargs wins")
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     parser.add_argument(
@@ -1201,6 +1204,20 @@ def _fix_mmap_threshold() -> None:
         pass
 
 
+def reward_kwargs_on_device(reward: str, kwargs: dict[str, Any], device: str) -> dict[str, Any]:
+    """The reward's kwargs with ``--device`` resolved (``auto``: the first visible GPU, else the
+    CPU) for a reward that has a model; ``cuda`` without a visible GPU is refused."""
+    import torch
+
+    from verl_digen.rewards.base import with_device
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no GPU is visible to this process (check CUDA_VISIBLE_DEVICES)")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return with_device(reward, dict(kwargs), device)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     _fix_mmap_threshold()
@@ -1208,7 +1225,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server = RewardServer(
             args.reward,
-            args.reward_kwargs,
+            reward_kwargs_on_device(args.reward, args.reward_kwargs, args.device),
             host=args.host,
             port=args.port,
             token=args.token,
@@ -1239,7 +1256,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
     server.start()
-    print(f"reward server ready: reward={server.reward_name} url={server.url}", file=sys.stderr, flush=True)
+    device = getattr(server.reward, "device", "cpu")
+    print(f"reward server ready: reward={server.reward_name} device={device} url={server.url}", file=sys.stderr, flush=True)
     try:
         while not stop.wait(0.5):
             pass

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from verl_digen.rewards.base import RewardFn, _check_inputs, build_reward, check_metadata, register_reward
+from verl_digen.rewards.base import RewardFn, _check_inputs, build_reward, check_metadata, register_reward, with_device
 
 __all__ = ["WeightedReward"]
 
@@ -34,13 +34,15 @@ class WeightedReward(RewardFn):
     # Components do their own video handling (native or per-frame averaging).
     supports_video = True
 
-    def __init__(self, components: Sequence[Any]) -> None:
+    def __init__(self, components: Sequence[Any], device: str | None = None) -> None:
+        """``device``: where components built from config mappings put their models (see
+        :func:`~verl_digen.rewards.base.build_reward_from_config`); None: their defaults."""
         if isinstance(components, (str, Mapping)) or not isinstance(components, Sequence) or not components:
             raise ValueError(f"reward 'weighted': components must be a non-empty list, got {components!r}")
         self.components: list[tuple[str, RewardFn, float]] = []
         used: set[str] = set()
         for index, item in enumerate(components):
-            label, reward, weight = _parse_component(index, item)
+            label, reward, weight = _parse_component(index, item, device)
             unique = label
             suffix = 1
             while unique in used:
@@ -82,7 +84,7 @@ class WeightedReward(RewardFn):
         return f"WeightedReward({inner})"
 
 
-def _parse_component(index: int, item: Any) -> tuple[str, RewardFn, float]:
+def _parse_component(index: int, item: Any, device: str | None) -> tuple[str, RewardFn, float]:
     where = f"reward 'weighted': component {index}"
     if isinstance(item, Mapping):
         extra = sorted(set(item) - _COMPONENT_KEYS)
@@ -90,7 +92,7 @@ def _parse_component(index: int, item: Any) -> tuple[str, RewardFn, float]:
             raise ValueError(f"{where} has unknown key(s) {extra}; allowed keys: {sorted(_COMPONENT_KEYS)}")
         if "name" not in item:
             raise ValueError(f"{where} needs a 'name' key, got keys {sorted(item)}")
-        reward = build_reward(item["name"], **dict(item.get("kwargs") or {}))
+        reward = build_reward(item["name"], **with_device(item["name"], dict(item.get("kwargs") or {}), device))
         label = item.get("label") or item["name"]
         weight = item.get("weight", 1.0)
     elif isinstance(item, (tuple, list)) and len(item) == 2:

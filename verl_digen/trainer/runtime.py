@@ -21,6 +21,7 @@ from verl_digen.placement.pools import (
     PoolLayout,
     assign_nodes,
     build_worker_groups,
+    check_accelerator_types,
     check_cluster,
     cluster_nodes,
 )
@@ -493,8 +494,11 @@ def real_worker_groups(
     kind = "cuda" if use_gpu else "cpu"
 
     def build(layout: PoolLayout) -> tuple[dict[str, Any], dict[WorkerId, Any]]:
-        nodes = check_cluster(cluster_nodes(ray.nodes(), kind), cluster, kind)
-        placement = assign_nodes(layout.worker_counts, nodes, cluster.n_devices_per_node)
+        every = cluster_nodes(ray.nodes(), kind)
+        types = layout.accelerator_types
+        check_accelerator_types(types, every)  # names the types of the whole cluster
+        nodes = check_cluster(every, cluster, kind, frozenset(t for t in types.values() if t))
+        placement = assign_nodes(layout.worker_counts, nodes, cluster.n_devices_per_node, types)
         return build_worker_groups(layout, config=cfg, model_path=model_path, use_gpu=use_gpu, num_threads=threads,
                                    placement=placement)
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from verl import DataProto
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
-from verl_digen.config.schema import DigenConfig
+from verl_digen.config.schema import ConfigError, DigenConfig
 from verl_digen.sync.snapshot import HostSnapshot, WeightsDigest, weights_digest
 from verl_digen.sync.state import trainable_state
 from verl_digen.sync.transport import DEFAULT_BUCKET_BYTES, WeightSyncMixin
@@ -60,15 +60,17 @@ class RoleCapabilities:
 
     ``policy``: loads the denoiser (to generate, train, or both); ``trains``: the training state
     (process group, gradient checkpointing, KL reference, FSDP, the updater); ``scores``: builds
-    the reward; ``scores_when_generating``: builds it when the role generates part of a step
-    (TAG) and no reward pool exists; ``offloads``: what stays on CPU between uses on a GPU
-    (``"text_encoders"``, ``"vae"``); ``generates``: a generating role, whose text encoders stay
-    on the GPU or on CPU as ``digen.model.offload_text_encoders`` (decided by the memory plan
-    before Ray starts) says."""
+    the reward; ``scores_without_reward_pool``: builds it when no reward pool exists (it
+    scores what it generates); ``scores_when_generating``: builds it when the role generates
+    part of a step (TAG) and no reward pool exists; ``offloads``: what stays on CPU between uses
+    on a GPU (``"text_encoders"``, ``"vae"``); ``generates``: a generating role, whose text
+    encoders stay on the GPU or on CPU as ``digen.model.offload_text_encoders`` (decided by the
+    memory plan before Ray starts) says."""
 
     policy: bool
     trains: bool
     scores: bool
+    scores_without_reward_pool: bool = False
     scores_when_generating: bool = False
     offloads: tuple[str, ...] = ()
     generates: bool = False
@@ -76,7 +78,8 @@ class RoleCapabilities:
 
 ROLE_CAPABILITIES: dict[str, RoleCapabilities] = {
     "fused": RoleCapabilities(policy=True, trains=True, scores=True, generates=True),
-    "rollout": RoleCapabilities(policy=True, trains=False, scores=True, generates=True),
+    "rollout": RoleCapabilities(policy=True, trains=False, scores=False, scores_without_reward_pool=True,
+                                generates=True),
     # Trainers decode only for validation or TAG: the VAE waits on CPU too.
     "trainer": RoleCapabilities(policy=True, trains=True, scores=False, scores_when_generating=True,
                                 offloads=("text_encoders", "vae")),
@@ -149,6 +152,23 @@ def compute_device() -> torch.device:
     return torch.device("cpu")
 
 
+def reward_device(setting: str, worker_device: torch.device) -> torch.device:
+    """Where the reward model of a worker on ``worker_device`` runs (``digen.reward.device``):
+    ``auto`` there (a GPU worker scores on its GPU, so a reward pool's GPUs are used), ``cpu``
+    on CPU, ``cuda`` there too, refused when the worker has no GPU (it would not fall back
+    silently)."""
+    if setting == "cpu":
+        return torch.device("cpu")
+    if setting == "cuda" and worker_device.type != "cuda":
+        raise ConfigError(
+            f"invalid config: digen.reward.device='cuda' but this worker runs on {worker_device} (no GPU visible "
+            "to it); use digen.reward.device=auto or cpu, or give the worker a GPU"
+        )
+    if setting not in ("auto", "cuda"):
+        raise ConfigError(f"invalid config: digen.reward.device={setting!r}; one of auto, cpu, cuda")
+    return worker_device
+
+
 class DiffusionWorker(Worker, WeightSyncMixin):
     """A worker of one role (:data:`ROLE_CAPABILITIES`); its task methods are
     :class:`~verl_digen.workers.messages.WorkerTasks`."""
@@ -193,8 +213,8 @@ class DiffusionWorker(Worker, WeightSyncMixin):
             info.update(self._load_policy(caps))
         if caps.trains:
             info.update(self._prepare_training())
-        if caps.scores or (caps.scores_when_generating and self._generates_without_reward_pool()):
-            self._build_reward()
+        if self._scores_in_training(caps):
+            info["reward_device"] = str(self._build_reward())
         return info
 
     def _load_policy(self, caps: RoleCapabilities) -> dict[str, Any]:
@@ -302,6 +322,13 @@ class DiffusionWorker(Worker, WeightSyncMixin):
             trainable_dtype=self.trainable_dtype,
         )
 
+    def _scores_in_training(self, caps: RoleCapabilities) -> bool:
+        """Whether this worker scores training samples (and so holds the reward model on its
+        device from the start): the memory planner charges the reward on the same roles."""
+        no_pool = self.cfg.pools.reward.devices == 0
+        return caps.scores or (caps.scores_without_reward_pool and no_pool) or (
+            caps.scores_when_generating and self._generates_without_reward_pool())
+
     def _generates_without_reward_pool(self) -> bool:
         """Trainers generate part of a step under TAG; they score it when no reward pool exists."""
         return self.cfg.tag.enable and self.cfg.pools.reward.devices == 0
@@ -328,10 +355,16 @@ class DiffusionWorker(Worker, WeightSyncMixin):
                     "(digen.model.lora.enable=true) or digen.model.dtype=fp32."
                 )
 
-    def _build_reward(self) -> None:
+    def _build_reward(self, validation_only: bool = False) -> torch.device:
+        """Build the reward with its model on this worker's device (``digen.reward.device``);
+        returns that device. Rewards without a model (rule-based, remote) ignore it. A worker
+        that scores only validation images (a trainer) keeps the model on CPU: its GPU's
+        memory is the training state's (the planner charges no reward there)."""
         from verl_digen.rewards import build_reward_from_config
 
-        self.reward_fn = build_reward_from_config(self.cfg.reward.as_spec())
+        device = torch.device("cpu") if validation_only else reward_device(self.cfg.reward.device, compute_device())
+        self.reward_fn = build_reward_from_config(self.cfg.reward.as_spec(), device=device)
+        return device
 
     # ------------------------------------------------------------------ tasks
 
@@ -585,7 +618,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         from verl_digen.workers.validation import run_validation
 
         if self.reward_fn is None:
-            self._build_reward()
+            self._build_reward(validation_only=True)
         import tempfile
 
         ema = getattr(self.updater, "ema", None) if self.updater is not None else None
