@@ -76,10 +76,11 @@ def test_plan_follows_the_knobs():
     assert base["rollout"].phase == "warm"
     no_cache = _roles("flux_disaggregated", "digen.prompt_cache.enable=false")["rollout"]
     assert no_cache.phase not in ("load", "warm") and no_cache.bytes["encoders_vae"] > 9 * GIB
-    # Full fine-tuning with FSDP over 4 trainers: fp32 gradients and two AdamW states, sharded 4 ways.
+    # Full fine-tuning with FSDP over 4 trainers: bf16 gradients (until they are folded into the
+    # masters'), fp32 master gradients and two AdamW states, sharded 4 ways.
     full = _roles("flux_full_disaggregated")["trainer"]
     params = 11.90e9
-    assert full.bytes["gradients"] == pytest.approx(params * 4 / 4, rel=0.01)
+    assert full.bytes["gradients"] == pytest.approx(params * (2 + 4) / 4, rel=0.01)
     assert full.bytes["optimizer"] == pytest.approx(params * 8 / 4, rel=0.01)
     unsharded = _roles("flux_full_disaggregated", "digen.fsdp.enable=false")["trainer"]
     assert unsharded.bytes["optimizer"] == pytest.approx(4 * full.bytes["optimizer"], rel=1e-6)
@@ -231,3 +232,60 @@ def test_the_trainer_plan_holds_the_senders_staging_bucket_while_it_trains():
     lora = _roles("flux_disaggregated")["trainer"].phases["train"]
     assert full["sync_buffers"] == DEFAULT_BUCKET_BYTES  # a full model: one whole bucket
     assert 0 < lora["sync_buffers"] < DEFAULT_BUCKET_BYTES  # LoRA: all its factors, less than a bucket
+
+
+def _storage_total(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors``."""
+    seen = {}
+    for t in tensors:
+        seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("kl_beta", [0.0, 0.1])
+def test_full_fine_tune_state_is_what_the_trainer_holds(tiny_flux, kl_beta):
+    """The planner's trained state of a bf16 full fine-tune (fp32 training) is, term by term, what
+    PolicyUpdater holds on a rank after a training pass on the tiny FLUX: the bf16 parameters,
+    their bf16 gradients (alive until accumulate_grads), the fp32 masters, their fp32 gradients
+    and AdamW's two fp32 states. The train phase charges all of them (no FSDP here: one rank holds
+    everything, and the KL reference is on the device during a pass's reference forward)."""
+    from types import SimpleNamespace
+
+    from diffusers import FluxTransformer2DModel
+
+    from verl_digen.config.schema import AlgoConfig
+    from verl_digen.memory.plan import _transformer_facts, job_shape, trained_state_bytes
+    from verl_digen.workers.training import PolicyUpdater, TrainSettings
+
+    model = FluxTransformer2DModel.from_pretrained(os.path.join(tiny_flux, "transformer"), torch_dtype=torch.bfloat16)
+    settings = TrainSettings(algo=AlgoConfig(optimizer="adamw", kl_beta=kl_beta), sampling=None, lora_only=False,
+                             images_per_step=1, trainable_dtype=torch.float32)
+    updater = PolicyUpdater(SimpleNamespace(transformer=model, device=torch.device("cpu")), settings)
+    params = list(model.parameters())
+    sum(p.float().pow(2).sum() for p in params).backward()  # every parameter gets a gradient
+    held = {
+        "params": _storage_total(params),
+        "grads": _storage_total(p.grad for p in params),  # before accumulate_grads folds them
+    }
+    assert {p.grad.dtype for p in params} == {torch.bfloat16}
+    updater.master.accumulate_grads()
+    held["masters"] = _storage_total(updater.master.masters)
+    held["master_grads"] = _storage_total(m.grad for m in updater.master.masters)
+    updater.optimizer_step(None)  # AdamW's states exist from the first step on
+    held["optimizer"] = _storage_total(t for s in updater.optimizer.state.values() for k, t in s.items() if k != "step")
+
+    digen, _ = _digen("flux_full_disaggregated", "digen.fsdp.enable=false", f"digen.model.path={tiny_flux}",
+                      f"digen.algo.kl_beta={kl_beta}")
+    job = job_shape(digen, devices_per_node=8, nnodes=1, model_path=tiny_flux, checkpointing=True)
+    n, dense, _, lora, param_bytes = _transformer_facts(job.family, job.config_path, job.dtype, (), 0)
+    planned = trained_state_bytes(job, n, param_bytes, lora)
+    assert planned == held
+    plan = {p.role: p for p in plan_job(digen, devices_per_node=8, model_path=tiny_flux)}["trainer"]
+    train = plan.phases["train"]
+    assert train["gradients"] == held["grads"] + held["master_grads"]
+    assert train["optimizer"] == held["optimizer"]
+    buffers = dense - param_bytes
+    reference = _storage_total([*updater.reference.parameters(), *updater.reference.buffers()]) if kl_beta else 0
+    assert reference == (dense if kl_beta else 0)  # the reference copy is one dense model
+    assert train["weights"] == held["params"] + buffers + held["masters"] + reference
+    assert plan.phases["sync"]["weights"] == held["params"] + buffers + held["masters"]  # the reference waits on CPU

@@ -86,7 +86,8 @@ def _component_bytes(family: str, config_path: str | None, name: str, dtype: str
 
 @functools.lru_cache(maxsize=32)
 def _transformer_facts(family: str, config_path: str | None, dtype: str, lora_targets: tuple[str, ...], rank: int):
-    """(parameters, bytes at ``dtype``, largest block's bytes, LoRA parameters)."""
+    """(parameters, bytes at ``dtype``, largest block's bytes, LoRA parameters, parameter bytes at
+    ``dtype``: the parameters alone, without buffers; a diffusers model keeps some in fp32)."""
     import torch
 
     from verl_digen.memory.trace import largest_block_bytes, module_bytes, torch_dtype
@@ -99,7 +100,8 @@ def _transformer_facts(family: str, config_path: str | None, dtype: str, lora_ta
         # peft's matching: a target names the module or the tail of its dotted name
         if isinstance(module, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in lora_targets):
             lora += rank * (module.in_features + module.out_features)
-    return params, module_bytes(model), largest_block_bytes(model), lora
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return params, module_bytes(model), largest_block_bytes(model), lora, param_bytes
 
 
 def reward_gpu_bytes(spec: dict[str, Any], device: str = "auto", params_of: Any = None) -> int:
@@ -390,9 +392,34 @@ class _RoleBuilder:
                         knobs=knobs, phases={name: dict(b) for name, b in self.phases.items()})
 
 
+def trained_state_bytes(job: JobShape, params: int, param_bytes: int, lora_params: int) -> dict[str, float]:
+    """Bytes one trainer rank holds of the trained model outside activations, term by term as
+    ``workers/training.py`` keeps it (FSDP shards every term ``job.fsdp`` ways; a LoRA adapter's
+    weights are charged whole, its gradients and optimizer states sharded):
+
+    * ``params``: the model's own parameters in the dtypes they were loaded in (``param_bytes``;
+      with LoRA, plus the adapters in the trainable dtype);
+    * ``masters``: a full fine-tune whose parameters are not all in the trainable dtype (bf16
+      weights, fp32 training) keeps trainable-dtype copies of every parameter
+      (``MasterWeights``), next to the model's own, which rollout and trainer compute with;
+    * ``grads``: the gradients backward writes into the trained parameters: the model's own
+      dtypes for a full fine-tune, alive until ``MasterWeights.accumulate_grads`` folds each into
+      its master's gradient and frees it (after every pass's backward);
+    * ``master_grads``: the masters' gradients, accumulated over the step until the optimizer step;
+    * ``optimizer``: AdamW's two states (SGD: none) per trained parameter, trainable dtype."""
+    f, tb = job.fsdp, job.trainable_bytes
+    if job.lora:
+        trained = lora_params * tb
+        return dict(params=param_bytes / f + trained, masters=0, grads=trained / f, master_grads=0,
+                    optimizer=job.optimizer_states * trained / f)
+    masters = params * tb if param_bytes != params * tb else 0  # PolicyUpdater: some parameter not in tb
+    return dict(params=param_bytes / f, masters=masters / f, grads=param_bytes / f, master_grads=masters / f,
+                optimizer=job.optimizer_states * params * tb / f)
+
+
 def plan_roles(job: JobShape, gib: float) -> list[RolePlan]:
     """Every role's peak per GPU for ``job`` on GPUs of ``gib`` GiB."""
-    params, dense_bytes, block_bytes, lora_params = _transformer_facts(
+    params, dense_bytes, block_bytes, lora_params, param_bytes = _transformer_facts(
         job.family, job.config_path, job.dtype, job.lora_targets, job.lora_rank
     )
     encoders, vae = _encoder_and_vae_bytes(job)
@@ -401,22 +428,20 @@ def plan_roles(job: JobShape, gib: float) -> list[RolePlan]:
     f = job.fsdp
     reward = job.reward_bytes
 
-    # Trainable state per trainer GPU (FSDP shards it f ways).
-    trainable = lora_params if job.lora else params
-    grads = trainable * tb / f
-    optimizer = job.optimizer_states * trainable * tb / f
-    ema = trainable * 4 / f if job.ema_on_gpu else 0
-    # Trainer weights: with FSDP the frozen/compute weights are sharded too, and each rank
-    # all-gathers one block ahead of the one it computes (2 blocks unsharded).
+    state = trained_state_bytes(job, params, param_bytes, lora_params)
+    grads = state["grads"] + state["master_grads"]
+    optimizer = state["optimizer"]
+    ema = (lora_params if job.lora else params) * 4 / f if job.ema_on_gpu else 0
+    # Trainer weights: the model's own (sharded with FSDP, its buffers too) and a full fine-tune's
+    # masters; with FSDP each rank all-gathers one block ahead of the one it computes (2 blocks
+    # unsharded).
     gather = 2 * block_bytes if f > 1 else 0
-    if job.lora:
-        train_weights = dense_bytes / f + gather + lora_params * tb
-    else:
-        # Full fine-tune: the parameters are the trainable ones (trainable dtype); without FSDP
-        # the compute casts keep a dense-dtype copy of every weight for backward.
-        cast_copy = dense_bytes if (f == 1 and tb != _bytes_per(job.dtype)) else 0
-        train_weights = params * tb / f + gather + cast_copy
-    kl_ref = dense_bytes / f if (job.kl_reference and f > 1) else 0  # without FSDP the copy stays on CPU
+    train_weights = state["params"] + (dense_bytes - param_bytes) / f + state["masters"] + gather
+    # A full fine-tune's frozen KL reference: sharded like the policy under FSDP (built from its
+    # shards, workers/worker.py); without FSDP it waits on CPU and is on the GPU for each reference
+    # forward of a training pass (PolicyUpdater._reference_weights), so training alone carries it.
+    kl_ref = dense_bytes / f if (job.kl_reference and f > 1) else 0
+    kl_ref_in_training = dense_bytes if (job.kl_reference and f == 1) else 0
     encoders_resident = 0 if job.prompt_cache_releases else encoders
     # Generating roles (colocated, rollout): resident unless offloaded (workers/worker.py
     # offloaded_parts); offloaded ones visit the GPU only while a generate call encodes.
@@ -450,7 +475,7 @@ def plan_roles(job: JobShape, gib: float) -> list[RolePlan]:
         _add_encode_phases(b, job, resident, warm, encode, gen_encoders)
         b.add("generate", activations=rollout_acts, **resident)
         b.add("decode", activations=decode, **resident)
-        b.add("train", gradients=grads, activations=train_acts, **resident)
+        b.add("train", gradients=grads, activations=train_acts, **dict(resident, weights=resident["weights"] + kl_ref_in_training))
         plans.append(b.plan(train_knobs, rollout_knobs))
         return plans
 
@@ -472,7 +497,8 @@ def plan_roles(job: JobShape, gib: float) -> list[RolePlan]:
     # trainer 0 sends the last version from its host snapshot while training goes on, through one
     # reused device buffer of a flat bucket (sync/transport.py: WeightChannel._on_device)
     staging = min(sync_state, DEFAULT_BUCKET_BYTES)
-    t.add("train", gradients=grads, activations=train_acts, sync_buffers=staging, **t_resident)
+    t.add("train", gradients=grads, activations=train_acts, sync_buffers=staging,
+          **dict(t_resident, weights=t_resident["weights"] + kl_ref_in_training))
     t.add("sync", sync_buffers=sync, **t_resident)
     if job.trainers_generate:
         t.add("generate", activations=rollout_acts, **t_resident)

@@ -412,6 +412,8 @@ class CheckedRun:
     model_path: str
     ray_address: str | None  # ray_kwargs.ray_init.address
     ray_num_cpus: int | None  # ray_kwargs.ray_init.num_cpus
+    memory_plan: list[Any] | None  # every role's per-GPU peak (verl_digen.memory.RolePlan); None: not planned
+    model_note: str | None  # what was checked of the model when it is not its weights (check_model)
 
     @property
     def trainer(self) -> VerlTrainerKeys:
@@ -448,14 +450,15 @@ class CheckedRun:
         return -1 if self.emulated else self.trainer.save_freq
 
 
-def check_run_config(config: Any, entry: str = DIGEN_MAIN) -> CheckedRun:
+def check_run_config(config: Any, entry: str = DIGEN_MAIN, *, without_weights: bool = False) -> CheckedRun:
     """Every check a run makes before Ray starts, writing nothing: veRL's keys mapped onto ours
     (and the ones that cannot apply refused), the typed config, the pools against the cluster,
     the prompt files, the step count, the loggers (their packages and credentials: a W&B key), the
     reward (a custom file loads, a server answers), the model directory (the tiny model is built
     when none is given) and, under ``main_ppo``, the Ray cluster veRL is about to join. Errors name
     the key the user wrote. Both entry points run it: ``verl_digen.main`` through :func:`prepare_run`, and
-    ``main_ppo`` in its driver, as the digen mode's ``validate_config`` (:mod:`verl_digen.verl_hooks`)."""
+    ``main_ppo`` in its driver, as the digen mode's ``validate_config`` (:mod:`verl_digen.verl_hooks`);
+    ``python -m verl_digen.check`` with ``without_weights`` (see :func:`check_model`)."""
     from omegaconf import OmegaConf
 
     from verl_digen.placement.pools import cluster_from_trainer_keys, pool_layout
@@ -475,39 +478,7 @@ def check_run_config(config: Any, entry: str = DIGEN_MAIN) -> CheckedRun:
         steps = trainer.steps_for(len(records), cfg.batch.groups_per_step)
         val_records = resolve_prompt_records(cfg, cfg.validation.prompts)[: cfg.validation.num_prompts]
         preflight_reward(cfg)
-        # An emulated cluster has no model, no weights to save and nothing to resume.
-        model_path = "<emulated>" if cfg.emulate.model is not None else resolve_model_path(cfg)
-        if cfg.emulate.model is None and cfg.model.checkpointing is None:
-            # digen.model.gradient_checkpointing=auto, decided here once for every worker: on when
-            # a training pass would not fit the GPU without it (the memory plan at this model's
-            # size); the built-in tiny models (no model.path) are kilobytes.
-            decided = False
-            if cfg.model.path is not None:
-                from verl_digen.memory import decide_checkpointing
-
-                decided = decide_checkpointing(cfg, devices_per_node=trainer.n_gpus_per_node, nnodes=trainer.nnodes,
-                                               model_path=model_path)
-            cfg.model.gradient_checkpointing = "true" if decided else "false"
-        if cfg.emulate.model is None and cfg.model.encoders_offloaded is None:
-            # digen.model.offload_text_encoders=auto, decided here once for every worker: the
-            # generating workers keep the text encoders resident when the memory plan fits
-            # with them there; the built-in tiny models keep them resident.
-            offload = False
-            if cfg.model.path is not None:
-                from verl_digen.memory import decide_encoder_offload
-
-                offload = decide_encoder_offload(cfg, devices_per_node=trainer.n_gpus_per_node, nnodes=trainer.nnodes,
-                                                 model_path=model_path)
-            cfg.model.offload_text_encoders = "true" if offload else "false"
-        if cfg.emulate.model is None and cfg.model.path is not None and cfg.memory.check:
-            # Every role's per-GPU peak at this model's size must fit the GPU (MemoryPlanError
-            # names the knob). The built-in tiny models (no model.path) are kilobytes.
-            from verl_digen.memory import check_job_memory
-
-            check_job_memory(cfg, devices_per_node=trainer.n_gpus_per_node, nnodes=trainer.nnodes,
-                             model_path=model_path)
-        if cfg.emulate.model is None:  # after the memory plan: a job that cannot fit is the first thing to fix
-            check_component_weights(model_path)
+        model_path, memory_plan, model_note = check_model(cfg, trainer, without_weights=without_weights)
         # Last: with veRL's default trainer.logger=[console,wandb], a missing W&B key must not hide
         # the errors above.
         check_logger_setup(trainer.logger)
@@ -516,7 +487,97 @@ def check_run_config(config: Any, entry: str = DIGEN_MAIN) -> CheckedRun:
     except (ConfigError, FileNotFoundError) as e:
         raise type(e)(run_config.rename(str(e))) from None
     return CheckedRun(container, run_config, cfg, layout, cluster, records, val_records, steps, model_path,
-                      ray_address, ray_num_cpus)
+                      ray_address, ray_num_cpus, memory_plan, model_note)
+
+
+def weights_on_this_machine(cfg: DigenConfig) -> bool:
+    """Whether ``digen.model.path`` names a local directory here (a hub id is not resolved)."""
+    return cfg.model.path is not None and os.path.isdir(os.path.expanduser(cfg.model.path))
+
+
+def check_model(cfg: DigenConfig, trainer: VerlTrainerKeys, *, without_weights: bool = False,
+                ) -> tuple[str, list[Any] | None, str | None]:
+    """The model's checks: its directory (:func:`resolve_model_path`), activation checkpointing
+    decided when ``auto``, every role's memory at this model's size (``digen.memory.check``) and
+    every component's weights present. Returns (model directory, memory plan or None, a note).
+
+    ``without_weights`` (``python -m verl_digen.check``): when ``digen.model.path`` is not a
+    directory on this machine, the family's shipped real configs stand in for it (sample size and
+    memory planned at real size, nothing loaded, no weights checked), and the note says so; the
+    built-in tiny models (no ``digen.model.path``, no ``digen.model.arch``) are not built."""
+    if cfg.emulate.model is not None:  # an emulated cluster has no model, no weights to save, nothing to resume
+        return "<emulated>", None, None
+    shipped = without_weights and not weights_on_this_machine(cfg)
+    if shipped and cfg.model.path is None and cfg.model.arch is None:
+        if cfg.model.checkpointing is None:  # auto: off for a model of kilobytes, as for a run
+            cfg.model.gradient_checkpointing = "false"
+        if cfg.model.encoders_offloaded is None:  # auto: resident, as for a run
+            cfg.model.offload_text_encoders = "false"
+        return "<built-in>", None, (f"the built-in tiny model (digen.model.tiny_arch={cfg.model.tiny_arch}) is built "
+                                     "when the run starts: kilobytes, not planned")
+    model_path = shipped_model_configs(cfg) if shipped else resolve_model_path(cfg)
+    # Real size: a model directory, or the shipped configs; the built-in tiny models are kilobytes.
+    real_size = shipped or cfg.model.path is not None
+    plan_path = None if shipped else model_path
+    devices = dict(devices_per_node=trainer.n_gpus_per_node, nnodes=trainer.nnodes)
+    if cfg.model.checkpointing is None:
+        # digen.model.gradient_checkpointing=auto, decided here once for every worker: on when a
+        # training pass would not fit the GPU without it (the memory plan at this model's size).
+        decided = False
+        if real_size:
+            from verl_digen.memory import decide_checkpointing
+
+            decided = decide_checkpointing(cfg, **devices, model_path=plan_path)
+        cfg.model.gradient_checkpointing = "true" if decided else "false"
+    _decide_encoder_offload(cfg, real_size, devices, plan_path)
+    plans = None
+    if real_size and cfg.memory.check:
+        # Every role's per-GPU peak at this model's size must fit the GPU (MemoryPlanError names the knob).
+        from verl_digen.memory import check_job_memory
+
+        plans = check_job_memory(cfg, **devices, model_path=plan_path)
+    if shipped:
+        where = "unset" if cfg.model.path is None else f"{cfg.model.path!r} is not a directory on this machine"
+        return model_path, plans, (f"digen.model.path {where}: checked with the shipped configs of "
+                                   f"{cfg.model.arch} ({model_path}), no weights")
+    check_component_weights(model_path)  # after the memory plan: a job that cannot fit is the first thing to fix
+    return model_path, plans, None
+
+
+def _decide_encoder_offload(cfg: DigenConfig, real_size: bool, devices: dict[str, int], plan_path: str | None) -> None:
+    """``digen.model.offload_text_encoders=auto``, decided here once for every worker: the
+    generating workers keep the text encoders resident when the memory plan fits with them there;
+    the built-in tiny models keep them resident."""
+    if cfg.model.encoders_offloaded is not None:
+        return
+    offload = False
+    if real_size:
+        from verl_digen.memory import decide_encoder_offload
+
+        offload = decide_encoder_offload(cfg, **devices, model_path=plan_path)
+    cfg.model.offload_text_encoders = "true" if offload else "false"
+
+
+def shipped_model_configs(cfg: DigenConfig) -> str:
+    """The shipped real configs of ``digen.model.arch`` (a diffusers layout without weights), with
+    the sample size checked against them as :func:`resolve_model_path` checks a model directory."""
+    from verl_digen.models.base import SampleSpec
+    from verl_digen.models.real_configs import FAMILIES, config_dir
+    from verl_digen.models.registry import ADAPTERS
+
+    arch = cfg.model.arch
+    if arch not in FAMILIES or arch not in ADAPTERS:
+        raise ConfigError(f"invalid config: digen.model.arch={arch!r}: without the model's weights the check plans "
+                          f"with a family's shipped configs; known: {', '.join(sorted(FAMILIES))}")
+    path = config_dir(arch)
+    s = cfg.sampling
+    try:
+        ADAPTERS[arch].check_sample_size(path, SampleSpec(s.height, s.width, s.num_frames))
+    except ValueError as e:
+        raise ConfigError(
+            f"invalid config: digen.sampling.height={s.height}, width={s.width}, num_frames={s.num_frames}: {e}"
+        ) from None
+    return path
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,9 @@ reduce-scattered. Caveats:
   collectives): see the module notes in :func:`apply_fsdp2`;
 - peft's ``disable_adapters()`` / ``enable_adapters()`` (the KL reference of LoRA training)
   only flip flags and keep working; ``copy.deepcopy`` of a sharded module does not give a
-  usable independent reference: build a full-fine-tune reference before sharding and shard it
-  separately (or keep it unsharded);
+  usable independent reference, and a dense copy before sharding doubles the load peak (two
+  full models on each GPU): :func:`shard_with_reference` builds a full fine-tune's reference
+  from the policy's shards;
 - FSDP2 warns that some diffusers blocks (FLUX single-stream blocks, the FLUX root) return
   views: an in-place op on such an output would skip the backward all-gather. diffusers and
   the adapters use out-of-place ops there (gradients tested exact); keep it so.
@@ -54,6 +55,7 @@ __all__ = [
     "stream_full_state",
     "is_fsdp",
     "shard_for_training",
+    "shard_with_reference",
 ]
 
 
@@ -225,6 +227,53 @@ def shard_for_training(transformer: nn.Module, *, reshard_after_forward: bool = 
         reshard_after_forward=reshard_after_forward,
         grad_reduce="sum",
     )
+
+
+def meta_copy(module: nn.Module) -> nn.Module:
+    """An independent copy of ``module``'s structure (submodules, flags, hooks' owners) whose
+    parameters and buffers are on the meta device: no bytes. ``copy.deepcopy`` with every
+    tensor of the module mapped to a meta stand-in up front."""
+    memo: dict[int, object] = {}
+    for p in module.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in module.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    import copy
+
+    return copy.deepcopy(module, memo)
+
+
+def shard_with_reference(transformer: nn.Module, *, reshard_after_forward: bool = True, mesh=None,
+                         reference: bool = True) -> nn.Module | None:
+    """Shard ``transformer`` for training (:func:`shard_for_training`) and, with ``reference``,
+    build its frozen KL reference (a full fine-tune's) from the shards: at most one dense copy of
+    the model is ever on the device.
+
+    Order: the reference's structure is copied on the meta device while the policy is still a
+    plain module (a sharded one cannot be deep-copied), the policy is sharded (its dense weights
+    are freed), the meta copy is sharded over the same mesh, materialised (``to_empty``: each
+    rank allocates its shards only) and filled from the policy's shards, rank-local copies with
+    no communication. Deep-copying the dense model first would hold two on each GPU at load
+    (2 x 38 GiB for Qwen-Image). Returns the reference (frozen, eval) or None."""
+    skeleton = meta_copy(transformer).requires_grad_(False).eval() if reference else None
+    shard_for_training(transformer, reshard_after_forward=reshard_after_forward, mesh=mesh)
+    if skeleton is None:
+        return None
+    first = next(transformer.parameters())
+    mesh = first.device_mesh if isinstance(first, _dtensor_cls()) else mesh
+    shard_for_training(skeleton, reshard_after_forward=reshard_after_forward, mesh=mesh)
+    skeleton.to_empty(device=_local(first).device)
+    with torch.no_grad():
+        sources = dict(transformer.named_parameters())
+        sources.update(transformer.named_buffers())
+        for name, t in (*skeleton.named_parameters(), *skeleton.named_buffers()):
+            _local(t).copy_(_local(sources[name]))
+    return skeleton
+
+
+def _local(t: Tensor) -> Tensor:
+    """A DTensor's local shard, or the tensor itself."""
+    return t.to_local() if isinstance(t, _dtensor_cls()) else t
 
 
 # ---------------------------------------------------------------------- weight sync

@@ -258,18 +258,16 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         return self.adapter.text_encoder_names if part == "text_encoders" else (part,)
 
     def _prepare_training(self) -> dict[str, Any]:
-        """Join the trainer ranks' process group, then gradient checkpointing, the KL reference
-        and FSDP sharding, then the :class:`PolicyUpdater` (its optimizer is built after
-        sharding)."""
+        """Join the trainer ranks' process group, then gradient checkpointing, FSDP sharding (and a
+        full fine-tune's KL reference, built from the shards), then the :class:`PolicyUpdater`
+        (its optimizer is built after sharding)."""
         info: dict[str, Any] = {}
         self._join_trainer_group()
         if self.cfg.model.checkpointing:  # decided before Ray starts when it was auto (trainer/resolve.py)
             from verl_digen.workers.fsdp import enable_gradient_checkpointing
 
             info["gradient_checkpointing"] = enable_gradient_checkpointing(self.adapter.transformer)
-        reference = self._sharded_kl_reference()
-        if self.fsdp:
-            self._shard_for_training(reference)
+        reference = self._shard_for_training() if self.fsdp else None
         self.updater = PolicyUpdater(self.adapter, self._train_settings(), reference=reference)
         info["trainable_params"] = sum(p.numel() for p in self.updater.params)
         self._refresh_sync_cache()
@@ -289,24 +287,17 @@ class DiffusionWorker(Worker, WeightSyncMixin):
                                     world_size=self.world_size, **extra)
         self._pg = dist.group.WORLD
 
-    def _sharded_kl_reference(self) -> torch.nn.Module | None:
-        """The frozen KL reference of a sharded full fine-tune, copied before sharding (a sharded
-        module cannot be deep-copied); None otherwise (the updater builds its own, or LoRA
-        disables its adapters)."""
-        if not (self.fsdp and self.cfg.algo.kl_beta > 0 and not self.cfg.model.lora.enable):
-            return None
-        import copy
-
-        return copy.deepcopy(self.adapter.transformer).requires_grad_(False).eval()
-
-    def _shard_for_training(self, reference: torch.nn.Module | None) -> None:
-        """FSDP2: shard the denoiser (and the KL reference): parallelism applied in one place."""
-        from verl_digen.workers.fsdp import shard_for_training
+    def _shard_for_training(self) -> torch.nn.Module | None:
+        """FSDP2: shard the denoiser (parallelism applied in one place) and return a full
+        fine-tune's frozen KL reference, built from the policy's shards (never a second dense copy
+        on the GPU: :func:`~verl_digen.workers.fsdp.shard_with_reference`); None otherwise (LoRA
+        disables its adapters instead; without a KL term there is none)."""
+        from verl_digen.workers.fsdp import shard_with_reference
 
         self._check_fsdp_trainable_dtypes()
-        for module in (self.adapter.transformer, reference):
-            if module is not None:
-                shard_for_training(module, reshard_after_forward=self.cfg.fsdp.reshard_after_forward)
+        kl_reference = self.cfg.algo.kl_beta > 0 and not self.cfg.model.lora.enable
+        return shard_with_reference(self.adapter.transformer, reshard_after_forward=self.cfg.fsdp.reshard_after_forward,
+                                    reference=kl_reference)
 
     def _train_settings(self) -> TrainSettings:
         """What the updater needs of the run: the loss, the sampler's settings (it recomputes the

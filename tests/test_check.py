@@ -1,0 +1,122 @@
+"""``python -m verl_digen.check``: every config-time check of a run, without Ray or weights.
+
+Every shipped preset passes at its real device counts (planned with its family's shipped real
+configs, which the output says); a micro-batch that cannot be dealt over the FSDP ranks, or a job
+that does not fit its GPUs, exits 2 naming the key; the command writes nothing and starts no Ray.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from verl_digen.check import main as check_main
+from verl_digen.config.compose import CONFIG_DIR
+
+PRESETS = sorted(f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".yaml") and f != "digen_base.yaml")
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    status = check_main(list(argv))
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+@pytest.mark.e2e
+@pytest.mark.slow  # minutes: every preset's memory plan at real size (no Ray, no run)
+def test_every_shipped_preset_would_start_at_its_real_device_counts(capsys, tmp_path, monkeypatch):
+    import ray
+    import yaml
+
+    monkeypatch.chdir(tmp_path)  # nothing may be written (a run directory would appear here)
+    assert {"wan_colocated", "qwen_image_full_disaggregated", "digits", "digen_trainer"} <= set(PRESETS)
+    for name in PRESETS:
+        status, out, err = _run(capsys, "--config-name", name)
+        assert status == 0, (name, err)
+        with open(os.path.join(CONFIG_DIR, f"{name}.yaml")) as f:
+            doc = yaml.safe_load(f)
+        gpus = (doc.get("trainer") or {}).get("n_gpus_per_node", 2)
+        nnodes = (doc.get("trainer") or {}).get("nnodes", 1)
+        assert f"cluster: {nnodes} node(s) x {gpus} GPU(s)" in out, (name, out)
+        assert "check: OK, the run would start" in out and "call rows: " in out
+        arch = ((doc.get("digen") or {}).get("model") or {}).get("arch")
+        if arch:  # a real family: planned at real size with the shipped configs, every role shown
+            assert f"digen.model.path unset: checked with the shipped configs of {arch}" in out, out
+            placement = doc["digen"]["placement"]
+            roles = ["colocated"] if placement == "colocated" else ["rollout", "trainer"]
+            for role in roles:
+                assert f"memory: {role} peaks at " in out, (name, out)
+        else:  # the built-in tiny / toy models: not built by the check
+            assert "built-in tiny model" in out and "memory: not planned" in out
+    assert os.listdir(tmp_path) == [] and not ray.is_initialized()
+
+
+def test_the_wan_colocated_split_that_crashed_on_8_gpus_exits_2_naming_the_key(capsys):
+    status, out, err = _run(capsys, "--config-name", "wan_colocated", "digen.batch.train_micro_batch_groups=1")
+    assert status == 2 and out == ""
+    assert "4 rows do not split evenly over 8 FSDP ranks" in err and "digen.batch.train_micro_batch_groups" in err
+    assert "the run would NOT start" in err
+
+
+def test_a_job_that_does_not_fit_exits_2_naming_the_memory_key(capsys):
+    status, _, err = _run(capsys, "--config-name", "qwen_image_full_disaggregated", "digen.memory.device_gib=48")
+    assert status == 2
+    assert "does not fit in GPU memory" in err and "digen.memory.device_gib" in err and "trainer" in err
+
+
+def test_bad_keys_and_pools_exit_2_naming_them(capsys):
+    status, _, err = _run(capsys, "--config-name", "sd3_disaggregated", "digen.pools.trainer.devices=7")
+    assert status == 2 and "digen.pools" in err
+    status, _, err = _run(capsys, "--config-name", "sd3_disaggregated", "digen.model.arch=nope")
+    assert status == 2 and "digen.model.arch" in err
+    status, _, err = _run(capsys, "--config-name", "no_such_preset")
+    assert status == 2 and "no_such_preset" in err
+
+
+def test_a_model_path_not_on_this_machine_is_said_and_planned_with_the_shipped_configs(capsys, tmp_path):
+    missing = tmp_path / "FLUX.1-dev"
+    status, out, _ = _run(capsys, "--config-name", "flux_disaggregated", f"digen.model.path={missing}")
+    assert status == 0
+    assert f"digen.model.path '{missing}' is not a directory on this machine" in out
+    assert "shipped configs of flux" in out
+
+
+def test_cli_exit_status_in_a_subprocess(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                        os.environ.get("PYTHONPATH", "")]))
+    bad = subprocess.run([sys.executable, "-m", "verl_digen.check", "--config-name", "wan_colocated",
+                          "digen.batch.train_micro_batch_groups=1"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode == 2, bad.stderr
+    assert "digen.batch.train_micro_batch_groups" in bad.stderr
+    ok = subprocess.run([sys.executable, "-m", "verl_digen.check", "--config-name", "digits"], cwd=tmp_path,
+                        env=env, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    assert "placement: colocated" in ok.stdout and "check: OK" in ok.stdout and os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
+def test_call_rows_are_checked_at_config_time_for_every_placement(placement):
+    """The split that crashed wan_colocated's workers is refused before any worker starts, for
+    both placements, and the memory planner refuses it too (it no longer rounds a share up)."""
+    from omegaconf import OmegaConf
+
+    from verl_digen.config.compose import compose_config
+    from verl_digen.config.schema import ConfigError, digen_config_from_dict
+    from verl_digen.memory import plan_job
+    from verl_digen.trainer.resolve import check_run_config
+
+    # 1 group of 4 rows over 8 (colocated: every GPU) or 6 (the trainer pool) FSDP ranks
+    pools = [] if placement == "colocated" else ["digen.pools.rollout.devices=2", "digen.pools.trainer.devices=6"]
+    overrides = [f"digen.placement={placement}", "digen.fsdp.enable=true", "digen.batch.train_micro_batch_groups=1",
+                 "digen.batch.group_size=4", *pools]
+    config = compose_config(overrides, config_name="wan_colocated")
+    with pytest.raises(ConfigError, match="digen.batch.train_micro_batch_groups"):
+        check_run_config(config, without_weights=True)
+    if placement == "colocated":  # the typed config alone cannot know the cluster; the planner can
+        digen = digen_config_from_dict(OmegaConf.to_container(config.digen, resolve=True))
+        with pytest.raises(ConfigError, match="do not split evenly over 8 FSDP ranks"):
+            plan_job(digen, devices_per_node=8)
