@@ -78,3 +78,42 @@ def test_disaggregated_run_with_nccl_sync_and_fsdp(tmp_path, tiny_flux):
     ])
     result = run_training(cfg)
     assert result.extra["weights_in_sync"] is True
+
+
+@needs_cuda
+def test_host_syncs_per_denoising_loop_and_training_step_on_cuda(tiny_flux):
+    """On a real device (``tests/host_syncs.py`` counts by ``.device`` here): a denoising loop
+    reads back once (its trajectory), a trained micro-batch once (its metrics), an optimizer step
+    once (its gradient norm); no blocking copy in, whatever the number of steps and passes."""
+    import dataclasses
+    import sys
+
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from host_syncs import HostSyncCounter
+    from verl_digen.config.schema import AlgoConfig, LoraConfigSpec, digen_config_from_dict
+    from verl_digen.models.registry import load_adapter
+    from verl_digen.workers.sampling import GroupRequest, begin_groups, denoise, finish_groups
+    from verl_digen.workers.training import PolicyUpdater, TrainSettings, add_lora
+    from verl_digen.workers.worker import sampling_settings
+
+    adapter = load_adapter(tiny_flux, device="cuda", dtype=torch.bfloat16)
+    add_lora(adapter, LoraConfigSpec(rank=4))
+    settings = dataclasses.replace(sampling_settings(digen_config_from_dict({"sampling": {"num_steps": 6}})),
+                                   forward_rows=2)
+    request = GroupRequest(["a cat", "a dog"], [0, 1], [0, 1], group_size=2, training_step=0, seed=1,
+                           policy_version=0)
+    state = begin_groups(adapter, request, settings)
+    with HostSyncCounter() as gen:
+        denoise(adapter, state, settings, settings.num_steps)
+    assert gen.total == 1, dict(gen.calls)
+    data = finish_groups(adapter, state, settings)
+    assert data.batch["latents"].device.type == "cpu" and data.batch["latents"].shape[1] == settings.num_steps + 1
+    trainer = PolicyUpdater(adapter, TrainSettings(AlgoConfig(), settings, lora_only=True, images_per_step=4))
+    with HostSyncCounter() as train:
+        metrics = trainer.train_micro_batch(data, torch.tensor([1.0, -1.0, 0.5, -0.5]))
+    assert train.total == 1, dict(train.calls)
+    assert metrics["actor/passes"] >= 2 and abs(metrics["actor/ratio_mean"] - 1.0) <= 1e-5
+    with HostSyncCounter() as step:
+        opt = trainer.optimizer_step()
+    assert step.total == 1, dict(step.calls)
+    assert opt["actor/grad_norm"] > 0 and opt["actor/skipped_nonfinite"] == 0.0

@@ -451,9 +451,11 @@ def plan_roles(job: JobShape, gib: float) -> list[RolePlan]:
     train_rows = job.cfg_rows * job.pass_samples
     train_acts = trace.training_bytes(train_rows, checkpointing=job.checkpointing)
 
-    # Rollout: one generate call of groups_per_task groups.
+    # Rollout: one generate call of groups_per_task groups; its trajectory (fp32 latents and
+    # log-probs) is recorded on the device and read back once (workers/sampling.py: _DeviceRecord).
     samples = job.groups_per_task * job.group_size
-    rollout_acts = trace.inference_bytes(samples * job.cfg_rows) + samples * (job.num_steps + 1) * _latent_bytes(job)
+    trajectory = samples * (job.num_steps + 1) * _latent_bytes(job) + samples * job.num_steps * 4
+    rollout_acts = trace.inference_bytes(samples * job.cfg_rows) + trajectory
     decode = _vae_decode_bytes(job, samples)
     rollout_weights = dense_bytes + (lora_params * tb if job.lora else 0)
     sync_state = lora_params * tb if job.lora else dense_bytes

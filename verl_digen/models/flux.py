@@ -138,10 +138,11 @@ class FluxAdapter(DiffusionAdapter):
     def image_ids(self, spec: SampleSpec) -> torch.Tensor:
         """RoPE positions of the image tokens ``[L, 3]``: (0, row, col) per 2x2 patch."""
         h, w = self.latent_size(spec)
-        rows = torch.arange(h // 2, dtype=torch.float32)[:, None].expand(h // 2, w // 2)
-        cols = torch.arange(w // 2, dtype=torch.float32)[None, :].expand(h // 2, w // 2)
+        # Made on the device: built on the host, the copy in would be a host sync at every call.
+        rows = torch.arange(h // 2, dtype=torch.float32, device=self.device)[:, None].expand(h // 2, w // 2)
+        cols = torch.arange(w // 2, dtype=torch.float32, device=self.device)[None, :].expand(h // 2, w // 2)
         ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1)  # [h/2, w/2, 3]
-        return ids.reshape(-1, 3).to(self.device)
+        return ids.reshape(-1, 3)
 
     # ------------------------------------------------------------------ schedule
 

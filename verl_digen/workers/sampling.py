@@ -23,6 +23,7 @@ gives the images (``verl_digen.workers.validation`` is the caller).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -201,7 +202,8 @@ class GroupsInFlight:
 
     ``request`` is the request itself (not a copy of its fields). Everything is on CPU so it can
     travel between processes (Ray object store); the generators travel as their states, so stage
-    k+1 draws exactly the noise a single worker would have drawn.
+    k+1 draws exactly the noise a single worker would have drawn. The latents are kept as blocks
+    ``[k, B, ...]``, one per :func:`denoise` call (its steps, read back from the device at once).
     """
 
     request: GroupRequest
@@ -210,7 +212,7 @@ class GroupsInFlight:
     cond: Conditioning
     neg: Conditioning | None
     sigmas: torch.Tensor  # [S+1]
-    latents: list[torch.Tensor]  # x_0 .. x_t, each [B, ...] (ode: only the newest)
+    latents: list[torch.Tensor]  # x_0 .. x_t in blocks [k, B, ...] (ode: one block of the newest)
     log_probs: torch.Tensor  # [B, S]
     generator_states: list[torch.Tensor]
     next_step: int = 0  # the first denoising step not yet taken
@@ -218,7 +220,12 @@ class GroupsInFlight:
 
     @property
     def batch(self) -> int:
-        return self.latents[0].shape[0]
+        return self.latents[0].shape[1]
+
+    @property
+    def newest(self) -> torch.Tensor:
+        """The latents of the last step taken (x_0 before any), ``[B, ...]``."""
+        return self.latents[-1][-1]
 
 
 @torch.no_grad()
@@ -279,49 +286,101 @@ def begin_groups(
         cond={k: v.cpu() for k, v in cond.items()},
         neg={k: v.cpu() for k, v in neg.items()} if neg is not None else None,
         sigmas=sigmas,
-        latents=[x.float().cpu()],
+        latents=[x.float().cpu()[None]],
         log_probs=torch.zeros(x.shape[0], settings.num_steps, dtype=torch.float32),
         generator_states=[g.get_state() for g in generators],
         ode=ode,
     )
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` without a host sync. PyTorch's blocking copy to a GPU ends with a
+    stream synchronize (``memcpy_and_sync``), so a host tensor goes in through pinned memory,
+    asynchronously (the caching host allocator keeps the pinned block until the copy is done)."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
+class _DeviceRecord:
+    """Steps ``[start, end)`` of a trajectory, recorded on the device and read back once.
+
+    One flat fp32 buffer holds the latents after each step ``[k, B, ...]`` and the log-probs of
+    the SDE steps among them ``[m, B]``: a single device -> host copy (one host sync) at the end
+    of the call, instead of one per step. The latents are what the memory planner charges a
+    generate call on the device (``memory.plan``: ``samples * (num_steps + 1)`` latents, and
+    ``samples * num_steps`` log-probs)."""
+
+    def __init__(self, x: torch.Tensor, steps: range, sde_steps: list[int], *, ode: bool) -> None:
+        self.shape = (1 if ode else len(steps), *x.shape)
+        self.n_latents = math.prod(self.shape)
+        self.row = {i: k for k, i in enumerate(sde_steps)}
+        self.flat = x.new_empty(self.n_latents + len(sde_steps) * x.shape[0], dtype=torch.float32)
+        self.latents = self.flat[: self.n_latents].view(self.shape)
+        self.log_probs = self.flat[self.n_latents :].view(len(sde_steps), x.shape[0])
+        self.ode = ode
+
+    def add(self, k: int, x: torch.Tensor, i: int, log_prob: torch.Tensor | None) -> None:
+        """Record the latents after the ``k``-th step of the call (step ``i``) and its log-prob."""
+        if not self.ode:
+            self.latents[k] = x
+        if log_prob is not None:
+            self.log_probs[self.row[i]] = log_prob
+
+    def read_back(self, state: GroupsInFlight, x: torch.Tensor) -> None:
+        """The one host sync: the record into ``state`` (ode: only the newest latents ``x``)."""
+        if self.ode:
+            self.latents[0] = x
+        host = self.flat.cpu()
+        latents = host[: self.n_latents].view(self.shape)
+        if self.ode:
+            state.latents = [latents]
+        elif self.shape[0]:
+            state.latents.append(latents)
+        for i, k in self.row.items():
+            state.log_probs[:, i] = host[self.n_latents :].view(-1, self.shape[1])[k]
+
+
 @torch.no_grad()
 def denoise(adapter: DiffusionAdapter, state: GroupsInFlight, settings: SamplingSettings, end: int) -> GroupsInFlight:
-    """Take denoising steps ``[state.next_step, end)`` (a TSP stage's share), in place."""
+    """Take denoising steps ``[state.next_step, end)`` (a TSP stage's share), in place.
+
+    Nothing is read back from the device step by step: the trajectory is recorded on the device
+    and read back once at the end (:class:`_DeviceRecord`), and inputs go in asynchronously
+    (:func:`to_device`)."""
     if not state.next_step <= end <= settings.num_steps:
         raise ValueError(f"cannot denoise steps [{state.next_step}, {end}) of {settings.num_steps}")
     device = adapter.device
     spec = settings.spec
+    steps = range(state.next_step, end)
     window_set = set(state.window)
-    cond = {k: v.to(device) for k, v in state.cond.items()}
-    neg = {k: v.to(device) for k, v in state.neg.items()} if state.neg is not None else None
+    cond = {k: to_device(v, device) for k, v in state.cond.items()}
+    neg = {k: to_device(v, device) for k, v in state.neg.items()} if state.neg is not None else None
     generators = []
     for st in state.generator_states:
         gen = torch.Generator()
         gen.set_state(st)
         generators.append(gen)
-    x = state.latents[-1].to(device)
+    x = to_device(state.newest, device)
     batch = state.batch
-    sigmas = state.sigmas.to(device)
-    for i in range(state.next_step, end):
+    sigmas = to_device(state.sigmas, device)
+    record = _DeviceRecord(x, steps, [i for i in steps if i in window_set], ode=state.ode)
+    for k, i in enumerate(steps):
         sigma = sigmas[i].expand(batch)
         sigma_next = sigmas[i + 1].expand(batch)
         # No autocast: the weights are in the run's dtype and the adapter casts every input to
         # it, exactly as the trainer's recomputation does (same path, same numbers).
         v = velocity_in_chunks(adapter, x, sigma, cond, spec, neg, settings.forward_rows)
+        log_prob = None
         if i in window_set:
             # Each sample draws its step noise from its own generator: identical wherever it runs.
             noise = torch.cat([torch.randn((1, *x.shape[1:]), generator=gen, dtype=torch.float32) for gen in generators])
-            out = _sde_with_noise(v, x, sigma, sigma_next, noise.to(device), settings)
-            x = out.prev_sample
-            state.log_probs[:, i] = out.log_prob.cpu()
+            out = _sde_with_noise(v, x, sigma, sigma_next, to_device(noise, device), settings)
+            x, log_prob = out.prev_sample, out.log_prob
         else:
             x = ode_step(v, x, sigma, sigma_next)
-        if not state.ode:
-            state.latents.append(x.cpu())
-    if state.ode:  # no trajectory record: only the newest latents
-        state.latents = [x.cpu()]
+        record.add(k, x, i, log_prob)
+    record.read_back(state, x)
     state.generator_states = [gen.get_state() for gen in generators]
     state.next_step = end
     return state
@@ -334,7 +393,7 @@ def decode_groups(adapter: DiffusionAdapter, state: GroupsInFlight, settings: Sa
     (large for video) stay bounded whatever the batch."""
     if state.next_step != settings.num_steps:
         raise ValueError(f"groups {list(state.request.group_ids)} finished at step {state.next_step} of {settings.num_steps}")
-    latents = state.latents[-1]
+    latents = state.newest
     chunk = settings.vae_decode_chunk if settings.vae_decode_chunk > 0 else latents.shape[0]
     out = []
     with onloaded(adapter, ("vae",)):
@@ -357,7 +416,7 @@ def finish_groups(adapter: DiffusionAdapter, state: GroupsInFlight, settings: Sa
     sde_mask = torch.zeros_like(train_mask)
     sde_mask[:, state.window] = True
     tensors = {
-        "latents": torch.stack(state.latents, dim=1),
+        "latents": torch.cat(state.latents).transpose(0, 1).contiguous(),
         "log_probs": state.log_probs,
         "sigmas": state.sigmas.unsqueeze(0).expand(batch, -1).contiguous(),
         "train_mask": train_mask,

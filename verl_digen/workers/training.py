@@ -27,10 +27,12 @@ from verl_digen.algos.loss import flow_grpo_loss
 from verl_digen.algos.sde import sde_step_with_logprob
 from verl_digen.config.schema import AlgoConfig, LoraConfigSpec
 from verl_digen.models.base import DiffusionAdapter
-from verl_digen.workers.sampling import SamplingSettings, conditioning_from, velocity_in_chunks
+from verl_digen.workers.sampling import SamplingSettings, conditioning_from, to_device, velocity_in_chunks
 
 
 LORA_MARKER = "lora_"  # peft's parameter names (as verl_digen.sync.state)
+# The loss terms a micro-batch reports (``actor/<name>``), means over its trained steps.
+LOSS_METRICS = ("loss", "policy_loss", "kl_loss", "clip_frac", "approx_kl", "ratio_mean")
 
 
 def add_lora(adapter: DiffusionAdapter, spec: LoraConfigSpec, dtype: torch.dtype = torch.float32) -> None:
@@ -218,15 +220,16 @@ class PolicyUpdater:
         device = self.adapter.device
         s = self.settings.sampling
         latents = data.batch["latents"][rows]
-        x = latents[:, j].to(device)
-        x_next = latents[:, j + 1].to(device)
-        sig = data.batch["sigmas"][rows, j].to(device)
-        sig_next = data.batch["sigmas"][rows, j + 1].to(device)
+        # Copied in asynchronously (to_device): a blocking copy would be a host sync per pass.
+        x = to_device(latents[:, j], device)
+        x_next = to_device(latents[:, j + 1], device)
+        sig = to_device(data.batch["sigmas"][rows, j], device)
+        sig_next = to_device(data.batch["sigmas"][rows, j + 1], device)
         cond, neg = conditioning_from(data)
         n = len(data)
-        cond = {k: v[rows].to(device) for k, v in cond.items()}
+        cond = {k: to_device(v[rows], device) for k, v in cond.items()}
         # a per-sample negative conditioning has a row per sample; a shared one (one row) is kept whole
-        neg = {k: (v[rows] if v.shape[0] == n else v).to(device) for k, v in neg.items()} if neg else None
+        neg = {k: to_device(v[rows] if v.shape[0] == n else v, device) for k, v in neg.items()} if neg else None
         ctx = self._reference_weights() if reference else nullcontext()
         with ctx:  # no autocast, the same transformer calls as the rollout's denoise()
             v = velocity_in_chunks(self.adapter, x, sig, cond, s.spec, neg, s.forward_rows)
@@ -251,6 +254,9 @@ class PolicyUpdater:
 
         ``part=(r, P)`` trains only the trained steps ``[r::P]`` (TSP time-step split): the P
         parts, summed by the optimizer step's all-reduce, give the same gradient as the whole.
+
+        The loss terms are summed on the device (fp64, as Python floats were) and read back once
+        at the end: one host sync per micro-batch, not one per term, step and pass.
         """
         algo = self.settings.algo
         device = self.adapter.device
@@ -261,16 +267,16 @@ class PolicyUpdater:
         # batch, 1/len(all) per trained time step;
         # a pass of m samples carries m / n of its micro-batch's mean.
         scale = n / self.settings.images_per_step / max(len(all_steps), 1)
-        adv = advantages.to(device=device, dtype=torch.float32)
+        adv = to_device(advantages.float(), device)
         old_all = data.batch["log_probs"]
-        sums: dict[str, float] = {}
+        sums = torch.zeros(len(LOSS_METRICS), dtype=torch.float64, device=device)
         self.adapter.transformer.train()
         passes = self.passes(n)
         for j in steps:
             for rows in passes:
                 weight = (rows.stop - rows.start) / n
                 out = self._step_terms(data, j, rows=rows)
-                old = old_all[rows, j].to(device)
+                old = to_device(old_all[rows, j], device)
                 ref_mean = None
                 if algo.kl_beta > 0:
                     with torch.no_grad():
@@ -283,16 +289,20 @@ class PolicyUpdater:
                 (loss.loss * (scale * weight)).backward()
                 if self.master is not None:
                     self.master.accumulate_grads()
-                for key in ("loss", "policy_loss", "kl_loss", "clip_frac", "approx_kl", "ratio_mean"):
-                    sums[key] = sums.get(key, 0.0) + weight * float(getattr(loss, key).detach())
+                terms = torch.stack([getattr(loss, key).detach().to(torch.float64) for key in LOSS_METRICS])
+                sums += weight * terms
         self.samples_accumulated += n
-        metrics = {f"actor/{k}": v / max(len(steps), 1) for k, v in sums.items()}
+        # the one read-back (none when this part trains no step: no loss terms then)
+        means = (sums / len(steps)).tolist() if steps else []
+        metrics = {f"actor/{k}": v for k, v in zip(LOSS_METRICS, means)}
         metrics["actor/trained_steps"] = float(len(steps))
         metrics["actor/passes"] = float(len(steps) * len(passes))
         return metrics
 
     def optimizer_step(self, process_group: dist.ProcessGroup | None = None) -> dict[str, float]:
-        """All-reduce (sum) the accumulated gradients over the trainer ranks, clip, step."""
+        """All-reduce (sum) the accumulated gradients over the trainer ranks, clip, step.
+
+        One host sync: the gradient norm, read back to decide whether the step is finite."""
         params = self.opt_params
         for p in params:
             if p.grad is None:
@@ -300,7 +310,8 @@ class PolicyUpdater:
         if process_group is not None and dist.get_world_size(process_group) > 1:
             all_reduce_in_buckets([p.grad for p in params], process_group)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.settings.algo.max_grad_norm)
-        finite = bool(torch.isfinite(grad_norm))
+        norm = grad_norm.item()
+        finite = math.isfinite(norm)
         if finite:
             self.optimizer.step()
             if self.master is not None:
@@ -310,7 +321,7 @@ class PolicyUpdater:
         self.optimizer.zero_grad(set_to_none=True)
         self.samples_accumulated = 0
         return {
-            "actor/grad_norm": float(grad_norm) if finite else math.nan,
+            "actor/grad_norm": norm if finite else math.nan,
             "actor/lr": self.optimizer.param_groups[0]["lr"],
             "actor/skipped_nonfinite": 0.0 if finite else 1.0,
         }
