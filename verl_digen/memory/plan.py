@@ -113,7 +113,7 @@ def reward_gpu_bytes(spec: dict[str, Any], device: str = "auto", params_of: Any 
     ``params_of``: parameters per reward name (default :data:`REWARD_MODEL_PARAMS`)."""
     params_of = params_of or (lambda name: REWARD_MODEL_PARAMS.get(name, 0.0))
     kwargs = spec.get("kwargs") or {}
-    where = str(kwargs.get("device", device))
+    where = str(kwargs["device"] if "device" in kwargs else device)  # the reward's own kwargs win
     if spec.get("name") == "weighted":
         return sum(reward_gpu_bytes(c, where, params_of) for c in spec.get("components") or kwargs.get("components", []))
     if where.startswith("cpu"):

@@ -181,6 +181,10 @@ class SystemProfile:
     optimizer_fixed_s: float = 0.1
     sync_fixed_s: float = 0.2
     grad_bytes_per_param: float = 4.0  # fp32 gradient reduce-scatter
+    # Gradient bytes a rank holds per trained parameter (0: grad_bytes_per_param). verl-digen's
+    # bf16 full fine-tune keeps backward's bf16 gradients until they are folded into the fp32
+    # masters' gradients (2 + 4), as the memory planner charges (memory/plan.py: trained_state_bytes).
+    held_grad_bytes_per_param: float = 0.0
     optimizer_bytes_per_param: float = 12.0  # fp32 master weights + Adam m and v
     memory_headroom: float = 0.9  # usable fraction of device memory
     activation_bytes: float = 34.0  # activation bytes per token per hidden unit per block
@@ -677,9 +681,18 @@ class CostModel:
         # flat FSDP spans the pool's nodes; an HSDP shard group the nodes its ranks sit on
         return TrainGroup(ranks=p.size, nodes=p.nodes, shard=shard, shard_nodes=p.group_nodes(shard))
 
+    def held_grad_bytes_per_param(self) -> float:
+        """Gradient bytes a rank holds per trained parameter: a LoRA run trains its adapters in
+        their own (fp32) dtype, one gradient each; a full fine-tune holds what the system says."""
+        s = self.system
+        if self.workload.lora:
+            return s.grad_bytes_per_param
+        return s.held_grad_bytes_per_param or s.grad_bytes_per_param
+
     def state_bytes_per_rank(self, group: TrainGroup) -> float:
         s = self.system
-        return (self.param_bytes + (s.grad_bytes_per_param + s.optimizer_bytes_per_param) * self.trainable_params) / group.shard
+        held = self.held_grad_bytes_per_param() + s.optimizer_bytes_per_param
+        return (self.param_bytes + held * self.trainable_params) / group.shard
 
     def param_shard_bytes(self, group: TrainGroup) -> float:
         """The training weights one rank holds: bf16 weights, fp32 for the trainable ones."""
@@ -1155,7 +1168,7 @@ class CostModel:
                     if not s.param_offload:
                         held += self.param_shard_bytes(group)
                     if not s.optimizer_offload:
-                        held += (s.grad_bytes_per_param + s.optimizer_bytes_per_param) * self.trainable_params / group.shard
+                        held += (self.held_grad_bytes_per_param() + s.optimizer_bytes_per_param) * self.trainable_params / group.shard
                 if held > cap:
                     problems.append(
                         f"{pool}: generating holds {held / GB:.0f} GB (weights {self.param_bytes / GB:.0f} GB"
