@@ -45,7 +45,10 @@ def test_planner_choice_is_never_worse_than_any_configuration_it_evaluated(catal
 
 
 def test_configurations_that_do_not_fit_in_memory_are_reported_not_evaluated(catalog):
-    result = search(_costs(catalog, "qwen-image-20b", groups_per_step=8), Inventory({"H800": 8}), steps=3, warmup=1)
+    # A full fine-tune of Qwen-Image holds 20 bytes per parameter (bf16 weights and gradients,
+    # fp32 masters, their gradients, AdamW): no layout of 8 H800s fits it (the shipped preset
+    # takes two nodes), 16 do when sharded; the unsharded ones are reported, not evaluated.
+    result = search(_costs(catalog, "qwen-image-20b", groups_per_step=8), Inventory({"H800": 16}), steps=3, warmup=1)
     skipped = [e for e in result.evaluations if not e.feasible]
     assert skipped and all(e.problems for e in skipped)
     assert all(e.candidate.spec.trainer_workers >= 2 for e in result.evaluated if e.candidate.spec.placement == "disaggregated")
