@@ -557,7 +557,9 @@ def _scenario_kl_reference(rank: int, world: int) -> dict:
     peak_growth = (torch.cuda.max_memory_allocated() - start) if on_gpu else None
     ref_full = full_params(reference)
     ref_buffers = {n: b for n, b in reference.named_buffers()}
-    locals_are_shards = all(p.to_local().numel() < p.numel() or p.shape[0] < world for p in reference.parameters())
+    # one rank holds every shard whole (FSDP2 over a group of one), more ranks a part of each
+    locals_are_shards = world == 1 or all(p.to_local().numel() < p.numel() or p.shape[0] < world
+                                          for p in reference.parameters())
     # Train the policy one step: the reference must not move.
     params = [p for p in model.parameters()]
     for p in params:
@@ -739,6 +741,7 @@ def test_fsdp2_bf16_two_cpu_ranks() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.e2e
 def test_fsdp2_bf16_one_gpu_nccl() -> None:  # pragma: no cover - GPU only
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
@@ -782,6 +785,7 @@ def test_kl_reference_is_built_from_the_policys_shards_two_cpu_ranks() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.e2e
 def test_kl_reference_is_built_from_the_policys_shards_one_gpu_nccl() -> None:  # pragma: no cover - GPU only
     """On the device: the reference is materialised on the GPU by to_empty and filled from the
     policy's shards; memory grows by the policy's shards and the reference's (one rank: each a

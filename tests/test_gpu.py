@@ -33,6 +33,7 @@ def test_bf16_weights_keep_the_sde_maths_fp32_and_on_policy(tiny_flux):
     assert torch.allclose(recomputed[:, window], data.batch["log_probs"][:, window], atol=1e-6, rtol=0)
 
 
+@pytest.mark.e2e
 @needs_cuda
 def test_colocated_run_on_one_gpu(tmp_path, tiny_flux):
     from verl_digen.config.compose import compose_config
@@ -44,6 +45,7 @@ def test_colocated_run_on_one_gpu(tmp_path, tiny_flux):
     assert len(result.metrics) == 2 and result.metrics[-1]["images_per_s"] > 0
 
 
+@pytest.mark.e2e
 @needs_cuda
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full_kl"])
 def test_one_gpu_fsdp_colocated_run(tmp_path, tiny_flux, lora):
@@ -64,6 +66,7 @@ def test_one_gpu_fsdp_colocated_run(tmp_path, tiny_flux, lora):
         assert row["images_per_s"] > 0 and all(v == v for v in row.values() if isinstance(v, float))  # no NaN
 
 
+@pytest.mark.e2e
 @needs_two
 def test_disaggregated_run_with_nccl_sync_and_fsdp(tmp_path, tiny_flux):
     """Two GPUs: a sharded trainer pool (FSDP2 on NCCL) sends each version to the rollout worker

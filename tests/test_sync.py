@@ -567,6 +567,7 @@ def _nccl_endpoint(rank: int, world_size: int, port: int, queue) -> None:  # pra
 
 
 @pytest.mark.gpu
+@pytest.mark.e2e
 def test_nccl_channel_between_two_gpus() -> None:  # pragma: no cover - GPU only
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("NCCL weight channel needs 2 CUDA devices (NCCL forbids two ranks on one GPU)")

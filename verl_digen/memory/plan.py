@@ -34,7 +34,16 @@ from verl_digen.sync.transport import DEFAULT_BUCKET_BYTES
 
 GIB = 1 << 30
 OVERHEAD_BYTES = int(1.5 * GIB)  # CUDA context (~0.5), cuBLAS workspaces, NCCL buffers (~1): an allowance
-VAE_WORKING_SET = 4  # live full-resolution feature maps in a VAE decoder (conv in/out, norm, residual)
+# Live full-resolution feature maps (of the decoder's widest full-resolution layer) at a VAE
+# decode's peak, per VAE class: measured on an H200 (torch 2.11, diffusers 0.42.1) at each
+# preset's decode call, random weights from the shipped configs (tests/test_memory_gpu.py::
+# test_vae_decode_of_one_call_at_real_size_matches_the_plan; README "Measured on a GPU"):
+# FLUX's AutoencoderKL, 8 images 512 x 512: 4.03 GiB = 8.0 maps; Wan's, 1 x 33 frames 480 x 832
+# tiled: 1.58 GiB = 15.2; HunyuanVideo's, 1 x 33 frames 544 x 960 tiled: 3.64 GiB = 13.0 (the
+# decoded fp32 pixels taken off first). The planned figures are 7-12% above these; the estimate
+# of 4 maps before was 2-3x low. One shape per class: other shapes scale by the formula.
+VAE_WORKING_SET = {"AutoencoderKL": 9, "AutoencoderKLWan": 17, "AutoencoderKLHunyuanVideo": 14}
+VAE_WORKING_SET_DEFAULT = 17  # a class not measured (Qwen-Image's Wan-style VAE): the largest measured
 VIDEO_TILE = 256  # diffusers' video VAE tiling: 256x256-pixel tiles (tile_sample_min_height/width)
 HUNYUAN_TILE_FRAMES = 16  # AutoencoderKLHunyuanVideo's tile_sample_min_num_frames
 # Model-backed rewards: parameters, held on the scoring worker's GPU in the reward's dtype
@@ -317,7 +326,7 @@ def _encoder_activation_bytes(job: JobShape, prompts: int | None = None) -> int:
 
 def _vae_decode_bytes(job: JobShape, samples: int) -> int:
     """Peak of one VAE decode call of ``samples`` samples (``vae_decode_chunk`` of them at a
-    time): ``VAE_WORKING_SET`` full-resolution feature maps of the decoder's widest
+    time): ``VAE_WORKING_SET[vae class]`` full-resolution feature maps of the decoder's widest
     full-resolution layer, over the frames decoded together (a video VAE decodes in 256-pixel
     tiles; Wan / Qwen-Image's causal VAE one latent frame, i.e. 4 frames, at a time), plus the
     decoded fp32 pixels of the call."""
@@ -339,7 +348,8 @@ def _vae_decode_bytes(job: JobShape, samples: int) -> int:
             frames = min(frames, HUNYUAN_TILE_FRAMES + 1)
         else:
             frames = min(frames, int(vae.get("scale_factor_temporal", 4)))
-    features = VAE_WORKING_SET * chunk * channels * h * w * frames * vae_bytes
+    maps = VAE_WORKING_SET.get(vae_class, VAE_WORKING_SET_DEFAULT)
+    features = maps * chunk * channels * h * w * frames * vae_bytes
     pixels = chunk * 3 * job.num_frames * job.height * job.width * 4
     return features + pixels
 
