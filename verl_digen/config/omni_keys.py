@@ -127,7 +127,8 @@ OMNI_HANDLED = frozenset({
 }) - {"trainer.rollout_data_dir"}
 
 
-def _get(tree: Mapping[str, Any], key: str, default: Any = None) -> Any:
+def tree_get(tree: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    """``tree``'s value at the dotted ``key``, or ``default`` where the path ends."""
     node: Any = tree
     for part in key.split("."):
         if not isinstance(node, Mapping) or part not in node:
@@ -175,10 +176,10 @@ def omni_settings(config: Mapping[str, Any], digen: dict[str, Any],
 
 def _check_algorithm(config: Mapping[str, Any]) -> None:
     for key in (f"{ARR}.model.algorithm", f"{LOSS}.loss_mode"):
-        value = _get(config, key)
+        value = tree_get(config, key)
         if value is not None and value != FLOW_GRPO:
             _fail(key, value, "verl-digen trains FlowGRPO (flow_grpo); veRL-Omni's other algorithms are not here")
-    loss = _get(config, LOSS) or {}
+    loss = tree_get(config, LOSS) or {}
     for name, value in loss.items():
         if name in ("clip_ratio", "adv_clip_max", "loss_mode"):
             continue
@@ -194,7 +195,7 @@ def _check_algorithm(config: Mapping[str, Any]) -> None:
 def _check_backends(config: Mapping[str, Any]) -> None:
     for key, valid, what in ((f"{ARR}.model.attn_backend", ATTN_BACKENDS, "diffusers' default attention"),
                              (f"{ARR}.rollout.rollout_attn_backend", ROLLOUT_ATTN_BACKENDS, "torch SDPA")):
-        value = _get(config, key)
+        value = tree_get(config, key)
         if value is not None and value not in valid:
             _fail(key, value, f"verl-digen runs {what} (torch SDPA) in rollout and training alike; set "
                               f"{' or '.join(valid)} or leave it unset (flash-attention backends are not wired)")
@@ -216,9 +217,9 @@ def _window_range(key: str, value: Any) -> tuple[int, int]:
 
 def _sde_window(config: Mapping[str, Any], put: Callable[[str, Any, str], None]) -> None:
     size_key, range_key = f"{ALGO}.sde_window_size", f"{ALGO}.sde_window_range"
-    size, window = _get(config, size_key), _get(config, range_key)
-    if _get(config, f"{ALGO}.sde_contiguous", True) is not True:
-        _fail(f"{ALGO}.sde_contiguous", _get(config, f"{ALGO}.sde_contiguous"), "SDE windows are contiguous here")
+    size, window = tree_get(config, size_key), tree_get(config, range_key)
+    if tree_get(config, f"{ALGO}.sde_contiguous", True) is not True:
+        _fail(f"{ALGO}.sde_contiguous", tree_get(config, f"{ALGO}.sde_contiguous"), "SDE windows are contiguous here")
     if size is None:
         if window is not None:
             _fail(range_key, window, f"it needs {size_key} (without one every step is an SDE step)")
@@ -235,18 +236,18 @@ def _sde_window(config: Mapping[str, Any], put: Callable[[str, Any, str], None])
 
 
 def _check_validation(config: Mapping[str, Any]) -> None:
-    noise = _get(config, f"{VAL_ALGO}.noise_level")
+    noise = tree_get(config, f"{VAL_ALGO}.noise_level")
     if noise is not None and noise != 0:
         _fail(f"{VAL_ALGO}.noise_level", noise, "validation samples are deterministic here (ODE, noise 0); "
                                                 "set 0.0 or leave it unset")
-    for name, value in (_get(config, VAL_ALGO) or {}).items():
-        train = _get(config, f"{ALGO}.{name}")
+    for name, value in (tree_get(config, VAL_ALGO) or {}).items():
+        train = tree_get(config, f"{ALGO}.{name}")
         if name != "noise_level" and value != train:
             _fail(f"{VAL_ALGO}.{name}", value, f"at noise 0 it has no effect; it must equal {ALGO}.{name}={train!r}")
-    for name, value in (_get(config, VAL_PIPE) or {}).items():
+    for name, value in (tree_get(config, VAL_PIPE) or {}).items():
         if name == "num_inference_steps":
             continue
-        train = _get(config, f"{PIPE}.{name}")
+        train = tree_get(config, f"{PIPE}.{name}")
         if value != train:
             _fail(f"{VAL_PIPE}.{name}", value, f"validation samples with the training pipeline settings; it must "
                                                f"equal {PIPE}.{name}={train!r} (only num_inference_steps may differ)")
@@ -259,7 +260,7 @@ _GUIDANCE = {"sd3": "digen.sampling.guidance_scale", "wan": "digen.sampling.guid
 
 def _guidance(config: Mapping[str, Any], family: str | None, put: Callable[[str, Any, str], None]) -> None:
     key = f"{PIPE}.guidance_scale"
-    value = _get(config, key)
+    value = tree_get(config, key)
     if value is None:
         return
     if family == "qwen_image":
@@ -286,7 +287,7 @@ _TOKENIZERS = {"sd3": {"tokenizer": 77, "tokenizer_2": 77, "tokenizer_3": None},
 
 def _text_lengths(config: Mapping[str, Any], family: str | None) -> None:
     keys = (f"{PIPE}.max_sequence_length", f"{ARR}.rollout.max_prompt_embed_length", f"{ARR}.model.extra_tokenizers")
-    given = {k: _get(config, k) for k in keys if _get(config, k) is not None}
+    given = {k: tree_get(config, k) for k in keys if tree_get(config, k) is not None}
     if not given:
         return
     if family is None:

@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping
 
-from verl_digen.config.omni_keys import OMNI_HANDLED, OMNI_MAPPED, is_omni_key, omni_settings
+from verl_digen.config.omni_keys import OMNI_HANDLED, OMNI_MAPPED, is_omni_key, omni_settings, tree_get
 from verl_digen.config.schema import DEVICES, ConfigError, hydra_defaults, prompt_sources
 
 # The two ways in: veRL's own entry point running our trainer mode, or our short form.
@@ -243,12 +243,7 @@ def verl_defaults() -> dict[str, Any]:
 
 
 def _get(tree: Mapping[str, Any], key: str, default: Any = _UNSET) -> Any:
-    node: Any = tree
-    for part in key.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return default
-        node = node[part]
-    return node
+    return tree_get(tree, key, default)
 
 
 def _set(tree: dict[str, Any], key: str, value: Any) -> None:

@@ -43,7 +43,14 @@ def resolve_model_path(cfg: DigenConfig) -> str:
         raise ConfigError(f"invalid config: digen.model.arch={cfg.model.arch!r}; known: {', '.join(sorted(ADAPTERS))}")
     arch = cfg.model.arch or detect_arch(path)  # names a missing model_index.json or an unsupported pipeline
     check_safetensors(path)
+    return _check_sample_size(cfg, arch, path)
+
+
+def _check_sample_size(cfg: DigenConfig, arch: str, path: str) -> str:
+    """``path`` (a model directory or the shipped configs) when the family's model there can take
+    the run's sample size; a ConfigError naming the sampling keys otherwise."""
     from verl_digen.models.base import SampleSpec
+    from verl_digen.models.registry import ADAPTERS
 
     s = cfg.sampling
     try:
@@ -561,7 +568,6 @@ def _decide_encoder_offload(cfg: DigenConfig, real_size: bool, devices: dict[str
 def shipped_model_configs(cfg: DigenConfig) -> str:
     """The shipped real configs of ``digen.model.arch`` (a diffusers layout without weights), with
     the sample size checked against them as :func:`resolve_model_path` checks a model directory."""
-    from verl_digen.models.base import SampleSpec
     from verl_digen.models.real_configs import FAMILIES, config_dir
     from verl_digen.models.registry import ADAPTERS
 
@@ -570,14 +576,7 @@ def shipped_model_configs(cfg: DigenConfig) -> str:
         raise ConfigError(f"invalid config: digen.model.arch={arch!r}: without the model's weights the check plans "
                           f"with a family's shipped configs; known: {', '.join(sorted(FAMILIES))}")
     path = config_dir(arch)
-    s = cfg.sampling
-    try:
-        ADAPTERS[arch].check_sample_size(path, SampleSpec(s.height, s.width, s.num_frames))
-    except ValueError as e:
-        raise ConfigError(
-            f"invalid config: digen.sampling.height={s.height}, width={s.width}, num_frames={s.num_frames}: {e}"
-        ) from None
-    return path
+    return _check_sample_size(cfg, arch, path)
 
 
 @dataclass(frozen=True)
