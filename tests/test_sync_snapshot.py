@@ -181,3 +181,75 @@ def test_pinned_snapshot_and_nccl_send_on_one_gpu() -> None:  # pragma: no cover
                 staged = sender._on_device(buf)
                 assert staged.device == dev and torch.equal(staged.cpu(), buf)
     assert sender.staging_allocations == 1
+
+
+class _Stepper:
+    """The updater's part of an optimizer step: every trained weight changes (as Adam's would)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module, self.opt_params = module, list(module.parameters())
+
+    def optimizer_step(self, group) -> dict:
+        with torch.no_grad():
+            for p in self.opt_params:
+                p.add_(0.5)
+        return {}
+
+
+def _fsdp_worker(monkeypatch, placement: str):
+    """A real one-rank FSDP trainer's worker (no Ray, no group: the module stays unsharded, which
+    ``stream_full_state`` streams as it would the shards) and the list of its state streams."""
+    import verl_digen.workers.fsdp as fsdp
+    from verl_digen.config import digen_config_from_dict
+    from verl_digen.workers.worker import DiffusionWorker
+
+    from test_sync import make_full_denoiser
+
+    for key, value in {"WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    cfg = digen_config_from_dict({"placement": placement, "fsdp": {"enable": True}, "model": {"lora": {"enable": False}}})
+    worker = DiffusionWorker("trainer" if placement == "disaggregated" else "fused", cfg, "unused")
+    worker.adapter = type("A", (), {"transformer": make_full_denoiser(3)})()
+    worker.updater = _Stepper(worker.adapter.transformer)
+    streams = []
+    real = fsdp.stream_full_state
+
+    def counted(*args, **kwargs):
+        streams.append(worker.policy_version)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fsdp, "stream_full_state", counted)
+    return worker, streams
+
+
+def test_a_colocated_fsdp_trainer_gathers_its_full_state_only_when_it_is_read(monkeypatch, tmp_path) -> None:
+    """Colocated FSDP (no weight-sync sender): optimizer steps stream nothing to the host (the
+    old code gathered and copied the whole model every step); the stale snapshot is refused, not
+    saved as the final weights; refresh_full_state streams once, and the saved weights are the
+    trained ones."""
+    from safetensors.torch import load_file
+
+    worker, streams = _fsdp_worker(monkeypatch, "colocated")
+    for _ in range(3):
+        worker.optimizer_step()
+    assert worker.policy_version == 3 and streams == []
+    with pytest.raises(RuntimeError, match="holds weights version None but this rank trained version 3"):
+        worker.save_final_weights(str(tmp_path / "stale.safetensors"))
+    assert worker.refresh_full_state() == 3 and worker.refresh_full_state() == 3
+    assert streams == [3]  # once: the second call found this version streamed already
+    saved = load_file(worker.save_final_weights(str(tmp_path / "final.safetensors")))
+    assert state_digest(saved) == state_digest(trainable_state(worker.adapter.transformer, lora_only=False))
+    worker.optimizer_step()
+    with pytest.raises(RuntimeError, match="holds weights version 3 but this rank trained version 4"):
+        worker.weights_digest()
+
+
+def test_a_disaggregated_fsdp_trainer_streams_every_version_for_its_sender(monkeypatch) -> None:
+    """The weight-sync sender sends each version from the snapshot: every step streams it, and
+    refresh_full_state (finish_weights) then has nothing left to gather."""
+    worker, streams = _fsdp_worker(monkeypatch, "disaggregated")
+    for _ in range(2):
+        worker.optimizer_step()
+    assert streams == [1, 2] and worker.refresh_full_state() == 2 and streams == [1, 2]
+    want = trainable_state(worker.adapter.transformer, lora_only=False)
+    assert weights_digest(worker._full_state()) == weights_digest(want)

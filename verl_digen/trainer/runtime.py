@@ -544,6 +544,8 @@ def finish_weights(spec: Any, actors: dict[WorkerId, Any], cfg: DigenConfig, out
         if not extra["weights_in_sync"]:
             raise RuntimeError("after the final sync, rollout weights differ from the trainer's")
     if save:  # written by the first trainer rank itself: the weights never pass through the driver
+        if cfg.fsdp.enable:  # a collective: a colocated run streams the full state only now (disaggregated: no-op)
+            ray.get([actors[w].refresh_full_state.remote() for w in spec.trainers], timeout=cfg.task_timeout_s)
         path = os.path.join(output_dir, "final_weights.safetensors")
         extra["final_weights"] = ray.get(source.save_final_weights.remote(path), timeout=cfg.task_timeout_s)
     return extra

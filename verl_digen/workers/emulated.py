@@ -137,6 +137,9 @@ class EmulatedWorker:
     def weights_digest(self) -> str:
         return "emulated"
 
+    def refresh_full_state(self) -> int:
+        return self.policy_version  # an emulated trainer holds no weights to gather
+
     def ping(self) -> str:
         return str(self.worker)
 

@@ -164,6 +164,11 @@ class WorkerTasks(Protocol):
         """Seconds of a sampling's head, each denoising step and tail (TSP stage balancing)."""
         ...
 
+    def refresh_full_state(self) -> int:
+        """FSDP trainers, all together: gather this version's full weights unless gathered
+        already (a colocated run does it only before they are read); returns the version."""
+        ...
+
     def weights_digest(self) -> str:
         """A hash of the weights (equal across workers iff bitwise equal)."""
         ...

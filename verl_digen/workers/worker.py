@@ -195,6 +195,11 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         self.fsdp = ROLE_CAPABILITIES[role].trains and config.fsdp.enable
         self._snapshot: HostSnapshot | None = None  # FSDP rank 0 / the sender: this version on the host
         self._sync_digest: str | None = None  # FSDP ranks other than 0, after a checkpoint load
+        # The weights version the last full-state stream carried (every FSDP rank alike). Only a
+        # disaggregated run streams every version (trainer 0 sends each); a colocated one streams
+        # when the full state is read (refresh_full_state), not tens of GB to the host per step.
+        self._streamed_version: int | None = None
+        self._stream_every_version = self.fsdp and config.placement == "disaggregated"
 
     # ------------------------------------------------------------------ set-up
 
@@ -270,7 +275,8 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         reference = self._shard_for_training() if self.fsdp else None
         self.updater = PolicyUpdater(self.adapter, self._train_settings(), reference=reference)
         info["trainable_params"] = sum(p.numel() for p in self.updater.params)
-        self._refresh_sync_cache()
+        if self._stream_every_version:  # the sender's version 0 (open_weight_channel compares digests)
+            self._refresh_sync_cache()
         return info
 
     def _join_trainer_group(self) -> None:
@@ -460,7 +466,8 @@ class DiffusionWorker(Worker, WeightSyncMixin):
 
     def optimizer_step(self, request: OptimizerRequest = OptimizerRequest()) -> OptimizerResult:
         """Step on the accumulated gradients (one PPO mini-batch's); after the step's last
-        mini-batch, the next version: sent to rollout, streamed out of FSDP shards."""
+        mini-batch, the next version: sent to rollout, streamed out of FSDP shards for it (a
+        disaggregated run only; colocated, ``refresh_full_state`` streams when it is read)."""
         if request.final and self.policy_version + 1 in self.cfg.fault_nonfinite_grad_steps:
             for p in self.updater.opt_params:  # fault injection for tests (digen.fault_nonfinite_grad_steps)
                 if p.grad is not None:
@@ -470,7 +477,8 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         if not request.final:  # between mini-batches: no version to publish yet
             return OptimizerResult(metrics=metrics, policy_version=self.policy_version)
         self.policy_version += 1
-        self._refresh_sync_cache()
+        if self._stream_every_version:
+            self._refresh_sync_cache()
         if self._weight_channel is not None and self._weight_channel.rank == 0:
             # The weight-sync sender (trainer 0 of a disaggregated run): send the new version
             # from a copy on a side thread; the plan's sync task is the receivers' part, and
@@ -509,9 +517,12 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         checkpoints and final weights) copies each bucket into its reused host snapshot (pinned,
         on a side stream: :class:`HostSnapshot`); the other ranks only take part, and digest what
         passes on the device when ``digest`` (after a checkpoint load, whose digest every rank
-        reports)."""
+        reports). Every rank records the version streamed, so all decide alike whether
+        ``refresh_full_state`` streams again."""
         if self.fsdp:
             from verl_digen.workers.fsdp import stream_full_state
+
+            self._streamed_version = self.policy_version
 
             stream = stream_full_state(self.adapter.transformer, lora_only=self.cfg.model.lora.enable)
             if self.rank == 0:
@@ -523,9 +534,23 @@ class DiffusionWorker(Worker, WeightSyncMixin):
                     d.update(name, full)
             self._sync_digest = d.hexdigest() if d is not None else None
 
+    def refresh_full_state(self) -> int:
+        """FSDP: stream this version's full state out of the shards unless the last stream carried
+        it already; a collective, so every trainer rank runs it together (``trainer/runtime.py:
+        finish_weights`` before a colocated run saves its final weights). Returns the version."""
+        if self.fsdp and self._streamed_version != self.policy_version:
+            self._refresh_sync_cache()
+        return self.policy_version
+
     def _full_state(self) -> dict[str, torch.Tensor]:
-        """The trained weights: FSDP rank 0's host snapshot (views), else the module's own."""
+        """The trained weights: FSDP rank 0's host snapshot (views) of this version, never an
+        older one's, else the module's own."""
         if self.fsdp:
+            if self._streamed_version != self.policy_version:
+                raise RuntimeError(
+                    f"{self.role}{self.rank}: the host snapshot holds weights version {self._streamed_version} but "
+                    f"this rank trained version {self.policy_version}; run refresh_full_state on every trainer rank "
+                    "together first (a colocated FSDP run gathers the full state only when it is read)")
             return self._require_snapshot().state()
         return trainable_state(self.adapter.transformer, lora_only=self.cfg.model.lora.enable)
 
