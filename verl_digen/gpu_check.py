@@ -272,7 +272,7 @@ def _predictions(dcfg, meter_device: str, group_size: int, num_steps: int, train
         cfg=s.guidance_scale > 1.0,
     )
     dev = cm.device(meter_device)
-    group = TrainGroup(ranks=1, nodes=1, shard=1, shard_nodes=1)
+    group = TrainGroup(ranks=1, nodes=1, shard=1, shard_nodes=1, sends=False)
     seconds = {
         "encode": cm.encode_seconds(1, dev),
         "generate": dev.generate_overhead_s + num_steps * cm.denoise_seconds(group_size, dev, forward_rows or None),

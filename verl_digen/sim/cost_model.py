@@ -487,12 +487,14 @@ def training_pool(cluster: Cluster) -> str:
 class TrainGroup:
     """The training pool as FSDP sees it: ``ranks`` devices over ``nodes`` nodes; parameters
     are sharded over groups of ``shard`` ranks (``shard == ranks``: flat FSDP; fewer: HSDP,
-    replicated ``ranks / shard`` times)."""
+    replicated ``ranks / shard`` times). ``sends``: the group has a weight-sync sender (a
+    disaggregated run's trainer pool), so the runtime streams every version out of the shards."""
 
     ranks: int
     nodes: int
     shard: int
     shard_nodes: int
+    sends: bool
 
     @property
     def replicas(self) -> int:
@@ -675,11 +677,12 @@ class CostModel:
 
     def train_group(self, cluster: Cluster) -> TrainGroup:
         p = cluster.placement(training_pool(cluster))
+        sends = "rollout" in cluster.pools  # disaggregated: trainer 0 sends every version
         if self.workload.fsdp is False:  # every trainer holds the whole state and trains alone
-            return TrainGroup(ranks=p.size, nodes=p.nodes, shard=1, shard_nodes=1)
+            return TrainGroup(ranks=p.size, nodes=p.nodes, shard=1, shard_nodes=1, sends=sends)
         shard = self.system.hsdp_shard if 0 < self.system.hsdp_shard < p.size else p.size
         # flat FSDP spans the pool's nodes; an HSDP shard group the nodes its ranks sit on
-        return TrainGroup(ranks=p.size, nodes=p.nodes, shard=shard, shard_nodes=p.group_nodes(shard))
+        return TrainGroup(ranks=p.size, nodes=p.nodes, shard=shard, shard_nodes=p.group_nodes(shard), sends=sends)
 
     def held_grad_bytes_per_param(self) -> float:
         """Gradient bytes a rank holds per trained parameter: a LoRA run trains its adapters in
@@ -925,30 +928,32 @@ class CostModel:
         return t
 
     def state_stream_seconds(self, dev: DeviceProfile, group: TrainGroup) -> float:
-        """This runtime under FSDP: after every optimizer step all ranks stream the full trained
-        weights out of their shards together (``workers/fsdp.py: stream_full_state``, a
-        collective), which rank 0 keeps for the weight sync and checkpoints; so the sync itself
-        gathers nothing. An engine that always shards (veRL's) gathers at reload instead."""
+        """This runtime under FSDP with a weight-sync sender: after every optimizer step all ranks
+        stream the full trained weights out of their shards together (``workers/fsdp.py:
+        stream_full_state``, a collective), which rank 0 keeps for the weight sync; so the sync
+        itself gathers nothing. Colocated, nothing per step: the state is gathered only when read
+        (``DiffusionWorker.refresh_full_state``, once before the final weights are saved). An
+        engine that always shards (veRL's) gathers at reload instead."""
         k = group.shard
-        if k <= 1 or self.system.always_sharded:
+        if k <= 1 or not group.sends or self.system.always_sharded:
             return 0.0
         return self.sync_bytes * (k - 1) / k / self.collective_bw(dev, group.shard_nodes)
 
     def snapshot_seconds(self, dev: DeviceProfile, cluster: Cluster) -> float:
         """Trainer 0 copies each new version into its reused, pinned host snapshot
         (``sync/snapshot.py: HostSnapshot``) on a side stream that the next step's work waits
-        for: the disaggregated sender sends from it on a side thread, and under FSDP rank 0 keeps
-        it (checkpoints, final weights) in every run. Under FSDP the copy of one bucket overlaps
-        the gather of the next (``state_stream_seconds``), so the step pays the slower of the two:
-        the copy beyond the stream. The optimizer step is a gang: every rank waits for it. An
-        engine that always shards keeps no snapshot."""
+        for: only the disaggregated sender, which sends from it on a side thread (a colocated
+        run copies nothing per step). Under FSDP the copy of one bucket overlaps the gather of
+        the next (``state_stream_seconds``), so the step pays the slower of the two: the copy
+        beyond the stream. The optimizer step is a gang: every rank waits for it. An engine that
+        always shards keeps no snapshot."""
         group = self.train_group(cluster)
-        if self.system.always_sharded:
+        if self.system.always_sharded or not group.sends:
             return 0.0
         copy = self.sync_bytes / (dev.host_link_gbps * GB)
         if group.shard > 1 or self.workload.fsdp is True:
             return max(0.0, copy - self.state_stream_seconds(dev, group))
-        return copy if "rollout" in cluster.pools else 0.0
+        return copy
 
     def sync_seconds(self, cluster: Cluster) -> float:
         tp = cluster.placement("trainer")
