@@ -120,3 +120,19 @@ def test_export_writes_a_lora_from_a_sharded_checkpoint(tmp_path, straight):
     out = export_checkpoint(ckpt, str(tmp_path / "lora"))
     exported = load_file(os.path.join(out, "pytorch_lora_weights.safetensors"))
     assert len(exported) == len(full) and all(v.abs().sum() > 0 for k, v in exported.items() if "lora_B" in k)
+
+
+@pytest.mark.e2e
+def test_colocated_fsdp_saves_final_weights_gathered_once_at_the_end(tmp_path, tiny_flux):
+    """Colocated FSDP over 2 ranks gathers the full state only when it is read (no weight-sync
+    sender: nothing per step): the final weights, gathered by every rank together at the end of
+    the run, are the trained weights the last checkpoint holds (DCP, read back in one process)."""
+    from verl_digen.workers.sharded_state import read_full_weights
+
+    result = run(tmp_path, "colocated_fsdp", "trainer.n_gpus_per_node=2", "digen.fsdp.enable=true",
+                 "digen.batch.groups_per_step=2", "trainer.save_freq=1", "digen.save_final_weights=true",
+                 "trainer.total_training_steps=2", f"trainer.default_local_dir={tmp_path}/ck")
+    final = _weights(result)
+    saved = read_full_weights(find_latest(str(tmp_path / "ck")).path)
+    assert final and final.keys() <= saved.keys()
+    assert all(torch.equal(final[k], saved[k].to(final[k].dtype)) for k in final)
