@@ -667,3 +667,21 @@ def test_which_rewards_read_prompts() -> None:
     pixels_only = build_reward("weighted", components=[{"name": "brightness"}, {"name": "colorfulness"}])
     assert pixels_only.reads_prompts is False
     assert build_reward("weighted", components=[{"name": "brightness"}, (_PromptLength(), 1.0)]).reads_prompts is True
+
+
+class _HugeCudaAllocation(RewardFn):
+    """Asks the GPU for far more than it has: a real ``torch.cuda.OutOfMemoryError``."""
+
+    name = "huge_cuda"
+
+    def score_images(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        torch.empty(1 << 50, dtype=torch.uint8, device="cuda")  # 1 PiB
+        return torch.zeros(images.shape[0])
+
+
+@pytest.mark.gpu
+def test_a_real_cuda_out_of_memory_is_a_503() -> None:
+    with RewardServer(_HugeCudaAllocation(), port=0) as srv:
+        status, data, headers = raw_request(srv, "POST", "/score", score_body()[0], {"Content-Type": "application/json"})
+        assert status == 503 and "ran out of memory" in data["error"] and headers["Retry-After"]
+        assert raw_request(srv, "GET", "/health")[0] == 200  # still serving
