@@ -199,6 +199,26 @@ def test_auth_rejects_missing_and_wrong_token(token_server: RewardServer) -> Non
     assert_still_serving(token_server, Authorization=f"Bearer {TOKEN}")
 
 
+@pytest.mark.parametrize("content_type", [None, "application/octet-stream", "application/x-pickle"])
+def test_a_pickle_client_without_the_token_gets_a_401_it_can_unpickle(token_server: RewardServer,
+                                                                       content_type: str | None) -> None:
+    """Flow-GRPO's clients (requests: no Content-Type) and veRL-Omni's (aiohttp: octet-stream)
+    unpickle every answer; the 401 comes before the body is read, so its protocol is taken from
+    the Content-Type: missing or a pickle type, a pickle."""
+    import pickle
+
+    headers = {"Content-Type": content_type} if content_type else {}
+    conn = http.client.HTTPConnection(token_server.host, token_server.port, timeout=TIMEOUT)
+    try:
+        conn.request("POST", "/", body=pickle.dumps({"images": [_jpeg(0)], "prompts": ["a"]}), headers=headers)
+        response = conn.getresponse()
+        status, payload = response.status, response.read()
+    finally:
+        conn.close()
+    assert status == 401 and response.getheader("Content-Type") == "application/octet-stream"
+    assert pickle.loads(payload) == {"error": "missing 'Authorization: Bearer <token>' header"}
+
+
 def test_http_reward_with_right_token(token_server: RewardServer) -> None:
     images = quantised_rand(3, 3, 8, 8, seed=3)
     scores = HttpReward(token_server.url + "/score", token=TOKEN, timeout_s=TIMEOUT)(images, ["a", "b", "c"])
@@ -349,9 +369,13 @@ class _Flaky(RewardFn):
     name = "flaky"
 
     def __init__(self) -> None:
-        self.mode = "raise"
+        self.mode: Any = "raise"
+        self.calls = 0
 
     def score_images(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        self.calls += 1
+        if isinstance(self.mode, BaseException):
+            raise self.mode
         if self.mode == "raise":
             raise RuntimeError("model exploded")
         if self.mode == "nan":
@@ -359,20 +383,53 @@ class _Flaky(RewardFn):
         return torch.ones(images.shape[0])
 
 
-def test_reward_exception_is_500_with_message_and_server_recovers() -> None:
+def test_reward_failure_is_422_answered_once_and_server_recovers() -> None:
+    """A reward that raises, or returns non-finite values, fails the same way on every retry:
+    422 (no client retries it: Flow-GRPO's retry 500 only, veRL-Omni's and ours 408/429/5xx), so
+    no client loops on it; the reward is called once per request and the server keeps serving."""
     flaky = _Flaky()
     with RewardServer(flaky, port=0) as srv:
         body, _ = score_body()
         status, data = post_json(srv, body)
-        assert status == 500 and data["error"] == "reward 'flaky' failed: RuntimeError: model exploded"
+        assert status == 422 and data["error"] == "reward 'flaky' failed: RuntimeError: model exploded"
         flaky.mode = "nan"
         status, data = post_json(srv, body)
-        assert status == 500 and "non-finite" in data["error"]
-        # the client sees a 5xx (retried, then a clear error)
-        with pytest.raises(RewardServerError, match=r"failed after 2 attempts: HTTP 500.*non-finite"):
-            HttpReward(srv.url, max_retries=2, backoff_s=0.01, timeout_s=TIMEOUT)(quantised_rand(1, 3, 4, 4), ["a"])
+        assert status == 422 and "non-finite" in data["error"]
+        flaky.calls = 0
+        with pytest.raises(RewardServerError, match=r"rejected the request: HTTP 422.*non-finite"):
+            HttpReward(srv.url, max_retries=5, backoff_s=0.01, timeout_s=TIMEOUT)(quantised_rand(1, 3, 4, 4), ["a"])
+        assert flaky.calls == 1  # not retried
         flaky.mode = "ok"
         assert post_json(srv, body) == (200, {"rewards": [1.0, 1.0]})
+
+
+@pytest.mark.parametrize("error", [MemoryError("no room"), torch.cuda.OutOfMemoryError("CUDA out of memory")])
+def test_reward_out_of_memory_is_a_retryable_503(error: BaseException) -> None:
+    """Running out of memory passes (another request finishes): 503 with Retry-After, which
+    veRL-Omni's client and ours retry."""
+    flaky = _Flaky()
+    flaky.mode = error
+    with RewardServer(flaky, port=0) as srv:
+        status, data, headers = raw_request(srv, "POST", "/score", score_body()[0], {"Content-Type": "application/json"})
+        assert status == 503 and data["error"].startswith("reward 'flaky' ran out of memory") and headers["Retry-After"]
+
+
+def test_flow_grpo_client_does_not_loop_on_a_failing_reward() -> None:
+    """Flow-GRPO's clients mount ``Retry(total=1000, backoff_factor=1, status_forcelist=[500])``
+    and post a pickle with no Content-Type: a reward that always fails is answered once, with a
+    pickled error it can read."""
+    import pickle
+
+    import requests
+    from requests.adapters import HTTPAdapter, Retry
+
+    flaky = _Flaky()
+    with RewardServer(flaky, port=0) as srv, requests.Session() as sess:
+        sess.mount("http://", HTTPAdapter(max_retries=Retry(total=1000, backoff_factor=1, status_forcelist=[500],
+                                                            allowed_methods=False)))
+        response = sess.post(srv.url, data=pickle.dumps({"images": [_jpeg(0)], "prompts": ["a"]}), timeout=TIMEOUT)
+        assert response.status_code == 422 and flaky.calls == 1
+        assert safe_loads(response.content) == {"error": "reward 'flaky' failed: RuntimeError: model exploded"}
 
 
 # --------------------------------------------------------------------------- CLI
@@ -478,7 +535,7 @@ def test_clip_level_video_reaches_a_clip_reward() -> None:
             if protocol == "json":  # lossless PNG frames: exactly the local score
                 torch.testing.assert_close(clip, build_reward("temporal_smoothness")(videos, ["a", "b"]), atol=0, rtol=0)
             assert clip[0] == 0.0 and clip[1] < -0.05  # JPEG frames: the still clip is still still
-        with pytest.raises(RewardServerError, match=r"HTTP 500.*scores videos"):
+        with pytest.raises(RewardServerError, match=r"rejected the request: HTTP 422.*scores videos"):
             HttpReward(srv.url, video="frames", timeout_s=TIMEOUT, max_retries=1)(videos, ["a", "b"])
 
 
@@ -531,8 +588,7 @@ def test_our_server_answers_verl_omni_and_flow_grpo_clients_as_they_send() -> No
     """Request payloads shaped exactly as the clients build them: veRL-Omni's HTTP scorer client
     (one JPEG, its ground truth as the prompt, ``metadata: {}``), Flow-GRPO's GenEval client (no
     prompts; ``meta_datas`` records and ``only_strict``), its UnifiedReward client (prompts as a
-    numpy str array; it reads ``outputs``); a DeQA-style request without prompts or records gets
-    an error it can read (pickled, like every answer to a pickle request)."""
+    numpy str array; it reads ``outputs``)."""
     import numpy as np
 
     with RewardServer("brightness", port=0) as srv:
@@ -545,8 +601,6 @@ def test_our_server_answers_verl_omni_and_flow_grpo_clients_as_they_send() -> No
         status, data = _post_pickle(srv, {"images": [_jpeg(1), _jpeg(2)],
                                           "prompts": np.array(["a cat", "a dog"])})
         assert status == 200 and data["outputs"] == data["scores"] and len(data["outputs"]) == 2
-        status, data = _post_pickle(srv, {"images": [_jpeg(3)]})
-        assert status == 400 and "missing field(s) ['prompts']" in data["error"]
         # the GenEval scorer service's shape, which our client sends by default, is read too
         status, data = _post_pickle(srv, {"images": [_jpeg(1)], "prompts": ["a"],
                                           "metadata": {"meta_datas": [records[0]], "only_strict": True}})
@@ -571,3 +625,63 @@ def test_the_records_reach_the_reward_whichever_shape_carries_them() -> None:
     with pytest.raises(RequestError, match=r"'metadata' must be a list of 1 records, \{\} or \{'meta_datas'"):
         parse_score_request(pickle.dumps({"images": [_jpeg(0)], "prompts": ["p"], "metadata": {"x": 1}}), "pickle",
                             **limits)
+
+
+class _PromptLength(RewardFn):
+    """A reward that reads its prompts (as most do): the prompt's length."""
+
+    name = "prompt_length"
+
+    def score_images(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        return torch.tensor([float(len(p)) for p in prompts])
+
+
+def test_deqa_clients_images_only_request_is_scored_by_a_reward_that_ignores_prompts() -> None:
+    """Flow-GRPO's DeQA client sends ``{"images": [<JPEG>, ...]}`` alone and reads ``outputs``: a
+    reward that declares it reads no prompts scores it; one that reads them refuses it with a
+    400, pickled, naming the reward and what it needs."""
+    with RewardServer("brightness", port=0) as srv:
+        status, data = _post_pickle(srv, {"images": [_jpeg(3), _jpeg(4)]})
+        decoded = torch.stack([torch.from_numpy(np.array(Image.open(io.BytesIO(_jpeg(s))))) for s in (3, 4)])
+        expected = decoded.permute(0, 3, 1, 2).float().div(255).mean(dim=(1, 2, 3))
+        assert status == 200
+        torch.testing.assert_close(torch.tensor(data["outputs"]), expected)
+    with RewardServer(_PromptLength(), port=0) as srv:
+        status, data = _post_pickle(srv, {"images": [_jpeg(3)]})
+        assert status == 400
+        assert data["error"].startswith("reward 'prompt_length' reads prompts and the request has none")
+
+
+def test_which_rewards_read_prompts() -> None:
+    """``reads_prompts`` is False exactly on the rewards that score the pixels alone; a weighted
+    reward reads them when any component does."""
+    from verl_digen.rewards.base import reward_class
+
+    assert RewardFn.reads_prompts is True
+    for name in ("brightness", "colorfulness", "jpeg_compressibility", "jpeg_incompressibility", "aesthetic",
+                 "temporal_smoothness"):
+        assert reward_class(name).reads_prompts is False, name
+    for name in ("clip_score", "pickscore", "hpsv2", "imagereward", "ocr", "digit_classifier", "vlm_judge", "http",
+                 "custom"):
+        assert reward_class(name).reads_prompts is True, name
+    pixels_only = build_reward("weighted", components=[{"name": "brightness"}, {"name": "colorfulness"}])
+    assert pixels_only.reads_prompts is False
+    assert build_reward("weighted", components=[{"name": "brightness"}, (_PromptLength(), 1.0)]).reads_prompts is True
+
+
+class _HugeCudaAllocation(RewardFn):
+    """Asks the GPU for far more than it has: a real ``torch.cuda.OutOfMemoryError``."""
+
+    name = "huge_cuda"
+
+    def score_images(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        torch.empty(1 << 50, dtype=torch.uint8, device="cuda")  # 1 PiB
+        return torch.zeros(images.shape[0])
+
+
+@pytest.mark.gpu
+def test_a_real_cuda_out_of_memory_is_a_503() -> None:
+    with RewardServer(_HugeCudaAllocation(), port=0) as srv:
+        status, data, headers = raw_request(srv, "POST", "/score", score_body()[0], {"Content-Type": "application/json"})
+        assert status == 503 and "ran out of memory" in data["error"] and headers["Retry-After"]
+        assert raw_request(srv, "GET", "/health")[0] == 200  # still serving

@@ -83,6 +83,11 @@ class RewardFn(abc.ABC):
     #: its signature when the subclass is defined).
     takes_metadata: ClassVar[bool] = False
 
+    #: False on a reward that scores the pixels alone and never reads its prompts (brightness,
+    #: JPEG size, the aesthetic head, ...): the reward server then scores requests that carry
+    #: no prompts, as Flow-GRPO's DeQA client sends them (docs/reward_server.md).
+    reads_prompts: ClassVar[bool] = True
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls.takes_metadata = "metadata" in inspect.signature(cls.score_images).parameters

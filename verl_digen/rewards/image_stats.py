@@ -13,6 +13,8 @@ __all__ = ["BrightnessReward", "ColorfulnessReward", "colorfulness"]
 class BrightnessReward(RewardFn):
     """Mean pixel value over channels and pixels, in ``[0, 1]``."""
 
+    reads_prompts = False
+
     def score_images(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         return images.float().mean(dim=(1, 2, 3))
 
@@ -42,6 +44,8 @@ def colorfulness(images: torch.Tensor) -> torch.Tensor:
 @register_reward("colorfulness")
 class ColorfulnessReward(RewardFn):
     """Hasler–Süsstrunk colourfulness on ``[0, 1]`` pixels (see :func:`colorfulness`)."""
+
+    reads_prompts = False
 
     def score_images(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         return colorfulness(images)

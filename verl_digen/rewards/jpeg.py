@@ -34,6 +34,7 @@ def jpeg_size_kb(images: torch.Tensor, quality: int = 95) -> torch.Tensor:
 
 class _JpegSizeReward(RewardFn):
     sign: float = 1.0
+    reads_prompts = False
 
     def __init__(self, quality: int = 95) -> None:
         if not isinstance(quality, int) or not 1 <= quality <= 100:

@@ -268,6 +268,8 @@ class AestheticReward(_ClipReward):
         clip_path: CLIP ViT-L/14 (directory or hub id).
     """
 
+    reads_prompts = False
+
     def __init__(
         self,
         head_path: str,

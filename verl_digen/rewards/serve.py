@@ -20,8 +20,9 @@ Protocols (see :mod:`verl_digen.rewards.http_client`)::
 The pickle form also takes what the flow_grpo / veRL-Omni clients send: ``metadata`` as ``{}``
 (veRL-Omni's HTTP scorer client) or ``{"meta_datas": [...]}`` (the GenEval service's shape);
 ``prompts`` as a numpy ``str`` array (Flow-GRPO's UnifiedReward client) or left out when each
-record carries its ``prompt`` (Flow-GRPO's GenEval client); the answer's ``outputs`` is what
-Flow-GRPO's UnifiedReward and DeQA clients read.
+record carries its ``prompt`` (Flow-GRPO's GenEval client), or left out altogether (its DeQA
+client) when the served reward reads no prompts (``RewardFn.reads_prompts``); the answer's
+``outputs`` is what Flow-GRPO's UnifiedReward and DeQA clients read.
     GET  /health       -> 200 {"status": "ok", "reward": NAME}   (never needs the token)
 
 Pickle bodies are read with the restricted unpickler (:mod:`verl_digen.rewards.safe_pickle`):
@@ -31,12 +32,13 @@ Every error is an object ``{"error": "<message>"}``, whatever the method or stat
 pickle when the request was one (those clients unpickle every answer):
 
 * 400: body not JSON (or not a plain-data pickle) / not UTF-8 / nested deeper than
-  ``MAX_JSON_DEPTH``; not an object; ``prompts`` or ``images`` missing or not a list; a prompt
-  that is not a string; lengths that differ; an image that is not a string (bytes for pickle),
+  ``MAX_JSON_DEPTH``; not an object; ``images`` missing, ``prompts`` missing (to a reward
+  that reads them), either not a list; a prompt that is not a string; lengths that differ; an image that is not a string (bytes for pickle),
   not valid base64, not a PNG (JSON) / PNG or JPEG (pickle), undecodable, larger than
   ``max_image_pixels``, or of a different size than image 0; an invalid or duplicated
   ``Content-Length``; a malformed HTTP request.
-* 401: token configured and the ``Authorization: Bearer`` header missing or wrong.
+* 401: token configured and the ``Authorization: Bearer`` header missing or wrong (answered
+  before the body: a pickle when the Content-Type is missing or a pickle type).
 * 404: unknown path. 405: a method other than POST on ``/`` or ``/score`` (other than GET on ``/health``).
 * 408: the request (head and body) did not arrive within ``read_timeout_s`` in total.
 * 411: no Content-Length (chunked bodies are not accepted).
@@ -44,9 +46,10 @@ pickle when the request was one (those clients unpickle every answer):
   than ``max_batch``, more pixels than ``max_request_pixels`` in one request, or one sample
   (an image, a clip) of more pixels than ``score_chunk_pixels``.
 * 415: a pickle body when pickle is off.
-* 500: the reward raised (message: exception type and text), or returned a wrong shape or
-  non-finite values.
-* 503: more than ``max_connections`` authenticated connections; a new connection while
+* 422: the reward raised (message: exception type and text), or returned a wrong shape or
+  non-finite values: it would again, so no client retries it (Flow-GRPO's clients retry 500
+  up to 1000 times). 500: a bug in the server's own handling only.
+* 503: the reward ran out of memory (``Retry-After``); more than ``max_connections`` authenticated connections; a new connection while
   ``max_unauthenticated_connections`` others have not authenticated (the oldest of those is
   closed with this answer); the body budget (``max_body_total_mb`` of bodies across concurrent
   requests) or the decode budget (``max_decode_pixels``) stayed full for ``decode_wait_s``
@@ -260,10 +263,13 @@ def parse_score_request(
     max_image_pixels: int,
     max_request_pixels: int,
     max_sample_pixels: int | None = None,
+    reward_name: str | None = None,
 ) -> ScoreRequest:
     """Validate a scoring request body and measure its images (no decoding yet); raises
     :class:`RequestError` (400/413). ``max_sample_pixels``: most pixels of one sample (an image,
-    or all frames of a clip), the server's ``score_chunk_pixels``."""
+    or all frames of a clip), the server's ``score_chunk_pixels``. ``reward_name``: the served
+    reward when it reads prompts (a request without any is then refused naming it); None when
+    it reads none (such a request gets empty prompts)."""
     data = _load_body(body, protocol)
     if not isinstance(data, dict):
         raise RequestError(400, f"request body must be a JSON object, got {type(data).__name__}")
@@ -280,11 +286,7 @@ def parse_score_request(
         raise RequestError(413, f"batch of {len(samples)} {kind} exceeds the server limit of {max_batch} (--max-batch)")
     metadata = _metadata(data, len(samples))
     if prompts is None:
-        # Flow-GRPO's GenEval and DeQA clients send no prompts; a GenEval record carries its own
-        prompts = [record.get("prompt") for record in metadata]
-        if not all(isinstance(p, str) for p in prompts):
-            raise RequestError(400, "request is missing field(s) ['prompts'] and its records carry no 'prompt'; "
-                                    "expected 'prompts' and 'images' (or 'videos')")
+        prompts = _prompts_from_records(metadata, reward_name)
     if len(prompts) != len(samples):
         raise RequestError(400, f"got {len(prompts)} prompts but {len(samples)} {kind}; they must match")
     for index, prompt in enumerate(prompts):
@@ -342,6 +344,20 @@ def _load_body(body: bytes, protocol: str) -> Any:
         raise RequestError(400, "request body nests too deeply") from None
     except ValueError as exc:
         raise RequestError(400, f"request body is not valid JSON: {exc}") from None
+
+
+def _prompts_from_records(metadata: list[dict[str, Any]], reward_name: str | None) -> list[str]:
+    """The prompts of a request that sends none: Flow-GRPO's GenEval client puts each in its
+    record; its DeQA client sends images alone, which only a reward that reads no prompts
+    (``reward_name`` None) can score: it gets empty ones."""
+    prompts = [record.get("prompt") for record in metadata]
+    if all(isinstance(p, str) for p in prompts):
+        return prompts
+    if reward_name is None:
+        return ["" for _ in metadata]
+    raise RequestError(400, f"reward {reward_name!r} reads prompts and the request has none: request is missing "
+                            "field(s) ['prompts'] and its records carry no 'prompt'; expected 'prompts' and 'images' "
+                            "(or 'videos'), or serve a reward that reads no prompts")
 
 
 def _metadata(data: dict[str, Any], count: int) -> list[dict[str, Any]]:
@@ -905,9 +921,12 @@ class RewardServer:
             raise RequestError(404, f"unknown path {path!r}; POST to / or /score, GET /health")
         if method != "POST":
             raise RequestError(405, f"method {method} not allowed on {path}; use POST", headers={"Allow": "POST"})
+        protocol = self._protocol(request.headers.get("content-type"))
+        # answers before the body (401, 411, 413) go in the protocol the Content-Type names; none
+        # is how Flow-GRPO's pickle clients post (requests sets no type for bytes)
+        request.state.protocol = protocol or ("pickle" if self.allow_pickle else "json")
         self._check_auth(request.headers.get("authorization"))
         length = self._content_length(request.headers)
-        protocol = self._protocol(request.headers.get("content-type"))
         if self._body_budget is None:  # made on the event loop
             self._body_budget = Budget(self.max_body_total_bytes, self.decode_wait_s, what="request-body budget",
                                        unit="bytes", option="--max-body-total-mb")
@@ -925,7 +944,8 @@ class RewardServer:
                 raise RequestError(415, "this server does not accept pickle bodies (started with --no-pickle); send JSON")
             loop = asyncio.get_running_loop()
             limits = {"max_batch": self.max_batch, "max_image_pixels": self.max_image_pixels,
-                      "max_request_pixels": self.max_request_pixels, "max_sample_pixels": self.score_chunk_pixels}
+                      "max_request_pixels": self.max_request_pixels, "max_sample_pixels": self.score_chunk_pixels,
+                      "reward_name": self.reward_name if getattr(self.reward, "reads_prompts", True) else None}
             parsed = await loop.run_in_executor(self._pool, lambda: parse_score_request(body, protocol, **limits))
             del body
             bodies.release(held - min(held, parsed.encoded_bytes))  # the encoded images stay until decoded
@@ -1032,7 +1052,9 @@ class RewardServer:
     def score(
         self, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]] | None = None
     ) -> list[float]:
-        """Run the reward (serialised); raises :class:`RequestError` (500) on failure."""
+        """Run the reward (serialised); raises :class:`RequestError` on failure: 422 when the
+        reward raised or answered wrongly (it would again: no client retries a 4xx), 503 when it
+        ran out of memory (that passes: clients retry a 503)."""
         with self._reward_lock:
             return self._score_locked(images, prompts, metadata)
 
@@ -1044,16 +1066,20 @@ class RewardServer:
         try:
             with torch.inference_mode():
                 scores = self.reward(images, prompts, metadata)
+        except (MemoryError, torch.cuda.OutOfMemoryError) as exc:
+            logger.exception("reward %r ran out of memory", self.reward_name)
+            raise RequestError(503, f"reward {self.reward_name!r} ran out of memory ({type(exc).__name__}: {exc}); "
+                                    "retry later or send smaller batches", headers={"Retry-After": "1"}) from None
         except Exception as exc:
             logger.exception("reward %r raised", self.reward_name)
-            raise RequestError(500, f"reward {self.reward_name!r} failed: {type(exc).__name__}: {exc}") from None
+            raise RequestError(422, f"reward {self.reward_name!r} failed: {type(exc).__name__}: {exc}") from None
         if not isinstance(scores, torch.Tensor) or scores.shape != (len(prompts),):
             got = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
-            raise RequestError(500, f"reward {self.reward_name!r} returned {got}, expected ({len(prompts)},)")
+            raise RequestError(422, f"reward {self.reward_name!r} returned {got}, expected ({len(prompts)},)")
         values = [float(v) for v in scores.detach().float().cpu().tolist()]
         bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
         if bad:
-            raise RequestError(500, f"reward {self.reward_name!r} returned non-finite values at indices {bad[:10]}")
+            raise RequestError(422, f"reward {self.reward_name!r} returned non-finite values at indices {bad[:10]}")
         return values
 
     # ------------------------------------------------------------------ lifecycle

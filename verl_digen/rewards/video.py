@@ -28,6 +28,7 @@ class TemporalSmoothnessReward(RewardFn):
     """Rewards videos whose frames change little: see :func:`temporal_smoothness`. Video only."""
 
     supports_video = True
+    reads_prompts = False
 
     def score_images(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         if images.dim() != 5:

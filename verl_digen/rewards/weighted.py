@@ -50,6 +50,7 @@ class WeightedReward(RewardFn):
                 suffix += 1
             used.add(unique)
             self.components.append((unique, reward, weight))
+        self.reads_prompts = any(reward.reads_prompts for _, reward, _ in self.components)  # type: ignore[misc]
 
     @property
     def weights(self) -> dict[str, float]:
