@@ -157,6 +157,17 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         runs.shared_ray_up()
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    """After a test's fixtures are torn down (monkeypatch undone): Ray's cached auth mode follows
+    the restored ``RAY_AUTH_MODE`` again (:func:`runs.ray_auth_follows_env`)."""
+    yield
+    if "ray" in sys.modules:
+        import runs
+
+        runs.ray_auth_follows_env()
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session) -> None:
     if "ray" in sys.modules:

@@ -17,6 +17,7 @@ import contextlib
 import http.server
 import json
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -80,6 +81,25 @@ def shared_ray_down() -> None:
     if _shared_ray:
         ray.shutdown()
         _shared_ray = False
+
+
+def ray_auth_follows_env() -> bool:
+    """Make this process's cached Ray auth mode the one ``RAY_AUTH_MODE`` now says; return whether
+    it had to. Ray reads the mode into a per-process config (``ray.init`` re-reads it on connect),
+    and a local ``ray.init`` starts its GCS with the environment as it is: a test that set
+    ``RAY_AUTH_MODE=disabled`` for a run (monkeypatch undoes only the variable) would leave every
+    later local ``ray.init`` of the worker with a token-mode GCS that its own driver cannot join
+    ("Authentication token is missing or incorrect. Note: RAY_AUTH_MODE is currently 'disabled'")."""
+    if "ray._raylet" not in sys.modules:
+        return False
+    from ray._raylet import AuthenticationMode, AuthenticationTokenLoader, Config, get_authentication_mode
+
+    want_token = os.environ.get("RAY_AUTH_MODE", "disabled").lower() == "token"
+    if (get_authentication_mode() == AuthenticationMode.TOKEN) == want_token:
+        return False
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+    return True
 
 
 def shared_ray_stopped() -> bool:

@@ -40,7 +40,8 @@ def home(tmp_path, monkeypatch):
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     for var in AUTH_VARS:
-        monkeypatch.delenv(var, raising=False)
+        monkeypatch.setenv(var, "")  # recorded, so undo also removes what the code under test sets
+        monkeypatch.delenv(var)
     yield tmp_path / "home"
     monkeypatch.undo()
     Config.initialize("")
@@ -299,3 +300,24 @@ def test_a_mismatched_driver_stops_in_one_line_before_ray_init(recipe_cluster):
         # stopped before ray.init, which would retry the cluster for a minute and more
         assert "Connecting to existing Ray cluster" not in proc.stderr + proc.stdout
         assert "Authentication token is missing or incorrect" not in proc.stderr
+
+
+def test_the_suite_puts_rays_cached_mode_back_after_a_test_sets_ray_auth_mode(monkeypatch):
+    """The suite's guard (conftest's teardown, ``runs.ray_auth_follows_env``): a test that set
+    ``RAY_AUTH_MODE=disabled`` for an in-process run leaves Ray's per-process config saying
+    ``disabled``; the next local ``ray.init`` of the worker would start a token-mode GCS that its
+    own driver cannot join (the CI failure of stop 32)."""
+    from ray._raylet import AuthenticationMode, Config, get_authentication_mode
+
+    from runs import ray_auth_follows_env
+
+    monkeypatch.setenv(ray_auth.AUTH_MODE, "token")
+    Config.initialize("")
+    with monkeypatch.context() as m:
+        m.setenv(ray_auth.AUTH_MODE, "disabled")
+        Config.initialize("")  # what ray.init does when it connects
+        assert get_authentication_mode() == AuthenticationMode.DISABLED
+    assert get_authentication_mode() == AuthenticationMode.DISABLED  # the variable is back; Ray's cache is not
+    assert ray_auth_follows_env()
+    assert get_authentication_mode() == AuthenticationMode.TOKEN
+    assert not ray_auth_follows_env()
