@@ -82,7 +82,7 @@ def test_a_registered_family_is_complete(name):
     assert name in _preset_archs().values(), f"no preset in {CONFIG_DIR} sets digen.model.arch={name}"
     # A tiny builder taking the family's real scheduler (test_models.py builds and loads each).
     assert list(inspect.signature(spec.build_tiny_pipeline).parameters) == ["scheduler"]
-    assert spec.text_tokens() > 0
+    assert spec.text_tokens() > 0 and spec.text_tokens(64) in (64, 77 + 64)
 
 
 @pytest.mark.parametrize("name", FAMILY_NAMES)

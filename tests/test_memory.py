@@ -90,6 +90,11 @@ def test_plan_follows_the_knobs():
     cfg_on = _roles("qwen_image_disaggregated", off)["trainer"]
     cfg_off = _roles("qwen_image_disaggregated", off, "digen.sampling.guidance_scale=1.0")["trainer"]
     assert cfg_on.bytes["activations"] == pytest.approx(2 * cfg_off.bytes["activations"], rel=1e-6)
+    # Shorter prompts (veRL-Omni's Qwen-Image recipe encodes 256 tokens, the pipeline 512): a
+    # shorter joint sequence, so fewer activations per pass, measured on the real-size meta model.
+    long_text = _roles("qwen_image_disaggregated", off, "digen.model.max_sequence_length=1024")["trainer"]
+    short_text = _roles("qwen_image_disaggregated", off, "digen.model.max_sequence_length=256")["trainer"]
+    assert short_text.bytes["activations"] < cfg_on.bytes["activations"] < long_text.bytes["activations"]
 
 
 def test_device_memory_from_type_or_override():

@@ -331,3 +331,22 @@ def test_import_is_light():
     code = "import sys, verl_digen.models; assert 'diffusers' not in sys.modules, 'diffusers imported'"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_worker_encodes_prompts_to_the_configured_text_length(tiny_dirs, monkeypatch):
+    """``digen.model.max_sequence_length`` (veRL-Omni's ``rollout.pipeline.max_sequence_length``)
+    reaches the adapter a worker loads: prompts are encoded to that many T5 tokens."""
+    from verl_digen.config import digen_config_from_dict
+    from verl_digen.workers.worker import ROLE_CAPABILITIES, DiffusionWorker
+
+    for key, value in {"WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    lengths = {}
+    for length in (None, 24):
+        cfg = digen_config_from_dict({"placement": "disaggregated", "model": {"arch": "flux", "max_sequence_length": length}})
+        worker = DiffusionWorker("rollout", cfg, tiny_dirs["flux"])
+        worker._load_policy(ROLE_CAPABILITIES["rollout"])
+        embeds = worker.adapter.encode_prompts(["a photo of a cat"])
+        lengths[length] = (worker.adapter.max_sequence_length, embeds["prompt_embeds"].shape[1])
+    assert lengths[24] == (24, 24)
+    assert lengths[None][0] == lengths[None][1] != 24  # the tiny tokenizer's default

@@ -163,7 +163,6 @@ def test_guidance_scale_means_what_diffusers_means_for_the_family():
     ([f"{ARR}.rollout.val_kwargs.algo.noise_level=0.5"], r"val_kwargs.algo.noise_level=0.5 cannot apply: .*deterministic"),
     ([f"{ARR}.rollout.pipeline.height=384", f"{ARR}.rollout.val_kwargs.pipeline.height=512"],
      r"val_kwargs.pipeline.height=512 cannot apply: .*equal actor_rollout_ref.rollout.pipeline.height=384"),
-    ([f"{ARR}.rollout.pipeline.max_sequence_length=128"], r"max_sequence_length=128 cannot apply: .*flux .*512 tokens"),
     ([f"{ARR}.rollout.max_prompt_embed_length=333"], r"max_prompt_embed_length=333 cannot apply: .*flux"),
     ([f"{ARR}.model.extra_tokenizers={{t5: {{path: tokenizer_2, max_length: 256}}}}"],
      r"extra_tokenizers.t5.max_length=256 cannot apply: .*tokenizer_2 with 512 tokens"),
@@ -188,6 +187,32 @@ def test_sd3_text_lengths_and_tokenizers_are_checked_against_the_family():
     assert ok.digen["model"]["arch"] == "sd3"
     with pytest.raises(ConfigError, match=r"extra_tokenizers.t5.path='text_encoder' cannot apply: .*tokenizer_3"):
         _resolved("digen.model.arch=sd3", f"{ARR}.model.extra_tokenizers={{t5: {{path: text_encoder, max_length: 256}}}}")
+
+
+def test_max_sequence_length_maps_and_the_embed_length_follows_it():
+    """veRL-Omni's Qwen-Image recipe encodes prompts to 256 tokens: digen.model.max_sequence_length,
+    and max_prompt_embed_length is checked at that length (SD3: 77 CLIP tokens + the T5 ones)."""
+    qwen = _resolved("digen.model.arch=qwen_image", f"{ARR}.rollout.pipeline.max_sequence_length=256",
+                     f"{ARR}.rollout.max_prompt_embed_length=256")
+    assert digen_config_from_dict(qwen.digen).model.max_sequence_length == 256
+    sd3 = _resolved("digen.model.arch=sd3", f"{ARR}.rollout.pipeline.max_sequence_length=128",
+                    f"{ARR}.rollout.max_prompt_embed_length=205",
+                    f"{ARR}.model.extra_tokenizers={{t5: {{path: tokenizer_3, max_length: 128}}}}")
+    assert sd3.digen["model"]["max_sequence_length"] == 128
+    with pytest.raises(ConfigError, match=r"max_prompt_embed_length=333 cannot apply: the sd3 transformer sees 205 "
+                                          r"text tokens per prompt here \(at max_sequence_length=128\)"):
+        _resolved("digen.model.arch=sd3", f"{ARR}.rollout.pipeline.max_sequence_length=128",
+                  f"{ARR}.rollout.max_prompt_embed_length=333")
+    with pytest.raises(ConfigError, match=r"max_prompt_embed_length=512 cannot apply: .*256 text tokens"):
+        _resolved("digen.model.arch=qwen_image", "digen.model.max_sequence_length=256",
+                  f"{ARR}.rollout.max_prompt_embed_length=512")
+    with pytest.raises(ConfigError, match=r"max_sequence_length"):  # one value per setting
+        _resolved(f"{ARR}.rollout.pipeline.max_sequence_length=256", "digen.model.max_sequence_length=128")
+    with pytest.raises(ConfigError, match=r"max_sequence_length=1025; .*<= 1024 \(the qwen_image pipeline's limit\)"):
+        digen_config_from_dict(_resolved("digen.model.arch=qwen_image", "digen.model.max_sequence_length=1025").digen)
+    with pytest.raises(ConfigError, match=r"digen.model.max_sequence_length=1024; an integer >= 1 and <= 512 \(the "
+                                          r"flux pipeline's limit\)"):  # the tiny FLUX
+        digen_config_from_dict(_resolved(f"{ARR}.rollout.pipeline.max_sequence_length=1024").digen)
 
 
 def test_strategy_and_log_val_generations_map_and_veRLs_defaults_set_nothing():

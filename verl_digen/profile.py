@@ -188,7 +188,7 @@ def _load(overrides: list[str], threads: int) -> tuple[Any, Any, Any]:
     device = compute_device()
     # The workers' precision: weights in the run's dtype, LoRA in the trainable dtype.
     adapter = load_adapter(resolve_model_path(cfg), cfg.model.arch, device=device,
-                           dtype=resolve_dtype(cfg.model.dtype, device))
+                           dtype=resolve_dtype(cfg.model.dtype, device), max_sequence_length=cfg.model.max_sequence_length)
     if cfg.model.lora.enable:
         add_lora(adapter, cfg.model.lora, dtype=resolve_dtype(cfg.model.trainable_dtype, device))
     return cfg, adapter, sampling_settings(cfg)

@@ -88,6 +88,8 @@ OMNI_MAPPED: tuple[tuple[str, str, str, Callable[[Any, Mapping[str, Any]], Any] 
     (f"{ALGO}.sde_type", "digen.sampling.sde_type", "sde | cps | dance_sde", _sde_type),
     (f"{VAL_PIPE}.num_inference_steps", "digen.validation.num_steps", "denoising steps of a validation sample",
      None),
+    (f"{PIPE}.max_sequence_length", "digen.model.max_sequence_length",
+     "text tokens per prompt (the pipeline's max_sequence_length; the family's default when unset)", None),
 )
 
 # Keys that set no digen.* field: the one value (or rule) they may hold, and what to use instead.
@@ -100,10 +102,9 @@ OMNI_CHECKED: dict[str, str] = {
     f"{PIPE}.guidance_scale": "the pipeline's guidance_scale: CFG (digen.sampling.guidance_scale) for SD3 and Wan, "
                               "the distilled guidance embedding (digen.sampling.distilled_guidance) for FLUX and "
                               "HunyuanVideo; Qwen-Image: null or 1.0 (its CFG is true_cfg_scale)",
-    f"{PIPE}.max_sequence_length": "the pipeline's text length, which verl-digen keeps (SD3 256, FLUX 512, "
-                                   "Qwen-Image 512, Wan 512, HunyuanVideo 256); another value is refused",
-    f"{ARR}.rollout.max_prompt_embed_length": "the text tokens the transformer sees (SD3 77 + 256 = 333, ...): "
-                                              "must equal the family's",
+    f"{ARR}.rollout.max_prompt_embed_length": "the text tokens the transformer sees (SD3 77 + max_sequence_length, "
+                                              "the others max_sequence_length): must equal the family's at the run's "
+                                              "max_sequence_length",
     f"{ALGO}.sde_window_size": "with sde_window_range: digen.sampling.sde_window (mode=random, size)",
     f"{ALGO}.sde_window_range": "[r0, r1]: digen.sampling.sde_window start=r0, range_end=r1-1",
     f"{ALGO}.sde_contiguous": "true (windows are contiguous)",
@@ -122,7 +123,7 @@ OMNI_CHECKED: dict[str, str] = {
 # where :func:`omni_settings` checks each of their fields).
 OMNI_HANDLED = frozenset({
     *(row[0] for row in OMNI_MAPPED), *_EXACT, LOSS, VAL_PIPE, VAL_ALGO,
-    *(f"{PIPE}.{n}" for n in ("guidance_scale", "max_sequence_length")),
+    f"{PIPE}.guidance_scale",
     *(f"{ALGO}.{n}" for n in ("sde_window_size", "sde_window_range", "sde_contiguous")),
 }) - {"trainer.rollout_data_dir"}
 
@@ -171,7 +172,7 @@ def omni_settings(config: Mapping[str, Any], digen: dict[str, Any],
     _check_validation(config)
     family = model_family(config, digen)
     _guidance(config, family, put)
-    _text_lengths(config, family)
+    _text_lengths(config, digen, family)
 
 
 def _check_algorithm(config: Mapping[str, Any]) -> None:
@@ -273,10 +274,12 @@ def _guidance(config: Mapping[str, Any], family: str | None, put: Callable[[str,
     put(_GUIDANCE[family], float(value), key)
 
 
-def family_text_length(family: str) -> int:
-    """The text tokens per prompt the family's pipeline keeps by default (``max_sequence_length``)."""
+def family_text_length(family: str, max_sequence_length: int | None = None) -> int:
+    """The text tokens per prompt the family's pipeline keeps (``max_sequence_length``, None: its default)."""
     import importlib
 
+    if max_sequence_length is not None:
+        return int(max_sequence_length)
     return int(importlib.import_module(f"verl_digen.models.{family}").DEFAULT_MAX_SEQUENCE_LENGTH)
 
 
@@ -285,8 +288,11 @@ _TOKENIZERS = {"sd3": {"tokenizer": 77, "tokenizer_2": 77, "tokenizer_3": None},
                "flux": {"tokenizer": 77, "tokenizer_2": None}}
 
 
-def _text_lengths(config: Mapping[str, Any], family: str | None) -> None:
-    keys = (f"{PIPE}.max_sequence_length", f"{ARR}.rollout.max_prompt_embed_length", f"{ARR}.model.extra_tokenizers")
+def _text_lengths(config: Mapping[str, Any], digen: Mapping[str, Any], family: str | None) -> None:
+    """``max_prompt_embed_length`` and ``extra_tokenizers`` checked against the family's text
+    tokens at the run's ``max_sequence_length`` (mapped to ``digen.model.max_sequence_length``
+    with the one-value rule; a value above the pipeline's limit is refused by the schema)."""
+    keys = (f"{ARR}.rollout.max_prompt_embed_length", f"{ARR}.model.extra_tokenizers")
     given = {k: tree_get(config, k) for k in keys if tree_get(config, k) is not None}
     if not given:
         return
@@ -296,16 +302,14 @@ def _text_lengths(config: Mapping[str, Any], family: str | None) -> None:
                                "actor_rollout_ref.model.path; set digen.model.arch")
     from verl_digen.models.families import FAMILY_SPECS
 
-    length = family_text_length(family)
-    if keys[0] in given and given[keys[0]] != length:
-        _fail(keys[0], given[keys[0]], f"verl-digen keeps the {family} pipeline's text length, {length} tokens; "
-                                       "set that or leave it unset")
-    embed = FAMILY_SPECS[family].text_tokens()
-    if keys[1] in given and given[keys[1]] != embed:
-        _fail(keys[1], given[keys[1]], f"the {family} transformer sees {embed} text tokens per prompt here; "
-                                       "set that or leave it unset")
-    if keys[2] in given:
-        _check_tokenizers(keys[2], given[keys[2]], family, length)
+    chosen = tree_get(config, f"{PIPE}.max_sequence_length", tree_get(digen, "model.max_sequence_length"))
+    length = family_text_length(family, chosen)
+    embed = FAMILY_SPECS[family].text_tokens(length)
+    if keys[0] in given and given[keys[0]] != embed:
+        _fail(keys[0], given[keys[0]], f"the {family} transformer sees {embed} text tokens per prompt here (at "
+                                       f"max_sequence_length={length}); set that or leave it unset")
+    if keys[1] in given:
+        _check_tokenizers(keys[1], given[keys[1]], family, length)
 
 
 def _check_tokenizers(key: str, value: Any, family: str, length: int) -> None:

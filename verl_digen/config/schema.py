@@ -106,6 +106,11 @@ class ModelConfig:
     offload_text_encoders: str = "auto"
     # Samples per VAE decode call (0: the whole batch at once); video VAEs also decode tiled.
     vae_decode_chunk: int = 0
+    # Text tokens each prompt is encoded to (the pipelines' max_sequence_length: T5 for FLUX and
+    # SD3, UMT5 for Wan, the template-cropped Qwen2.5-VL / Llama tokens for Qwen-Image and
+    # HunyuanVideo); null: the pipeline's default (FLUX 512, SD3 256, Qwen-Image 512, Wan 512,
+    # HunyuanVideo 256). It sets the transformer's text tokens, so memory and cost follow it.
+    max_sequence_length: Optional[int] = None
     lora: LoraConfigSpec = field(default_factory=LoraConfigSpec)
 
     @property
@@ -131,7 +136,16 @@ class ModelConfig:
             _fail(f"{key}.trainable_dtype", self.trainable_dtype, "valid: fp32, bf16")
         if self.vae_decode_chunk < 0:
             _fail(f"{key}.vae_decode_chunk", self.vae_decode_chunk, "must be >= 0 (0: the whole batch)")
-        from verl_digen.models.families import FAMILY_NAMES  # light: no diffusers
+        from verl_digen.models.families import FAMILY_NAMES, FAMILY_SPECS  # light: no diffusers
+
+        if self.max_sequence_length is not None:
+            n, limit = self.max_sequence_length, None
+            family = self.arch or (self.tiny_arch if self.path is None else None)  # None: read at load
+            if family in FAMILY_SPECS:
+                limit = FAMILY_SPECS[family].max_sequence_length_limit
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1 or (limit is not None and n > limit):
+                upper = f" and <= {limit} (the {family} pipeline's limit)" if limit is not None else ""
+                _fail(f"{key}.max_sequence_length", n, f"an integer >= 1{upper}, or null for the pipeline's default")
         from verl_digen.models.toy import TOY_MODELS
 
         tiny_archs = (*FAMILY_NAMES, *TOY_MODELS)  # every registered family has a tiny builder

@@ -208,6 +208,7 @@ class JobShape:
     trainers_generate: bool
     reward_bytes: int  # per GPU of a worker that scores (reward_gpu_bytes)
     trainers_score: bool  # trainers generate under TAG with no reward pool: they build the reward too
+    max_sequence_length: int | None = None  # text tokens per prompt (None: the pipeline's default)
 
 
 def model_config_path(path: str | None) -> str | None:
@@ -280,6 +281,7 @@ def job_shape(cfg: DigenConfig, *, devices_per_node: int, nnodes: int, model_pat
         reward_bytes=reward_gpu_bytes(cfg.reward.as_spec(), cfg.reward.device),
         # the worker's rule (DiffusionWorker._generates_without_reward_pool)
         trainers_score=disaggregated and cfg.tag.enable and cfg.pools.reward.devices == 0,
+        max_sequence_length=cfg.model.max_sequence_length,
     )
 
 
@@ -321,7 +323,7 @@ def _encoder_activation_bytes(job: JobShape, prompts: int | None = None) -> int:
         widest = max(widest, int(c.get("intermediate_size") or c.get("d_ff") or 0), 4 * int(c.get("hidden_size") or c.get("d_model") or 0))
     if prompts is None:
         prompts = job.groups_per_task + 1
-    return 2 * prompts * text_tokens(job.family) * widest * _bytes_per(job.dtype)
+    return 2 * prompts * text_tokens(job.family, job.max_sequence_length) * widest * _bytes_per(job.dtype)
 
 
 def _vae_decode_bytes(job: JobShape, samples: int) -> int:
@@ -361,7 +363,8 @@ def trace_shape(job: JobShape):
     from verl_digen.memory.trace import TraceShape
 
     lora = (job.lora_rank, tuple(job.lora_targets)) if job.lora else (0, ())
-    return TraceShape(job.family, job.config_path, job.dtype, job.height, job.width, job.num_frames, *lora)
+    return TraceShape(job.family, job.config_path, job.dtype, job.height, job.width, job.num_frames, *lora,
+                      max_sequence_length=job.max_sequence_length)
 
 
 def plan_trace(job: JobShape):

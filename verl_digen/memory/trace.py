@@ -305,6 +305,7 @@ class TraceShape:
     # linear keeps no input for a weight gradient, while each LoRA layer keeps its own fp32 copy.
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ()
+    max_sequence_length: int | None = None  # text tokens per prompt (None: the pipeline's default)
 
 
 def latent_layout(shape: TraceShape) -> dict[str, int]:
@@ -327,10 +328,11 @@ def latent_layout(shape: TraceShape) -> dict[str, int]:
     return {"h": h, "w": w, "frames": frames, "channels": channels, "tokens": tokens}
 
 
-def text_tokens(family: str) -> int:
-    """Text tokens per prompt the transformer sees (the pipelines' default lengths; SD3 adds
-    its 77 CLIP tokens to the joint sequence): the family's registration says."""
-    return family_spec(family).text_tokens()
+def text_tokens(family: str, max_sequence_length: int | None = None) -> int:
+    """Text tokens per prompt the transformer sees with prompts encoded to
+    ``max_sequence_length`` tokens (None: the pipeline's default; SD3 adds its 77 CLIP tokens to
+    the joint sequence): the family's registration says."""
+    return family_spec(family).text_tokens(max_sequence_length)
 
 
 def _inputs(shape: TraceShape, config: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
@@ -339,7 +341,7 @@ def _inputs(shape: TraceShape, config: dict[str, Any], dtype: torch.dtype) -> di
     spec = family_spec(shape.family)
     lay = latent_layout(shape)
     layout = TraceLayout(h=lay["h"], w=lay["w"], frames=lay["frames"], channels=lay["channels"],
-                         text_tokens=text_tokens(shape.family))
+                         text_tokens=text_tokens(shape.family, shape.max_sequence_length))
     return spec.trace_inputs(layout, config, dtype)
 
 
@@ -363,7 +365,7 @@ def trace_transformer(shape: TraceShape) -> TransformerTrace:
         **saved,
         inference_peak_bytes=inference_peak + input_bytes,
         tokens=latent_layout(shape)["tokens"],
-        text_tokens=text_tokens(shape.family),
+        text_tokens=text_tokens(shape.family, shape.max_sequence_length),
     )
 
 

@@ -43,19 +43,23 @@ class FamilySpec:
             detected as this family.
         build_tiny_pipeline: ``(scheduler) -> pipeline``: the tiny diffusers pipeline with random
             weights drawn from the caller's seeded RNG, around the family's real scheduler.
-        text_tokens: ``() -> int``: text tokens per prompt the transformer sees (the pipeline's
-            default lengths).
+        text_tokens: ``(max_sequence_length) -> int``: text tokens per prompt the transformer
+            sees when prompts are encoded to ``max_sequence_length`` tokens (None: the
+            pipeline's default length; ``digen.model.max_sequence_length``).
         trace_inputs: ``(layout, transformer_config, dtype) -> kwargs``: one row's transformer
             keyword arguments on the meta device, shaped as the adapter's ``_transformer_forward``
             passes them (:class:`TraceLayout`).
+        max_sequence_length_limit: the most text tokens the diffusers pipeline accepts
+            (``max_sequence_length`` above it is refused there too); None: only the tokenizer's.
     """
 
     name: str
     adapter: str
     pipeline_classes: tuple[str, ...]
     build_tiny_pipeline: Callable[[Any], Any]
-    text_tokens: Callable[[], int]
+    text_tokens: Callable[[int | None], int]
     trace_inputs: Callable[[TraceLayout, dict[str, Any], Any], dict[str, Any]]
+    max_sequence_length_limit: int | None = None
 
     def __post_init__(self) -> None:
         if ":" not in self.adapter:

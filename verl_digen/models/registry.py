@@ -89,8 +89,10 @@ def load_adapter(
     *,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    max_sequence_length: int | None = None,
 ) -> DiffusionAdapter:
-    """Load the model at ``path`` (a local diffusers-format directory) behind its adapter.
+    """Load the model at ``path`` (a local diffusers-format directory) behind its adapter;
+    ``max_sequence_length``: text tokens per prompt (None: the pipeline's default).
 
     ``arch=None`` detects the architecture from ``model_index.json``. When ``arch`` is given it
     must be known, and must agree with the directory's pipeline class when that is a known one.
@@ -108,4 +110,4 @@ def load_adapter(
                 f"model arch '{arch}' does not match model path '{path}', which holds a "
                 f"{index.get('_class_name')} (arch '{detected}')"
             )
-    return ADAPTERS[arch].from_pretrained(path, device=device, dtype=dtype)
+    return ADAPTERS[arch].from_pretrained(path, device=device, dtype=dtype, max_sequence_length=max_sequence_length)

@@ -234,7 +234,8 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         # full fine-tune masters) in the trainable dtype, no autocast anywhere.
         dtype = resolve_dtype(cfg.model.dtype, device)
         self.trainable_dtype = resolve_dtype(cfg.model.trainable_dtype, device, key="digen.model.trainable_dtype")
-        self.adapter = load_adapter(self.model_path, cfg.model.arch, device=device, dtype=dtype)
+        self.adapter = load_adapter(self.model_path, cfg.model.arch, device=device, dtype=dtype,
+                                    max_sequence_length=cfg.model.max_sequence_length)
         if cfg.model.lora.enable:
             add_lora(self.adapter, cfg.model.lora, dtype=self.trainable_dtype)
         self.sync_module = self.adapter.transformer

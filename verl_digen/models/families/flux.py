@@ -48,11 +48,11 @@ def build_tiny_pipeline(scheduler):
     return assemble_pipeline(FluxPipeline, text, transformer, vae, scheduler)
 
 
-def text_tokens() -> int:
-    """T5 tokens per prompt (FluxPipeline's default)."""
+def text_tokens(max_sequence_length: int | None = None) -> int:
+    """T5 tokens per prompt (FluxPipeline's default unless given)."""
     from verl_digen.models.flux import DEFAULT_MAX_SEQUENCE_LENGTH
 
-    return DEFAULT_MAX_SEQUENCE_LENGTH
+    return max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
 
 
 def trace_inputs(lay: TraceLayout, config: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
@@ -79,5 +79,6 @@ FAMILY = FamilySpec(
     pipeline_classes=("FluxPipeline",),
     build_tiny_pipeline=build_tiny_pipeline,
     text_tokens=text_tokens,
+    max_sequence_length_limit=512,
     trace_inputs=trace_inputs,
 )

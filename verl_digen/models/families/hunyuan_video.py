@@ -121,11 +121,12 @@ def build_tiny_pipeline(scheduler):
     return assemble_pipeline(HunyuanVideoPipeline, text, transformer, vae, scheduler)
 
 
-def text_tokens() -> int:
-    """Llama tokens per prompt (HunyuanVideoPipeline's default, after the template is cropped)."""
+def text_tokens(max_sequence_length: int | None = None) -> int:
+    """Llama tokens per prompt after the template is cropped (HunyuanVideoPipeline's default
+    unless given)."""
     from verl_digen.models.hunyuan_video import DEFAULT_MAX_SEQUENCE_LENGTH
 
-    return DEFAULT_MAX_SEQUENCE_LENGTH
+    return max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
 
 
 def trace_inputs(lay: TraceLayout, config: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:

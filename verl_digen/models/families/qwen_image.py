@@ -114,11 +114,12 @@ def build_tiny_pipeline(scheduler):
     return assemble_pipeline(QwenImagePipeline, text, transformer, vae, scheduler)
 
 
-def text_tokens() -> int:
-    """Text tokens per prompt (QwenImagePipeline's default, after the template is dropped)."""
+def text_tokens(max_sequence_length: int | None = None) -> int:
+    """Text tokens per prompt after the template is dropped (QwenImagePipeline's default unless
+    given; the adapter pads every prompt to it so that batches of different calls concatenate)."""
     from verl_digen.models.qwen_image import DEFAULT_MAX_SEQUENCE_LENGTH
 
-    return DEFAULT_MAX_SEQUENCE_LENGTH
+    return max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
 
 
 def trace_inputs(lay: TraceLayout, config: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
@@ -141,5 +142,6 @@ FAMILY = FamilySpec(
     pipeline_classes=("QwenImagePipeline",),
     build_tiny_pipeline=build_tiny_pipeline,
     text_tokens=text_tokens,
+    max_sequence_length_limit=1024,
     trace_inputs=trace_inputs,
 )

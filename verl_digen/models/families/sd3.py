@@ -56,11 +56,12 @@ def build_tiny_pipeline(scheduler):
     return assemble_pipeline(StableDiffusion3Pipeline, text, transformer, vae, scheduler)
 
 
-def text_tokens() -> int:
-    """The joint sequence's text tokens: the 77 CLIP tokens plus the pipeline's T5 default."""
+def text_tokens(max_sequence_length: int | None = None) -> int:
+    """The joint sequence's text tokens: the 77 CLIP tokens plus the T5 ones (the pipeline's
+    default unless given)."""
     from verl_digen.models.sd3 import DEFAULT_MAX_SEQUENCE_LENGTH
 
-    return 77 + DEFAULT_MAX_SEQUENCE_LENGTH
+    return 77 + (max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH)
 
 
 def trace_inputs(lay: TraceLayout, config: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
@@ -82,5 +83,6 @@ FAMILY = FamilySpec(
     pipeline_classes=("StableDiffusion3Pipeline",),
     build_tiny_pipeline=build_tiny_pipeline,
     text_tokens=text_tokens,
+    max_sequence_length_limit=512,
     trace_inputs=trace_inputs,
 )

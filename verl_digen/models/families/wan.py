@@ -47,11 +47,11 @@ def build_tiny_pipeline(scheduler):
     return assemble_pipeline(WanPipeline, text, transformer, vae, scheduler)
 
 
-def text_tokens() -> int:
-    """UMT5 tokens per prompt (WanPipeline's default)."""
+def text_tokens(max_sequence_length: int | None = None) -> int:
+    """UMT5 tokens per prompt (WanPipeline's default unless given)."""
     from verl_digen.models.wan import DEFAULT_MAX_SEQUENCE_LENGTH
 
-    return DEFAULT_MAX_SEQUENCE_LENGTH
+    return max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
 
 
 def trace_inputs(lay: TraceLayout, config: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
