@@ -226,6 +226,28 @@ def test_a_very_long_prompt_is_refused_naming_the_file_and_prompt(tmp_path):
         DigenTrainer(run_config(tmp_path, "x", f"digen.data.prompts={prompts}"))
 
 
+def test_prompts_over_the_token_limit_are_refused_or_dropped_as_veRL_does(tmp_path, tiny_flux, capsys):
+    """veRL's data.max_prompt_length (digen.data.max_prompt_tokens), counted by the model's T5
+    tokenizer: the first over-long prompt is named; with data.filter_overlong_prompts the run
+    starts without them and says how many it dropped."""
+    from verl_digen.models.flux import FluxAdapter
+    from verl_digen.trainer.loop import DigenTrainer
+
+    short, long = "a cat", "a red cube on a table beside a green sphere under a lamp"
+    counts = FluxAdapter.prompt_token_counts(tiny_flux, [short, long])
+    assert counts[0] < counts[1]
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("\n".join([short, long, short, short]) + "\n")
+    base = [f"digen.model.path={tiny_flux}", f"digen.data.prompts={prompts}", "digen.batch.groups_per_step=1",
+            f"data.max_prompt_length={counts[0]}"]
+    with pytest.raises(ConfigError, match=rf"digen.data.prompts: prompt 1 \('a red cube.*has {counts[1]} tokens "
+                                          rf"\(as the flux model's tokenizer_2 reads it\), more than data.max_prompt_length={counts[0]}; 1 of 4"):
+        DigenTrainer(run_config(tmp_path, "refused", *base))
+    trainer = DigenTrainer(run_config(tmp_path, "dropped", *base, "data.filter_overlong_prompts=true"))
+    assert [r["prompt"] for r in trainer.job.prompt_records] == [short] * 3
+    assert "dropped 1 of 4 prompts longer than digen.data.max_prompt_tokens" in capsys.readouterr().out
+
+
 @pytest.mark.e2e
 def test_bad_config_exits_2_from_the_command_line_in_seconds(tmp_path):
     out = subprocess.run(

@@ -350,3 +350,22 @@ def test_the_worker_encodes_prompts_to_the_configured_text_length(tiny_dirs, mon
         lengths[length] = (worker.adapter.max_sequence_length, embeds["prompt_embeds"].shape[1])
     assert lengths[24] == (24, 24)
     assert lengths[None][0] == lengths[None][1] != 24  # the tiny tokenizer's default
+
+
+@pytest.mark.parametrize("arch", ["flux", "sd3", "qwen_image", "wan", "hunyuan_video"])
+def test_prompt_token_counts_read_the_prompt_as_the_text_encoder_does(arch, tiny_dirs):
+    """veRL's data.max_prompt_length counts these: the length tokenizer's tokens, with the chat
+    template of the families whose pipelines apply one (Qwen-Image, HunyuanVideo)."""
+    from transformers import AutoTokenizer
+
+    from verl_digen.models.registry import ADAPTERS
+
+    cls = ADAPTERS[arch]
+    short, long = "a cat", "a red cube on a table beside a green sphere"
+    counts = cls.prompt_token_counts(tiny_dirs[arch], [short, long])
+    plain = AutoTokenizer.from_pretrained(tiny_dirs[arch], subfolder=cls.length_tokenizer)(short)["input_ids"]
+    assert counts[0] < counts[1]
+    if arch in ("qwen_image", "hunyuan_video"):
+        assert counts[0] > len(plain) + 5  # the template's tokens count
+    else:
+        assert counts[0] == len(plain)

@@ -170,7 +170,6 @@ def test_guidance_scale_means_what_diffusers_means_for_the_family():
     ([f"{ARR}.actor.fsdp_config.param_offload=True"], r"param_offload=True cannot apply: .*strategy=fsdp2"),
     ([f"{ARR}.actor.fsdp_config.optimizer_offload=True"], r"optimizer_offload=True cannot apply: .*digen.fsdp.enable"),
     ([f"{ARR}.actor.strategy=megatron"], r"strategy='megatron'; valid: fsdp2"),
-    (["data.max_prompt_length=256"], r"data.max_prompt_length=256 cannot apply: .*digen.data.max_prompt_chars"),
     (["+trainer.rollout_data_dir=/tmp/rollouts"], r"rollout_data_dir='/tmp/rollouts' cannot apply: .* does not dump"),
     (["trainer.log_val_generations=-1"], r"log_val_generations=-1; a positive number"),
 ])

@@ -198,6 +198,14 @@ class DataConfig:
     # Longest prompt accepted, in characters: every text encoder here truncates far below this,
     # so a longer one is a data error (and would only slow each step down), refused up front.
     max_prompt_chars: int = 16384
+    # Longest prompt accepted, in tokens of the model's length tokenizer (the text encoder read to
+    # digen.model.max_sequence_length: T5 for FLUX and SD3, UMT5 for Wan, Qwen2.5-VL / Llama with
+    # the pipeline's chat template for Qwen-Image / HunyuanVideo), special tokens included: veRL's
+    # data.max_prompt_length. null: no limit (the text encoder truncates at max_sequence_length).
+    max_prompt_tokens: Optional[int] = None
+    # Over-long prompts (max_prompt_tokens) are dropped when the data is read, and how many is
+    # printed (veRL's data.filter_overlong_prompts); false: the run is refused naming the first.
+    filter_overlong_prompts: bool = False
 
 
 @dataclass
@@ -689,6 +697,7 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "algo.betas": (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "must be two numbers in [0, 1)"),
     "validation.seed": (lambda v: v >= 0, "must be >= 0"),
     "data.max_prompt_chars": (lambda v: v >= 1, "must be >= 1"),
+    "data.max_prompt_tokens": (lambda v: v is None or v >= 1, "must be >= 1 or null"),
     "ray_num_cpus": (lambda v: v is None or v >= 1, "must be >= 1 or null"),
     "gantt_last_steps": (lambda v: v >= 1, "must be >= 1"),
     "max_nonfinite_steps": (lambda v: v >= 0, "must be >= 0"),

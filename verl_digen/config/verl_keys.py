@@ -141,6 +141,11 @@ MAPPED: tuple[Mapped, ...] = (
            _prompt_files("data.train_files")),
     Mapped("data.val_files", "digen.validation.prompts", "validation prompts", _prompt_files("data.val_files")),
     Mapped("data.shuffle", "digen.data.shuffle", "shuffle the prompts every epoch"),
+    Mapped("data.max_prompt_length", "digen.data.max_prompt_tokens",
+           "longest prompt in tokens of the model's text tokenizer, chat template included (veRL's default 512 "
+           "reads as unset)"),
+    Mapped("data.filter_overlong_prompts", "digen.data.filter_overlong_prompts",
+           "drop over-long prompts when the data is read (how many is printed) instead of refusing the run"),
     Mapped("data.val_max_samples", "digen.validation.num_prompts", "validation prompts sampled", _val_samples),
     Mapped("actor_rollout_ref.actor.fsdp_config.model_dtype", "digen.model.dtype",
            "the weights' compute dtype, rollout and training alike (bfloat16 / float32)", _model_dtype),
@@ -212,9 +217,6 @@ _HINTS = {
         "shard them over the trainers with actor_rollout_ref.actor.strategy=fsdp2 (digen.fsdp.enable=true)",
     "actor_rollout_ref.actor.fsdp_config.optimizer_offload": "verl-digen does not park optimizer state on the host; "
         "shard it over the trainers with actor_rollout_ref.actor.strategy=fsdp2 (digen.fsdp.enable=true)",
-    "data.max_prompt_length": "verl-digen has no token limit for prompts: each text encoder keeps the pipeline's "
-        "text length (actor_rollout_ref.rollout.pipeline.max_sequence_length) and over-long prompts are refused "
-        "by characters (digen.data.max_prompt_chars)",
     "trainer.rollout_data_dir": "verl-digen does not dump rollouts; the validation grids (prompts in their "
         "metadata) are written to <run dir>/val (digen.output_dir)",
     "actor_rollout_ref.actor.clip_ratio_low": "verl-digen clips symmetrically: use actor_rollout_ref.actor.clip_ratio",

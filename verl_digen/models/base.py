@@ -69,6 +69,25 @@ class DiffusionAdapter(abc.ABC):
     """One architecture's diffusers components behind the RL loop's calls."""
 
     arch: ClassVar[str]
+    #: The tokenizer (subfolder) whose tokens are a prompt's length: the one read to
+    #: ``max_sequence_length``, and what veRL's ``data.max_prompt_length`` limits.
+    length_tokenizer: ClassVar[str] = "tokenizer"
+
+    @classmethod
+    def prompt_text(cls, prompt: str) -> str:
+        """The text :attr:`length_tokenizer` reads for ``prompt`` (with the chat template where
+        the pipeline applies one, as veRL counts a prompt's tokens with its chat template)."""
+        return prompt
+
+    @classmethod
+    def prompt_token_counts(cls, path: str, prompts: list[str]) -> list[int]:
+        """Tokens of each prompt as the length tokenizer of the model at ``path`` reads it, special
+        tokens included, before any truncation."""
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path, subfolder=cls.length_tokenizer)
+        ids = tokenizer([cls.prompt_text(p) for p in prompts], add_special_tokens=True)["input_ids"]
+        return [len(i) for i in ids]
 
     @classmethod
     def size_rules(cls, vae_config: Mapping[str, Any], transformer_config: Mapping[str, Any]) -> SizeRules | None:

@@ -43,6 +43,7 @@ class FluxAdapter(DiffusionAdapter):
     """FLUX.1 (dev / schnell / fine-tunes) in diffusers format: CLIP-L + T5 text encoders, MMDiT, VAE."""
 
     arch = "flux"
+    length_tokenizer = "tokenizer_2"  # T5 (CLIP reads a fixed 77-token window)
     # FluxPipeline's components, as from_pretrained loads them.
     component_classes = {
         "transformer": FluxTransformer2DModel,

@@ -49,6 +49,11 @@ class HunyuanVideoAdapter(DiffusionAdapter):
     transformer with a distilled guidance embedding, causal 3D VAE."""
 
     arch = "hunyuan_video"
+
+    @classmethod
+    def prompt_text(cls, prompt: str) -> str:
+        """The default template's text (a model directory's own template is not read here)."""
+        return DEFAULT_PROMPT_TEMPLATE["template"].format(prompt)
     # HunyuanVideoPipeline's components, as from_pretrained loads them.
     component_classes = {
         "transformer": HunyuanVideoTransformer3DModel,

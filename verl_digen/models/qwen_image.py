@@ -62,6 +62,10 @@ class QwenImageAdapter(DiffusionAdapter):
     """Qwen-Image (and fine-tunes) in diffusers format: Qwen2.5-VL text encoder, MMDiT, Qwen-Image VAE."""
 
     arch = "qwen_image"
+
+    @classmethod
+    def prompt_text(cls, prompt: str) -> str:
+        return PROMPT_TEMPLATE.format(prompt)
     # QwenImagePipeline's components, as from_pretrained loads them.
     component_classes = {
         "transformer": QwenImageTransformer2DModel,

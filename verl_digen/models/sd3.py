@@ -40,6 +40,7 @@ class SD3Adapter(DiffusionAdapter):
     """SD3 / SD3.5 in diffusers format: CLIP-L + CLIP-G (+ optional T5) encoders, MMDiT, VAE."""
 
     arch = "sd3"
+    length_tokenizer = "tokenizer_3"  # T5 (the CLIPs read fixed 77-token windows)
     # StableDiffusion3Pipeline's components, as from_pretrained loads them (T5 optional).
     component_classes = {
         "transformer": SD3Transformer2DModel,

@@ -199,6 +199,42 @@ def resolve_prompt_records(cfg: DigenConfig, source: Any = None) -> list[dict[st
     return records
 
 
+def limit_prompt_tokens(cfg: DigenConfig, model_path: str, records: list[dict[str, Any]],
+                        val_records: list[dict[str, Any]]) -> tuple[list, list, str | None]:
+    """``digen.data.max_prompt_tokens`` (veRL's ``data.max_prompt_length``) on the training and
+    validation prompts, counted by the model's length tokenizer
+    (:meth:`~verl_digen.models.base.DiffusionAdapter.prompt_token_counts`): over-long prompts
+    are dropped and counted (``filter_overlong_prompts``), else the first one is an error naming
+    it. Returns the records kept and a note when the limit could not be checked here (the check
+    tool without the model's files)."""
+    limit = cfg.data.max_prompt_tokens
+    if limit is None or model_path == "<emulated>":
+        return records, val_records, None
+    if not os.path.isfile(os.path.join(model_path, "model_index.json")):  # shipped configs or a tiny model not yet built
+        return records, val_records, (f"digen.data.max_prompt_tokens={limit} not checked: the model's tokenizer is "
+                                      "not on this machine (the run checks it when it starts)")
+    from verl_digen.models.registry import ADAPTERS, detect_arch
+
+    adapter = ADAPTERS[cfg.model.arch or detect_arch(model_path)]
+    kept = []
+    for key, rows in (("digen.data.prompts", records), ("digen.validation.prompts", val_records)):
+        counts = adapter.prompt_token_counts(model_path, [r["prompt"] for r in rows]) if rows else []
+        over = [i for i, n in enumerate(counts) if n > limit]
+        if over and not cfg.data.filter_overlong_prompts:
+            i = over[0]
+            raise ConfigError(
+                f"invalid data: {key}: prompt {i} ({rows[i]['prompt'][:60]!r}) has {counts[i]} tokens "
+                f"(as the {adapter.arch} model's {adapter.length_tokenizer} reads it), more than "
+                f"digen.data.max_prompt_tokens={limit}; {len(over)} of {len(rows)} prompts are over; drop them with "
+                "digen.data.filter_overlong_prompts=true (veRL's data.filter_overlong_prompts) or raise the limit")
+        if over:
+            print(f"[verl-digen] {key}: dropped {len(over)} of {len(rows)} prompts longer than "
+                  f"digen.data.max_prompt_tokens={limit} tokens (digen.data.filter_overlong_prompts)", flush=True)
+        drop = set(over)
+        kept.append([r for i, r in enumerate(rows) if i not in drop])
+    return kept[0], kept[1], None
+
+
 def check_loggers(loggers: tuple[str, ...]) -> None:
     """``trainer.logger`` names only backends veRL's ``Tracking`` knows (what each needs to start:
     :func:`check_logger_setup`)."""
@@ -482,10 +518,13 @@ def check_run_config(config: Any, entry: str = DIGEN_MAIN, *, without_weights: b
         layout = pool_layout(cfg, cluster)
         cfg.pass_rows(cluster.devices)  # colocated FSDP: the micro-batch must deal over every GPU
         records = resolve_prompt_records(cfg)
-        steps = trainer.steps_for(len(records), cfg.batch.groups_per_step)
-        val_records = resolve_prompt_records(cfg, cfg.validation.prompts)[: cfg.validation.num_prompts]
+        val_records = resolve_prompt_records(cfg, cfg.validation.prompts)
         preflight_reward(cfg)
         model_path, memory_plan, model_note = check_model(cfg, trainer, without_weights=without_weights)
+        records, val_records, token_note = limit_prompt_tokens(cfg, model_path, records, val_records)
+        model_note = "; ".join(n for n in (model_note, token_note) if n) or None
+        steps = trainer.steps_for(len(records), cfg.batch.groups_per_step)
+        val_records = val_records[: cfg.validation.num_prompts]
         # Last: with veRL's default trainer.logger=[console,wandb], a missing W&B key must not hide
         # the errors above.
         check_logger_setup(trainer.logger)
