@@ -120,3 +120,34 @@ def test_host_syncs_per_denoising_loop_and_training_step_on_cuda(tiny_flux):
         opt = trainer.optimizer_step()
     assert step.total == 1, dict(step.calls)
     assert opt["actor/grad_norm"] > 0 and opt["actor/skipped_nonfinite"] == 0.0
+
+
+@needs_cuda
+def test_optimizer_offload_parks_the_state_on_the_host_between_steps_and_updates_bitwise(tiny_flux):
+    """veRL's optimizer_offload (digen.model.optimizer_offload): after each optimizer step every
+    AdamW state tensor is on the host (the GPU holds none of it between steps), and three steps
+    give bitwise the weights of the same run with the state resident."""
+    from verl_digen.config.schema import AlgoConfig, LoraConfigSpec, digen_config_from_dict
+    from verl_digen.models.registry import load_adapter
+    from verl_digen.workers.sampling import sample_groups
+    from verl_digen.workers.training import PolicyUpdater, TrainSettings, add_lora
+    from verl_digen.workers.worker import sampling_settings
+
+    settings = sampling_settings(digen_config_from_dict({"sampling": {"num_steps": 4}}))
+    weights = {}
+    for offload in (False, True):
+        torch.manual_seed(0)
+        adapter = load_adapter(tiny_flux, device="cuda", dtype=torch.bfloat16)
+        add_lora(adapter, LoraConfigSpec(rank=4))
+        updater = PolicyUpdater(adapter, TrainSettings(AlgoConfig(lr=1e-3), settings, lora_only=True, images_per_step=2,
+                                                       optimizer_offload=offload))
+        for step in range(3):
+            data = sample_groups(adapter, ["a cat"], [0], [0], group_size=2, settings=settings, training_step=step,
+                                 seed=1, policy_version=step)
+            updater.train_micro_batch(data, torch.tensor([1.0, -1.0]))
+            updater.optimizer_step()
+            devices = {v.device.type for s in updater.optimizer.state.values() for k, v in s.items()
+                       if torch.is_tensor(v) and k != "step"}
+            assert devices == ({"cpu"} if offload else {"cuda"})
+        weights[offload] = [p.detach().cpu().clone() for p in updater.params]
+    assert all(torch.equal(a, b) for a, b in zip(weights[False], weights[True]))

@@ -85,6 +85,12 @@ def test_plan_follows_the_knobs():
     unsharded = _roles("flux_full_disaggregated", "digen.fsdp.enable=false")["trainer"]
     assert unsharded.bytes["optimizer"] == pytest.approx(4 * full.bytes["optimizer"], rel=1e-6)
     assert base["trainer"].bytes["optimizer"] < 0.5 * GIB  # LoRA: rank-32 adapters only
+    # veRL's optimizer_offload: the AdamW state is on the GPU only in the optimizer step, which
+    # holds no activations; training passes run without it.
+    trainer = _roles("flux_full_disaggregated", "digen.model.optimizer_offload=true")["trainer"]
+    assert trainer.phases["train"]["optimizer"] == 0 and trainer.phases["train"]["activations"] > 0
+    assert trainer.phases["step"]["optimizer"] == pytest.approx(full.bytes["optimizer"], rel=1e-6)
+    assert trainer.phases["step"]["activations"] == 0
     # True CFG doubles the rows of every forward (Qwen-Image's [cond; uncond] batch).
     off = "digen.model.gradient_checkpointing=false"
     cfg_on = _roles("qwen_image_disaggregated", off)["trainer"]

@@ -168,7 +168,6 @@ def test_guidance_scale_means_what_diffusers_means_for_the_family():
      r"extra_tokenizers.t5.max_length=256 cannot apply: .*tokenizer_2 with 512 tokens"),
     ([f"{ARR}.rollout.pipeline.num_frames=81"], r"pipeline.num_frames=81 cannot apply: a veRL-Omni diffusion key"),
     ([f"{ARR}.actor.fsdp_config.param_offload=True"], r"param_offload=True cannot apply: .*strategy=fsdp2"),
-    ([f"{ARR}.actor.fsdp_config.optimizer_offload=True"], r"optimizer_offload=True cannot apply: .*digen.fsdp.enable"),
     ([f"{ARR}.actor.strategy=megatron"], r"strategy='megatron'; valid: fsdp2"),
     (["+trainer.rollout_data_dir=/tmp/rollouts"], r"rollout_data_dir='/tmp/rollouts' cannot apply: .* does not dump"),
     (["trainer.log_val_generations=-1"], r"log_val_generations=-1; a positive number"),
@@ -212,6 +211,21 @@ def test_max_sequence_length_maps_and_the_embed_length_follows_it():
     with pytest.raises(ConfigError, match=r"digen.model.max_sequence_length=1024; an integer >= 1 and <= 512 \(the "
                                           r"flux pipeline's limit\)"):  # the tiny FLUX
         digen_config_from_dict(_resolved(f"{ARR}.rollout.pipeline.max_sequence_length=1024").digen)
+
+
+def test_optimizer_offload_maps_and_auto_parks_only_colocated():
+    """veRL's fsdp_config.optimizer_offload=True: the optimizer state waits on the host between
+    steps (digen.model.optimizer_offload=true); veRL's default False reads as unset (auto: fused
+    workers park it while they generate, disaggregated trainers keep it)."""
+    on = digen_config_from_dict(_resolved(f"{ARR}.actor.fsdp_config.optimizer_offload=True",
+                                          "digen.placement=disaggregated").digen)
+    assert on.model.optimizer_offload == "true" and on.optimizer_offloaded
+    default = digen_config_from_dict(_resolved(f"{ARR}.actor.fsdp_config.optimizer_offload=False").digen)
+    assert default.model.optimizer_offload == "auto" and default.placement == "colocated" and default.optimizer_offloaded
+    trainers = digen_config_from_dict(_resolved("digen.placement=disaggregated").digen)
+    assert not trainers.optimizer_offloaded
+    with pytest.raises(ConfigError, match=r"digen.model.optimizer_offload='sometimes'; valid: true, false, auto"):
+        digen_config_from_dict(_resolved("digen.model.optimizer_offload=sometimes").digen)
 
 
 def test_strategy_and_log_val_generations_map_and_veRLs_defaults_set_nothing():

@@ -111,6 +111,11 @@ class ModelConfig:
     # HunyuanVideo); null: the pipeline's default (FLUX 512, SD3 256, Qwen-Image 512, Wan 512,
     # HunyuanVideo 256). It sets the transformer's text tokens, so memory and cost follow it.
     max_sequence_length: Optional[int] = None
+    # The optimizer state between optimizer steps: true: on the host, on the GPU only for the step
+    # (veRL's actor.fsdp_config.optimizer_offload); false: resident; auto: on the host for fused
+    # (colocated) workers, which generate in between (what the cost model has always charged
+    # them: one round trip per step), resident for disaggregated trainers, which never switch.
+    optimizer_offload: str = "auto"
     lora: LoraConfigSpec = field(default_factory=LoraConfigSpec)
 
     @property
@@ -125,7 +130,7 @@ class ModelConfig:
 
     def validate(self, key: str) -> None:
         # hydra and YAML give true/false as booleans, which the str fields receive as True/False
-        for name in ("gradient_checkpointing", "offload_text_encoders"):
+        for name in ("gradient_checkpointing", "offload_text_encoders", "optimizer_offload"):
             value = str(getattr(self, name)).lower()
             if value not in ("true", "false", "auto"):
                 _fail(f"{key}.{name}", getattr(self, name), "valid: true, false, auto")
@@ -602,6 +607,12 @@ class DigenConfig:
         the rollout workers (colocated: the cluster's ``devices``), or with TSP their pipelines."""
         workers = self.pools.rollout.world_size if self.placement == "disaggregated" else devices
         return max(1, workers // self.tsp.stages)
+
+    @property
+    def optimizer_offloaded(self) -> bool:
+        """``digen.model.optimizer_offload`` decided for this placement (auto: colocated only)."""
+        setting = self.model.optimizer_offload
+        return self.placement == "colocated" if setting == "auto" else setting == "true"
 
     def pass_rows(self, devices: int) -> int:
         """Samples per transformer call, in rollout and in a training pass, on a cluster of

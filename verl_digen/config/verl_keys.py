@@ -141,6 +141,9 @@ MAPPED: tuple[Mapped, ...] = (
            _prompt_files("data.train_files")),
     Mapped("data.val_files", "digen.validation.prompts", "validation prompts", _prompt_files("data.val_files")),
     Mapped("data.shuffle", "digen.data.shuffle", "shuffle the prompts every epoch"),
+    Mapped("actor_rollout_ref.actor.fsdp_config.optimizer_offload", "digen.model.optimizer_offload",
+           "the optimizer state on the host between optimizer steps (veRL's default false reads as unset: auto)",
+           lambda v, _: "true" if v else "false"),
     Mapped("data.max_prompt_length", "digen.data.max_prompt_tokens",
            "longest prompt in tokens of the model's text tokenizer, chat template included (veRL's default 512 "
            "reads as unset)"),
@@ -215,8 +218,6 @@ _HINTS = {
     "actor_rollout_ref.model.lora.rank": "use actor_rollout_ref.model.lora_rank",
     "actor_rollout_ref.actor.fsdp_config.param_offload": "verl-digen does not park training weights on the host; "
         "shard them over the trainers with actor_rollout_ref.actor.strategy=fsdp2 (digen.fsdp.enable=true)",
-    "actor_rollout_ref.actor.fsdp_config.optimizer_offload": "verl-digen does not park optimizer state on the host; "
-        "shard it over the trainers with actor_rollout_ref.actor.strategy=fsdp2 (digen.fsdp.enable=true)",
     "trainer.rollout_data_dir": "verl-digen does not dump rollouts; the validation grids (prompts in their "
         "metadata) are written to <run dir>/val (digen.output_dir)",
     "actor_rollout_ref.actor.clip_ratio_low": "verl-digen clips symmetrically: use actor_rollout_ref.actor.clip_ratio",

@@ -209,6 +209,7 @@ class JobShape:
     reward_bytes: int  # per GPU of a worker that scores (reward_gpu_bytes)
     trainers_score: bool  # trainers generate under TAG with no reward pool: they build the reward too
     max_sequence_length: int | None = None  # text tokens per prompt (None: the pipeline's default)
+    optimizer_offload: bool = False  # the optimizer state on the host except in the optimizer step
 
 
 def model_config_path(path: str | None) -> str | None:
@@ -282,6 +283,7 @@ def job_shape(cfg: DigenConfig, *, devices_per_node: int, nnodes: int, model_pat
         # the worker's rule (DiffusionWorker._generates_without_reward_pool)
         trainers_score=disaggregated and cfg.tag.enable and cfg.pools.reward.devices == 0,
         max_sequence_length=cfg.model.max_sequence_length,
+        optimizer_offload=cfg.optimizer_offloaded,
     )
 
 
@@ -443,7 +445,10 @@ def plan_roles(job: JobShape, gib: float) -> list[RolePlan]:
 
     state = trained_state_bytes(job, params, param_bytes, lora_params)
     grads = state["grads"] + state["master_grads"]
-    optimizer = state["optimizer"]
+    # With optimizer_offload the state is on the GPU only in the optimizer step (PolicyUpdater
+    # park_optimizer / unpark_optimizer): its own phase, with the gradients and no activations.
+    step_optimizer = state["optimizer"]
+    optimizer = 0 if job.optimizer_offload else step_optimizer
     ema = (lora_params if job.lora else params) * 4 / f if job.ema_on_gpu else 0
     # Trainer weights: the model's own (sharded with FSDP, its buffers too) and a full fine-tune's
     # masters; with FSDP each rank all-gathers one block ahead of the one it computes (2 blocks
@@ -491,6 +496,8 @@ def plan_roles(job: JobShape, gib: float) -> list[RolePlan]:
         b.add("generate", activations=rollout_acts, **resident)
         b.add("decode", activations=decode, **resident)
         b.add("train", gradients=grads, activations=train_acts, **dict(resident, weights=resident["weights"] + kl_ref_in_training))
+        if job.optimizer_offload:
+            b.add("step", gradients=grads, **dict(resident, optimizer=step_optimizer))
         plans.append(b.plan(train_knobs, rollout_knobs))
         return plans
 
@@ -514,6 +521,8 @@ def plan_roles(job: JobShape, gib: float) -> list[RolePlan]:
     staging = min(sync_state, DEFAULT_BUCKET_BYTES)
     t.add("train", gradients=grads, activations=train_acts, sync_buffers=staging,
           **dict(t_resident, weights=t_resident["weights"] + kl_ref_in_training))
+    if job.optimizer_offload:
+        t.add("step", gradients=grads, sync_buffers=staging, **dict(t_resident, optimizer=step_optimizer))
     t.add("sync", sync_buffers=sync, **t_resident)
     if job.trainers_generate:
         t.add("generate", activations=rollout_acts, **t_resident)

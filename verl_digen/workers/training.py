@@ -120,6 +120,9 @@ class TrainSettings:
     ema_decay: float | None = None  # keep an EMA of the trained weights (validation uses it)
     ema_offload: bool = False  # keep the EMA shadows on CPU (digen.ema.offload)
     trainable_dtype: torch.dtype = torch.float32  # trained parameters and optimizer state
+    # The optimizer state waits on the host between optimizer steps and is on the device only
+    # for the step (veRL's fsdp_config.optimizer_offload; digen.model.optimizer_offload).
+    optimizer_offload: bool = False
 
 
 class PolicyUpdater:
@@ -170,6 +173,8 @@ class PolicyUpdater:
             self.ema = EMA(named_trainable_parameters(module), decay=settings.ema_decay, offload=settings.ema_offload)
         self._acc_metrics: list[dict[str, float]] = []
         self.samples_accumulated = 0
+        # Where each parked optimizer-state tensor lives when in use (optimizer_offload).
+        self._state_homes: dict[tuple[int, str], torch.device] = {}
 
     # ----------------------------------------------------------------- reference
 
@@ -313,7 +318,9 @@ class PolicyUpdater:
         norm = grad_norm.item()
         finite = math.isfinite(norm)
         if finite:
+            self.unpark_optimizer()
             self.optimizer.step()
+            self.park_optimizer()
             if self.master is not None:
                 self.master.copy_to_model()
             if self.ema is not None:
@@ -325,6 +332,37 @@ class PolicyUpdater:
             "actor/lr": self.optimizer.param_groups[0]["lr"],
             "actor/skipped_nonfinite": 0.0 if finite else 1.0,
         }
+
+    def park_optimizer(self) -> int:
+        """With ``optimizer_offload``: every optimizer-state tensor off the host goes to host
+        memory (its device remembered for :meth:`unpark_optimizer`); returns the bytes moved.
+        Lossless, so an offloaded run's updates are bitwise those of a resident one. What veRL's
+        ``offload_fsdp_optimizer`` does; the state tensors of an FSDP2 module are DTensors, whose
+        ``to`` moves the local shard."""
+        if not self.settings.optimizer_offload:
+            return 0
+        moved = 0
+        for i, state in enumerate(self.optimizer.state.values()):
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.device.type != "cpu":
+                    self._state_homes[(i, key)] = value.device
+                    host = value.to("cpu", non_blocking=True)
+                    state[key] = host
+                    moved += value.numel() * value.element_size()
+        if moved and torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()  # the device copies may be freed only once copied
+        return moved
+
+    def unpark_optimizer(self) -> int:
+        """Bring the parked optimizer state back to the devices it was on; returns the bytes moved."""
+        moved = 0
+        for i, state in enumerate(self.optimizer.state.values()):
+            for key, value in state.items():
+                home = self._state_homes.pop((i, key), None)
+                if home is not None:
+                    state[key] = value.to(home, non_blocking=True)
+                    moved += value.numel() * value.element_size()
+        return moved
 
 
 # Bytes per all-reduce bucket: DDP's default bucket size (25 MiB), for the same reason (large enough

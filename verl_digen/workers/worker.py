@@ -318,6 +318,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
             ema_decay=cfg.ema.decay if cfg.ema.enable else None,
             ema_offload=cfg.ema.offload,
             trainable_dtype=self.trainable_dtype,
+            optimizer_offload=cfg.optimizer_offloaded,
         )
 
     def _scores_in_training(self, caps: RoleCapabilities) -> bool:
@@ -680,6 +681,8 @@ class DiffusionWorker(Worker, WeightSyncMixin):
             ema=getattr(self.updater, "ema", None) if trains else None, lora_only=self.cfg.model.lora.enable,
             rank=self.rank, group=self._pg if trains else None, master=self.updater.master if trains else None,
         )
+        if trains:
+            self.updater.park_optimizer()  # the loaded state lands where the parameters are
         self.policy_version = version
         self._refresh_sync_cache(digest=True)
         return self.weights_digest()
