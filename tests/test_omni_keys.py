@@ -115,6 +115,15 @@ def test_plain_overrides_rewrites_only_veRL_Omnis_diffusion_keys():
         "++trainer.rollout_data_dir=/tmp/r", f"++{ARR}.actor.diffusion_loss.clip_ratio=1e-5", "--config-name=x"]
 
 
+@pytest.mark.parametrize("arg", ["+trainer.rollout_data_dir=/tmp/r", "trainer.rollout_data_dir=/tmp/r",
+                                 "++trainer.rollout_data_dir=/tmp/r"])
+def test_rollout_data_dir_as_veRL_users_write_it_sets_the_dump_under_main_ppo(arg):
+    config = OmegaConf.to_container(_verl_config(plain_overrides(["trainer.v1.trainer_mode=digen", arg])),
+                                    resolve=True)
+    assert digen_config_from_dict(resolve_run_config(config, MAIN_PPO).digen).rollout_data_dir == "/tmp/r"
+    assert digen_config_from_dict(_resolved(arg).digen).rollout_data_dir == "/tmp/r"  # verl_digen.main alike
+
+
 def test_the_plugin_rewrites_main_ppos_command_line_in_the_digen_mode_only():
     from verl_digen.verl_hooks import MAIN_PPO_MODULE, accept_omni_keys
 
@@ -169,7 +178,7 @@ def test_guidance_scale_means_what_diffusers_means_for_the_family():
     ([f"{ARR}.rollout.pipeline.num_frames=81"], r"pipeline.num_frames=81 cannot apply: a veRL-Omni diffusion key"),
     ([f"{ARR}.actor.fsdp_config.param_offload=True"], r"param_offload=True cannot apply: .*strategy=fsdp2"),
     ([f"{ARR}.actor.strategy=megatron"], r"strategy='megatron'; valid: fsdp2"),
-    (["+trainer.rollout_data_dir=/tmp/rollouts"], r"rollout_data_dir='/tmp/rollouts' cannot apply: .* does not dump"),
+    (["+trainer.rollout_data_dir=true"], r"trainer.rollout_data_dir=True; a directory to dump"),
     (["trainer.log_val_generations=-1"], r"log_val_generations=-1; a positive number"),
 ])
 def test_values_verl_digen_cannot_honour_are_refused_naming_the_key(overrides, message):

@@ -3,7 +3,8 @@
 - A pickle-protocol reward server (the flow_grpo / veRL-Omni wire format), written here as a
   plain ``http.server`` handler because the point is to speak *their* protocol, not ours: it
   checks it receives JPEG images and each prompt's ground truth (both GenEval metadata shapes), and
-  the run's rewards must be exactly the scores it returned.
+  the run's rewards must be exactly the scores it returned; so must the rows of the run's rollout
+  dump (veRL's ``trainer.rollout_data_dir``), each with its sample's PNG at the run's size.
 - The real OCR reward in a 2-step run with ground truths from a jsonl file, validation included.
 """
 
@@ -70,10 +71,12 @@ class _PickleScorer(JsonHandler):
 
 def test_run_scored_by_a_pickle_server_gets_ground_truth_and_its_scores(tmp_path, prompt_file):
     state = {"lock": threading.Lock(), "requests": []}
+    dump = tmp_path / "rollouts"  # veRL's trainer.rollout_data_dir: checked below against the same scores
     with serve(_PickleScorer, state) as url:
         result = run(tmp_path, "pickle", "trainer.total_training_steps=2", f"digen.data.prompts={prompt_file}",
                      "digen.reward.name=http", f"+digen.reward.kwargs.url={url}",
-                     "+digen.reward.kwargs.protocol=pickle", "+digen.reward.kwargs.extra_fields.only_strict=false")
+                     "+digen.reward.kwargs.protocol=pickle", "+digen.reward.kwargs.extra_fields.only_strict=false",
+                     f"trainer.rollout_data_dir={dump}")
     requests = state["requests"]
     per_step = 4  # groups_per_step=4 groups, one reward request per group
     assert len(requests) == 2 * per_step
@@ -89,6 +92,30 @@ def test_run_scored_by_a_pickle_server_gets_ground_truth_and_its_scores(tmp_path
         returned = torch.tensor([s for r in requests[step * per_step:(step + 1) * per_step] for s in r["scores"]])
         assert line["reward_mean"] == pytest.approx(float(returned.mean()), abs=1e-6)
         assert line["reward_std"] == pytest.approx(float(returned.std(unbiased=False)), abs=1e-6)
+        _check_dump(dump, line, returned)
+
+
+def _check_dump(dump, line: dict, returned: torch.Tensor) -> None:
+    """``<dump>/<step>.jsonl`` has a row for every sample of the step (4 groups x 4), each scored
+    as the server scored its ground truth, the step's scores being those the run recorded; each
+    row's image is a 32x32 PNG."""
+    with open(dump / f"{line['step']}.jsonl") as f:
+        rows = [json.loads(row) for row in f]
+    groups = sorted({r["group_id"] for r in rows})  # in group, then sample, order
+    assert len(groups) == 4 and [(r["group_id"], r["sample_index"]) for r in rows] == [(g, s) for g in groups
+                                                                                       for s in range(4)]
+    assert {r["step"] for r in rows} == {line["step"]}
+    by_prompt = {r["prompt"]: r for r in RECORDS}
+    for row in rows:
+        assert row["gts"] == by_prompt[row["input"]]["ground_truth"]
+        assert row["score"] == pytest.approx(SCORE[row["gts"]], abs=1e-6)
+        with Image.open(dump / row["output"]) as image:
+            image.verify()  # a whole PNG file
+        with Image.open(dump / row["output"]) as image:
+            assert (image.format, image.size) == ("PNG", (32, 32))  # the run's width x height
+    scores = torch.tensor([r["score"] for r in rows])
+    assert sorted(scores.tolist()) == pytest.approx(sorted(returned.tolist()), abs=1e-6)
+    assert float(scores.mean()) == pytest.approx(line["reward_mean"], abs=1e-6)
 
 
 def test_two_step_run_with_the_real_ocr_reward(tmp_path, prompt_file):

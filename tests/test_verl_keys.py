@@ -53,6 +53,7 @@ def test_verl_defaults_file_is_veRL_composed_ppo_trainer():
     ("data.seed=7", "seed", 7),
     ("algorithm.norm_adv_by_std_in_grpo=false", "algo.std_mode", "none"),
     ("ray_kwargs.ray_init.num_cpus=12", "ray_num_cpus", 12),
+    ("trainer.rollout_data_dir=/data/rollouts", "rollout_data_dir", "/data/rollouts"),
 ])
 def test_a_verl_key_sets_its_digen_setting(override, digen_key, value):
     digen = _resolved(override).digen

@@ -41,7 +41,9 @@ FLOW_GRPO = "flow_grpo"
 ATTN_BACKENDS = ("native",)
 ROLLOUT_ATTN_BACKENDS = ("TORCH_SDPA",)
 
-# Keys (and key prefixes, ending in '.') Hydra must accept without '+' in the digen mode.
+# Keys (and key prefixes, ending in '.') Hydra must accept without '+' in the digen mode; and
+# trainer.rollout_data_dir, which veRL's config holds (null) and veRL-Omni's scripts write with
+# '+': rewritten to '++' like the rest, which takes either spelling.
 _EXACT = (f"{ARR}.model.algorithm", f"{ARR}.model.extra_tokenizers", f"{ARR}.model.attn_backend",
           f"{ARR}.rollout.rollout_attn_backend", f"{ARR}.rollout.max_prompt_embed_length", "trainer.rollout_data_dir")
 _PREFIXES = (f"{LOSS}.", f"{PIPE}.", f"{ALGO}.", f"{VAL_PIPE}.", f"{VAL_ALGO}.")
@@ -125,7 +127,7 @@ OMNI_HANDLED = frozenset({
     *(row[0] for row in OMNI_MAPPED), *_EXACT, LOSS, VAL_PIPE, VAL_ALGO,
     f"{PIPE}.guidance_scale",
     *(f"{ALGO}.{n}" for n in ("sde_window_size", "sde_window_range", "sde_contiguous")),
-}) - {"trainer.rollout_data_dir"}
+})
 
 
 def tree_get(tree: Mapping[str, Any], key: str, default: Any = None) -> Any:

@@ -546,6 +546,11 @@ _STRATEGY_KEYS = {
 class DigenConfig:
     seed: int = 42
     output_dir: Optional[str] = None  # default: runs/<project_name>/<experiment_name>-<timestamp>
+    # veRL's trainer.rollout_data_dir: every training step k writes each sample's image (video:
+    # GIF, as validation writes them) under <dir>/<k>/ and one JSON line per sample to
+    # <dir>/<k>.jsonl (verl_digen.workers.rollout_dump); None: no dump. Several nodes: a
+    # shared filesystem path (each worker writes the images it scored on its own node).
+    rollout_data_dir: Optional[str] = None
     placement: str = "colocated"  # colocated | disaggregated
     model: ModelConfig = field(default_factory=ModelConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -674,6 +679,18 @@ class DigenConfig:
         if self.algo.std_mode == "global" and self.gap.enable:
             _fail("digen.algo.std_mode", "global", "GAP streams groups before the batch is complete; use group or none")
         _positive("digen.task_timeout_s", self.task_timeout_s)
+        self._check_rollout_data_dir()
+
+    def _check_rollout_data_dir(self) -> None:
+        """A dump directory is a path, and needs real workers: emulated ones make no images."""
+        if self.rollout_data_dir is None:
+            return
+        if not self.rollout_data_dir.strip():
+            _fail("digen.rollout_data_dir", self.rollout_data_dir, "a directory path, or null (no dump)")
+        if self.emulate.model is not None:
+            _fail("digen.rollout_data_dir", self.rollout_data_dir,
+                  f"an emulated cluster (digen.emulate.model={self.emulate.model!r}) makes no images to dump; "
+                  "unset one of them")
 
 
 def _check_finite(node: Any, key: str) -> None:

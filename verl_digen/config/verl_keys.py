@@ -113,6 +113,15 @@ def _val_generations(value: Any, _: Mapping[str, Any]) -> int:
     return value
 
 
+def _rollout_data_dir(value: Any, _: Mapping[str, Any]) -> str:
+    """veRL's ``trainer.rollout_data_dir`` (its default null reads as unset) -> where every training
+    step's samples are dumped; a name Hydra read as a number is the text the user wrote."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)) or not str(value).strip():
+        raise ConfigError(f"invalid config: trainer.rollout_data_dir={value!r}; a directory to dump every training "
+                          "step's samples into (or null: no dump)")
+    return os.path.expanduser(str(value))
+
+
 def _std_mode(value: Any, _: Mapping[str, Any]) -> str:
     return "group" if value else "none"
 
@@ -161,6 +170,8 @@ MAPPED: tuple[Mapped, ...] = (
            _strategy),
     Mapped("trainer.log_val_generations", "digen.validation.log_images", "validation images sent to the loggers",
            _val_generations),
+    Mapped("trainer.rollout_data_dir", "digen.rollout_data_dir", "every training sample dumped: <dir>/<step>/ "
+           "images, <dir>/<step>.jsonl rows", _rollout_data_dir),
     # veRL-Omni's diffusion keys (verl_digen.config.omni_keys)
     *(Mapped(*row) for row in OMNI_MAPPED),
 )
@@ -218,8 +229,6 @@ _HINTS = {
     "actor_rollout_ref.model.lora.rank": "use actor_rollout_ref.model.lora_rank",
     "actor_rollout_ref.actor.fsdp_config.param_offload": "verl-digen does not park training weights on the host; "
         "shard them over the trainers with actor_rollout_ref.actor.strategy=fsdp2 (digen.fsdp.enable=true)",
-    "trainer.rollout_data_dir": "verl-digen does not dump rollouts; the validation grids (prompts in their "
-        "metadata) are written to <run dir>/val (digen.output_dir)",
     "actor_rollout_ref.actor.clip_ratio_low": "verl-digen clips symmetrically: use actor_rollout_ref.actor.clip_ratio",
     "actor_rollout_ref.actor.clip_ratio_high": "verl-digen clips symmetrically: use actor_rollout_ref.actor.clip_ratio",
     "data.prompt_key": "verl-digen reads the prompt from the 'prompt' column (chat messages or a string)",

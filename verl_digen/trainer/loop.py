@@ -36,6 +36,7 @@ from verl_digen.schedule.timeline import save_gantt
 from verl_digen.trainer import resolve, runtime
 from verl_digen.trainer.checkpoint import RunCheckpoints, locked_run_directories
 from verl_digen.trainer.ray_executor import RayPlanExecutor
+from verl_digen.workers.rollout_dump import write_step_rows
 
 
 class RunStopped(RuntimeError):
@@ -207,6 +208,8 @@ class DigenTrainer:
                 assign_prompts(min(s + lookahead, last - 1))
                 # generate -> reward -> advantage -> train -> optimizer step -> sync, as planned
                 m = driver.run_step(s)
+                if cfg.rollout_data_dir is not None:  # every group of step s is scored: its rows are in
+                    write_step_rows(cfg.rollout_data_dir, m["step"], executor.results[s].rollout_rows)
                 if job.test_freq > 0 and ((s + 1) % job.test_freq == 0 or s + 1 == last):
                     m.update(self._validate(actors, s + 1))
                 all_metrics.append(m)

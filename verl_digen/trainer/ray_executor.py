@@ -50,6 +50,7 @@ class StepResults:
 
     rewards: dict[int, torch.Tensor] = field(default_factory=dict)  # group -> [G]
     reward_extras: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # name -> per-call values
+    rollout_rows: list[dict[str, Any]] = field(default_factory=list)  # digen.rollout_data_dir: one per sample
     versions: dict[int, int] = field(default_factory=dict)  # group -> weights version it was sampled with
     train: list[TrainResult] = field(default_factory=list)
     optimizer: list[OptimizerResult] = field(default_factory=list)  # one per PPO mini-batch
@@ -234,6 +235,7 @@ class RayPlanExecutor(PlanRunner):
                 res.rewards[g], res.versions[g] = out.of_group(g)
             for name, values in out.extra.items():
                 res.reward_extras.setdefault(name, []).append(values)
+            res.rollout_rows.extend(out.rollout_rows)
         elif task.kind == TaskKind.TRAIN:
             res.train.extend(result)
         elif task.kind == TaskKind.OPTIMIZER_STEP:

@@ -341,15 +341,18 @@ def output_dir_for(cfg: DigenConfig, trainer: VerlTrainerKeys) -> str:
     return check_directory(path, "digen.output_dir")
 
 
-def check_directory(path: str, key: str) -> str:
+def check_directory(path: str, key: str, *, create: bool = True) -> str:
     """Create the run directory ``key`` names (absolute path returned); a path that is, or lies
-    under, a regular file, or that cannot be created, is a :class:`ConfigError` naming both."""
+    under, a regular file, or that cannot be created, is a :class:`ConfigError` naming both.
+    ``create=False``: the first check only, writing nothing (:func:`check_run_config`)."""
     path = os.path.abspath(os.path.expanduser(path))
     probe = path
     while probe and not os.path.exists(probe):
         probe = os.path.dirname(probe)
     if probe and not os.path.isdir(probe):
         raise ConfigError(f"invalid config: {key}={path} cannot be a directory: {probe} is a file")
+    if not create:
+        return path
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
@@ -519,6 +522,8 @@ def check_run_config(config: Any, entry: str = DIGEN_MAIN, *, without_weights: b
         cfg.pass_rows(cluster.devices)  # colocated FSDP: the micro-batch must deal over every GPU
         records = resolve_prompt_records(cfg)
         val_records = resolve_prompt_records(cfg, cfg.validation.prompts)
+        if cfg.rollout_data_dir is not None:  # created by prepare_run
+            check_directory(cfg.rollout_data_dir, "digen.rollout_data_dir", create=False)
         preflight_reward(cfg)
         model_path, memory_plan, model_note = check_model(cfg, trainer, without_weights=without_weights)
         records, val_records, token_note = limit_prompt_tokens(cfg, model_path, records, val_records)
@@ -645,6 +650,8 @@ def prepare_run(config: Any, entry: str = DIGEN_MAIN) -> PreparedRun:
     cfg, trainer = checked.cfg, checked.trainer
     try:
         output_dir = output_dir_for(cfg, trainer)
+        if cfg.rollout_data_dir is not None:  # absolute: the workers that write there may run elsewhere
+            cfg.rollout_data_dir = check_directory(cfg.rollout_data_dir, "digen.rollout_data_dir")
         root = trainer.checkpoint_root
         resume_from, identity = None, None
         if not checked.emulated:

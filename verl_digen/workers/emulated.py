@@ -186,6 +186,7 @@ class EmulatedWorker:
         groups = slices[0].group_ids
         self._work(TaskKind.REWARD, groups=groups)
         rows = [(g, i) for g in groups for i in range(self.group_size)]
+        # No rollout_rows: there are no images to dump (digen.rollout_data_dir is refused with emulation).
         return RewardResult(
             group_id=TensorData([g for g, _ in rows], "int64"),
             rewards=TensorData([emulated_reward(g, i) for g, i in rows], "float32"),

@@ -82,6 +82,9 @@ class RewardResult:
     policy_version: torch.Tensor
     # the reward's per-sample extras (RewardFn.take_extras): name -> [B] float32, NaN where absent
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    # digen.rollout_data_dir set: each sample's jsonl row (its media already written by the
+    # worker), for the controller to write once the step is scored (workers/rollout_dump.py)
+    rollout_rows: tuple[dict[str, Any], ...] = ()
 
     def of_group(self, group: int) -> tuple[torch.Tensor, int]:
         """Group ``group``'s rewards ``[G]`` and the weights version it was sampled with."""

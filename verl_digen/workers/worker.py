@@ -441,12 +441,21 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         from verl_digen.models.base import pixels_from_uint8
 
         # Trajectories carry uint8 pixels; rewards take fp32 in [0, 1] (the same pixels, quantised).
-        rewards = self.reward_fn(pixels_from_uint8(data.batch["images"]), prompts, metadata)
+        pixels = pixels_from_uint8(data.batch["images"])
+        rewards = self.reward_fn(pixels, prompts, metadata).detach().float().cpu()
+        extras = self.reward_fn.take_extras()
+        rows: tuple[dict[str, Any], ...] = ()
+        if self.cfg.rollout_data_dir is not None:  # this worker holds the pixels: it writes them (rollout_dump.py)
+            from verl_digen.workers.rollout_dump import dump_samples
+
+            step = int(slices[0].meta_info["training_step"]) + 1  # veRL's global step, as metrics.jsonl's
+            rows = tuple(dump_samples(self.cfg.rollout_data_dir, step, pixels, data.non_tensor_batch, rewards, extras))
         return RewardResult(
             group_id=torch.tensor(data.non_tensor_batch["group_id"].astype(np.int64)),
-            rewards=rewards.detach().float().cpu(),
+            rewards=rewards,
             policy_version=torch.tensor(data.non_tensor_batch["policy_version"].astype(np.int64)),
-            extra=self.reward_fn.take_extras(),
+            extra=extras,
+            rollout_rows=rows,
         )
 
     def train_micro_batch(self, request: TrainRequest, *trajectories: DataProto) -> TrainResult:
