@@ -117,8 +117,9 @@ def run_distributed(scenario: str, world: int = 2, backend: str = "gloo", timeou
 # ---------------------------------------------------------------------- scenarios (in the ranks)
 
 
-def _scenario_lora_mean(rank: int, world: int) -> dict:
-    """LoRA, fp32, default mean reduction, one micro-batch per rank, SGD."""
+def _scenario_lora_mean(rank: int, world: int, cpu_offload: bool = False) -> dict:
+    """LoRA, fp32, default mean reduction, one micro-batch per rank, SGD; ``cpu_offload``:
+    FSDP2's host offload (digen.fsdp.param_offload), which must change no number."""
     from verl_digen.sync.state import trainable_state
 
     n_per_rank, lr = 3, 0.5
@@ -135,7 +136,7 @@ def _scenario_lora_mean(rank: int, world: int) -> dict:
     model = make_lora_model()
     names_before = [n for n, _ in model.named_parameters()]
     trainable_before = trainable_names(model)
-    apply_fsdp2(model, param_dtype=None)
+    apply_fsdp2(model, param_dtype=None, cpu_offload=cpu_offload)
     assert is_fsdp(model) and all(is_fsdp(b) for b in model.transformer_blocks)
     assert [n for n, _ in model.named_parameters()] == names_before, "FSDP2 must not rename parameters"
     assert trainable_names(model) == trainable_before
@@ -163,7 +164,12 @@ def _scenario_lora_mean(rank: int, world: int) -> dict:
         "full_names_equal": list(sync_full) == list(ref_full),
         "full_diff": max_diff(sync_full, {k: v.clone() for k, v in ref_full.items()}),
         "bucket_vs_full_tensor": bucket_vs_full_tensor,
+        "offload_policy": type(model._get_fsdp_state()._fsdp_param_group.offload_policy).__name__,
     }
+
+
+def _scenario_lora_mean_offload(rank: int, world: int) -> dict:
+    return _scenario_lora_mean(rank, world, cpu_offload=True)
 
 
 def _scenario_sum_accum_clip(rank: int, world: int) -> dict:
@@ -590,6 +596,7 @@ SCENARIOS = {
     "bf16_uncast_recompute": _scenario_bf16_uncast_recompute,
     "streamed_sync_state": _scenario_streamed_sync_state,
     "lora_mean": _scenario_lora_mean,
+    "lora_mean_offload": _scenario_lora_mean_offload,
     "sum_accum_clip": _scenario_sum_accum_clip,
     "flux_lora_checkpointing": _scenario_flux_lora_checkpointing,
     "bf16": _scenario_bf16,
@@ -658,9 +665,12 @@ def test_fsdp2_sync_state_streams_bucket_by_bucket() -> None:
 
 
 @pytest.mark.e2e
-def test_fsdp2_lora_two_ranks_matches_single_process() -> None:
-    results = run_distributed("lora_mean")
+@pytest.mark.parametrize("scenario", ["lora_mean", "lora_mean_offload"])
+def test_fsdp2_lora_two_ranks_matches_single_process(scenario) -> None:
+    """With and without FSDP2's host offload (veRL's param_offload): the same weights and sync state."""
+    results = run_distributed(scenario)
     for rank, r in results.items():
+        assert r["offload_policy"] == ("CPUOffloadPolicy" if scenario.endswith("offload") else "OffloadPolicy")
         assert r["weights_diff"] <= TOL, (rank, r["weights_diff"])
         assert r["frozen_grads"] == [], "frozen base weights must get no gradient"
         assert r["sync_names"] == r["ref_sync_names"]

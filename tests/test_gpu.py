@@ -47,8 +47,9 @@ def test_colocated_run_on_one_gpu(tmp_path, tiny_flux):
 
 @pytest.mark.e2e
 @needs_cuda
-@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full_kl"])
-def test_one_gpu_fsdp_colocated_run(tmp_path, tiny_flux, lora):
+@pytest.mark.parametrize(("lora", "offload"), [(True, False), (False, False), (True, True)],
+                         ids=["lora", "full_kl", "lora_param_offload"])
+def test_one_gpu_fsdp_colocated_run(tmp_path, tiny_flux, lora, offload):
     """One sharded rank on NCCL (a process group of one, bound to its GPU), bf16, the prompt cache
     warmed on the GPU; the full fine-tune with a KL reference builds the reference next to the
     sharded policy (issue 24 items 1, 3 and 8)."""
@@ -60,6 +61,8 @@ def test_one_gpu_fsdp_colocated_run(tmp_path, tiny_flux, lora):
                  "digen.progress_bar=false", f"digen.output_dir={tmp_path}/run"]
     if not lora:
         overrides += ["digen.model.lora.enable=false", "digen.algo.kl_beta=0.01"]
+    if offload:  # veRL's param_offload: FSDP2's CPUOffloadPolicy, generation through it too
+        overrides += ["digen.fsdp.param_offload=true"]
     result = run_training(compose_config(overrides))
     assert len(result.metrics) == 2
     for row in result.metrics:

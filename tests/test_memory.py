@@ -91,6 +91,12 @@ def test_plan_follows_the_knobs():
     assert trainer.phases["train"]["optimizer"] == 0 and trainer.phases["train"]["activations"] > 0
     assert trainer.phases["step"]["optimizer"] == pytest.approx(full.bytes["optimizer"], rel=1e-6)
     assert trainer.phases["step"]["activations"] == 0
+    # veRL's param_offload (FSDP2's CPUOffloadPolicy): weights, gradients and AdamW on the host;
+    # the GPU holds the blocks being computed and the activations.
+    host = _roles("flux_full_disaggregated", "digen.fsdp.param_offload=true")["trainer"]
+    assert host.phases["train"]["gradients"] == 0 and host.phases["train"]["optimizer"] == 0
+    assert host.phases["train"]["weights"] < 0.1 * full.phases["train"]["weights"]
+    assert host.phases["train"]["activations"] == full.phases["train"]["activations"]
     # True CFG doubles the rows of every forward (Qwen-Image's [cond; uncond] batch).
     off = "digen.model.gradient_checkpointing=false"
     cfg_on = _roles("qwen_image_disaggregated", off)["trainer"]

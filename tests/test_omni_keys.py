@@ -176,7 +176,6 @@ def test_guidance_scale_means_what_diffusers_means_for_the_family():
     ([f"{ARR}.model.extra_tokenizers={{t5: {{path: tokenizer_2, max_length: 256}}}}"],
      r"extra_tokenizers.t5.max_length=256 cannot apply: .*tokenizer_2 with 512 tokens"),
     ([f"{ARR}.rollout.pipeline.num_frames=81"], r"pipeline.num_frames=81 cannot apply: a veRL-Omni diffusion key"),
-    ([f"{ARR}.actor.fsdp_config.param_offload=True"], r"param_offload=True cannot apply: .*strategy=fsdp2"),
     ([f"{ARR}.actor.strategy=megatron"], r"strategy='megatron'; valid: fsdp2"),
     (["+trainer.rollout_data_dir=true"], r"trainer.rollout_data_dir=True; a directory to dump"),
     (["trainer.log_val_generations=-1"], r"log_val_generations=-1; a positive number"),
@@ -235,6 +234,12 @@ def test_optimizer_offload_maps_and_auto_parks_only_colocated():
     assert not trainers.optimizer_offloaded
     with pytest.raises(ConfigError, match=r"digen.model.optimizer_offload='sometimes'; valid: true, false, auto"):
         digen_config_from_dict(_resolved("digen.model.optimizer_offload=sometimes").digen)
+    # param_offload is FSDP's host offload: veRL's key turns FSDP2 on with it; digen's alone is refused.
+    both = digen_config_from_dict(_resolved(f"{ARR}.actor.fsdp_config.param_offload=True").digen)
+    assert both.fsdp.param_offload and both.fsdp.enable
+    with pytest.raises(ConfigError, match=r"digen.fsdp.param_offload=True; it is FSDP2's host offload: set "
+                                          r"digen.fsdp.enable=true too"):
+        digen_config_from_dict(_resolved("digen.fsdp.param_offload=true").digen)
 
 
 def test_strategy_and_log_val_generations_map_and_veRLs_defaults_set_nothing():

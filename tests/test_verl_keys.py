@@ -57,6 +57,8 @@ def test_verl_defaults_file_is_veRL_composed_ppo_trainer():
     ("data.max_prompt_length=77", "data.max_prompt_tokens", 77),
     ("data.filter_overlong_prompts=true", "data.filter_overlong_prompts", True),
     ("actor_rollout_ref.actor.fsdp_config.optimizer_offload=true", "model.optimizer_offload", "true"),
+    ("actor_rollout_ref.actor.fsdp_config.param_offload=true", "fsdp.param_offload", True),
+    ("actor_rollout_ref.actor.fsdp_config.param_offload=true", "fsdp.enable", True),
 ])
 def test_a_verl_key_sets_its_digen_setting(override, digen_key, value):
     digen = _resolved(override).digen
@@ -164,7 +166,6 @@ def test_custom_reward_takes_the_video_fps_from_digen_and_refuses_a_second_rewar
     ("actor_rollout_ref.actor.ppo_epochs=2", r"actor_rollout_ref.actor.ppo_epochs=2 cannot apply.*default 1"),
     ("algorithm.gamma=0.9", r"algorithm.gamma=0.9 cannot apply"),
     ("algorithm.adv_estimator=rloo", r"algorithm.adv_estimator='rloo'.*grpo"),
-    ("actor_rollout_ref.actor.fsdp_config.param_offload=true", r"param_offload=True cannot apply"),
     ("reward.reward_manager.name=dapo", r"reward.reward_manager.name='dapo'"),
     ("+actor_rollout_ref.foo=1", r"actor_rollout_ref.foo=1 cannot apply: it is not a veRL key"),
     ("trainer.device=npu", r"trainer.device='npu'; valid: cuda, cpu"),

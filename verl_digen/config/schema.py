@@ -427,6 +427,10 @@ class FsdpConfig:
 
     enable: bool = False
     reshard_after_forward: bool = True
+    # FSDP2's host offload (veRL's fsdp_config.param_offload): the sharded parameters, their
+    # gradients and the optimizer step on the host; each block's forward and backward copies its
+    # shard in. Less GPU memory, every forward pays the host link (generation too, colocated).
+    param_offload: bool = False
 
 
 @dataclass
@@ -658,6 +662,9 @@ class DigenConfig:
         fields = self.strategy_fields()
         for name, valid in strategy_violations(**fields, name=_STRATEGY_KEYS.__getitem__):
             _fail(_STRATEGY_KEYS[name], fields[name], valid)
+        if self.fsdp.param_offload and not self.fsdp.enable:
+            _fail("digen.fsdp.param_offload", True, "it is FSDP2's host offload: set digen.fsdp.enable=true too "
+                                                    "(veRL's fsdp_config.param_offload=true does)")
         if self.fsdp.enable:
             if self.tag.enable:
                 _fail("digen.tag.enable", True, "TAG with FSDP would make generation a trainer collective; not supported")

@@ -150,6 +150,10 @@ MAPPED: tuple[Mapped, ...] = (
            _prompt_files("data.train_files")),
     Mapped("data.val_files", "digen.validation.prompts", "validation prompts", _prompt_files("data.val_files")),
     Mapped("data.shuffle", "digen.data.shuffle", "shuffle the prompts every epoch"),
+    Mapped("actor_rollout_ref.actor.fsdp_config.param_offload", "digen.fsdp.param_offload",
+           "FSDP2's host offload: parameters, gradients and the optimizer step on the host"),
+    Mapped("actor_rollout_ref.actor.fsdp_config.param_offload", "digen.fsdp.enable",
+           "param_offload is FSDP's: it shards the training ranks with FSDP2 too"),
     Mapped("actor_rollout_ref.actor.fsdp_config.optimizer_offload", "digen.model.optimizer_offload",
            "the optimizer state on the host between optimizer steps (veRL's default false reads as unset: auto)",
            lambda v, _: "true" if v else "false"),
@@ -227,8 +231,6 @@ _MAIN_PPO_ONLY = ("ray_kwargs", "transfer_queue")
 _HINTS = {
     "actor_rollout_ref.rollout.name": "generation runs in diffusers inside verl-digen's workers; leave it unset (or hf)",
     "actor_rollout_ref.model.lora.rank": "use actor_rollout_ref.model.lora_rank",
-    "actor_rollout_ref.actor.fsdp_config.param_offload": "verl-digen does not park training weights on the host; "
-        "shard them over the trainers with actor_rollout_ref.actor.strategy=fsdp2 (digen.fsdp.enable=true)",
     "actor_rollout_ref.actor.clip_ratio_low": "verl-digen clips symmetrically: use actor_rollout_ref.actor.clip_ratio",
     "actor_rollout_ref.actor.clip_ratio_high": "verl-digen clips symmetrically: use actor_rollout_ref.actor.clip_ratio",
     "data.prompt_key": "verl-digen reads the prompt from the 'prompt' column (chat messages or a string)",

@@ -210,6 +210,7 @@ class JobShape:
     trainers_score: bool  # trainers generate under TAG with no reward pool: they build the reward too
     max_sequence_length: int | None = None  # text tokens per prompt (None: the pipeline's default)
     optimizer_offload: bool = False  # the optimizer state on the host except in the optimizer step
+    param_offload: bool = False  # FSDP2's CPUOffloadPolicy: parameter shards, gradients, optimizer on the host
 
 
 def model_config_path(path: str | None) -> str | None:
@@ -284,6 +285,7 @@ def job_shape(cfg: DigenConfig, *, devices_per_node: int, nnodes: int, model_pat
         trainers_score=disaggregated and cfg.tag.enable and cfg.pools.reward.devices == 0,
         max_sequence_length=cfg.model.max_sequence_length,
         optimizer_offload=cfg.optimizer_offloaded,
+        param_offload=cfg.fsdp.param_offload,
     )
 
 
@@ -444,6 +446,8 @@ def plan_roles(job: JobShape, gib: float) -> list[RolePlan]:
     reward = job.reward_bytes
 
     state = trained_state_bytes(job, params, param_bytes, lora_params)
+    if job.param_offload:  # FSDP2's CPUOffloadPolicy: every sharded tensor of training waits on the host
+        state = {k: 0 for k in state}
     grads = state["grads"] + state["master_grads"]
     # With optimizer_offload the state is on the GPU only in the optimizer step (PolicyUpdater
     # park_optimizer / unpark_optimizer): its own phase, with the gradients and no activations.
@@ -453,12 +457,12 @@ def plan_roles(job: JobShape, gib: float) -> list[RolePlan]:
     # Trainer weights: the model's own (sharded with FSDP, its buffers too) and a full fine-tune's
     # masters; with FSDP each rank all-gathers one block ahead of the one it computes (2 blocks
     # unsharded).
-    gather = 2 * block_bytes if f > 1 else 0
+    gather = 2 * block_bytes if (f > 1 or job.param_offload) else 0  # offloaded: copied in a unit ahead too
     train_weights = state["params"] + (dense_bytes - param_bytes) / f + state["masters"] + gather
     # A full fine-tune's frozen KL reference: sharded like the policy under FSDP (built from its
     # shards, workers/worker.py); without FSDP it waits on CPU and is on the GPU for each reference
     # forward of a training pass (PolicyUpdater._reference_weights), so training alone carries it.
-    kl_ref = dense_bytes / f if (job.kl_reference and f > 1) else 0
+    kl_ref = dense_bytes / f if (job.kl_reference and f > 1 and not job.param_offload) else 0
     kl_ref_in_training = dense_bytes if (job.kl_reference and f == 1) else 0
     encoders_resident = 0 if job.prompt_cache_releases else encoders
     # Generating roles (colocated, rollout): resident unless offloaded (workers/worker.py

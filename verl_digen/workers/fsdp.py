@@ -146,6 +146,7 @@ def apply_fsdp2(
     reshard_after_forward: bool = True,
     grad_reduce: Literal["mean", "sum"] = "mean",
     cast_forward_inputs: bool = True,
+    cpu_offload: bool = False,
 ) -> nn.Module:
     """Shard ``transformer`` with FSDP2: each block of :func:`block_modules`, then the root.
 
@@ -175,6 +176,9 @@ def apply_fsdp2(
             as ``PolicyUpdater.train_micro_batch`` does for the all-reduce it replaces).
             ``"sum"`` forces SUM collectives with no divide, which works on gloo and NCCL
             (a divide factor alone would use NCCL's PREMUL_SUM, which gloo rejects).
+        cpu_offload: FSDP2's ``CPUOffloadPolicy``: the sharded parameters, their gradients and
+            the optimizer step on the host (``digen.fsdp.param_offload``); the device holds only
+            the units being computed. Build the optimizer after, on the host parameters.
 
     Returns:
         ``transformer`` itself, now an ``FSDPModule`` (same class and attribute names).
@@ -185,6 +189,11 @@ def apply_fsdp2(
     forwards; no rank may skip a step with nothing to train (run a zero-weighted one instead).
     """
     fully_shard, FSDPModule, MixedPrecisionPolicy = _fsdp_api()
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    # FSDP2's own host offload (veRL's param_offload): sharded parameters, their gradients and the
+    # optimizer step live on the host; each unit's forward and backward copies its shard in.
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     if grad_reduce not in ("mean", "sum"):
         raise ValueError(f"grad_reduce={grad_reduce!r}; valid: 'mean', 'sum'")
     if is_fsdp(transformer):
@@ -201,8 +210,10 @@ def apply_fsdp2(
     )
     block_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     for block in block_modules(transformer):
-        fully_shard(block, mesh=mesh, mp_policy=block_policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(transformer, mesh=mesh, mp_policy=root_policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=mesh, mp_policy=block_policy, reshard_after_forward=reshard_after_forward,
+                    offload_policy=offload)
+    fully_shard(transformer, mesh=mesh, mp_policy=root_policy, reshard_after_forward=reshard_after_forward,
+                offload_policy=offload)
     if grad_reduce == "sum":
         for module in transformer.modules():
             if isinstance(module, FSDPModule):
@@ -212,7 +223,8 @@ def apply_fsdp2(
     return transformer
 
 
-def shard_for_training(transformer: nn.Module, *, reshard_after_forward: bool = True, mesh=None) -> nn.Module:
+def shard_for_training(transformer: nn.Module, *, reshard_after_forward: bool = True, mesh=None,
+                       cpu_offload: bool = False) -> nn.Module:
     """The workers' FSDP2 sharding of a denoiser (or of its frozen KL reference): parameters
     all-gathered in the dtypes they were loaded in (bf16 base, fp32 LoRA, the fp32 modules a
     diffusers model keeps) and no input casting, so that a sharded forward is the rollout's
@@ -226,6 +238,7 @@ def shard_for_training(transformer: nn.Module, *, reshard_after_forward: bool = 
         cast_forward_inputs=False,
         reshard_after_forward=reshard_after_forward,
         grad_reduce="sum",
+        cpu_offload=cpu_offload,
     )
 
 
@@ -244,7 +257,7 @@ def meta_copy(module: nn.Module) -> nn.Module:
 
 
 def shard_with_reference(transformer: nn.Module, *, reshard_after_forward: bool = True, mesh=None,
-                         reference: bool = True) -> nn.Module | None:
+                         reference: bool = True, cpu_offload: bool = False) -> nn.Module | None:
     """Shard ``transformer`` for training (:func:`shard_for_training`) and, with ``reference``,
     build its frozen KL reference (a full fine-tune's) from the shards: at most one dense copy of
     the model is ever on the device.
@@ -256,12 +269,12 @@ def shard_with_reference(transformer: nn.Module, *, reshard_after_forward: bool 
     no communication. Deep-copying the dense model first would hold two on each GPU at load
     (2 x 38 GiB for Qwen-Image). Returns the reference (frozen, eval) or None."""
     skeleton = meta_copy(transformer).requires_grad_(False).eval() if reference else None
-    shard_for_training(transformer, reshard_after_forward=reshard_after_forward, mesh=mesh)
+    shard_for_training(transformer, reshard_after_forward=reshard_after_forward, mesh=mesh, cpu_offload=cpu_offload)
     if skeleton is None:
         return None
     first = next(transformer.parameters())
     mesh = first.device_mesh if isinstance(first, _dtensor_cls()) else mesh
-    shard_for_training(skeleton, reshard_after_forward=reshard_after_forward, mesh=mesh)
+    shard_for_training(skeleton, reshard_after_forward=reshard_after_forward, mesh=mesh, cpu_offload=cpu_offload)
     skeleton.to_empty(device=_local(first).device)
     with torch.no_grad():
         sources = dict(transformer.named_parameters())

@@ -304,6 +304,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         self._check_fsdp_trainable_dtypes()
         kl_reference = self.cfg.algo.kl_beta > 0 and not self.cfg.model.lora.enable
         return shard_with_reference(self.adapter.transformer, reshard_after_forward=self.cfg.fsdp.reshard_after_forward,
+                                    cpu_offload=self.cfg.fsdp.param_offload,
                                     reference=kl_reference)
 
     def _train_settings(self) -> TrainSettings:
