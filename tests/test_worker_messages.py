@@ -208,3 +208,30 @@ def test_every_role_has_its_capabilities():
     assert ROLE_CAPABILITIES["rollout"].scores_without_reward_pool  # a reward pool scores instead
     assert ROLE_CAPABILITIES["trainer"].scores_when_generating  # TAG without a reward pool
     assert all(not c.offloads or c.trains for c in ROLE_CAPABILITIES.values())  # only training GPUs offload
+
+
+@pytest.mark.parametrize(("group_size", "micro_groups", "ranks"), [(4, 1, 2), (12, 2, 8), (12, 1, 4), (8, 3, 4), (6, 2, 3)])
+def test_each_fsdp_rank_is_sent_exactly_the_chunks_of_its_rows(group_size, micro_groups, ranks):
+    """Issue 24 item 9: a gang's ranks get only their generate-output chunks. The chunks the
+    executor sends rank r (``rank_chunks``, of the transformer call's rows ``gang_chunk_rows``)
+    hold exactly the rows the worker trains (``rank_rows``), in its order."""
+    from verl_digen.schedule.strategies import StrategySpec
+    from verl_digen.trainer.ray_executor import gang_chunk_rows, rank_chunks
+    from verl_digen.workers.sampling import rank_rows
+
+    spec = StrategySpec(placement="disaggregated", rollout_workers=1, trainer_workers=ranks, groups_per_step=micro_groups * 4,
+                        group_size=group_size, train_micro_batch_groups=micro_groups, fsdp=True, gap=True)
+    m = gang_chunk_rows(spec)
+    assert m >= 1 and group_size % m == 0
+    groups = tuple(range(10, 10 + micro_groups))
+    rows_of = {(g, s): k * group_size + s for k, g in enumerate(groups) for s in range(group_size)}
+    seen = []
+    for r in range(ranks):
+        chunks = rank_chunks(groups, group_size, m, r, ranks)
+        rows = [rows_of[(g, first + t)] for g, first in chunks for t in range(m)]
+        assert rows == rank_rows(micro_groups * group_size, m, r, ranks)
+        seen += rows
+    assert sorted(seen) == list(range(micro_groups * group_size))
+    unsharded = StrategySpec(placement="disaggregated", rollout_workers=1, trainer_workers=ranks, groups_per_step=4,
+                             group_size=group_size, gap=True)
+    assert gang_chunk_rows(unsharded) == 0  # whole outputs without a gang

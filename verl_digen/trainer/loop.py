@@ -35,7 +35,7 @@ from verl_digen.schedule.plan import TaskKind, WorkerId, group_ids
 from verl_digen.schedule.timeline import save_gantt
 from verl_digen.trainer import resolve, runtime
 from verl_digen.trainer.checkpoint import RunCheckpoints, locked_run_directories
-from verl_digen.trainer.ray_executor import RayPlanExecutor
+from verl_digen.trainer.ray_executor import RayPlanExecutor, gang_chunk_rows
 from verl_digen.workers.rollout_dump import write_step_rows
 
 
@@ -168,7 +168,8 @@ class DigenTrainer:
             self.spec = self._balanced_stages(actors)
         driver = StepDriver(
             self.spec,
-            lambda plan: RayPlanExecutor(plan, actors, std_mode=cfg.algo.std_mode, timeout_s=cfg.task_timeout_s),
+            lambda plan: RayPlanExecutor(plan, actors, std_mode=cfg.algo.std_mode, timeout_s=cfg.task_timeout_s,
+                                         chunk_rows=gang_chunk_rows(self.spec)),
             start_step=first, total_steps=last, tag_switch_s=cfg.tag.switch_cost_s,
             tsp_rebalance=self.spec.tsp_stages > 1 and cfg.tsp.balance,
         )

@@ -12,7 +12,7 @@ import dataclasses
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 import torch
@@ -40,6 +40,31 @@ _PHASE = {
 }
 
 
+if TYPE_CHECKING:
+    from verl_digen.schedule.strategies import StrategySpec
+
+
+def gang_chunk_rows(spec: StrategySpec) -> int:
+    """The rows per generate-output chunk for ``spec``'s executor: the transformer call's rows
+    (:func:`~verl_digen.schedule.strategies.call_rows`, what the workers' ``rank_rows`` deals) when
+    an FSDP gang of several ranks trains; 0 (whole outputs) otherwise."""
+    from verl_digen.schedule.strategies import call_rows
+
+    ranks = len(spec.trainers)
+    if not spec.fsdp or ranks < 2:
+        return 0
+    return call_rows(spec.group_size, spec.train_micro_batch_groups, ranks, spec.sample_split)
+
+
+def rank_chunks(groups: tuple[int, ...], group_size: int, chunk_rows: int, rank: int, ranks: int) -> list[tuple[int, int]]:
+    """The generate-output chunks ``(group, first sample)`` holding the rows FSDP rank ``rank`` of
+    ``ranks`` trains of a micro-batch of ``groups`` (its rows group-major): chunk ``c`` is rows
+    ``[c * chunk_rows, (c + 1) * chunk_rows)``, dealt round-robin as
+    :func:`~verl_digen.workers.sampling.rank_rows` deals them."""
+    per = group_size // chunk_rows
+    return [(groups[c // per], (c % per) * chunk_rows) for c in range(rank, len(groups) * per, ranks)]
+
+
 class WorkerFailure(RuntimeError):
     """A worker process died or a task on it raised; names the worker and its pool."""
 
@@ -65,14 +90,20 @@ class RayPlanExecutor(PlanRunner):
         *,
         std_mode: str,
         timeout_s: float,
+        chunk_rows: int = 0,
     ) -> None:
+        """``chunk_rows > 0`` (an FSDP gang of several ranks trains): final generate tasks return
+        one object per ``chunk_rows`` samples of one group (the transformer calls rank_rows deals
+        to the ranks), and each rank is sent its chunks only, not every rank every output."""
         super().__init__(plan)
         self.actors = actors
         self.std_mode = std_mode
         self.timeout_s = timeout_s
         self.prompts: dict[int, tuple[int, str]] = {}  # group -> (prompt index, prompt)
         self.metadata: dict[int, dict[str, Any]] = {}  # group -> its prompt's record (reaches the reward)
-        self.outputs: dict[str, ray.ObjectRef] = {}  # generate task id -> DataProto ref
+        self.chunk_rows = chunk_rows
+        self.outputs: dict[str, list[ray.ObjectRef]] = {}  # generate task id -> its output's refs
+        self.chunk_refs: dict[tuple[int, int], ray.ObjectRef] = {}  # (group, first sample) -> its chunk
         self.gen_of_group: dict[int, list[str]] = {}  # group -> its final generate tasks (sample slices)
         self.row_groups: dict[int, torch.Tensor] = {}
         self.results: dict[int, StepResults] = defaultdict(StepResults)
@@ -105,18 +136,29 @@ class RayPlanExecutor(PlanRunner):
         )
         # A TSP stage after the first takes the previous stage's in-flight state.
         prev = [d for d in task.deps if self.plan[d].kind == TaskKind.GENERATE]
-        args = [self.outputs.pop(prev[0])] if prev else []
-        ref = self.actors[task.worker].generate.remote(request, *args)
-        self.outputs[task.id] = ref
+        args = [self.outputs.pop(prev[0])[0]] if prev else []
+        per_group = task.images // len(task.groups)  # this task's samples of each group
+        chunks = len(task.groups) * per_group // self.chunk_rows if (self.chunk_rows and task.final) else 1
+        method = self.actors[task.worker].generate
+        if chunks > 1:
+            request = dataclasses.replace(request, chunk_rows=self.chunk_rows)
+            refs = list(method.options(num_returns=chunks).remote(request, *args))
+            first = task.samples[0] if task.samples is not None else 0
+            per = per_group // self.chunk_rows
+            for k, ref in enumerate(refs):
+                self.chunk_refs[(task.groups[k // per], first + (k % per) * self.chunk_rows)] = ref
+        else:
+            refs = [method.remote(request, *args)]
+        self.outputs[task.id] = refs
         if task.final:
             for g in task.groups:
                 self.gen_of_group.setdefault(g, []).append(task.id)
-        return [ref]
+        return refs
 
     def reward(self, task: Task) -> list[ray.ObjectRef]:
         """Score the groups once all their samples are in (every slice's trajectories, reassembled)."""
         gen_ids = self.gen_of_group[task.groups[0]]
-        return [self.actors[task.worker].compute_reward.remote(*[self.outputs[i] for i in gen_ids])]
+        return [self.actors[task.worker].compute_reward.remote(*[r for i in gen_ids for r in self.outputs[i]])]
 
     def advantages(self, task: Task) -> torch.Tensor:
         """GRPO: rewards normalised within each group (or over the step, ``std_mode=global``)."""
@@ -137,11 +179,17 @@ class RayPlanExecutor(PlanRunner):
         gen_ids = sorted({i for g in task.groups for i in self.gen_of_group[g]})
         part = tuple(task.train_part) if task.train_part is not None else None
         request = TrainRequest(groups=tuple(task.groups), advantages=self.advantages(task), train_part=part)
-        inputs = [self.outputs[i] for i in gen_ids]
+        inputs = [r for i in gen_ids for r in self.outputs[i]]
         if len(task.workers) == 1:
             return [self.actors[task.worker].train_micro_batch.remote(request, *inputs)]
         n = len(task.workers)  # FSDP gang: every rank, in lockstep, on its share of the samples
-        return [self.actors[w].train_micro_batch.remote(dataclasses.replace(request, row_part=(r, n)), *inputs)
+        if not self.chunk_rows:
+            return [self.actors[w].train_micro_batch.remote(dataclasses.replace(request, row_part=(r, n)), *inputs)
+                    for r, w in enumerate(task.workers)]
+        group_size = task.images // len(task.groups)
+        return [self.actors[w].train_micro_batch.remote(
+                    dataclasses.replace(request, row_part=(r, n), presliced=True),
+                    *[self.chunk_refs[c] for c in rank_chunks(task.groups, group_size, self.chunk_rows, r, n)])
                 for r, w in enumerate(task.workers)]
 
     def optimizer_step(self, task: Task) -> list[ray.ObjectRef]:
@@ -246,6 +294,8 @@ class RayPlanExecutor(PlanRunner):
             for g in [g for g, tids in self.gen_of_group.items() if self.plan[tids[0]].step == task.step]:
                 for tid in self.gen_of_group.pop(g):
                     self.outputs.pop(tid, None)
+                for key in [k for k in self.chunk_refs if k[0] == g]:
+                    del self.chunk_refs[key]
         elif task.kind == TaskKind.SYNC:
             res.sync.append(result[0])
 

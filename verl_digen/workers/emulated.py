@@ -170,6 +170,11 @@ class EmulatedWorker:
         if request.samples is not None:
             fields["samples"] = request.samples
         self._work(TaskKind.GENERATE, groups=groups, step=request.step, version=request.version, **fields)
+        if request.chunk_rows:  # one object per chunk of one group's samples, as the real worker returns
+            s0, s1 = request.samples or (0, self.group_size)
+            m = request.chunk_rows
+            return tuple(EmulatedTrajectories((g,), self.group_size, self.policy_version, (a, a + m))
+                         for g in groups for a in range(s0, s1, m))
         return EmulatedTrajectories(groups, self.group_size, self.policy_version, request.samples)
 
     def profile_step_costs(self, repeats: int = 2) -> dict[str, Any]:
@@ -183,7 +188,7 @@ class EmulatedWorker:
     def compute_reward(self, *slices: EmulatedTrajectories) -> RewardResult:
         """Whole groups: one generate output, or a group's sample slices. The vectors become
         tensors when the driver unpickles them (:class:`TensorData`)."""
-        groups = slices[0].group_ids
+        groups = tuple(dict.fromkeys(g for s in slices for g in s.group_ids))
         self._work(TaskKind.REWARD, groups=groups)
         rows = [(g, i) for g in groups for i in range(self.group_size)]
         # No rollout_rows: there are no images to dump (digen.rollout_data_dir is refused with emulation).

@@ -33,6 +33,9 @@ class GenerateRequest:
     every sample of the group carries to the reward. ``step``: the training step (it picks the
     SDE window). ``denoise = (start, end)``: only those denoising steps (a TSP stage); None: all.
     ``samples = (start, end)``: only that slice of each group's samples; None: all of them.
+    ``chunk_rows > 0`` (FSDP gangs; a final stage only): return one object per ``chunk_rows``
+    samples of one group, in (group, sample) order, so that each trainer rank deserialises only
+    the chunks it trains (:func:`verl_digen.workers.sampling.rank_rows` deals whole chunks).
     """
 
     group_ids: tuple[int, ...]
@@ -43,6 +46,7 @@ class GenerateRequest:
     version: int
     denoise: tuple[int, int] | None = None
     samples: tuple[int, int] | None = None
+    chunk_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -50,12 +54,15 @@ class TrainRequest:
     """Train one micro-batch: the rows of ``groups`` (in that order), ``advantages`` ``[rows]``
     one per row of the selection. ``train_part = (r, P)``: only the trained steps ``[r::P]``
     (TSP time-step split). ``row_part = (r, n)``: FSDP rank ``r`` of ``n`` trains its share of
-    the rows (:func:`verl_digen.workers.sampling.rank_rows`)."""
+    the rows (:func:`verl_digen.workers.sampling.rank_rows`). ``presliced``: the trajectories
+    passed are exactly that share (the generate outputs' chunks of this rank), not the whole
+    micro-batch; ``advantages`` stay the whole micro-batch's."""
 
     groups: tuple[int, ...]
     advantages: torch.Tensor
     train_part: tuple[int, int] | None = None
     row_part: tuple[int, int] | None = None
+    presliced: bool = False
 
 
 @dataclass(frozen=True)

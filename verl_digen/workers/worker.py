@@ -397,7 +397,10 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         denoise(self.adapter, state, self.settings, end)
         if end < self.settings.num_steps:
             return state
-        return finish_groups(self.adapter, state, self.settings)
+        out = finish_groups(self.adapter, state, self.settings)
+        if request.chunk_rows:  # one object per chunk of one group's samples (rows are group-major)
+            return tuple(out.split(request.chunk_rows))
+        return out
 
     def profile_step_costs(self, repeats: int = 2) -> dict[str, Any]:
         """Measured seconds of encode+noise (head), each denoising step, and decode (tail).
@@ -462,12 +465,20 @@ class DiffusionWorker(Worker, WeightSyncMixin):
     def train_micro_batch(self, request: TrainRequest, *trajectories: DataProto) -> TrainResult:
         """Accumulate the gradients of ``request.groups``' rows (selected from the trajectories)
         with ``request.advantages``, one per row of the selection."""
-        data = select_groups(trajectories, list(request.groups))
         advantages = request.advantages
-        if request.row_part is not None:  # FSDP gang: this rank's share of the micro-batch's samples
+        if request.row_part is None:
+            data = select_groups(trajectories, list(request.groups))
+        else:  # FSDP gang: this rank's share of the micro-batch's samples
             r, n = request.row_part
-            rows = rank_rows(len(data), self.settings.forward_rows, r, n)
-            data, advantages = data.select_idxs(rows), advantages[rows]
+            rows = rank_rows(len(advantages), self.settings.forward_rows, r, n)
+            advantages = advantages[rows]
+            if request.presliced:  # the executor sent this rank's chunks only
+                data = select_groups(trajectories, list(request.groups), partial=True)
+                if len(data) != len(rows):
+                    raise RuntimeError(f"rank {r} of {n} got {len(data)} rows of groups {list(request.groups)}; "
+                                       f"its share is {len(rows)}")
+            else:
+                data = select_groups(trajectories, list(request.groups)).select_idxs(rows)
         metrics = self.updater.train_micro_batch(data, advantages, part=request.train_part)
         versions = data.non_tensor_batch["policy_version"]
         return TrainResult(
@@ -716,9 +727,10 @@ def _no_updater(role: str):
     raise RuntimeError(f"a {role} worker has no policy updater (it does not train)")
 
 
-def select_groups(trajectories: tuple[DataProto, ...], groups: list[int]) -> DataProto:
+def select_groups(trajectories: tuple[DataProto, ...], groups: list[int], *, partial: bool = False) -> DataProto:
     """Rows of the given groups, in the order of ``groups`` and of each group's samples, from one
-    or more generate outputs (a group split over several rollout workers is in several)."""
+    or more generate outputs (a group split over several rollout workers is in several).
+    ``partial``: the trajectories may hold some of the groups only (an FSDP rank's chunks)."""
     rows: list[tuple[int, int, int, int]] = []  # (group position, sample index, trajectory, row)
     order = {g: k for k, g in enumerate(groups)}
     for t, data in enumerate(trajectories):
@@ -728,7 +740,7 @@ def select_groups(trajectories: tuple[DataProto, ...], groups: list[int]) -> Dat
             if int(gid) in order:
                 rows.append((order[int(gid)], int(samples[i]) if samples is not None else i, t, i))
     missing = set(groups) - {groups[r[0]] for r in rows}
-    if missing:
+    if missing and not (partial and rows):
         raise KeyError(f"groups {sorted(missing)} are in none of the trajectories passed to the trainer")
     rows.sort()
     parts = []  # one per run of consecutive rows from the same trajectory
