@@ -316,6 +316,8 @@ def _gather_row_sharded(tensors: list[Tensor]) -> list[Tensor]:
     group = mesh.get_group()
     locals_ = [t.to_local() for t in tensors]
     device, dtype = locals_[0].device, locals_[0].dtype
+    if mesh.device_type == "cuda" and device.type != "cuda":  # host-offloaded shards: gather on the GPU (NCCL)
+        device = torch.device("cuda", torch.cuda.current_device())
     layout = []  # (rows n, chunk c, row numel, offset in the per-rank buffer)
     offset = 0
     for t in tensors:

@@ -290,8 +290,12 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         cuda = torch.cuda.is_available()
         if not dist.is_initialized():
             extra = {"device_id": compute_device()} if cuda else {}
-            dist.init_process_group(backend="nccl" if cuda else "gloo", rank=self.rank,
-                                    world_size=self.world_size, **extra)
+            backend = "nccl" if cuda else "gloo"
+            if cuda and self.cfg.fsdp.param_offload:
+                # FSDP2's host offload keeps gradients on the host: their norm (clipping) is a
+                # collective over host tensors, which NCCL cannot run; gloo takes those.
+                backend = "cpu:gloo,cuda:nccl"
+            dist.init_process_group(backend=backend, rank=self.rank, world_size=self.world_size, **extra)
         self._pg = dist.group.WORLD
 
     def _shard_for_training(self) -> torch.nn.Module | None:
