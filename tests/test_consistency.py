@@ -103,13 +103,18 @@ def test_a_micro_batch_trains_in_passes_of_the_rollouts_calls_with_the_one_pass_
         data = _sample(adapter, settings)
         updater = PolicyUpdater(adapter, TrainSettings(algo=AlgoConfig(kl_beta=0.01), sampling=settings,
                                                        lora_only=False, images_per_step=len(data)))
-        calls = []
+        calls, visits = [], []
         # one hook call per backward through the transformer's output projection
         last = [m for m in adapter.transformer.modules() if isinstance(m, torch.nn.Linear)][-1]
         last.register_full_backward_hook(lambda *a: calls.append(1))
+        visit = updater._reference_on_device
+        updater._reference_on_device = lambda: (visits.append(1), visit())[1]
         metrics[rows] = updater.train_micro_batch(data, torch.tensor([1.0, -1.0, 0.5, -0.5]))
         grads[rows] = [p.grad.clone() for p in updater.params]
         backwards[rows] = len(calls)
+        # the KL reference's forwards of every step and pass in one visit of its weights (issue 24:
+        # an offloaded reference is copied in once per micro-batch, not per step and pass)
+        assert len(visits) == 1
     assert backwards[0] == 3 and backwards[2] == 6  # 3 trained steps x (1 pass, 2 passes)
     assert metrics[2]["actor/passes"] == 6.0 and metrics[0]["actor/passes"] == 3.0
     for a, b in zip(grads[0], grads[2]):

@@ -460,8 +460,8 @@ def plan_roles(job: JobShape, gib: float) -> list[RolePlan]:
     gather = 2 * block_bytes if (f > 1 or job.param_offload) else 0  # offloaded: copied in a unit ahead too
     train_weights = state["params"] + (dense_bytes - param_bytes) / f + state["masters"] + gather
     # A full fine-tune's frozen KL reference: sharded like the policy under FSDP (built from its
-    # shards, workers/worker.py); without FSDP it waits on CPU and is on the GPU for each reference
-    # forward of a training pass (PolicyUpdater._reference_weights), so training alone carries it.
+    # shards, workers/worker.py); without FSDP it waits in pinned host memory and is on the GPU for each
+    # micro-batch's reference forwards (PolicyUpdater._reference_means), so training alone carries it.
     kl_ref = dense_bytes / f if (job.kl_reference and f > 1 and not job.param_offload) else 0
     kl_ref_in_training = dense_bytes if (job.kl_reference and f == 1) else 0
     encoders_resident = 0 if job.prompt_cache_releases else encoders

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import math
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -162,7 +162,11 @@ class PolicyUpdater:
         if algo.kl_beta > 0 and not settings.lora_only and reference is None:
             self.reference = copy.deepcopy(module).requires_grad_(False).eval()
             if self.adapter.device.type == "cuda":
-                self.reference.to("cpu")  # a second full copy must not sit on the GPU between uses
+                # A second full copy must not sit on the GPU between uses: it waits in pinned host
+                # memory and is copied in once per micro-batch (_reference_on_device).
+                self.reference.to("cpu")
+                for t in (*self.reference.parameters(), *self.reference.buffers()):
+                    t.data = t.data.pin_memory()
                 self._reference_offloaded = True
         self.ema = None
         if settings.ema_decay is not None:
@@ -190,15 +194,39 @@ class PolicyUpdater:
         else:
             assert self.reference is not None
             saved = self.adapter.transformer
-            if self._reference_offloaded:
-                self.reference.to(self.adapter.device)
-            self.adapter.transformer = self.reference
-            try:
-                yield
-            finally:
-                self.adapter.transformer = saved
-                if self._reference_offloaded:
-                    self.reference.to("cpu")
+            with self._reference_on_device():
+                self.adapter.transformer = self.reference
+                try:
+                    yield
+                finally:
+                    self.adapter.transformer = saved
+
+    @contextmanager
+    def _reference_on_device(self):
+        """An offloaded reference on the GPU for one use: its pinned host tensors are copied in
+        (asynchronously) and put back after with no copy out: the reference never changes, so the
+        device copies are simply dropped."""
+        if not self._reference_offloaded:
+            yield
+            return
+        assert self.reference is not None
+        tensors = [*self.reference.parameters(), *self.reference.buffers()]
+        host = [t.data for t in tensors]
+        for t in tensors:
+            t.data = t.data.to(self.adapter.device, non_blocking=True)
+        try:
+            yield
+        finally:
+            for t, h in zip(tensors, host):
+                t.data = h
+
+    def _reference_means(self, data: DataProto, steps: list[int], passes: list[slice]) -> dict[tuple[int, int], torch.Tensor]:
+        """The KL reference's SDE means for every trained step and pass of a micro-batch, in one
+        visit of the reference weights: a full fine-tune's offloaded reference is copied in once
+        per micro-batch (not once per step and pass), LoRA's adapters are switched off once. The
+        same forwards as computed one by one, in the same order on every FSDP rank (lockstep)."""
+        with torch.no_grad(), self._reference_weights():
+            return {(j, k): self._step_terms(data, j, rows=rows).mean for j in steps for k, rows in enumerate(passes)}
 
     # ----------------------------------------------------------------- training
 
@@ -220,8 +248,9 @@ class PolicyUpdater:
             raise ValueError("every sample of a micro-batch must train the same steps")
         return [int(j) for j in torch.nonzero(cols).flatten()]
 
-    def _step_terms(self, data: DataProto, j: int, *, reference: bool = False, rows: slice = slice(None)):
-        """The SDE transition terms of recorded step ``j`` for the samples ``rows`` of ``data``."""
+    def _step_terms(self, data: DataProto, j: int, *, rows: slice = slice(None)):
+        """The SDE transition terms of recorded step ``j`` for the samples ``rows`` of ``data``
+        under the transformer the adapter holds (the reference's inside :meth:`_reference_weights`)."""
         device = self.adapter.device
         s = self.settings.sampling
         latents = data.batch["latents"][rows]
@@ -235,9 +264,8 @@ class PolicyUpdater:
         cond = {k: to_device(v[rows], device) for k, v in cond.items()}
         # a per-sample negative conditioning has a row per sample; a shared one (one row) is kept whole
         neg = {k: to_device(v[rows] if v.shape[0] == n else v, device) for k, v in neg.items()} if neg else None
-        ctx = self._reference_weights() if reference else nullcontext()
-        with ctx:  # no autocast, the same transformer calls as the rollout's denoise()
-            v = velocity_in_chunks(self.adapter, x, sig, cond, s.spec, neg, s.forward_rows)
+        # no autocast, the same transformer calls as the rollout's denoise()
+        v = velocity_in_chunks(self.adapter, x, sig, cond, s.spec, neg, s.forward_rows)
         return sde_step_with_logprob(
             v, x, sig, sig_next, noise_level=s.noise_level, sde_type=s.sde_type, prev_sample=x_next
         )
@@ -277,15 +305,13 @@ class PolicyUpdater:
         sums = torch.zeros(len(LOSS_METRICS), dtype=torch.float64, device=device)
         self.adapter.transformer.train()
         passes = self.passes(n)
+        ref_means = self._reference_means(data, steps, passes) if algo.kl_beta > 0 else {}
         for j in steps:
-            for rows in passes:
+            for k, rows in enumerate(passes):
                 weight = (rows.stop - rows.start) / n
                 out = self._step_terms(data, j, rows=rows)
                 old = to_device(old_all[rows, j], device)
-                ref_mean = None
-                if algo.kl_beta > 0:
-                    with torch.no_grad():
-                        ref_mean = self._step_terms(data, j, reference=True, rows=rows).mean
+                ref_mean = ref_means.get((j, k))
                 loss = flow_grpo_loss(
                     out.log_prob, old, adv[rows], clip_range=algo.clip_range, adv_clip_max=algo.adv_clip_max,
                     kl_beta=algo.kl_beta, mean=out.mean if algo.kl_beta > 0 else None, ref_mean=ref_mean,
