@@ -306,3 +306,27 @@ def test_full_fine_tune_state_is_what_the_trainer_holds(tiny_flux, kl_beta):
     assert reference == (dense if kl_beta else 0)  # the reference copy is one dense model
     assert train["weights"] == held["params"] + buffers + held["masters"] + reference
     assert plan.phases["sync"]["weights"] == held["params"] + buffers + held["masters"]  # the reference waits on CPU
+
+
+def test_trainers_park_the_optimizer_state_exactly_when_that_spares_checkpointing():
+    """``digen.model.optimizer_offload=auto`` of a disaggregated run: the trainers keep the
+    optimizer state on the host between steps exactly when a training pass then fits without
+    activation checkpointing and does not with the state resident (a recomputed forward per
+    pass costs far more than a host round trip per step); fused workers always park it. The
+    cost model decides by the same rule (tests/test_sim.py)."""
+    from verl_digen.memory import decide_checkpointing, decide_optimizer_offload
+
+    def decided(*overrides: str) -> tuple[bool, bool]:
+        d, c = _digen("flux_full_disaggregated", "digen.model.gradient_checkpointing=auto", *overrides)
+        dev = dict(devices_per_node=c.trainer.n_gpus_per_node, nnodes=c.trainer.nnodes)
+        return decide_optimizer_offload(d, **dev), decide_checkpointing(d, **dev)
+
+    # FLUX 12B over 4 trainers: 60 GiB of state per rank; AdamW's 24 of it parked, a pass fits.
+    assert decided() == (True, False)
+    assert decided("digen.model.optimizer_offload=false") == (False, True)
+    # Smaller passes fit next to the resident state: nothing to spare, nothing parked.
+    assert decided("digen.sampling.height=256", "digen.sampling.width=256") == (False, False)
+    assert decided("digen.model.gradient_checkpointing=true")[0] is False
+    colocated, c = _digen("flux_full_disaggregated", "digen.placement=colocated", "digen.async.max_staleness=0",
+                          "digen.gap.enable=false")
+    assert decide_optimizer_offload(colocated, devices_per_node=8) is True

@@ -719,3 +719,29 @@ def test_the_optimizer_step_is_charged_the_host_snapshot_the_trainer_copies(cata
     assert fused.snapshot_seconds(dev, one_pool) == 0.0 and fused.state_stream_seconds(dev, fused_group) == 0.0
     fused_engine = fused.with_system(dataclasses.replace(fused.system, always_sharded=True))
     assert fused.optimizer_seconds(dev, fused_group) == pytest.approx(fused_engine.optimizer_seconds(dev, fused_group))
+
+
+def test_trainers_park_the_optimizer_state_exactly_when_that_spares_checkpointing(catalog):
+    """The cost model's side of ``digen.model.optimizer_offload=auto`` (the memory planner's:
+    tests/test_memory.py): a disaggregated trainer parks its AdamW state exactly when a pass
+    then fits without checkpointing and does not with the state resident, and pays the host
+    round trip in its optimizer task; forced either way by the workload; fused workers never
+    (their parking is the system's switch)."""
+    split = Cluster({"trainer": PoolPlacement(8, 1, "H800"), "rollout": PoolPlacement(8, 1, "H800")})
+    dev = catalog.devices["H800"]
+    full = _costs(catalog, "flux-12b", lora=False).with_workload(call_rows=3)
+    group = full.train_group(split)
+    cap = dev.hbm_gb * 1e9 * full.system.memory_headroom
+    assert full.training_bytes(dev, group, "trainer", False, parked=False) > cap
+    assert full.training_bytes(dev, group, "trainer", False, parked=True) <= cap
+    assert full.optimizer_parked(dev, group) is True and full.checkpointing(dev, group) is False
+    resident = full.with_workload(optimizer_offload=False)
+    assert resident.checkpointing(dev, group) is True
+    trip = 2 * full.optimizer_shard_bytes(group) / (dev.host_link_gbps * 1e9)
+    assert full.optimizer_task_seconds(dev, group) == pytest.approx(resident.optimizer_task_seconds(dev, group) + trip)
+    assert full.optimizer_seconds(dev, group) == pytest.approx(resident.optimizer_seconds(dev, group) + trip)
+    assert full.train_seconds(12, dev, group) < resident.train_seconds(12, dev, group)  # no recomputed forward
+    # small passes fit with the state resident: nothing parked
+    assert full.with_workload(call_rows=1).optimizer_parked(dev, group) is False
+    fused = Cluster({"fused": PoolPlacement(16, 2, "H800")})
+    assert full.optimizer_parked(dev, full.train_group(fused), "fused") is False

@@ -15,6 +15,7 @@ from verl_digen.memory.plan import (
     check_job_memory,
     decide_checkpointing,
     decide_encoder_offload,
+    decide_optimizer_offload,
     plan_job,
 )
 

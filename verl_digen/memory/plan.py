@@ -224,11 +224,13 @@ def model_config_path(path: str | None) -> str | None:
 
 
 def job_shape(cfg: DigenConfig, *, devices_per_node: int, nnodes: int, model_path: str | None = None,
-              checkpointing: bool | None = None, encoders_offloaded: bool | None = None) -> JobShape:
+              checkpointing: bool | None = None, encoders_offloaded: bool | None = None,
+              optimizer_offload: bool | None = None) -> JobShape:
     """Resolve ``cfg`` on a cluster of ``nnodes`` x ``devices_per_node`` GPUs; ``checkpointing``
     overrides ``digen.model.gradient_checkpointing`` (an ``auto`` left undecided plans without),
     ``encoders_offloaded`` ``digen.model.offload_text_encoders`` (undecided: resident, as the
-    workers then keep them)."""
+    workers then keep them), ``optimizer_offload`` ``digen.model.optimizer_offload`` (None: as
+    ``cfg`` says; an ``auto`` of a disaggregated run left undecided keeps the state resident)."""
 
     config_path = model_config_path(model_path if model_path is not None else cfg.model.path)
     family = cfg.model.arch
@@ -284,7 +286,7 @@ def job_shape(cfg: DigenConfig, *, devices_per_node: int, nnodes: int, model_pat
         # the worker's rule (DiffusionWorker._generates_without_reward_pool)
         trainers_score=disaggregated and cfg.tag.enable and cfg.pools.reward.devices == 0,
         max_sequence_length=cfg.model.max_sequence_length,
-        optimizer_offload=cfg.optimizer_offloaded,
+        optimizer_offload=cfg.optimizer_offloaded if optimizer_offload is None else optimizer_offload,
         param_offload=cfg.fsdp.param_offload,
     )
 
@@ -606,8 +608,29 @@ def decide_checkpointing(cfg: DigenConfig, *, devices_per_node: int, nnodes: int
     The cost model decides the same way (``sim.cost_model.CostModel.checkpointing``)."""
     if cfg.model.checkpointing is not None:
         return cfg.model.checkpointing
-    job = job_shape(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path, checkpointing=False)
+    parked = decide_optimizer_offload(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path)
+    job = job_shape(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path, checkpointing=False,
+                    optimizer_offload=parked)
     return not training_fits(plan_roles(job, device_gib(cfg)))
+
+
+def decide_optimizer_offload(cfg: DigenConfig, *, devices_per_node: int, nnodes: int = 1,
+                             model_path: str | None = None) -> bool:
+    """``digen.model.optimizer_offload`` as the run applies it: the setting when ``true`` or
+    ``false``; for ``auto``, parked for fused workers (they generate between steps), and for
+    disaggregated trainers exactly when parking lets a training pass run without activation
+    checkpointing (``gradient_checkpointing=auto``): a recomputed forward costs far more than a
+    host round trip of the optimizer state per step. The cost model decides the same way
+    (``sim.cost_model.CostModel.optimizer_parked``)."""
+    if cfg.model.optimizer_offload != "auto" or cfg.placement == "colocated":
+        return cfg.optimizer_offloaded
+    if cfg.model.checkpointing is not None:
+        return False
+    gib = device_gib(cfg)
+    shape = dict(devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path, checkpointing=False)
+    if training_fits(plan_roles(job_shape(cfg, **shape, optimizer_offload=False), gib)):
+        return False
+    return training_fits(plan_roles(job_shape(cfg, **shape, optimizer_offload=True), gib))
 
 
 def decide_encoder_offload(cfg: DigenConfig, *, devices_per_node: int, nnodes: int = 1,
@@ -622,8 +645,9 @@ def decide_encoder_offload(cfg: DigenConfig, *, devices_per_node: int, nnodes: i
     if cfg.prompt_cache.enable and cfg.prompt_cache.release_encoders:
         return False
     checkpointing = decide_checkpointing(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path)
+    parked = decide_optimizer_offload(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path)
     job = job_shape(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path,
-                    checkpointing=checkpointing, encoders_offloaded=False)
+                    checkpointing=checkpointing, encoders_offloaded=False, optimizer_offload=parked)
     return not all(p.peak_gib <= p.device_gib for p in plan_roles(job, device_gib(cfg))
                    if p.role in ("colocated", "rollout"))
 
@@ -634,8 +658,9 @@ def plan_job(cfg: DigenConfig, *, devices_per_node: int, nnodes: int = 1, model_
     :func:`decide_encoder_offload` apply)."""
     checkpointing = decide_checkpointing(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path)
     offloaded = decide_encoder_offload(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path)
+    parked = decide_optimizer_offload(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path)
     job = job_shape(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path,
-                    checkpointing=checkpointing, encoders_offloaded=offloaded)
+                    checkpointing=checkpointing, encoders_offloaded=offloaded, optimizer_offload=parked)
     return plan_roles(job, device_gib(cfg))
 
 

@@ -256,6 +256,10 @@ class Workload:
     optimizer_tasks: int = 1
     text_tokens: int | None = None  # prompt tokens in the sequence; None: the model profile's
     reward: str | None = None  # reward profile; None: the model profile's
+    # A disaggregated trainer pool's optimizer state on the host between optimizer steps
+    # (digen.model.optimizer_offload); None: auto, parked exactly when that spares a training
+    # pass its activation checkpointing (memory.plan.decide_optimizer_offload).
+    optimizer_offload: bool | None = None
 
     @property
     def cfg_factor(self) -> int:
@@ -692,10 +696,28 @@ class CostModel:
             return s.grad_bytes_per_param
         return s.held_grad_bytes_per_param or s.grad_bytes_per_param
 
-    def state_bytes_per_rank(self, group: TrainGroup) -> float:
+    def state_bytes_per_rank(self, group: TrainGroup, parked: bool = False) -> float:
+        """A training rank's weights, gradients and (unless ``parked`` on the host) optimizer state."""
         s = self.system
-        held = self.held_grad_bytes_per_param() + s.optimizer_bytes_per_param
+        held = self.held_grad_bytes_per_param() + (0.0 if parked else s.optimizer_bytes_per_param)
         return (self.param_bytes + held * self.trainable_params) / group.shard
+
+    def optimizer_parked(self, dev: DeviceProfile, group: TrainGroup, pool: str = "trainer") -> bool:
+        """Whether a disaggregated trainer keeps its optimizer state on the host between optimizer
+        steps (``workers/training.py: park_optimizer``): as the workload says, else (auto) exactly
+        when a training pass then fits without activation checkpointing and does not with the
+        state resident, the rule of ``memory.plan.decide_optimizer_offload``. Fused workers' parking
+        is the system's switch (``optimizer_offload``), charged where they switch."""
+        if pool != "trainer" or not group.sends or self.system.train_micro_batch:
+            return False  # (a system sizing its own passes to memory is not this runtime)
+        w = self.workload
+        if w.optimizer_offload is not None:
+            return w.optimizer_offload
+        if self.gradient_checkpointing is not None:
+            return False
+        cap = dev.hbm_gb * GB * self.system.memory_headroom
+        return (self.training_bytes(dev, group, pool, False, parked=False) > cap
+                >= self.training_bytes(dev, group, pool, False, parked=True))
 
     def param_shard_bytes(self, group: TrainGroup) -> float:
         """The training weights one rank holds: bf16 weights, fp32 for the trainable ones."""
@@ -753,10 +775,14 @@ class CostModel:
             return self.reward_weight_bytes()
         return 0.0
 
-    def training_bytes(self, dev: DeviceProfile, group: TrainGroup, pool: str, checkpointing: bool) -> float:
-        """Peak bytes of one rank in a training pass: its training state, a resident reward
-        model, and one pass's activations."""
-        return (self.state_bytes_per_rank(group) + self.resident_reward_bytes(pool)
+    def training_bytes(self, dev: DeviceProfile, group: TrainGroup, pool: str, checkpointing: bool,
+                       parked: bool | None = None) -> float:
+        """Peak bytes of one rank in a training pass: its training state (the optimizer's unless
+        ``parked``; None: :meth:`optimizer_parked`), a resident reward model, and one pass's
+        activations."""
+        if parked is None:
+            parked = self.optimizer_parked(dev, group, pool)
+        return (self.state_bytes_per_rank(group, parked) + self.resident_reward_bytes(pool)
                 + self.pass_batch(dev, group, pool) * self.activation_bytes_per_sample(checkpointing))
 
     def checkpointing(self, dev: DeviceProfile, group: TrainGroup, pool: str = "trainer") -> bool:
@@ -901,8 +927,10 @@ class CostModel:
         """The step's optimizer work: one Adam update per PPO mini-batch, plus the system's
         per-step overhead (charged here: every training rank waits for it)."""
         s = self.system
+        parked = self.optimizer_parked(dev, group)
+        round_trips = self.workload.optimizer_tasks * 2.0 * self.optimizer_shard_bytes(group) / (dev.host_link_gbps * GB)
         return self.workload.mini_batches * self.update_seconds(dev, group) + s.step_fixed_s + \
-            self.state_stream_seconds(dev, group)
+            self.state_stream_seconds(dev, group) + (round_trips if parked else 0.0)
 
     def optimizer_task_seconds(self, dev: DeviceProfile, group: TrainGroup, mini_batch: int = 0) -> float:
         """One OPTIMIZER_STEP task of the plan, the step of mini-batch ``mini_batch``: its share of
@@ -912,6 +940,8 @@ class CostModel:
         :meth:`optimizer_seconds`."""
         w = self.workload
         t = w.mini_batches // w.optimizer_tasks * self.update_seconds(dev, group)
+        if self.optimizer_parked(dev, group):  # the state comes in for the step and goes back
+            t += 2.0 * self.optimizer_shard_bytes(group) / (dev.host_link_gbps * GB)
         if mini_batch == w.optimizer_tasks - 1:
             t += self.system.step_fixed_s + self.state_stream_seconds(dev, group)
         return t

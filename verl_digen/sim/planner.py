@@ -475,6 +475,11 @@ def hydra_overrides(candidate: Candidate, costs: CostModel, inventory: Inventory
         out += ["digen.sampling.sde_window.mode=random", f"digen.sampling.sde_window.size={w.sde_window}"]
     out.append(f"digen.sampling.timestep_fraction={w.timestep_fraction}")
     out.append(f"digen.model.lora.enable={'true' if w.lora else 'false'}")
+    if spec.placement == "disaggregated":  # what the simulation assumed, not left to the run's own auto
+        spec_costs = costs.for_spec(spec)
+        trainers = candidate.pools["trainer"]
+        parked = spec_costs.optimizer_parked(spec_costs.device(trainers.device), spec_costs.train_group(candidate.cluster))
+        out.append(f"digen.model.optimizer_offload={'true' if parked else 'false'}")
     return out
 
 

@@ -571,6 +571,15 @@ def check_model(cfg: DigenConfig, trainer: VerlTrainerKeys, *, without_weights: 
     real_size = shipped or cfg.model.path is not None
     plan_path = None if shipped else model_path
     devices = dict(devices_per_node=trainer.n_gpus_per_node, nnodes=trainer.nnodes)
+    if cfg.model.optimizer_offload == "auto" and cfg.placement == "disaggregated":
+        # digen.model.optimizer_offload=auto of trainers, decided here once (before checkpointing,
+        # which it can make unnecessary): parked exactly when that spares the recomputed forward.
+        parked = False
+        if real_size:
+            from verl_digen.memory import decide_optimizer_offload
+
+            parked = decide_optimizer_offload(cfg, **devices, model_path=plan_path)
+        cfg.model.optimizer_offload = "true" if parked else "false"
     if cfg.model.checkpointing is None:
         # digen.model.gradient_checkpointing=auto, decided here once for every worker: on when a
         # training pass would not fit the GPU without it (the memory plan at this model's size).
