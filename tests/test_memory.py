@@ -326,7 +326,7 @@ def test_trainers_park_the_optimizer_state_exactly_when_that_spares_checkpointin
     assert decided("digen.model.optimizer_offload=false") == (False, True)
     # Smaller passes fit next to the resident state: nothing to spare, nothing parked.
     assert decided("digen.sampling.height=256", "digen.sampling.width=256") == (False, False)
-    assert decided("digen.model.gradient_checkpointing=true")[0] is False
+    assert decided("digen.model.gradient_checkpointing=true")[0] is False  # fits checkpointed with the state resident
     colocated, c = _digen("flux_full_disaggregated", "digen.placement=colocated", "digen.async.max_staleness=0",
                           "digen.gap.enable=false")
     assert decide_optimizer_offload(colocated, devices_per_node=8) is True

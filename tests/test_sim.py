@@ -743,5 +743,10 @@ def test_trainers_park_the_optimizer_state_exactly_when_that_spares_checkpointin
     assert full.train_seconds(12, dev, group) < resident.train_seconds(12, dev, group)  # no recomputed forward
     # small passes fit with the state resident: nothing parked
     assert full.with_workload(call_rows=1).optimizer_parked(dev, group) is False
+    # where even checkpointed passes fit only parked (Wan 14B, 8 trainers), parking is what fits
+    wan = _costs(catalog, "wan2.1-14b", lora=False).with_workload(call_rows=1)
+    g = wan.train_group(split)
+    assert wan.training_bytes(dev, g, "trainer", True, parked=False) > cap >= wan.training_bytes(dev, g, "trainer", True, parked=True)
+    assert wan.optimizer_parked(dev, g) is True and wan.checkpointing(dev, g) is True
     fused = Cluster({"fused": PoolPlacement(16, 2, "H800")})
     assert full.optimizer_parked(dev, full.train_group(fused), "fused") is False

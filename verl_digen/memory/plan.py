@@ -618,19 +618,23 @@ def decide_optimizer_offload(cfg: DigenConfig, *, devices_per_node: int, nnodes:
                              model_path: str | None = None) -> bool:
     """``digen.model.optimizer_offload`` as the run applies it: the setting when ``true`` or
     ``false``; for ``auto``, parked for fused workers (they generate between steps), and for
-    disaggregated trainers exactly when parking lets a training pass run without activation
-    checkpointing (``gradient_checkpointing=auto``): a recomputed forward costs far more than a
-    host round trip of the optimizer state per step. The cost model decides the same way
-    (``sim.cost_model.CostModel.optimizer_parked``)."""
+    disaggregated trainers exactly when parking lets training run with less: for each
+    checkpointing choice allowed (``gradient_checkpointing`` as set, else without then with),
+    resident if a pass fits so, else parked if it fits parked. A recomputed forward per pass costs
+    far more than a host round trip of the optimizer state per step. The cost model decides the
+    same way (``sim.cost_model.CostModel.optimizer_parked``)."""
     if cfg.model.optimizer_offload != "auto" or cfg.placement == "colocated":
         return cfg.optimizer_offloaded
-    if cfg.model.checkpointing is not None:
-        return False
     gib = device_gib(cfg)
-    shape = dict(devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path, checkpointing=False)
-    if training_fits(plan_roles(job_shape(cfg, **shape, optimizer_offload=False), gib)):
-        return False
-    return training_fits(plan_roles(job_shape(cfg, **shape, optimizer_offload=True), gib))
+    configured = cfg.model.checkpointing
+    for checkpointing in ((False, True) if configured is None else (configured,)):
+        shape = dict(devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path,
+                     checkpointing=checkpointing)
+        if training_fits(plan_roles(job_shape(cfg, **shape, optimizer_offload=False), gib)):
+            return False
+        if training_fits(plan_roles(job_shape(cfg, **shape, optimizer_offload=True), gib)):
+            return True
+    return False
 
 
 def decide_encoder_offload(cfg: DigenConfig, *, devices_per_node: int, nnodes: int = 1,

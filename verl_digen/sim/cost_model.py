@@ -705,19 +705,23 @@ class CostModel:
     def optimizer_parked(self, dev: DeviceProfile, group: TrainGroup, pool: str = "trainer") -> bool:
         """Whether a disaggregated trainer keeps its optimizer state on the host between optimizer
         steps (``workers/training.py: park_optimizer``): as the workload says, else (auto) exactly
-        when a training pass then fits without activation checkpointing and does not with the
-        state resident, the rule of ``memory.plan.decide_optimizer_offload``. Fused workers' parking
+        when that lets a training pass run with less: for each checkpointing choice allowed (the
+        configured one, else without then with), resident if a pass fits so, else parked if it
+        fits parked; the rule of ``memory.plan.decide_optimizer_offload``. Fused workers' parking
         is the system's switch (``optimizer_offload``), charged where they switch."""
         if pool != "trainer" or not group.sends or self.system.train_micro_batch:
             return False  # (a system sizing its own passes to memory is not this runtime)
         w = self.workload
         if w.optimizer_offload is not None:
             return w.optimizer_offload
-        if self.gradient_checkpointing is not None:
-            return False
         cap = dev.hbm_gb * GB * self.system.memory_headroom
-        return (self.training_bytes(dev, group, pool, False, parked=False) > cap
-                >= self.training_bytes(dev, group, pool, False, parked=True))
+        configured = self.gradient_checkpointing
+        for checkpointing in ((False, True) if configured is None else (configured,)):
+            if self.training_bytes(dev, group, pool, checkpointing, parked=False) <= cap:
+                return False
+            if self.training_bytes(dev, group, pool, checkpointing, parked=True) <= cap:
+                return True
+        return False
 
     def param_shard_bytes(self, group: TrainGroup) -> float:
         """The training weights one rank holds: bf16 weights, fp32 for the trainable ones."""
