@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from raylets import free_ports as _free_ports
 from raylets import ray_start as _ray_start
 from raylets import stop as _stop
-from runs import QUIET, metrics_lines, run
+from runs import QUIET, metrics_lines, ray_auth_follows_env, run
 from verl_digen.config.schema import ConfigError
 from verl_digen.placement.pools import (
     ClusterSpec,
@@ -282,6 +282,9 @@ def test_pools_of_an_accelerator_type_run_on_the_nodes_of_that_type(typed_cluste
     the fix the bundles asked for a resource named ``L40S`` and the job waited until it timed out)."""
     monkeypatch.setenv("RAY_ADDRESS", typed_cluster)
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    # an earlier local ray.init of this worker left Ray's cached mode at token: this driver's own
+    # server would then refuse the open cluster's workers (its actors never start)
+    ray_auth_follows_env()
     result = run(tmp_path, "typed", *TYPED, "digen.pools.rollout.accelerator_type=L40S",
                  "digen.pools.trainer.accelerator_type=H100", "digen.task_timeout_s=300")
     workers = json.loads(open(os.path.join(result.output_dir, "workers.json")).read())
@@ -299,6 +302,9 @@ def test_pools_of_an_accelerator_type_run_on_the_nodes_of_that_type(typed_cluste
 def test_a_type_the_cluster_lacks_is_named_before_ray_waits(typed_cluster, tmp_path, tiny_flux, monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", typed_cluster)
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    # an earlier local ray.init of this worker left Ray's cached mode at token: this driver's own
+    # server would then refuse the open cluster's workers (its actors never start)
+    ray_auth_follows_env()
     with pytest.raises(ConfigError, match=r"digen.pools.rollout.accelerator_type='A100'; no node of the Ray cluster "
                                           r"has the resource 'accelerator_type:A100'. Accelerator types of its nodes: "
                                           r"H100, L40S"):

@@ -34,7 +34,8 @@ def test_flux_phases_on_the_tiny_model_measure_every_phase_and_stay_on_policy(ti
     rv = out["rollout_vs_pipeline"]
     assert rv["ours_images_per_s"] > 0 and rv["pipeline_images_per_s"] > 0
     # predictions for the same shape from both models, compared phase by phase
-    assert set(out["memory_plan"]) == {"load", "warm", "generate", "decode", "train"}
+    # (a fused worker parks its optimizer state between steps: the step has a phase of its own)
+    assert set(out["memory_plan"]) == {"load", "warm", "generate", "decode", "train", "step"}
     assert out["comparison"]["generate"]["predicted_seconds"] > 0
     assert out["sync_bytes"] > 0 and out["text_encoder_bytes_freed"] > 0
 

@@ -143,12 +143,13 @@ class RayPlanExecutor(PlanRunner):
         if chunks > 1:
             request = dataclasses.replace(request, chunk_rows=self.chunk_rows)
             refs = list(method.options(num_returns=chunks).remote(request, *args))
+        else:
+            refs = [method.remote(request, *args)]
+        if self.chunk_rows and task.final:  # one chunk: the whole output is it
             first = task.samples[0] if task.samples is not None else 0
             per = per_group // self.chunk_rows
             for k, ref in enumerate(refs):
                 self.chunk_refs[(task.groups[k // per], first + (k % per) * self.chunk_rows)] = ref
-        else:
-            refs = [method.remote(request, *args)]
         self.outputs[task.id] = refs
         if task.final:
             for g in task.groups:
