@@ -931,10 +931,15 @@ class CostModel:
         """The step's optimizer work: one Adam update per PPO mini-batch, plus the system's
         per-step overhead (charged here: every training rank waits for it)."""
         s = self.system
-        parked = self.optimizer_parked(dev, group)
-        round_trips = self.workload.optimizer_tasks * 2.0 * self.optimizer_shard_bytes(group) / (dev.host_link_gbps * GB)
         return self.workload.mini_batches * self.update_seconds(dev, group) + s.step_fixed_s + \
-            self.state_stream_seconds(dev, group) + (round_trips if parked else 0.0)
+            self.state_stream_seconds(dev, group) + self.workload.optimizer_tasks * self.parked_round_trip_seconds(dev, group)
+
+    def parked_round_trip_seconds(self, dev: DeviceProfile, group: TrainGroup) -> float:
+        """What one optimizer task of parked trainers adds: the state comes in for the step and
+        goes back (0 when :meth:`optimizer_parked` says it stays resident)."""
+        if not self.optimizer_parked(dev, group):
+            return 0.0
+        return 2.0 * self.optimizer_shard_bytes(group) / (dev.host_link_gbps * GB)
 
     def optimizer_task_seconds(self, dev: DeviceProfile, group: TrainGroup, mini_batch: int = 0) -> float:
         """One OPTIMIZER_STEP task of the plan, the step of mini-batch ``mini_batch``: its share of
@@ -944,8 +949,7 @@ class CostModel:
         :meth:`optimizer_seconds`."""
         w = self.workload
         t = w.mini_batches // w.optimizer_tasks * self.update_seconds(dev, group)
-        if self.optimizer_parked(dev, group):  # the state comes in for the step and goes back
-            t += 2.0 * self.optimizer_shard_bytes(group) / (dev.host_link_gbps * GB)
+        t += self.parked_round_trip_seconds(dev, group)
         if mini_batch == w.optimizer_tasks - 1:
             t += self.system.step_fixed_s + self.state_stream_seconds(dev, group)
         return t
