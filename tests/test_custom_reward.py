@@ -312,3 +312,62 @@ async def compute_score(prompt, ground_truth):
     message = str(info.value)
     assert "failed on sample 1, prompt 'b'" in message
     assert "KeyError: 'missing'" in message and 'return {"oops": 1}["missing"]' in message
+
+
+@pytest.mark.usefixtures("loopback_no_proxy")
+def test_a_client_that_keeps_its_aiohttp_session_on_the_function_works_batch_after_batch(tmp_path):
+    """veRL-Omni's HTTP scorer client caches one aiohttp session on ``compute_score``; a session is
+    bound to the event loop it was made on. Every batch of a worker awaits on the same loop, as
+    veRL's reward loop worker does, so the second batch reuses the first one's session."""
+    from test_omni_recipes import HTTP_SCORER_CLIENT
+
+    from verl_digen.rewards.serve import RewardServer
+
+    with RewardServer("brightness", port=0) as srv:
+        reward = build_reward("custom", path=_write(tmp_path, HTTP_SCORER_CLIENT), reward_kwargs={"server_url": srv.url})
+        records = [{"prompt": "p", "ground_truth": "p"}] * 2
+        first = reward(torch.full((2, 3, 8, 8), 0.25), ["p", "p"], records)
+        session = reward.fn._session
+        second = reward(torch.full((2, 3, 8, 8), 0.75), ["p", "p"], records)  # a fresh loop per call broke this
+        assert reward.fn._session is session and not session.closed
+    assert first.tolist() == pytest.approx([0.25, 0.25], abs=0.01) and second.tolist() == pytest.approx([0.75] * 2, abs=0.01)
+
+
+FLAKY = '''
+def compute_score(prompt, flaky=False):
+    if prompt == "bad":
+        raise ConnectionError("scorer unreachable")
+    return {"score": float(len(prompt)), "latency_ms": 2.0}
+'''
+
+
+def test_a_reward_that_is_not_required_scores_a_failed_sample_0_and_counts_it(tmp_path, caplog):
+    """veRL-Omni's multi-reward entries default to ``required: false``: a failed call adds 0 to the
+    weighted sum. Here that failure is also a metric (``failed``) and a logged traceback."""
+    path = _write(tmp_path, FLAKY)
+    required = build_reward("custom", path=path)
+    with pytest.raises(CustomRewardError, match=r"(?s)on sample 1, prompt 'bad'.*scorer unreachable"):
+        required(torch.rand(3, 3, 8, 8), ["ok", "bad", "fine"])
+    reward = build_reward("custom", path=path, required=False, where="reward.reward_functions.ocr")
+    with caplog.at_level("WARNING"):
+        scores = reward(torch.rand(3, 3, 8, 8), ["ok", "bad", "fine"])
+    assert scores.tolist() == [2.0, 0.0, 4.0]
+    extras = reward.take_extras()
+    assert extras["failed"].tolist() == [0.0, 1.0, 0.0]
+    assert extras["latency_ms"][0] == 2.0 and torch.isnan(extras["latency_ms"][1])
+    assert "reward.reward_functions.ocr" in caplog.text and "1 of 3 samples" in caplog.text
+    assert "scorer unreachable" in caplog.text
+
+
+def test_a_weighted_reward_reports_each_component_score_and_extras(tmp_path):
+    """veRL-Omni's multi-reward manager logs ``reward/<key>`` and ``reward/<key>/<extra>``."""
+    path = _write(tmp_path, FLAKY)
+    reward = build_reward("weighted", components=[
+        {"name": "custom", "label": "length", "weight": 0.5, "kwargs": {"path": path}},
+        {"name": "brightness", "weight": 2.0}])
+    images = torch.full((2, 3, 8, 8), 0.5)
+    total = reward(images, ["ab", "abcd"])
+    extras = reward.take_extras()
+    assert extras["length"].tolist() == [2.0, 4.0] and extras["length/latency_ms"].tolist() == [2.0, 2.0]
+    assert total.tolist() == pytest.approx((0.5 * extras["length"] + 2.0 * extras["brightness"]).tolist())
+    assert reward.take_extras() == {}  # handed over once

@@ -203,6 +203,21 @@ def test_a_size_the_model_cannot_take_is_refused_at_config_time(tmp_path, tiny_f
         DigenTrainer(run_config(tmp_path, "x", f"digen.model.path={tiny_flux}", "digen.sampling.height=30"))
 
 
+def test_a_size_beyond_sd3s_position_embedding_is_refused_at_config_time(tmp_path, tiny_sd3):
+    """SD3's position embedding covers pos_embed_max_size patches a side (the tiny model's 32:
+    128 pixels; SD3.5-M's 384): a larger image was a diffusers error deep inside the first forward."""
+    from verl_digen.trainer.loop import DigenTrainer
+
+    with pytest.raises(ConfigError, match=r"digen.sampling.height=384.*SD3's position embedding covers 32 patches "
+                                          r"per side \(transformer pos_embed_max_size\): at most 128 x 128 pixels"):
+        DigenTrainer(run_config(tmp_path, "x", f"digen.model.path={tiny_sd3}", "digen.sampling.height=384",
+                                "digen.sampling.width=384"))
+    from verl_digen.models.base import SampleSpec
+    from verl_digen.models.registry import ADAPTERS
+
+    ADAPTERS["sd3"].check_sample_size(tiny_sd3, SampleSpec(128, 128, 1))  # the largest it covers
+
+
 def test_a_truncated_model_file_is_named_before_workers_start(tmp_path, tiny_flux):
     import shutil
 

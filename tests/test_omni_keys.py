@@ -137,6 +137,25 @@ def test_the_plugin_rewrites_main_ppos_command_line_in_the_digen_mode_only():
     assert not accept_omni_keys(argv, MAIN_PPO_MODULE) and argv[1] == key
 
 
+@pytest.mark.e2e  # the real entry point as a subprocess (it stops before Ray)
+@pytest.mark.parametrize("flags", [[], ["-W", "ignore"]])
+def test_python_dash_m_main_ppo_takes_veRL_Omnis_keys_as_its_scripts_write_them(tmp_path, flags):
+    """The real command: ``import verl`` runs the plugin while runpy is still importing
+    ``verl.trainer`` (``__main__`` has no spec yet), so the plugin reads the command line itself.
+    The job gets past Hydra and stops at the first check that needs a real file: the model path."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, *flags, "-m", "verl.trainer.main_ppo", "trainer.v1.trainer_mode=digen",
+         f"{ARR}.model.algorithm=flow_grpo", f"{ARR}.rollout.pipeline.height=384",
+         f"{ARR}.model.path={tmp_path / 'no-such-model'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "Could not override" not in out, out[-3000:]
+    assert "model path" in out and "no-such-model" in out, out[-3000:]
+
+
 def test_one_value_per_setting_across_veRL_Omni_veRL_and_digen_keys():
     clip = f"{ARR}.actor.diffusion_loss.clip_ratio"
     with pytest.raises(ConfigError, match=rf"{clip}=1e-05 and digen.algo.clip_range=0.001 are the same setting"):
@@ -249,3 +268,69 @@ def test_strategy_and_log_val_generations_map_and_veRLs_defaults_set_nothing():
     assert run.digen["validation"]["num_steps"] == 28
     plain = digen_config_from_dict(_resolved(f"{ARR}.actor.strategy=fsdp", "trainer.log_val_generations=0").digen)
     assert plain.fsdp.enable is False and plain.validation.log_images is None
+
+
+QWEN_MULTI = [
+    "reward.custom_reward_function.path=pkg://verl_omni.reward_loop.reward_manager.multi",
+    "reward.custom_reward_function.name=_multi_reward_placeholder",
+    "reward.reward_manager.name=MultiVisualRewardManager",
+    "reward.reward_manager.module.path=pkg://verl_omni.reward_loop.reward_manager",
+    "+reward.reward_functions.ocr.path=pkg://json", "+reward.reward_functions.ocr.name=dumps",
+    "+reward.reward_functions.ocr.weight=1.0", "+reward.reward_functions.ocr.server_url=http://localhost:19082",
+    "+reward.reward_functions.jpeg.path=pkg://json", "+reward.reward_functions.jpeg.name=loads",
+    "+reward.reward_functions.jpeg.weight=0.25", "+reward.reward_functions.jpeg.required=true",
+]
+
+
+def test_veRL_Omnis_multi_reward_manager_is_a_weighted_sum_of_its_functions():
+    """The Qwen-Image reward-server recipe's reward keys: veRL-Omni's placeholder function, its
+    manager's module, and one entry per reward function with its own settings."""
+    reward = _resolved(*QWEN_MULTI).digen["reward"]
+    assert reward["name"] == "weighted" and reward["kwargs"] == {}
+    ocr, jpeg = reward["components"]
+    assert (ocr["label"], ocr["weight"], jpeg["label"], jpeg["weight"]) == ("ocr", 1.0, "jpeg", 0.25)
+    assert ocr["kwargs"] == {"path": "pkg://json", "function": "dumps", "required": False,
+                             "reward_kwargs": {"server_url": "http://localhost:19082"},
+                             "where": "reward.reward_functions.ocr"}
+    assert jpeg["kwargs"]["required"] is True and jpeg["kwargs"]["reward_kwargs"] == {}
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda a: [x for x in a if not x.startswith("+reward.reward_functions")],
+     r"reward.reward_functions and reward.reward_manager.name=MultiVisualRewardManager go together"),
+    (lambda a: [x for x in a if not x.startswith(("reward.reward_manager", "reward.custom_reward_function"))],
+     r"reward.reward_functions and reward.reward_manager.name=MultiVisualRewardManager go together"),
+    (lambda a: [x for x in a if not x.startswith("reward.reward_manager.name")],
+     r"reward.reward_manager.module.path=.* cannot apply"),
+    (lambda a: [x.replace("_multi_reward_placeholder", "compute_score") for x in a],
+     r"the rewards are reward.reward_functions; leave reward.custom_reward_function unset or at veRL-Omni's"),
+    (lambda a: [x.replace("pkg://verl_omni.reward_loop.reward_manager", "pkg://my.managers") for x in a],
+     r"reward.reward_manager.module.path='pkg://my.managers' cannot apply"),
+    (lambda a: [x.replace("weight=1.0", "weight=-0.25") for x in a], r"weights of reward.reward_functions sum to 0"),
+    (lambda a: [x.replace("required=true", "required=maybe") for x in a],
+     r"reward.reward_functions.jpeg.required='maybe'; must be true or false"),
+    (lambda a: [x for x in a if not x.startswith("+reward.reward_functions.jpeg.name")],
+     r"reward.reward_functions.jpeg needs path and name"),
+])
+def test_the_multi_reward_keys_are_refused_naming_what_is_wrong(change, message):
+    with pytest.raises(ConfigError, match=message):
+        _resolved(*change(QWEN_MULTI))
+
+
+def test_layered_summon_is_what_the_sync_always_does():
+    _resolved(f"{ARR}.rollout.layered_summon=True")
+    with pytest.raises(ConfigError, match=r"layered_summon='yes'; must be true or false"):
+        _resolved(f"{ARR}.rollout.layered_summon=yes")
+
+
+def test_under_main_ppo_no_lora_rank_is_full_fine_tuning_as_in_veRL(tmp_path):
+    """veRL-Omni's full-weight recipes set no LoRA rank: veRL's lora_rank=0 trains every weight."""
+    base = ["trainer.v1.trainer_mode=digen", f"{ARR}.model.path={_sd3_dir(tmp_path)}"]
+    config = OmegaConf.to_container(_verl_config(plain_overrides(base)), resolve=True)
+    assert resolve_run_config(config, MAIN_PPO).digen["model"]["lora"]["enable"] is False
+    config = OmegaConf.to_container(_verl_config(plain_overrides(base + [f"{ARR}.model.lora_rank=16"])), resolve=True)
+    assert resolve_run_config(config, MAIN_PPO).digen["model"]["lora"] == pytest.approx(
+        {**resolve_run_config(config, MAIN_PPO).digen["model"]["lora"], "enable": True, "rank": 16})
+    config = OmegaConf.to_container(_verl_config(plain_overrides(base + [f"{ARR}.model.lora_alpha=32"])), resolve=True)
+    with pytest.raises(ConfigError, match=r"lora_alpha is set but actor_rollout_ref.model.lora_rank is not"):
+        resolve_run_config(config, MAIN_PPO)

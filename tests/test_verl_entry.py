@@ -114,6 +114,7 @@ def test_main_ppo_runs_the_issue_command_like_verl_digen_main(tmp_path, tiny_flu
         f"+digen.reward.kwargs.path={runs['digen'] / 'my_reward.py'}", "+digen.reward.kwargs.function=compute_score",
         "trainer.total_training_steps=2", "trainer.n_gpus_per_node=2", "trainer.nnodes=1",
         "trainer.val_before_train=true",  # veRL's default, which verl_digen.main's config turns off
+        "digen.model.lora.enable=false",  # veRL's lora_rank=0 (unset above): full fine-tuning
     )
     via_digen = result.metrics
     with open(os.path.join(out_dirs[0], "val_before_train.json")) as f:

@@ -126,13 +126,22 @@ def test_ppo_mini_batch_size_gives_optimizer_steps_per_rollout_batch():
                   "digen.batch.mini_batches_per_step=4")
 
 
+def test_without_a_reference_model_its_micro_batch_key_sizes_nothing():
+    """veRL-Omni's Qwen-Image recipe writes ref.log_prob_micro_batch_size_per_gpu=32 beside
+    ppo_micro_batch_size_per_gpu=16 without use_kl_loss: there is no reference model to size."""
+    cfg = _resolved("actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8")
+    assert cfg.digen["batch"]["train_micro_batch_groups"] == 1
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     (["actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=6"],
      r"ppo_micro_batch_size_per_gpu=6; must be a positive multiple of actor_rollout_ref.rollout.n=4"),
     (["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=3"],
      r"ppo_mini_batch_size=3; must be a positive divisor of data.train_batch_size=4"),
     (["actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-      "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8"],
+      "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8", "actor_rollout_ref.actor.use_kl_loss=true",
+      "actor_rollout_ref.actor.kl_loss_coef=0.01"],
      r"ref.log_prob_micro_batch_size_per_gpu=8; must equal .*ppo_micro_batch_size_per_gpu=4"),
 ])
 def test_batch_sizes_that_do_not_fit_whole_groups_are_named(overrides, message):

@@ -100,6 +100,20 @@ def accept_omni_keys(argv: list[str], main_module: str | None) -> bool:
 
 
 def _main_module() -> str | None:
+    """The module ``python -m`` runs. ``import verl`` (which runs this plugin) happens while runpy
+    imports the module's parent packages, before ``__main__`` has its spec, so the command line
+    itself (``sys.orig_argv``) is read first."""
+    argv = list(getattr(sys, "orig_argv", ()))
+    i = 1
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "-m" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("-m") and len(arg) > 2:
+            return arg[2:]
+        if arg in ("-c", "-") or not arg.startswith("-"):
+            break  # python -c ... or python script.py: not a module run
+        i += 2 if arg in ("-W", "-X", "--check-hash-based-pycs") else 1  # options that take a value
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     return getattr(spec, "name", None)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping
@@ -200,7 +201,8 @@ READ_DIRECTLY: dict[str, str] = {
                                "advantages are always GRPO's group ones)",
     "reward.custom_reward_function.path": "a Python file -> digen.reward.name=custom",
     "reward.custom_reward_function.name": "the function in it (default compute_score)",
-    "reward.reward_manager.name": "naive (per sample, default) or batch (the batched form)",
+    "reward.reward_manager.name": "naive (per sample, default), batch (the batched form) or "
+                                  "MultiVisualRewardManager (veRL-Omni's weighted sum of reward.reward_functions)",
     "custom_reward_function.path": "veRL's legacy spelling of reward.custom_reward_function.path",
     "custom_reward_function.name": "veRL's legacy spelling of reward.custom_reward_function.name",
     "trainer.total_training_steps": "steps (null: len(train prompts) // train_batch_size * total_epochs)",
@@ -463,6 +465,15 @@ def resolve_run_config(config: Mapping[str, Any], entry: str = DIGEN_MAIN) -> Ru
             raise ConfigError(f"invalid config: actor_rollout_ref.model.lora_rank={rank!r}; must be >= 1 "
                               "(full fine-tuning: digen.model.lora.enable=false)")
         put("digen.model.lora.enable", True, "actor_rollout_ref.model.lora_rank")
+    elif entry == MAIN_PPO:
+        # veRL's lora_rank=0 (its default) is full fine-tuning: a veRL job that names no LoRA rank
+        # (veRL-Omni's full-weight recipes) trains every weight, as it does under veRL.
+        lora_keys = [k for k in ("actor_rollout_ref.model.lora_alpha", "actor_rollout_ref.model.target_modules")
+                     if _is_set(config, k)]
+        if lora_keys:
+            raise ConfigError(f"invalid config: {lora_keys[0]} is set but actor_rollout_ref.model.lora_rank is not: "
+                              "without a rank veRL trains every weight (no LoRA); set lora_rank (> 0) for LoRA")
+        put("digen.model.lora.enable", False, "actor_rollout_ref.model.lora_rank")
 
     omni_settings(config, digen, put)
     _derived_settings(config, digen, ours, put)
@@ -502,37 +513,87 @@ def _derived_settings(config: Mapping[str, Any], digen: dict[str, Any], ours: di
     if per_task is not None:
         put("digen.batch.groups_per_task", per_task, rollout_key)
     ref_key = "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"
-    ref = groups(ref_key)
+    # Without use_kl_loss there is no reference model (in veRL either): the key sizes nothing.
+    ref = groups(ref_key) if _get(config, "actor_rollout_ref.actor.use_kl_loss", False) else None
     if ref is not None and ref != _get({"digen": digen}, "digen.batch.train_micro_batch_groups"):
         raise ConfigError(
             f"invalid config: {ref_key}={_get(config, ref_key)!r}; must equal {micro_key}="
             f"{_get(config, micro_key)!r} (reference log-probs are computed inside each trainer micro-batch)")
 
-    path, name, manager = _custom_reward(config)
-    if path is not None:
-        # A file: absolute against the directory the job was started from (workers may run
-        # elsewhere); pkg://module stays as it is (veRL's load_module imports it).
-        path = str(path)
-        if path.startswith("file://"):
-            path = "file://" + os.path.abspath(os.path.expanduser(path[len("file://"):]))
-        elif not path.startswith("pkg://"):
-            path = os.path.abspath(os.path.expanduser(path))
-        spec = {"name": "custom", "kwargs": {"path": path, "function": str(name),
-                                             "batched": manager == "batch"}}
-        kwargs = _get(config, "reward.custom_reward_function.reward_kwargs", None) or \
-            _get(config, "custom_reward_function.reward_kwargs", None)
-        if kwargs:
-            spec["kwargs"]["reward_kwargs"] = dict(kwargs)
+    spec = _reward_spec(config)
+    if spec is not None:
         mine = {k: digen.get("reward", {}).get(k, v) for k, v in ours["reward"].items()}
         device = mine.pop("device")  # where the reward runs, not which reward: kept with veRL's keys
         defaults = {k: v for k, v in ours["reward"].items() if k != "device"}
         extra = dict(mine["kwargs"] or {})
-        if mine["name"] in (defaults["name"], "custom") and not mine["components"] and set(extra) <= {"fps"}:
-            spec["kwargs"].update(extra)  # +digen.reward.kwargs.fps: the one custom-reward setting veRL has no key for
-        elif mine != defaults and (mine["name"] != "custom" or mine["kwargs"] != spec["kwargs"]):
+        functions = [c["kwargs"] for c in spec["components"]] if spec["name"] == "weighted" else [spec["kwargs"]]
+        if mine["name"] in (defaults["name"], spec["name"]) and not mine["components"] and set(extra) <= {"fps"}:
+            for kwargs in functions:  # +digen.reward.kwargs.fps: the one custom-reward setting veRL has no key for
+                kwargs.update(extra)
+        elif mine != defaults and (mine["name"] != "custom" or mine["kwargs"] != spec.get("kwargs")):
             raise ConfigError("invalid config: reward.custom_reward_function.path and digen.reward.* both choose the "
                               "reward; set one of them")
-        digen["reward"] = {**ours["reward"], **spec, "components": [], "device": device}
+        digen["reward"] = {**ours["reward"], "kwargs": {}, "components": [], **spec, "device": device}
+
+
+def _reward_file(path: Any) -> str:
+    """A reward file's path as workers load it: a file absolute against the directory the job was
+    started from (workers may run elsewhere); ``pkg://module`` as it is (veRL's load_module)."""
+    path = str(path)
+    if path.startswith("file://"):
+        return "file://" + os.path.abspath(os.path.expanduser(path[len("file://"):]))
+    if path.startswith("pkg://"):
+        return path
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def _reward_spec(config: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The ``digen.reward`` that veRL's reward keys choose (None: they choose none): one custom
+    function, or veRL-Omni's multi-reward manager's weighted sum of several."""
+    path, name, manager = _custom_reward(config)
+    if manager == MULTI_REWARD_MANAGER:
+        return _multi_reward_spec(config)
+    if path is None:
+        return None
+    spec = {"name": "custom", "kwargs": {"path": _reward_file(path), "function": str(name),
+                                         "batched": manager == "batch"}}
+    kwargs = _get(config, "reward.custom_reward_function.reward_kwargs", None) or \
+        _get(config, "custom_reward_function.reward_kwargs", None)
+    if kwargs:
+        spec["kwargs"]["reward_kwargs"] = dict(kwargs)
+    return spec
+
+
+def _multi_reward_spec(config: Mapping[str, Any]) -> dict[str, Any]:
+    """veRL-Omni's ``MultiVisualRewardManager``: ``reward.reward_functions.<key>.{path, name, weight,
+    required, <setting>...}`` -> a weighted sum (``digen.reward.name=weighted``) of custom functions,
+    each labelled by its key, its other entries passed to it by keyword (``server_url``)."""
+    key = "reward.reward_functions"
+    functions = _get(config, key, None)
+    if not isinstance(functions, Mapping) or not functions:
+        raise ConfigError(f"invalid config: reward.reward_manager.name={MULTI_REWARD_MANAGER} needs {key}.<name>."
+                          "{path,name,weight} (one entry per reward function)")
+    components, total = [], 0.0
+    for label, entry in functions.items():
+        where = f"{key}.{label}"
+        if not isinstance(entry, Mapping) or not entry.get("path") or not entry.get("name"):
+            raise ConfigError(f"invalid config: {where} needs path and name (the reward file and its function)")
+        weight = entry.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+            raise ConfigError(f"invalid config: {where}.weight={weight!r}; must be a number")
+        required = entry.get("required", False)
+        if isinstance(required, str) and required.lower() in ("true", "false"):
+            required = required.lower() == "true"
+        if not isinstance(required, bool):
+            raise ConfigError(f"invalid config: {where}.required={required!r}; must be true or false")
+        settings = {k: v for k, v in entry.items() if k not in ("path", "name", "weight", "required")}
+        components.append({"name": "custom", "label": str(label), "weight": float(weight), "kwargs": {
+            "path": _reward_file(entry["path"]), "function": str(entry["name"]), "reward_kwargs": settings,
+            "required": required, "where": where}})
+        total += float(weight)
+    if total <= 0:
+        raise ConfigError(f"invalid config: the weights of {key} sum to {total:g}; they must sum to more than 0")
+    return {"name": "weighted", "components": components}
 
 
 def _mini_batches(config: Mapping[str, Any], digen: dict[str, Any], ours: dict[str, Any],
@@ -554,6 +615,16 @@ def _mini_batches(config: Mapping[str, Any], digen: dict[str, Any], ours: dict[s
     put("digen.batch.mini_batches_per_step", groups_per_step // value, mini)
 
 
+# veRL's layer-by-layer gather of FSDP weights for the rollout: what verl-digen's sync always does.
+LAYERED_SUMMON = "actor_rollout_ref.rollout.layered_summon"
+
+# veRL-Omni's multi-reward manager: its name, the module veRL-Omni loads it from, and the
+# placeholder its recipes put in reward.custom_reward_function (never called, there either).
+MULTI_REWARD_MANAGER = "MultiVisualRewardManager"
+OMNI_MANAGER_MODULE = "pkg://verl_omni.reward_loop.reward_manager"
+OMNI_MULTI_PLACEHOLDER = ("pkg://verl_omni.reward_loop.reward_manager.multi", "_multi_reward_placeholder")
+
+
 def _custom_reward(config: Mapping[str, Any]) -> tuple[Any, Any, Any]:
     """``(path, function name, reward manager)`` of veRL's custom reward keys (path None: unset)."""
     picks = []
@@ -566,9 +637,26 @@ def _custom_reward(config: Mapping[str, Any]) -> tuple[Any, Any, Any]:
         raise ConfigError("invalid config: reward.custom_reward_function and custom_reward_function (legacy) "
                           "name different reward functions; set one of them")
     manager = _get(config, "reward.reward_manager.name", "naive")
-    if manager not in ("naive", "batch"):
+    if manager not in ("naive", "batch", MULTI_REWARD_MANAGER):
         raise ConfigError(f"invalid config: reward.reward_manager.name={manager!r}; valid here: naive (per sample), "
-                          "batch (the batched compute_score)")
+                          f"batch (the batched compute_score), {MULTI_REWARD_MANAGER} (veRL-Omni's weighted sum of "
+                          "reward.reward_functions)")
+    module = _get(config, "reward.reward_manager.module.path", None)
+    if module is not None and (manager != MULTI_REWARD_MANAGER or module != OMNI_MANAGER_MODULE):
+        raise ConfigError(f"invalid config: reward.reward_manager.module.path={module!r} cannot apply: verl-digen "
+                          f"runs its own reward managers; only veRL-Omni's {OMNI_MANAGER_MODULE} with "
+                          f"reward.reward_manager.name={MULTI_REWARD_MANAGER} is understood (its weighted sum)")
+    if (manager == MULTI_REWARD_MANAGER) != (_get(config, "reward.reward_functions", None) is not None):
+        raise ConfigError("invalid config: reward.reward_functions and reward.reward_manager.name="
+                          f"{MULTI_REWARD_MANAGER} go together (veRL-Omni's multi-reward manager); set both or neither")
+    if manager == MULTI_REWARD_MANAGER:
+        # veRL-Omni's recipes point custom_reward_function at a placeholder the manager never calls
+        if picks and (picks[0][1], picks[0][2]) != OMNI_MULTI_PLACEHOLDER:
+            raise ConfigError(f"invalid config: {picks[0][0]}.path={picks[0][1]!r} with reward.reward_manager.name="
+                              f"{MULTI_REWARD_MANAGER}: the rewards are reward.reward_functions; leave "
+                              f"{picks[0][0]} unset or at veRL-Omni's placeholder {OMNI_MULTI_PLACEHOLDER[0]}:"
+                              f"{OMNI_MULTI_PLACEHOLDER[1]}")
+        return None, None, manager
     if not picks:
         if manager != "naive":
             raise ConfigError("invalid config: reward.reward_manager.name=batch needs reward.custom_reward_function.path")
@@ -581,6 +669,10 @@ def _check_rollout_and_algorithm(config: Mapping[str, Any], trainer: VerlTrainer
     if name not in ("???", None, "hf"):
         raise ConfigError(f"invalid config: actor_rollout_ref.rollout.name={name!r} cannot apply: "
                           f"{_HINTS['actor_rollout_ref.rollout.name']}")
+    summon = _get(config, LAYERED_SUMMON, False)
+    if not isinstance(summon, bool):
+        raise ConfigError(f"invalid config: {LAYERED_SUMMON}={summon!r}; must be true or false (both run the same: "
+                          "the weight sync always gathers sharded weights bucket by bucket)")
     tp_key = "actor_rollout_ref.rollout.tensor_model_parallel_size"
     if _is_set(config, tp_key) and _get(config, tp_key) != 1:
         raise ConfigError(f"invalid config: {tp_key}={_get(config, tp_key)!r} cannot apply: the rollout is a "
@@ -602,6 +694,7 @@ def _check_inapplicable(config: Mapping[str, Any], entry: str) -> None:
     """Every other veRL key is at veRL's default, or the run stops naming it."""
     handled = {row.verl_key for row in MAPPED} | set(READ_DIRECTLY) | {
         "trainer.use_v1", "algorithm.adv_estimator", "reward.custom_reward_function.reward_kwargs",
+        "reward.reward_functions", "reward.reward_manager.module.path", LAYERED_SUMMON,
         "custom_reward_function.reward_kwargs"} | OMNI_HANDLED
     skip_roots = {"digen", "model_engine"} | (set(_MAIN_PPO_ONLY) if entry == MAIN_PPO else set())
     defaults = _verl_defaults_cached()

@@ -54,10 +54,16 @@ class SizeRules:
     packed: bool = False
     temporal: int | None = None  # video: the VAE's temporal compression
     patch_t: int = 1
+    max_patches: int | None = None  # the most patches per side its position embedding covers (SD3)
 
     def check(self, spec: "SampleSpec") -> None:
         """Raise ``ValueError`` naming the model and the valid sizes unless it can sample ``spec``."""
         latent_hw(spec, model=self.model, vae_scale_factor=self.spatial, patch_size=self.patch, packed=self.packed)
+        if self.max_patches is not None:
+            most = self.max_patches * self.spatial * self.patch
+            if max(spec.height, spec.width) > most:
+                raise ValueError(f"{self.model}'s position embedding covers {self.max_patches} patches per side "
+                                 f"(transformer pos_embed_max_size): at most {most} x {most} pixels")
         if self.temporal is None:
             if spec.num_frames != 1:
                 raise ValueError(f"{self.model} generates images: num_frames must be 1, got {spec.num_frames}")

@@ -60,8 +60,9 @@ class SD3Adapter(DiffusionAdapter):
 
     @classmethod
     def size_rules(cls, vae_config, transformer_config) -> SizeRules:
+        most = transformer_config.get("pos_embed_max_size")
         return SizeRules("SD3", spatial=2 ** (len(vae_config["block_out_channels"]) - 1),
-                         patch=int(transformer_config["patch_size"]))
+                         patch=int(transformer_config["patch_size"]), max_patches=None if most is None else int(most))
 
     def __init__(
         self,

@@ -44,8 +44,10 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import math
 import os
+import threading
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -54,6 +56,8 @@ import torch
 
 from verl_digen.rewards.base import RewardFn, register_reward
 from verl_digen.rewards.jpeg import to_uint8_hwc
+
+logger = logging.getLogger(__name__)
 
 # The fields a per-sample function may name; the batched form's are these, plural.
 SAMPLE_FIELDS = ("solution_image", "image", "prompt", "data_source", "ground_truth", "extra_info", "fps")
@@ -64,12 +68,13 @@ class CustomRewardError(RuntimeError):
     """The user's reward function raised or returned something that is not a finite score."""
 
 
-def load_reward_function(path: str, name: str) -> Callable[..., Any]:
+def load_reward_function(path: str, name: str, where: str = "reward.custom_reward_function") -> Callable[..., Any]:
     """``name`` from ``path`` (a file, ``file://<file>`` or ``pkg://<module>``), through veRL's
-    own loader (the one ``reward.custom_reward_function`` uses), with errors that name the keys."""
+    own loader (the one ``reward.custom_reward_function`` uses), with errors that name the keys
+    (``<where>.path``, ``<where>.name``)."""
     from verl.utils.import_utils import load_extern_object
 
-    key = "reward.custom_reward_function.path"
+    key = f"{where}.path"
     if not path:
         raise FileNotFoundError(f"{key}: no reward file given")
     if path.startswith("pkg://"):
@@ -77,19 +82,19 @@ def load_reward_function(path: str, name: str) -> Callable[..., Any]:
         import importlib.util
 
         try:
-            found = importlib.util.find_spec(module) is not None
-        except (ImportError, ValueError):
-            found = False
+            found, why = importlib.util.find_spec(module) is not None, ""
+        except (ImportError, ValueError) as e:  # a parent package failed to import: say why
+            found, why = False, f": importing it failed with {type(e).__name__}: {e}"
         if not found:
-            raise FileNotFoundError(f"{key}: reward module {module!r} ({path}) is not importable here")
+            raise FileNotFoundError(f"{key}: reward module {module!r} ({path}) is not importable here{why}")
     elif not os.path.isfile(path.removeprefix("file://")):
         raise FileNotFoundError(f"{key}: reward file {path!r} does not exist")
     try:
         fn = load_extern_object(module_path=path, object_name=name)
     except AttributeError:
-        raise ValueError(f"reward.custom_reward_function.name: {path} defines no {name!r}") from None
+        raise ValueError(f"{where}.name: {path} defines no {name!r}") from None
     if not callable(fn):
-        raise ValueError(f"reward.custom_reward_function.name: {path}:{name} is not callable")
+        raise ValueError(f"{where}.name: {path}:{name} is not callable")
     return fn
 
 
@@ -124,16 +129,33 @@ def _plan_call(fn: Callable[..., Any], fields: Sequence[str], settings: Mapping[
     return wanted, is_async
 
 
+_LOOP: asyncio.AbstractEventLoop | None = None
+_LOOP_LOCK = threading.Lock()
+
+
+def _reward_loop() -> asyncio.AbstractEventLoop:
+    """The process's one event loop for users' coroutines, running on a daemon thread.
+
+    One loop for the life of the process, as veRL's reward loop worker keeps one: veRL-Omni's HTTP
+    clients cache an ``aiohttp`` session on the function, and a session is bound to the loop it
+    was made on, so a fresh loop per batch (``asyncio.run``) breaks them from the second batch on."""
+    global _LOOP
+    with _LOOP_LOCK:
+        if _LOOP is None or _LOOP.is_closed():
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="digen-reward-loop", daemon=True).start()
+            _LOOP = loop
+        return _LOOP
+
+
 def _run_coroutines(coros: list[Any]) -> list[Any]:
-    """Await ``coros`` concurrently (``asyncio.gather``); results in order, an exception in the
-    place of a coroutine that raised (on a helper thread's loop when this thread already runs
-    one: ``run_sync``)."""
-    from verl_digen.rewards.transport import run_sync
+    """Await ``coros`` concurrently (``asyncio.gather``) on the process's reward loop; results in
+    order, an exception in the place of a coroutine that raised."""
 
     async def gather() -> list[Any]:
         return await asyncio.gather(*coros, return_exceptions=True)
 
-    return run_sync(gather)
+    return asyncio.run_coroutine_threadsafe(gather(), _reward_loop()).result()
 
 
 def _awaited(value: Any) -> Any:
@@ -153,11 +175,16 @@ class CustomFunctionReward(RewardFn):
     supports_video = True  # the user's function receives the whole clip (frames + fps)
 
     def __init__(self, path: str, function: str = "compute_score", batched: bool = False,
-                 fps: float = 16.0, reward_kwargs: Mapping[str, Any] | None = None) -> None:
+                 fps: float = 16.0, reward_kwargs: Mapping[str, Any] | None = None, required: bool = True,
+                 where: str = "reward.custom_reward_function") -> None:
+        """``required=False`` (veRL-Omni's multi-reward entries): a sample the function fails on
+        scores 0, counted in the ``failed`` metric and logged with its traceback, instead of
+        stopping the run. ``where``: the config key errors name."""
         self.path, self.function, self.batched = path, function, bool(batched)
         self.fps = float(fps)
         self.reward_kwargs = dict(reward_kwargs or {})
-        self.fn = load_reward_function(path, function)
+        self.required, self.where = bool(required), where
+        self.fn = load_reward_function(path, function, where)
         self.fields = BATCH_FIELDS if self.batched else SAMPLE_FIELDS
         self.wanted, self.is_async = _plan_call(self.fn, self.fields, self.reward_kwargs, self._where())
         self._extras: dict[str, torch.Tensor] = {}
@@ -173,32 +200,52 @@ class CustomFunctionReward(RewardFn):
                 values["fps"] = self.fps
             kwargs = {k: v for k, v in values.items() if k in self.wanted}
             try:
-                scores = _awaited(self.fn(**kwargs, **self.reward_kwargs))
-            except Exception:
-                raise self._error(f"on a batch of {len(prompts)} samples, prompts {list(prompts)!r}") from None
-            scores = self._score_list(scores)
-            if len(scores) != len(prompts):
-                raise CustomRewardError(f"{self._where()} returned {len(scores)} scores for {len(prompts)} samples")
+                scores = self._score_list(_awaited(self.fn(**kwargs, **self.reward_kwargs)))
+                if len(scores) != len(prompts):
+                    raise CustomRewardError(f"{self._where()} returned {len(scores)} scores for {len(prompts)} samples")
+            except Exception as e:
+                error = e if isinstance(e, CustomRewardError) else \
+                    self._error(f"on a batch of {len(prompts)} samples, prompts {list(prompts)!r}")
+                if self.required:
+                    raise error from None
+                scores = [error] * len(prompts)
         else:
             calls = [{k: v for k, v in r.items() if k in self.wanted} for r in rows]
             if self.is_async:
                 scores = _run_coroutines([self.fn(**kw, **self.reward_kwargs) for kw in calls])
                 for i, result in enumerate(scores):  # the first sample that failed, with its own traceback
                     if isinstance(result, Exception):
-                        raise self._error(f"on sample {i}, prompt {prompts[i]!r}", result)
+                        scores[i] = self._error(f"on sample {i}, prompt {prompts[i]!r}", result)
+                        if self.required:
+                            raise scores[i]
             else:
                 scores = []
                 for i, kw in enumerate(calls):
                     try:
                         scores.append(_awaited(self.fn(**kw, **self.reward_kwargs)))
                     except Exception:
-                        raise self._error(f"on sample {i}, prompt {prompts[i]!r}") from None
-        out, extras = [], {}
+                        if self.required:
+                            raise self._error(f"on sample {i}, prompt {prompts[i]!r}") from None
+                        scores.append(self._error(f"on sample {i}, prompt {prompts[i]!r}"))
+        out, extras, failed = [], {}, []
         for i, s in enumerate(scores):
-            value, extra = self._split(s, prompts[i])
+            try:
+                if isinstance(s, BaseException):
+                    raise s
+                value, extra = self._split(s, prompts[i])
+            except CustomRewardError as e:
+                if self.required:
+                    raise
+                failed.append((i, e))
+                value, extra = 0.0, {}
             out.append(value)
             for k, v in extra.items():
                 extras.setdefault(k, [math.nan] * len(scores))[i] = v
+        if not self.required:
+            extras["failed"] = [float(i in {j for j, _ in failed}) for i in range(len(scores))]
+            if failed:
+                logger.warning("%s (required=false) failed on %d of %d samples, each scored 0; the first:\n%s",
+                               self._where(), len(failed), len(scores), failed[0][1])
         self._extras = {k: torch.tensor(v, dtype=torch.float32) for k, v in extras.items()}
         return torch.tensor(out, dtype=torch.float32)
 
@@ -237,7 +284,7 @@ class CustomFunctionReward(RewardFn):
             raise CustomRewardError(f"{self._where()} returned {scores!r}; expected a list of scores (batched=True)") from None
 
     def _where(self) -> str:
-        return f"reward.custom_reward_function {self.path}:{self.function}"
+        return f"{self.where} {self.path}:{self.function}"
 
     def _error(self, sample: str, exc: BaseException | None = None) -> CustomRewardError:
         """The user's failure ``exc`` (default: the one being handled), with its traceback."""

@@ -50,6 +50,7 @@ class WeightedReward(RewardFn):
                 suffix += 1
             used.add(unique)
             self.components.append((unique, reward, weight))
+        self._parts: dict[str, torch.Tensor] = {}
         self.reads_prompts = any(reward.reads_prompts for _, reward, _ in self.components)  # type: ignore[misc]
 
     @property
@@ -74,11 +75,17 @@ class WeightedReward(RewardFn):
     def score_images(
         self, images: torch.Tensor, prompts: list[str], metadata: Sequence[Mapping[str, Any]] | None = None
     ) -> torch.Tensor:
-        return self.score_with_components(images, prompts, metadata)[0]
+        total, self._parts = self.score_with_components(images, prompts, metadata)
+        return total
 
     def take_extras(self) -> dict[str, torch.Tensor]:
-        """Each component's extras, as ``<label>/<name>``."""
-        return {f"{label}/{k}": v for label, reward, _ in self.components for k, v in reward.take_extras().items()}
+        """Each component's unweighted score as ``<label>`` and its extras as ``<label>/<name>``
+        (per-step metrics ``reward/<label>``, ``reward/<label>/<name>``: veRL-Omni's multi-reward
+        manager's names)."""
+        parts, self._parts = getattr(self, "_parts", {}), {}
+        extras = {label: v.detach().float().cpu() for label, v in parts.items()}
+        extras.update({f"{label}/{k}": v for label, reward, _ in self.components for k, v in reward.take_extras().items()})
+        return extras
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{label}*{weight:g}" for label, _, weight in self.components)

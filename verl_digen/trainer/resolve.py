@@ -210,12 +210,15 @@ def limit_prompt_tokens(cfg: DigenConfig, model_path: str, records: list[dict[st
     limit = cfg.data.max_prompt_tokens
     if limit is None or model_path == "<emulated>":
         return records, val_records, None
-    if not os.path.isfile(os.path.join(model_path, "model_index.json")):  # shipped configs or a tiny model not yet built
-        return records, val_records, (f"digen.data.max_prompt_tokens={limit} not checked: the model's tokenizer is "
+    not_here = (records, val_records, f"digen.data.max_prompt_tokens={limit} not checked: the model's tokenizer is "
                                       "not on this machine (the run checks it when it starts)")
+    if not os.path.isfile(os.path.join(model_path, "model_index.json")):  # a tiny model not yet built
+        return not_here
     from verl_digen.models.registry import ADAPTERS, detect_arch
 
     adapter = ADAPTERS[cfg.model.arch or detect_arch(model_path)]
+    if not os.path.isdir(os.path.join(model_path, adapter.length_tokenizer)):  # the shipped configs: no tokenizer
+        return not_here
     kept = []
     for key, rows in (("digen.data.prompts", records), ("digen.validation.prompts", val_records)):
         counts = adapter.prompt_token_counts(model_path, [r["prompt"] for r in rows]) if rows else []
