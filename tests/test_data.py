@@ -249,3 +249,33 @@ def test_a_chats_system_message_is_kept_apart_from_the_image_prompt_and_said(tmp
     assert records[0]["system_prompt"] == "Describe the image." and "system_prompt" not in records[1]
     assert records[0]["negative_prompt"] == "blurry"
     assert "1 of 2 chats have a system message" in caplog.text and "system_prompt" in caplog.text
+
+
+def test_a_chat_template_makes_the_image_prompt_and_negative_chats_are_read(tmp_path: Path) -> None:
+    """veRL's custom_chat_template (veRL-Omni's SD3.5 recipe renders the user messages only), and
+    the negative prompt as veRL-Omni's Qwen-Image data script writes it: a chat of its own."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from verl_digen.data import load_prompt_records
+
+    path = tmp_path / "chats.parquet"
+    system = {"role": "system", "content": "Describe the image."}
+    pq.write_table(pa.Table.from_pylist([
+        {"prompt": [system, {"role": "user", "content": "a red fox"}],
+         "negative_prompt": [system, {"role": "user", "content": "blurry"}]},
+    ]), path)
+    (record,) = load_prompt_records(path)
+    assert (record["prompt"], record["negative_prompt"]) == ("a red fox", "blurry")  # the last user messages
+    assert record["raw_negative_prompt"][1]["content"] == "blurry"
+    tagged = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    (record,) = load_prompt_records(path, tagged)
+    assert record["prompt"] == "<system>Describe the image.<user>a red fox"
+    assert record["negative_prompt"] == "<system>Describe the image.<user>blurry"
+    with pytest.raises(ValueError, match=r"digen.data.chat_template is not a valid Jinja template"):
+        load_prompt_records(path, "{% for m in messages %}")
+    with pytest.raises(ValueError, match=r"row 0: digen.data.chat_template failed on this chat"):
+        load_prompt_records(path, "{{ messages[5]['content'] }}")
+    pq.write_table(pa.Table.from_pylist([{"prompt": "a cat", "negative_prompt": 3}]), path)
+    with pytest.raises(ValueError, match=r"'negative_prompt' must be a string or a chat, got int"):
+        load_prompt_records(path)

@@ -49,20 +49,20 @@ def _sd3_dir(tmp_path):
 
 # veRL-Omni's examples/flowgrpo_trainer/sd35/run_sd35_medium_ocr_lora.sh, line for line as the
 # shell hands them to Python, less the vllm_omni engine keys (rollout.name, agent.num_workers,
-# load_format, engine_kwargs.vllm_omni.*), the vLLM reward-model keys (reward.num_workers,
-# reward.reward_model.*) and keys outside this item (ppo_mini_batch_size=4: PPO mini-batches;
-# custom_chat_template); environment keys (paths, devices, logger, steps) changed.
+# load_format, engine_kwargs.vllm_omni.*) and the vLLM reward-model keys (reward.num_workers,
+# reward.reward_model.*); environment keys (paths, devices, logger, steps) changed.
 SD35_OCR_LORA = """
     trainer.v1.trainer_mode=digen data.train_files={train} data.val_files={val} data.train_batch_size=8 data.val_max_samples=32
     data.max_prompt_length=512 data.truncation=error data.seed=42
     actor_rollout_ref.model.algorithm=flow_grpo actor_rollout_ref.actor.diffusion_loss.clip_ratio=1e-5
     actor_rollout_ref.model.path={model}
+    actor_rollout_ref.model.custom_chat_template="\\"{{% for message in messages %}}{{% if message['role'] == 'user' %}}{{{{ message['content'] }}}}{{% endif %}}{{% endfor %}}\\""
     'actor_rollout_ref.model.extra_tokenizers={{clip: {{path: tokenizer, max_length: 77}}, t5: {{path: tokenizer_3, max_length: 256}}}}'
     actor_rollout_ref.model.attn_backend=native actor_rollout_ref.rollout.rollout_attn_backend=TORCH_SDPA
     actor_rollout_ref.model.lora_rank=32 actor_rollout_ref.model.lora_alpha=64
     actor_rollout_ref.model.target_modules="['to_q','to_k','to_v','to_out.0','add_q_proj','add_k_proj','add_v_proj','to_add_out']"
     actor_rollout_ref.actor.optim.lr=1e-4 actor_rollout_ref.actor.optim.weight_decay=0.0001
-    actor_rollout_ref.actor.ppo_mini_batch_size=8 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8
+    actor_rollout_ref.actor.ppo_mini_batch_size=4 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8
     actor_rollout_ref.actor.use_kl_loss=False actor_rollout_ref.actor.kl_loss_coef=0.0
     actor_rollout_ref.actor.fsdp_config.param_offload=False actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
     actor_rollout_ref.actor.fsdp_config.model_dtype=bfloat16 actor_rollout_ref.actor.strategy=fsdp2
@@ -102,6 +102,9 @@ def test_verl_omnis_sd35_ocr_lora_command_line_composes_into_the_digen_config(tm
     assert (cfg.model.lora.rank, cfg.model.lora.alpha) == (32, 64)
     assert (cfg.validation.num_steps, cfg.validation.log_images, cfg.validation.num_prompts) == (28, 8, 32)
     assert (cfg.batch.group_size, cfg.batch.groups_per_step, cfg.batch.train_micro_batch_groups) == (8, 8, 1)
+    assert cfg.batch.mini_batches_per_step == 2  # ppo_mini_batch_size=4 of train_batch_size=8
+    assert cfg.data.chat_template == ("{% for message in messages %}{% if message['role'] == 'user' %}"
+                                      "{{ message['content'] }}{% endif %}{% endfor %}")
     assert cfg.reward.name == "custom" and cfg.reward.kwargs["function"] == "compute_score_ocr"
 
 

@@ -17,9 +17,11 @@ checkout of veRL-Omni to run the same tests with its own files instead: its
 ``jpeg_compressibility.py`` and its ``http_scorer_client.py``, both by path (the recipe's
 ``pkg://verl_omni...`` path imports veRL-Omni's package, which needs its vLLM-Omni engine).
 
-The model sizes are the tiny ones; the Qwen-Image recipe's batch (32 prompts x 16 images at
-512 x 512 per step) is cut to 4 x 4 at 64 x 64 with its micro-batches in proportion, which is
-what a 2-core CPU can score in the suite's time; every other key is the recipe's.
+The model sizes are the tiny ones. The SD3.5 recipe runs at its own batch (8 prompts x 8 images,
+two PPO mini-batches) at 128 x 128 pixels, the most the tiny SD3's position embedding covers
+(its 384 would be refused, naming the key). The Qwen-Image recipe's batch (32 prompts x 16
+images at 512 x 512 per step) is cut to 4 x 4 at 64 x 64 with its micro-batches in proportion,
+which is what a 2-core CPU can score in the suite's time. Every other key is the recipe's.
 """
 
 from __future__ import annotations
@@ -159,7 +161,7 @@ def test_verl_omnis_sd35_ocr_lora_recipe_trains_under_main_ppo(tmp_path, tiny_sd
     (line,) = _metrics(run_dir)
     assert line["step"] == 1 and line["policy_version"] == 1
     assert -1.0 < line["reward_mean"] < 0.0  # minus a JPEG's kB / 500: a real score of the run's images
-    assert line["actor/optimizer_steps"] == 1  # ppo_mini_batch_size = train_batch_size: one step
+    assert line["actor/optimizer_steps"] == 2  # ppo_mini_batch_size=4 of train_batch_size=8: two steps
 
 
 # veRL-Omni's examples/flowgrpo_trainer/qwen_image/run_qwen_image_ocr_reward_server.sh, key for key

@@ -37,6 +37,8 @@ def test_verl_defaults_file_is_veRL_composed_ppo_trainer():
 @pytest.mark.parametrize(("override", "digen_key", "value"), [
     ("actor_rollout_ref.model.path=/models/FLUX.1-dev", "model.path", "/models/FLUX.1-dev"),
     ("actor_rollout_ref.model.lora_rank=32", "model.lora.rank", 32),
+    ("actor_rollout_ref.model.custom_chat_template='{{ messages[-1].content }}'", "data.chat_template",
+     "{{ messages[-1].content }}"),
     ("actor_rollout_ref.model.lora_alpha=64", "model.lora.alpha", 64),
     ("actor_rollout_ref.model.target_modules=[to_q,to_v]", "model.lora.target_modules", ["to_q", "to_v"]),
     ("actor_rollout_ref.actor.optim.lr=3e-4", "algo.lr", 3e-4),

@@ -211,6 +211,10 @@ class DataConfig:
     # Over-long prompts (max_prompt_tokens) are dropped when the data is read, and how many is
     # printed (veRL's data.filter_overlong_prompts); false: the run is refused naming the first.
     filter_overlong_prompts: bool = False
+    # A Jinja chat template that makes a chat prompt (veRL's parquet) into the image prompt, rendered
+    # with ``messages`` (veRL's actor_rollout_ref.model.custom_chat_template, as veRL-Omni's SD3.5
+    # recipe writes it); null: the chat's last user message.
+    chat_template: Optional[str] = None
 
 
 @dataclass

@@ -163,6 +163,8 @@ MAPPED: tuple[Mapped, ...] = (
            "reads as unset)"),
     Mapped("data.filter_overlong_prompts", "digen.data.filter_overlong_prompts",
            "drop over-long prompts when the data is read (how many is printed) instead of refusing the run"),
+    Mapped("actor_rollout_ref.model.custom_chat_template", "digen.data.chat_template",
+           "a Jinja template over a chat prompt's messages that makes the image prompt"),
     Mapped("data.val_max_samples", "digen.validation.num_prompts", "validation prompts sampled", _val_samples),
     Mapped("actor_rollout_ref.actor.fsdp_config.model_dtype", "digen.model.dtype",
            "the weights' compute dtype, rollout and training alike (bfloat16 / float32)", _model_dtype),

@@ -52,7 +52,7 @@ def load_prompts(path: str | os.PathLike[str]) -> list[str]:
 _log = logging.getLogger(__name__)
 
 
-def load_prompt_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+def load_prompt_records(path: str | os.PathLike[str], chat_template: str | None = None) -> list[dict[str, Any]]:
     """Load the prompt records of a ``.txt``, ``.jsonl`` or ``.parquet`` file.
 
     Every record is a dict with the prompt string under ``"prompt"``:
@@ -67,7 +67,9 @@ def load_prompt_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
       message's content and the list is kept under ``"raw_prompt"``; system messages are not
       part of the image prompt, the denoiser's text encoder applying its own template: they are
       kept under ``"system_prompt"``, and a warning says how many chats had one). A row's
-      ``negative_prompt`` column is its own CFG negative prompt. veRL's
+      ``negative_prompt`` column is its own CFG negative prompt. With ``chat_template`` (a Jinja
+      template, veRL's ``custom_chat_template``) a chat's prompt is the template rendered with
+      ``messages=<the chat>`` instead of its last user message. veRL's
       ``reward_model.ground_truth`` is copied to a top-level ``"ground_truth"`` when the row
       has none.
 
@@ -93,7 +95,7 @@ def load_prompt_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     elif suffix == ".jsonl":
         records = _read_jsonl(file)
     else:
-        records = _read_parquet(file)
+        records = _read_parquet(file, chat_template)
     if not records:
         raise ValueError(f"prompt file {str(path)!r} contains no prompts")
     return records
@@ -124,16 +126,17 @@ def _read_jsonl(file: Path) -> list[dict[str, Any]]:
     return records
 
 
-def _read_parquet(file: Path) -> list[dict[str, Any]]:
+def _read_parquet(file: Path, chat_template: str | None = None) -> list[dict[str, Any]]:
     import pyarrow.parquet as pq
 
     columns = pq.read_schema(file).names
     if "prompt" not in columns:
         raise ValueError(f"prompt file {str(file)!r} has no 'prompt' column (columns: {columns})")
     rows = pq.read_table(file).to_pylist()
-    records = [_parquet_record(row, f"prompt file {str(file)!r}, row {index}") for index, row in enumerate(rows)]
+    render = _chat_renderer(chat_template)
+    records = [_parquet_record(row, f"prompt file {str(file)!r}, row {index}", render) for index, row in enumerate(rows)]
     with_system = sum(1 for r in records if r.get("system_prompt"))
-    if with_system:
+    if with_system and render is None:
         _log.warning("prompt file %s: %d of %d chats have a system message; the image prompt is each chat's last "
                      "user message (the denoiser's text encoder applies its own template), and the system message "
                      "stays in the record as 'system_prompt' (and the chat as 'raw_prompt') for the reward",
@@ -141,7 +144,22 @@ def _read_parquet(file: Path) -> list[dict[str, Any]]:
     return records
 
 
-def _parquet_record(row: dict[str, Any], where: str) -> dict[str, Any]:
+def _chat_renderer(template: str | None):
+    """``messages -> prompt`` of a Jinja chat template (None: no template), in the sandboxed
+    environment transformers renders chat templates in."""
+    if template is None:
+        return None
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        compiled = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template)
+    except TemplateError as e:
+        raise ValueError(f"digen.data.chat_template is not a valid Jinja template: {e}") from None
+    return lambda messages: compiled.render(messages=messages)
+
+
+def _parquet_record(row: dict[str, Any], where: str, render=None) -> dict[str, Any]:
     record = dict(row)
     prompt = record["prompt"]
     if isinstance(prompt, list):  # veRL's chat format: [{"role": "user", "content": "..."}, ...]
@@ -153,12 +171,33 @@ def _parquet_record(row: dict[str, Any], where: str) -> dict[str, Any]:
         system = "\n".join(str(m.get("content") or "") for m in prompt if isinstance(m, dict) and m.get("role") == "system")
         if system.strip() and "system_prompt" not in record:
             record["system_prompt"] = system
-        prompt = users[-1].get("content")
+        prompt = _chat_text(prompt, render, where)
     record["prompt"] = _check_prompt(prompt, where)
+    negative = record.get("negative_prompt")
+    if isinstance(negative, list):  # veRL-Omni's data scripts write the negative prompt as a chat too
+        users = [m for m in negative if isinstance(m, dict) and m.get("role") == "user"]
+        if not users:
+            raise ValueError(f"{where}: 'negative_prompt' is a chat with no user message")
+        record["raw_negative_prompt"] = negative
+        record["negative_prompt"] = _chat_text(negative, render, f"{where}, negative_prompt")
+    if not (negative is None or isinstance(record["negative_prompt"], str)):
+        raise ValueError(f"{where}: 'negative_prompt' must be a string or a chat, got {type(negative).__name__}")
     reward_model = record.get("reward_model")
     if "ground_truth" not in record and isinstance(reward_model, dict) and "ground_truth" in reward_model:
         record["ground_truth"] = reward_model["ground_truth"]
     return record
+
+
+def _chat_text(chat: list, render, where: str) -> Any:
+    """A chat's text: the template rendered over it, else its last user message's content."""
+    if render is None:
+        return [m for m in chat if isinstance(m, dict) and m.get("role") == "user"][-1].get("content")
+    from jinja2 import TemplateError
+
+    try:
+        return render(chat)
+    except TemplateError as e:
+        raise ValueError(f"{where}: digen.data.chat_template failed on this chat: {e}") from None
 
 
 def _check_prompt(value: Any, where: str) -> str:

@@ -184,7 +184,7 @@ def resolve_prompt_records(cfg: DigenConfig, source: Any = None) -> list[dict[st
             if one.startswith("builtin:"):
                 records += builtin_prompt_records(one.split(":", 1)[1])
             else:
-                records += load_prompt_records(one)
+                records += load_prompt_records(one, cfg.data.chat_template)
         except FileNotFoundError as e:
             raise FileNotFoundError(f"{key}: {e}") from None
         except ValueError as e:
