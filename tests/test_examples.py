@@ -112,6 +112,7 @@ def test_each_example_passes_main_ppos_checks_at_its_real_size(script, workspace
 
 @pytest.mark.e2e
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # a whole main_ppo job (about 4 minutes alone; twice that beside another)
 def test_the_flux_ocr_example_trains_two_steps_through_main_ppo(tmp_path, workspace, tiny_flux):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -129,7 +130,7 @@ def test_the_flux_ocr_example_trains_two_steps_through_main_ppo(tmp_path, worksp
             "actor_rollout_ref.rollout.pipeline.num_inference_steps=4", "actor_rollout_ref.rollout.algo.sde_window_range=[0,4]",
             "trainer.total_training_steps=2", "trainer.logger=[console]"]
     proc = subprocess.run(["bash", os.path.join(REPO, "examples", "flowgrpo", "flux", "run_flux_ocr_lora.sh"), *tiny],
-                          cwd=run_dir, env=env, capture_output=True, text=True, timeout=900)
+                          cwd=run_dir, env=env, capture_output=True, text=True, timeout=1100)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     (metrics,) = glob.glob(str(run_dir / "runs" / "flow_grpo" / "flux_ocr_lora-*" / "metrics.jsonl"))
     with open(metrics) as f:

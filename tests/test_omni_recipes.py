@@ -138,6 +138,7 @@ def _environment(argv: list[str], **values: str) -> list[str]:
 
 @pytest.mark.e2e
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # a whole main_ppo job (about 4 minutes alone; twice that beside another)
 def test_verl_omnis_sd35_ocr_lora_recipe_trains_under_main_ppo(tmp_path, tiny_sd3):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -156,7 +157,7 @@ def test_verl_omnis_sd35_ocr_lora_recipe_trains_under_main_ppo(tmp_path, tiny_sd
            "trainer.total_training_steps": "1", "trainer.n_gpus_per_node": "2",
            # the tiny SD3's position embedding covers 128 x 128 pixels (SD3.5-M's: 384 patches a side)
            "actor_rollout_ref.rollout.pipeline.height": "128", "actor_rollout_ref.rollout.pipeline.width": "128"})
-    proc = main_ppo(run_dir, *argv[1:], timeout=900)  # main_ppo() adds trainer.v1.trainer_mode=digen itself
+    proc = main_ppo(run_dir, *argv[1:], timeout=1100)  # main_ppo() adds trainer.v1.trainer_mode=digen itself
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     (line,) = _metrics(run_dir)
     assert line["step"] == 1 and line["policy_version"] == 1
@@ -205,6 +206,7 @@ QWEN_OCR_REWARD_SERVER = """
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.usefixtures("loopback_no_proxy")
+@pytest.mark.timeout(1200)  # a whole main_ppo job (about 4 minutes alone; twice that beside another)
 def test_verl_omnis_qwen_image_ocr_reward_server_recipe_trains_under_main_ppo(tmp_path, tiny_dirs):
     from verl_digen.rewards.serve import RewardServer
 
@@ -234,7 +236,7 @@ def test_verl_omnis_qwen_image_ocr_reward_server_recipe_trains_under_main_ppo(tm
                "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": "4",
                "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": "4",
                "actor_rollout_ref.rollout.pipeline.height": "64", "actor_rollout_ref.rollout.pipeline.width": "64"})
-        proc = main_ppo(run_dir, *argv, timeout=900)
+        proc = main_ppo(run_dir, *argv, timeout=1100)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     (line,) = _metrics(run_dir)
     assert line["step"] == 1 and line["actor/optimizer_steps"] == 2  # two PPO mini-batches

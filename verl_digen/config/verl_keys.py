@@ -533,8 +533,8 @@ def _derived_settings(config: Mapping[str, Any], digen: dict[str, Any], ours: di
             for kwargs in functions:  # +digen.reward.kwargs.fps: the one custom-reward setting veRL has no key for
                 kwargs.update(extra)
         elif mine != defaults and (mine["name"] != "custom" or mine["kwargs"] != spec.get("kwargs")):
-            raise ConfigError("invalid config: reward.custom_reward_function.path and digen.reward.* both choose the "
-                              "reward; set one of them")
+            chooser = "reward.reward_functions" if spec["name"] == "weighted" else "reward.custom_reward_function.path"
+            raise ConfigError(f"invalid config: {chooser} and digen.reward.* both choose the reward; set one of them")
         digen["reward"] = {**ours["reward"], "kwargs": {}, "components": [], **spec, "device": device}
 
 
