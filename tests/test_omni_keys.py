@@ -322,7 +322,7 @@ def test_the_multi_reward_keys_are_refused_naming_what_is_wrong(change, message)
 
 def test_the_multi_reward_keys_and_digen_reward_may_not_both_choose():
     with pytest.raises(ConfigError, match=r"reward.reward_functions and digen.reward.\* both choose the reward"):
-        _resolved(*QWEN_MULTI, "digen.reward.name=brightness")
+        _resolved(*QWEN_MULTI, "digen.reward.name=colorfulness")
 
 
 def test_layered_summon_is_what_the_sync_always_does():
