@@ -19,7 +19,7 @@ import os
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -133,10 +133,11 @@ def _read_parquet(file: Path, chat_template: str | None = None) -> list[dict[str
     if "prompt" not in columns:
         raise ValueError(f"prompt file {str(file)!r} has no 'prompt' column (columns: {columns})")
     rows = pq.read_table(file).to_pylist()
-    render = _chat_renderer(chat_template)
-    records = [_parquet_record(row, f"prompt file {str(file)!r}, row {index}", render) for index, row in enumerate(rows)]
+    chat_text = _chat_reader(chat_template)
+    records = [_parquet_record(row, f"prompt file {str(file)!r}, row {index}", chat_text)
+               for index, row in enumerate(rows)]
     with_system = sum(1 for r in records if r.get("system_prompt"))
-    if with_system and render is None:
+    if with_system and chat_template is None:
         _log.warning("prompt file %s: %d of %d chats have a system message; the image prompt is each chat's last "
                      "user message (the denoiser's text encoder applies its own template), and the system message "
                      "stays in the record as 'system_prompt' (and the chat as 'raw_prompt') for the reward",
@@ -144,11 +145,16 @@ def _read_parquet(file: Path, chat_template: str | None = None) -> list[dict[str
     return records
 
 
-def _chat_renderer(template: str | None):
-    """``messages -> prompt`` of a Jinja chat template (None: no template), in the sandboxed
-    environment transformers renders chat templates in."""
+def _user_messages(chat: list) -> list[dict[str, Any]]:
+    return [m for m in chat if isinstance(m, dict) and m.get("role") == "user"]
+
+
+def _chat_reader(template: str | None) -> Callable[[list, str], Any]:
+    """``(chat, where) -> text``: a Jinja chat template rendered over the chat's ``messages``, in
+    the sandboxed environment transformers renders chat templates in; without a template, the
+    chat's last user message. Errors name ``where``."""
     if template is None:
-        return None
+        return lambda chat, where: _user_messages(chat)[-1].get("content")
     from jinja2 import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -156,48 +162,41 @@ def _chat_renderer(template: str | None):
         compiled = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template)
     except TemplateError as e:
         raise ValueError(f"digen.data.chat_template is not a valid Jinja template: {e}") from None
-    return lambda messages: compiled.render(messages=messages)
+
+    def render(chat: list, where: str) -> str:
+        try:
+            return compiled.render(messages=chat)
+        except TemplateError as e:
+            raise ValueError(f"{where}: digen.data.chat_template failed on this chat: {e}") from None
+
+    return render
 
 
-def _parquet_record(row: dict[str, Any], where: str, render=None) -> dict[str, Any]:
+def _parquet_record(row: dict[str, Any], where: str, chat_text: Callable[[list, str], Any]) -> dict[str, Any]:
     record = dict(row)
     prompt = record["prompt"]
     if isinstance(prompt, list):  # veRL's chat format: [{"role": "user", "content": "..."}, ...]
-        users = [m for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
-        if not users:
+        if not _user_messages(prompt):
             raise ValueError(f"{where}: 'prompt' is a chat with no user message (veRL format expects "
                              "[{'role': 'user', 'content': ...}])")
         record["raw_prompt"] = prompt
         system = "\n".join(str(m.get("content") or "") for m in prompt if isinstance(m, dict) and m.get("role") == "system")
         if system.strip() and "system_prompt" not in record:
             record["system_prompt"] = system
-        prompt = _chat_text(prompt, render, where)
+        prompt = chat_text(prompt, where)
     record["prompt"] = _check_prompt(prompt, where)
     negative = record.get("negative_prompt")
     if isinstance(negative, list):  # veRL-Omni's data scripts write the negative prompt as a chat too
-        users = [m for m in negative if isinstance(m, dict) and m.get("role") == "user"]
-        if not users:
+        if not _user_messages(negative):
             raise ValueError(f"{where}: 'negative_prompt' is a chat with no user message")
         record["raw_negative_prompt"] = negative
-        record["negative_prompt"] = _chat_text(negative, render, f"{where}, negative_prompt")
-    if not (negative is None or isinstance(record["negative_prompt"], str)):
+        record["negative_prompt"] = chat_text(negative, f"{where}, negative_prompt")
+    elif negative is not None and not isinstance(negative, str):
         raise ValueError(f"{where}: 'negative_prompt' must be a string or a chat, got {type(negative).__name__}")
     reward_model = record.get("reward_model")
     if "ground_truth" not in record and isinstance(reward_model, dict) and "ground_truth" in reward_model:
         record["ground_truth"] = reward_model["ground_truth"]
     return record
-
-
-def _chat_text(chat: list, render, where: str) -> Any:
-    """A chat's text: the template rendered over it, else its last user message's content."""
-    if render is None:
-        return [m for m in chat if isinstance(m, dict) and m.get("role") == "user"][-1].get("content")
-    from jinja2 import TemplateError
-
-    try:
-        return render(chat)
-    except TemplateError as e:
-        raise ValueError(f"{where}: digen.data.chat_template failed on this chat: {e}") from None
 
 
 def _check_prompt(value: Any, where: str) -> str:

@@ -206,46 +206,39 @@ class CustomFunctionReward(RewardFn):
             except Exception as e:
                 error = e if isinstance(e, CustomRewardError) else \
                     self._error(f"on a batch of {len(prompts)} samples, prompts {list(prompts)!r}")
-                if self.required:
-                    raise error from None
-                scores = [error] * len(prompts)
+                scores = [self._failed(error)] * len(prompts)
         else:
             calls = [{k: v for k, v in r.items() if k in self.wanted} for r in rows]
             if self.is_async:
                 scores = _run_coroutines([self.fn(**kw, **self.reward_kwargs) for kw in calls])
                 for i, result in enumerate(scores):  # the first sample that failed, with its own traceback
                     if isinstance(result, Exception):
-                        scores[i] = self._error(f"on sample {i}, prompt {prompts[i]!r}", result)
-                        if self.required:
-                            raise scores[i]
+                        scores[i] = self._failed(self._error(f"on sample {i}, prompt {prompts[i]!r}", result))
             else:
                 scores = []
                 for i, kw in enumerate(calls):
                     try:
                         scores.append(_awaited(self.fn(**kw, **self.reward_kwargs)))
                     except Exception:
-                        if self.required:
-                            raise self._error(f"on sample {i}, prompt {prompts[i]!r}") from None
-                        scores.append(self._error(f"on sample {i}, prompt {prompts[i]!r}"))
-        out, extras, failed = [], {}, []
+                        scores.append(self._failed(self._error(f"on sample {i}, prompt {prompts[i]!r}")))
+        out, extras, failures = [], {}, {}
         for i, s in enumerate(scores):
-            try:
-                if isinstance(s, BaseException):
-                    raise s
-                value, extra = self._split(s, prompts[i])
-            except CustomRewardError as e:
-                if self.required:
-                    raise
-                failed.append((i, e))
+            if not isinstance(s, CustomRewardError):
+                try:
+                    value, extra = self._split(s, prompts[i])
+                except CustomRewardError as e:
+                    s = self._failed(e)
+            if isinstance(s, CustomRewardError):
+                failures[i] = s
                 value, extra = 0.0, {}
             out.append(value)
             for k, v in extra.items():
                 extras.setdefault(k, [math.nan] * len(scores))[i] = v
         if not self.required:
-            extras["failed"] = [float(i in {j for j, _ in failed}) for i in range(len(scores))]
-            if failed:
+            extras["failed"] = [float(i in failures) for i in range(len(scores))]
+            if failures:
                 logger.warning("%s (required=false) failed on %d of %d samples, each scored 0; the first:\n%s",
-                               self._where(), len(failed), len(scores), failed[0][1])
+                               self._where(), len(failures), len(scores), next(iter(failures.values())))
         self._extras = {k: torch.tensor(v, dtype=torch.float32) for k, v in extras.items()}
         return torch.tensor(out, dtype=torch.float32)
 
@@ -285,6 +278,13 @@ class CustomFunctionReward(RewardFn):
 
     def _where(self) -> str:
         return f"{self.where} {self.path}:{self.function}"
+
+    def _failed(self, error: CustomRewardError) -> CustomRewardError:
+        """``error`` raised when the function is required (the run stops); else returned, to score
+        its samples 0 (``required=False``)."""
+        if self.required:
+            raise error from None
+        return error
 
     def _error(self, sample: str, exc: BaseException | None = None) -> CustomRewardError:
         """The user's failure ``exc`` (default: the one being handled), with its traceback."""

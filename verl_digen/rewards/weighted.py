@@ -82,7 +82,7 @@ class WeightedReward(RewardFn):
         """Each component's unweighted score as ``<label>`` and its extras as ``<label>/<name>``
         (per-step metrics ``reward/<label>``, ``reward/<label>/<name>``: veRL-Omni's multi-reward
         manager's names)."""
-        parts, self._parts = getattr(self, "_parts", {}), {}
+        parts, self._parts = self._parts, {}
         extras = {label: v.detach().float().cpu() for label, v in parts.items()}
         extras.update({f"{label}/{k}": v for label, reward, _ in self.components for k, v in reward.take_extras().items()})
         return extras
