@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 
 from test_omni_keys import _verl_config
 from test_omni_recipes import HTTP_SCORER_CLIENT, _parquet, qwen_ocr_http_rows
+from test_verl_entry import ONE_TQ_UNIT
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = sorted(glob.glob(os.path.join(REPO, "examples", "flowgrpo", "*", "*.sh")))
@@ -128,7 +129,7 @@ def test_the_flux_ocr_example_trains_two_steps_through_main_ppo(tmp_path, worksp
             "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
             "actor_rollout_ref.rollout.pipeline.height=32", "actor_rollout_ref.rollout.pipeline.width=32",
             "actor_rollout_ref.rollout.pipeline.num_inference_steps=4", "actor_rollout_ref.rollout.algo.sde_window_range=[0,4]",
-            "trainer.total_training_steps=2", "trainer.logger=[console]"]
+            "trainer.total_training_steps=2", "trainer.logger=[console]", ONE_TQ_UNIT]
     proc = subprocess.run(["bash", os.path.join(REPO, "examples", "flowgrpo", "flux", "run_flux_ocr_lora.sh"), *tiny],
                           cwd=run_dir, env=env, capture_output=True, text=True, timeout=1100)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -50,9 +50,16 @@ def verl_parquet(path: str, rows: list[tuple[str, str]]) -> str:
     return path
 
 
+#: veRL's TaskRunner starts TransferQueue for every trainer mode; the digen mode keeps no data in it,
+#: so one storage unit is enough (docs/verl_keys.md). veRL's 8 are 7 more actor processes to start
+#: on a 2-core machine: about 20 s of each main_ppo run here.
+ONE_TQ_UNIT = "transfer_queue.backend.SimpleStorage.num_data_storage_units=1"
+
+
 def main_ppo(cwd, *overrides: str, timeout: int = 400, env: dict | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "RAY_OVERRIDE_RESOURCES": json.dumps({"CPU": 16}), **(env or {})}
-    return subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", "trainer.v1.trainer_mode=digen", *overrides],
+    return subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", "trainer.v1.trainer_mode=digen", ONE_TQ_UNIT,
+                           *overrides],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
