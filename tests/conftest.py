@@ -22,12 +22,15 @@ from e2e_guard import (  # noqa: F401
     pytest_runtest_makereport,
     pytest_runtest_protocol,
 )
+from timeouts import toy_build_budget
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The e2e guard's marks and gpu deselection; then, under pytest-xdist, the heaviest test
+    """The e2e guard's marks and gpu deselection; the toy build's time on top of the timeout of
+    a test that may build it (``toy_build_budget``); then, under pytest-xdist, the heaviest test
     files first (``heaviest_files_first``)."""
     e2e_guard.pytest_collection_modifyitems(config, items)
+    toy_build_budget(config, items)
     if os.environ.get("PYTEST_XDIST_WORKER"):
         heaviest_files_first(items)
 

@@ -170,3 +170,43 @@ def test_slow_tests_are_e2e_and_gpu_tests_run_only_when_asked_for(pytester: pyte
     result.assert_outcomes(passed=len(ran), deselected=3 - len(ran))
     for name in ran:
         result.stdout.fnmatch_lines([f"*::{name} PASSED*"])
+
+
+TOY_LIMITS = """
+import pytest
+
+
+@pytest.fixture(scope="session")
+def toy_digits():
+    return "built"
+
+
+def limit(request):
+    return request.node.get_closest_marker("timeout").args[0]
+
+
+def test_toy_use(toy_digits, request):
+    assert limit(request) == 600 + TOY_BUILD_S
+
+
+@pytest.mark.timeout(1200)
+def test_toy_use_with_its_own_limit(toy_digits, request):
+    assert limit(request) == 1200 + TOY_BUILD_S
+
+
+def test_no_toy(request):
+    assert request.node.get_closest_marker("timeout") is None
+"""
+
+
+def test_a_test_that_may_build_the_toy_gets_the_builds_time_on_top_of_its_limit(pytester: pytest.Pytester):
+    """pytest-timeout counts fixture set-up in the limit: the digits run (4 minutes) after the toy
+    build (6) once stopped at 600 s in CI. ``toy_build_budget`` adds the build's time to the limit
+    of every test that asks for the toy, its own ``timeout`` mark included, and to no other."""
+    from timeouts import TOY_BUILD_S
+
+    pytester.makeconftest("from timeouts import toy_build_budget\n\n\n"
+                          "def pytest_collection_modifyitems(config, items):\n"
+                          "    toy_build_budget(config, items)\n")
+    pytester.makepyfile(test_limits=f"TOY_BUILD_S = {TOY_BUILD_S}\n" + TOY_LIMITS)
+    pytester.runpytest("-p", "no:cacheprovider", "--timeout=600").assert_outcomes(passed=3)
