@@ -418,6 +418,41 @@ def test_simulator_runs_plans_with_the_runners_semantics():
         }, spec.name
 
 
+class _ScanCheckingRunner(_ReferenceRunner):
+    """Checks, before every launch, the runner's event-driven ``launchable`` against a scan of
+    every queue's head (what it replaced): the same tasks, in the same order."""
+
+    def launchable(self):
+        got = super().launchable()
+        scan, seen = [], set()
+        for w in self.plan.workers:
+            t = self._head_task(w)
+            if (t is None or w in self._busy or t.id in seen or t.id in self.running
+                    or not all(d in self.done for d in t.deps)):
+                continue
+            if all(x not in self._busy and self._head_task(x) is t for x in t.workers):
+                scan.append(t)
+                seen.add(t.id)
+        assert [t.id for t in got] == [t.id for t in scan]
+        self.launches += len(got)
+        return got
+
+
+def test_the_runner_launches_what_a_scan_of_every_queue_head_would():
+    rng = random.Random(1)
+    for _ in range(30):
+        spec = _random_spec(rng, rng.randint(2, 6), rng.choice([2, 4, 8]), 2)
+        planner = StepPlanner(spec)
+        for s in range(3):
+            planner.plan_step(s, None, has_next=s + 1 < 3)
+        # durations drawn per kind, some equal: ties make several tasks launchable at once
+        durations = {k.value: rng.choice([0.5, 1.0, 1.0, 2.0]) for k in TaskKind}
+        runner = _ScanCheckingRunner(planner.plan, durations)
+        runner.launches = 0
+        runner.run_until(None)
+        assert runner.launches == len(planner.plan.tasks) == len(runner.done), spec
+
+
 # ---------------------------------------------------------------------------- the bound
 
 

@@ -165,6 +165,7 @@ class Plan:
 
     def __post_init__(self) -> None:
         self._index: dict[TaskId, Task] = {t.id: t for t in self.tasks}
+        self._known = frozenset(self.workers)  # (the worker list is fixed when a plan is made)
 
     def add(self, task: Task) -> Task:
         if task.id in self._index:
@@ -173,7 +174,7 @@ class Plan:
             if d not in self._index:
                 raise PlanError(f"task {task.id} depends on {d}, which is not earlier in the plan")
         for w in task.workers:
-            if w not in self.workers:
+            if w not in self._known:
                 raise PlanError(f"task {task.id} is assigned to unknown worker {w}")
         self.tasks.append(task)
         self._index[task.id] = task

@@ -137,7 +137,7 @@ class DeviceProfile:
     # device on the machine when it starts (0: independent devices, as GPUs are).
     host_contention: float = 0.0
     system: str = OURS  # the software-stack profile (``systems:``) this device runs with by default
-    sources: Mapping[str, str] = field(default_factory=dict)
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False)  # citations, not costs
 
     @property
     def flops(self) -> float:
@@ -511,7 +511,7 @@ def _passes(images: int, batch: int) -> list[int]:
     return [batch] * full + ([rest] if rest else [])
 
 
-@dataclass
+@dataclass(frozen=True)
 class CostModel:
     model: ModelProfile
     workload: Workload
@@ -521,6 +521,10 @@ class CostModel:
     # The training efficiency the zero-bubble bound charges, as a multiple of mfu_train: the best
     # train_efficiency of the catalog's systems (one bound for every system on the same work).
     bound_train_efficiency: float = 1.0
+    # train_seconds by its arguments and train_group by cluster: a gang task costs every rank the
+    # same call, and a plan repeats a few shapes thousands of times. Pure: every field above is
+    # frozen; ``replace`` starts a new model with an empty memo.
+    _train_memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def from_catalog(
@@ -680,6 +684,13 @@ class CostModel:
     # ------------------------------------------------------------------ the training pool
 
     def train_group(self, cluster: Cluster) -> TrainGroup:
+        # by the cluster object, which the memo holds: its id is not reused while the model lives
+        held = self._train_memo.get(id(cluster))
+        if held is None:
+            held = self._train_memo[id(cluster)] = (cluster, self._train_group(cluster))
+        return held[1]
+
+    def _train_group(self, cluster: Cluster) -> TrainGroup:
         p = cluster.placement(training_pool(cluster))
         sends = "rollout" in cluster.pools  # disaggregated: trainer 0 sends every version
         if self.workload.fsdp is False:  # every trainer holds the whole state and trains alone
@@ -920,6 +931,12 @@ class CostModel:
     def train_seconds(self, images: int, dev: DeviceProfile, group: TrainGroup, trained_steps: int | None = None,
                       pool: str = "trainer") -> float:
         k = self.workload.trained_steps if trained_steps is None else trained_steps
+        key = (images, dev, group, k, pool)
+        if key not in self._train_memo:
+            self._train_memo[key] = self._train_seconds(images, dev, group, k, pool)
+        return self._train_memo[key]
+
+    def _train_seconds(self, images: int, dev: DeviceProfile, group: TrainGroup, k: int, pool: str) -> float:
         b = self.pass_batch(dev, group, pool)  # a pass that does not fit is reported by memory_problems
         t = k * sum(self.train_pass_seconds(n, dev, group, pool) for n in _passes(images, b))
         if self.system.recompute_logprob:
