@@ -22,15 +22,12 @@ from e2e_guard import (  # noqa: F401
     pytest_runtest_makereport,
     pytest_runtest_protocol,
 )
-from timeouts import toy_build_budget
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The e2e guard's marks and gpu deselection; the toy build's time on top of the timeout of
-    a test that may build it (``toy_build_budget``); then, under pytest-xdist, the heaviest test
+    """The e2e guard's marks and gpu deselection; then, under pytest-xdist, the heaviest test
     files first (``heaviest_files_first``)."""
     e2e_guard.pytest_collection_modifyitems(config, items)
-    toy_build_budget(config, items)
     if os.environ.get("PYTEST_XDIST_WORKER"):
         heaviest_files_first(items)
 
@@ -42,10 +39,7 @@ def heaviest_files_first(items: list[pytest.Item]) -> None:
     re-sorts files by their number of tests) hands files to the workers in this order, so a heavy file met
     last keeps one worker busy for minutes while the other has nothing left (seen: 7 minutes
     of one idle core at the end of the suite). Weights are rough: an e2e test 1, a slow one
-    4 more. The heaviest file that needs the pretrained toy goes first of all: it builds the toy
-    (minutes) while the other worker runs the next files; the other toy files, met later, find
-    it built instead of waiting on the lock of ``toy_digits``. Every worker sorts the same
-    collection the same way, as xdist requires."""
+    4 more. Every worker sorts the same collection the same way, as xdist requires."""
     def weight(item: pytest.Item) -> int:
         e2e, slow = item.get_closest_marker("e2e"), item.get_closest_marker("slow")
         return (1 if e2e is not None else 0) + (4 if slow is not None else 0)
@@ -54,9 +48,6 @@ def heaviest_files_first(items: list[pytest.Item]) -> None:
     for item in items:
         files.setdefault(item.nodeid.split("::")[0], []).append(item)
     weights = {name: sum(weight(i) for i in group) for name, group in files.items()}
-    toy = [name for name, group in files.items() if any("toy_digits" in getattr(i, "fixturenames", ()) for i in group)]
-    if toy:
-        weights[max(toy, key=weights.__getitem__)] += 1000
     ranked = sorted(files, key=lambda name: -weights[name])  # stable: ties keep collection order
     items[:] = [item for name in ranked for item in files[name]]
 
@@ -119,16 +110,12 @@ def tiny_dirs(tiny_cache) -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def toy_digits(tiny_cache) -> str:
-    """The pretrained toy digits model (``verl_digen.models.toy``) in the session's cache, built on
-    first use (a couple of minutes on a CPU), where Ray workers and ``resolve_model_path`` look."""
-    from filelock import FileLock
-
+    """The pretrained toy digits model (``verl_digen.models.toy``) in the session's cache, copied
+    from the package on first use (two xdist workers racing is safe: ``ensure_toy`` renames a
+    complete copy into place), where Ray workers and ``resolve_model_path`` look."""
     from verl_digen.models.toy import ensure_toy
 
-    # ensure_toy is safe when two workers race, but each would spend minutes building; the lock
-    # makes the second wait for the first's model (bounded: a hung build fails, not hangs).
-    with FileLock(os.path.join(tiny_cache, "toy.lock"), timeout=1800):
-        return ensure_toy("digits", os.path.join(tiny_cache, "toy"), log=lambda message: None)
+    return ensure_toy("digits", os.path.join(tiny_cache, "toy"), log=lambda message: None)
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ Seen through Python's audit hook on ``subprocess.Popen``: ``ray.init`` starting 
 spawns ``gcs_server`` and ``raylet``; ``ray start`` and the entry points that run a job are
 commands. A test that only joins a Ray instance another test started is caught by the fast lane
 itself, where no e2e test started one. A process group of spawned ranks (``runs.run_ranks``,
-seconds of imports per rank) counts too, through :func:`note_start`. Asking for the pretrained toy model or the shared Ray
+seconds of imports per rank) counts too, through :func:`note_start`. Asking for the shared Ray
 instance needs the marker too. The ``gpu`` tests are left out unless ``-m`` names them.
 tests/conftest.py registers the hooks; they are plain (no fixtures) so that
 tests/test_fast_lane.py can load this file alone in a pytester session."""
@@ -24,9 +24,8 @@ RUN_MODULES = ("verl_digen.main", "verl.trainer.main_ppo", "verl_digen.compare",
                "verl_digen.profile")
 #: What a ``python -c`` program that starts Ray or a run contains.
 RUN_CODE = ("ray.init(", "init_ray(", "run_training(")
-#: Fixtures only e2e tests may ask for: minutes to build, or Ray itself.
-E2E_FIXTURES = {"toy_digits": "the pretrained toy digits model (minutes of pretraining)",
-                "shared_ray": "the shared Ray instance"}
+#: Fixtures only e2e tests may ask for: Ray itself.
+E2E_FIXTURES = {"shared_ray": "the shared Ray instance"}
 
 
 def ray_or_run_start(executable: object, args: object) -> str | None:

@@ -104,36 +104,35 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def toy_digits():
-    raise AssertionError("built: the guard should have stopped the test first")
+def shared_ray():
+    raise AssertionError("started: the guard should have stopped the test first")
 
 
-def test_unmarked_use(toy_digits):
+def test_unmarked_use(shared_ray):
     pass
 
 
 @pytest.mark.e2e
-def test_marked_use(toy_digits):
+def test_marked_use(shared_ray):
     pass
 """
 
 
-def test_the_guard_fails_unmarked_tests_that_need_the_pretrained_toy_before_it_is_built(pytester: pytest.Pytester):
+def test_the_guard_fails_unmarked_tests_that_ask_for_the_shared_ray_before_it_starts(pytester: pytest.Pytester):
     here = os.path.dirname(os.path.abspath(__file__))
     with open(os.path.join(here, "e2e_guard.py")) as f:
         pytester.makeconftest(f.read())
     pytester.makeini(INI + "markers =\n    e2e: starts Ray or a run\n")
-    pytester.makepyfile(test_toy_use=SLOW_FIXTURE)
+    pytester.makepyfile(test_ray_use=SLOW_FIXTURE)
     result = pytester.runpytest("-p", "no:cacheprovider")
     result.assert_outcomes(errors=2)
     result.stdout.fnmatch_lines([
         "*ERROR at setup of test_unmarked_use*",
-        "test_toy_use.py::test_unmarked_use needs the pretrained toy digits model (minutes of pretraining) "
-        "without the e2e marker*",
+        "test_ray_use.py::test_unmarked_use needs the shared Ray instance without the e2e marker*",
         "*ERROR at setup of test_marked_use*",
-        "*AssertionError: built: the guard should have stopped the test first",
+        "*AssertionError: started: the guard should have stopped the test first",
     ])
-    assert "built: the guard" not in result.stdout.str().split("ERROR at setup of test_marked_use")[0]
+    assert "started: the guard" not in result.stdout.str().split("ERROR at setup of test_marked_use")[0]
 
 
 LANES = """
@@ -171,42 +170,3 @@ def test_slow_tests_are_e2e_and_gpu_tests_run_only_when_asked_for(pytester: pyte
     for name in ran:
         result.stdout.fnmatch_lines([f"*::{name} PASSED*"])
 
-
-TOY_LIMITS = """
-import pytest
-
-
-@pytest.fixture(scope="session")
-def toy_digits():
-    return "built"
-
-
-def limit(request):
-    return request.node.get_closest_marker("timeout").args[0]
-
-
-def test_toy_use(toy_digits, request):
-    assert limit(request) == 600 + TOY_BUILD_S
-
-
-@pytest.mark.timeout(1200)
-def test_toy_use_with_its_own_limit(toy_digits, request):
-    assert limit(request) == 1200 + TOY_BUILD_S
-
-
-def test_no_toy(request):
-    assert request.node.get_closest_marker("timeout") is None
-"""
-
-
-def test_a_test_that_may_build_the_toy_gets_the_builds_time_on_top_of_its_limit(pytester: pytest.Pytester):
-    """pytest-timeout counts fixture set-up in the limit: the digits run (4 minutes) after the toy
-    build (6) once stopped at 600 s in CI. ``toy_build_budget`` adds the build's time to the limit
-    of every test that asks for the toy, its own ``timeout`` mark included, and to no other."""
-    from timeouts import TOY_BUILD_S
-
-    pytester.makeconftest("from timeouts import toy_build_budget\n\n\n"
-                          "def pytest_collection_modifyitems(config, items):\n"
-                          "    toy_build_budget(config, items)\n")
-    pytester.makepyfile(test_limits=f"TOY_BUILD_S = {TOY_BUILD_S}\n" + TOY_LIMITS)
-    pytester.runpytest("-p", "no:cacheprovider", "--timeout=600").assert_outcomes(passed=3)

@@ -125,6 +125,12 @@ def test_installed_wheel_runs_a_shipped_preset_from_outside_the_checkout(wheel, 
     where = subprocess.run([python, "-c", "import verl_digen; print(verl_digen.__file__)"], cwd=elsewhere, env=env,
                            check=True, capture_output=True, text=True).stdout.strip()
     assert where.startswith(str(tmp_path / "venv")), where
+    # the pretrained toy ships inside the wheel: the digits preset copies it, builds nothing
+    toy = subprocess.run([python, "-c", "from verl_digen.models import toy; print(toy.shipped_toy()); "
+                          "import os; print(os.path.abspath(toy.ensure_toy(cache_dir='cache', log=print)))"],
+                         cwd=elsewhere, env=env, check=True, capture_output=True, text=True, timeout=300).stdout.split()
+    assert toy[0].startswith(str(tmp_path / "venv")) and toy[1] == str(elsewhere / "cache" / os.path.basename(toy[0]))
+    assert os.path.getsize(os.path.join(toy[1], "transformer", "diffusion_pytorch_model.safetensors")) > 100_000
 
     out = tmp_path / "run"
     proc = subprocess.run(

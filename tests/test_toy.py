@@ -6,6 +6,7 @@ learned something (the model draws the requested digit well above chance, better
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -55,7 +56,6 @@ def test_build_is_deterministic_and_seeded(tmp_path):
         assert '"steps": 3' in f.read()  # the recipe is saved next to the weights
 
 
-@pytest.mark.e2e
 def test_cached_model_is_a_flux_pipeline_loaded_like_a_real_one(toy_digits):
     assert os.path.basename(toy_digits) == f"digits-{toy.TOY_VERSION}"
     assert detect_arch(toy_digits) == "flux"
@@ -69,7 +69,31 @@ def test_cached_model_is_a_flux_pipeline_loaded_like_a_real_one(toy_digits):
             assert len(adapter.tokenizer_2.tokenize(caption)) < adapter.max_sequence_length
 
 
-def test_ensure_toy_builds_once_into_the_cache(tmp_path, monkeypatch):
+def test_the_shipped_model_is_the_default_recipes_and_the_cache_gets_a_copy(tmp_path, monkeypatch):
+    """The package ships the built toy; ``toy_recipe.json`` says it was built from today's default
+    recipe at this version (a recipe change without a rebuild and a version bump fails here).
+    ``ensure_toy`` copies it into the cache, byte for byte, and builds nothing."""
+    shipped = toy.shipped_toy("digits")
+    assert shipped is not None and os.path.basename(shipped) == f"digits-{toy.TOY_VERSION}"
+    with open(os.path.join(shipped, "toy_recipe.json")) as f:
+        assert json.load(f) == {"version": toy.TOY_VERSION, **dataclasses.asdict(ToyRecipe())}
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("built although the package ships the model")
+
+    monkeypatch.setattr(toy, "build_toy", no_build)
+    monkeypatch.setenv("VERL_DIGEN_CACHE", str(tmp_path))
+    path = ensure_toy("digits", log=_quiet)
+    assert path == str(tmp_path / "toy" / f"digits-{toy.TOY_VERSION}")
+    files = sorted(os.path.relpath(os.path.join(r, n), shipped) for r, _, ns in os.walk(shipped) for n in ns)
+    assert files == sorted(os.path.relpath(os.path.join(r, n), path) for r, _, ns in os.walk(path) for n in ns)
+    for name in files:
+        with open(os.path.join(shipped, name), "rb") as a, open(os.path.join(path, name), "rb") as b:
+            assert a.read() == b.read(), name
+    assert os.listdir(tmp_path / "toy") == [f"digits-{toy.TOY_VERSION}"]  # no temporary dirs left
+
+
+def test_ensure_toy_builds_once_into_the_cache_when_none_is_shipped(tmp_path, monkeypatch):
     calls = []
 
     def small_build(out_dir, recipe=ToyRecipe(), *, log=print):
@@ -77,6 +101,7 @@ def test_ensure_toy_builds_once_into_the_cache(tmp_path, monkeypatch):
         return build_toy(out_dir, SMALL, log=_quiet)
 
     monkeypatch.setattr(toy, "build_toy", small_build)
+    monkeypatch.setattr(toy, "SHIPPED_DIR", str(tmp_path / "none_shipped"))
     monkeypatch.setenv("VERL_DIGEN_CACHE", str(tmp_path))
     path = ensure_toy("digits", log=_quiet)
     assert path == str(tmp_path / "toy" / f"digits-{toy.TOY_VERSION}")
@@ -86,7 +111,6 @@ def test_ensure_toy_builds_once_into_the_cache(tmp_path, monkeypatch):
         ensure_toy("mnist")
 
 
-@pytest.mark.e2e
 def test_cli_prints_the_cached_model(toy_digits):
     env = {**os.environ, "VERL_DIGEN_CACHE": os.path.dirname(os.path.dirname(toy_digits))}
     result = subprocess.run([sys.executable, "-m", "verl_digen.models.toy"], capture_output=True, text=True,
@@ -98,7 +122,6 @@ def test_cli_prints_the_cached_model(toy_digits):
     assert bad.returncode == 2 and "--seed needs --out" in bad.stderr
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
 def test_reproduces_its_diffusers_pipeline(toy_digits, cfg_scale):
     """Our Euler loop (the ODE the RL sampler and validation use) gives FluxPipeline's images."""
@@ -116,7 +139,6 @@ def test_reproduces_its_diffusers_pipeline(toy_digits, cfg_scale):
     torch.testing.assert_close(ours, expected.float(), atol=1e-5, rtol=0)
 
 
-@pytest.mark.e2e
 def test_on_policy_ratio_is_one_with_the_preset_settings(toy_digits):
     """With the weights that sampled them, the trainer's recomputed log-probs equal the behaviour
     log-probs (LoRA r=32 as in the digits preset; SDE window = its first 3 steps)."""
@@ -140,7 +162,6 @@ def test_on_policy_ratio_is_one_with_the_preset_settings(toy_digits):
     assert metrics["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-5) and metrics["actor/clip_frac"] == 0.0
 
 
-@pytest.mark.e2e
 def test_pretraining_learned_the_digits(toy_digits):
     """The VAE reconstructs real digits, and the generator draws the requested digit far above
     chance (0.1) from held-out phrasings; true CFG against the empty caption (trained with caption

@@ -33,13 +33,19 @@ Choices, and why:
   ~0.74 without CFG, which would leave RL little to show.
 
 Everything is seeded and single-process; torch runs with a fixed number of threads during the
-build, so the same recipe gives the same weights. The result is cached
-(``$VERL_DIGEN_CACHE/toy/digits-<version>``, like the tiny models) and loads through the same
-``from_pretrained`` path as a real checkpoint.
+build, so the same recipe gives the same weights on one machine (another CPU's kernels may round
+differently). **The package ships the built model** (``verl_digen/models/pretrained/digits-v1``,
+1 MB, built on this project's machine with ``python -m verl_digen.models.toy --out DIR`` and the
+default :class:`ToyRecipe`, whose ``toy_recipe.json`` it carries): ``ensure_toy`` copies it into
+the cache (``$VERL_DIGEN_CACHE/toy/digits-<version>``, like the tiny models) instead of spending
+minutes pretraining, and every machine starts RL from the same weights. Without a shipped copy
+(a recipe changed, so ``TOY_VERSION`` was bumped) it builds. Either way the model loads through
+the same ``from_pretrained`` path as a real checkpoint.
 
 CLI::
 
-    python -m verl_digen.models.toy [--out DIR]      # default: build into the cache, print the path
+    python -m verl_digen.models.toy                  # the cached model (copied or built), print the path
+    python -m verl_digen.models.toy --out DIR        # pretrain from the recipe into DIR
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -300,14 +307,32 @@ def default_cache_dir() -> str:
     return os.path.join(root, "toy")
 
 
+# The built toy models the package ships (package data), one directory per name and version.
+SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pretrained")
+
+
+def shipped_toy(name: str = "digits") -> str | None:
+    """The package's built copy of toy ``name`` at the current ``TOY_VERSION`` (None: not shipped)."""
+    path = os.path.join(SHIPPED_DIR, f"{name}-{TOY_VERSION}")
+    return path if os.path.isfile(os.path.join(path, "model_index.json")) else None
+
+
 def ensure_toy(name: str = "digits", cache_dir: str | None = None, *, log: Callable[[str], None] = print) -> str:
-    """Path of the cached toy model ``name`` (``<cache>/<name>-<version>``), building it on first use
-    (a few minutes on a CPU). Built in a temporary sibling directory and renamed into place, so a
-    concurrent caller never sees a half-written model."""
+    """Path of the cached toy model ``name`` (``<cache>/<name>-<version>``): on first use a copy
+    of the shipped model (:func:`shipped_toy`), else built from the default recipe (a few minutes
+    on a CPU). Written into a temporary sibling directory and renamed into place, so a concurrent
+    caller never sees a half-written model. A copy, not the package's own directory: runs may
+    write next to a model (the wheel's may be read-only), and the cache is where Ray workers look."""
     if name not in TOY_MODELS:
         raise ValueError(f"unknown toy model '{name}'; known: {', '.join(TOY_MODELS)}")
     from .tiny import build_cached
 
+    shipped = shipped_toy(name)
+    if shipped is not None:
+        return build_cached(
+            cache_dir or default_cache_dir(), f"{name}-{TOY_VERSION}",
+            lambda out: shutil.copytree(shipped, out, dirs_exist_ok=True),
+        )
     return build_cached(
         cache_dir or default_cache_dir(), f"{name}-{TOY_VERSION}", lambda out: build_toy(out, log=log),
         announce=lambda final: log(f"[verl-digen] building the toy model '{name}' (once; cached at {final})"),
@@ -317,9 +342,11 @@ def ensure_toy(name: str = "digits", cache_dir: str | None = None, *, log: Calla
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m verl_digen.models.toy",
-        description="Pretrain the toy digits generator (FLUX.1 architecture) and print its directory.",
+        description="The pretrained toy digits generator (FLUX.1 architecture): print its cached directory, "
+                    "or pretrain it again with --out.",
     )
-    parser.add_argument("--out", help="output directory (default: build into the cache, or reuse the cached model)")
+    parser.add_argument("--out", help="pretrain from the recipe into this directory (default: print the cached "
+                                      "model, a copy of the one the package ships)")
     parser.add_argument("--seed", type=int, default=ToyRecipe.seed)
     args = parser.parse_args(argv)
     if args.out:

@@ -31,7 +31,7 @@ def resolve_model_path(cfg: DigenConfig) -> str:
     from verl_digen.models.tiny import ensure_tiny
 
     if cfg.model.path is None:
-        if cfg.model.tiny_arch == "digits":  # pretrained once, then cached
+        if cfg.model.tiny_arch == "digits":  # the shipped pretrained toy, copied into the cache
             from verl_digen.models.toy import ensure_toy
 
             path = ensure_toy(cfg.model.tiny_arch)
