@@ -169,4 +169,3 @@ def test_slow_tests_are_e2e_and_gpu_tests_run_only_when_asked_for(pytester: pyte
     result.assert_outcomes(passed=len(ran), deselected=3 - len(ran))
     for name in ran:
         result.stdout.fnmatch_lines([f"*::{name} PASSED*"])
-

@@ -329,14 +329,11 @@ def ensure_toy(name: str = "digits", cache_dir: str | None = None, *, log: Calla
 
     shipped = shipped_toy(name)
     if shipped is not None:
-        return build_cached(
-            cache_dir or default_cache_dir(), f"{name}-{TOY_VERSION}",
-            lambda out: shutil.copytree(shipped, out, dirs_exist_ok=True),
-        )
-    return build_cached(
-        cache_dir or default_cache_dir(), f"{name}-{TOY_VERSION}", lambda out: build_toy(out, log=log),
-        announce=lambda final: log(f"[verl-digen] building the toy model '{name}' (once; cached at {final})"),
-    )
+        build, announce = (lambda out: shutil.copytree(shipped, out, dirs_exist_ok=True)), None
+    else:
+        build = lambda out: build_toy(out, log=log)  # noqa: E731
+        announce = lambda final: log(f"[verl-digen] building the toy model '{name}' (once; cached at {final})")  # noqa: E731
+    return build_cached(cache_dir or default_cache_dir(), f"{name}-{TOY_VERSION}", build, announce=announce)
 
 
 def main(argv: list[str] | None = None) -> None:

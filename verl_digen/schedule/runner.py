@@ -104,13 +104,10 @@ class PlanRunner(abc.ABC):
         """Run until every task in ``task_ids`` is done (all planned tasks when None)."""
         waiting = None if task_ids is None else {t for t in task_ids if t not in self.done}
         while True:
-            if waiting is None:  # every task of the plan, which may grow while it runs
-                if len(self.done) == len(self.plan.tasks):
-                    return
-            else:
-                waiting.difference_update(self.finished_order[-1:])
-                if not waiting:
-                    return
+            if waiting is None and len(self.done) == len(self.plan.tasks):
+                return  # every task of the plan (which may grow while it runs)
+            if waiting is not None and not waiting:
+                return
             for t in self.launchable():
                 self.running[t.id] = self.now()
                 self._busy.update(t.workers)
@@ -125,6 +122,8 @@ class PlanRunner(abc.ABC):
             start = self.running.pop(tid)
             end = self.now()
             self._finished(task)
+            if waiting is not None:
+                waiting.discard(tid)
             self.timeline.add(
                 TaskRecord(
                     task=str(tid),  # the id's text form: timelines are written as JSON

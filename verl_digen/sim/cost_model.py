@@ -521,10 +521,11 @@ class CostModel:
     # The training efficiency the zero-bubble bound charges, as a multiple of mfu_train: the best
     # train_efficiency of the catalog's systems (one bound for every system on the same work).
     bound_train_efficiency: float = 1.0
-    # train_seconds by its arguments and train_group by cluster: a gang task costs every rank the
+    # train_seconds by its arguments, train_group by cluster: a gang task costs every rank the
     # same call, and a plan repeats a few shapes thousands of times. Pure: every field above is
-    # frozen; ``replace`` starts a new model with an empty memo.
-    _train_memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # frozen; ``replace`` starts a new model with empty memos.
+    _seconds_memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _group_memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def from_catalog(
@@ -685,9 +686,9 @@ class CostModel:
 
     def train_group(self, cluster: Cluster) -> TrainGroup:
         # by the cluster object, which the memo holds: its id is not reused while the model lives
-        held = self._train_memo.get(id(cluster))
+        held = self._group_memo.get(id(cluster))
         if held is None:
-            held = self._train_memo[id(cluster)] = (cluster, self._train_group(cluster))
+            held = self._group_memo[id(cluster)] = (cluster, self._train_group(cluster))
         return held[1]
 
     def _train_group(self, cluster: Cluster) -> TrainGroup:
@@ -932,9 +933,9 @@ class CostModel:
                       pool: str = "trainer") -> float:
         k = self.workload.trained_steps if trained_steps is None else trained_steps
         key = (images, dev, group, k, pool)
-        if key not in self._train_memo:
-            self._train_memo[key] = self._train_seconds(images, dev, group, k, pool)
-        return self._train_memo[key]
+        if key not in self._seconds_memo:
+            self._seconds_memo[key] = self._train_seconds(images, dev, group, k, pool)
+        return self._seconds_memo[key]
 
     def _train_seconds(self, images: int, dev: DeviceProfile, group: TrainGroup, k: int, pool: str) -> float:
         b = self.pass_batch(dev, group, pool)  # a pass that does not fit is reported by memory_problems
