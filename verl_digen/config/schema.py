@@ -389,6 +389,29 @@ class TagConfig:
 
 
 @dataclass
+class GatConfig:
+    """GAT, generator-assisted training (TAG reversed, LoRA runs): rollout workers train
+    micro-batches of the step's first PPO mini-batch with the weights they hold, which are the
+    trainers' then, and send the LoRA gradients to trainer 0, which adds them before its
+    optimizer step: the same update as if the trainers had computed it, to float rounding."""
+
+    enable: bool = False
+    # "auto": decided every step from the rates the previous step measured (0 when it does not
+    # pay); an integer: that many micro-batches every step (at most the first mini-batch's).
+    micro_batches: Any = "auto"
+
+    @property
+    def fixed(self) -> int | None:
+        """The fixed share (None: decided per step)."""
+        return None if self.micro_batches == "auto" else int(self.micro_batches)
+
+    def validate(self, key: str) -> None:
+        m = self.micro_batches
+        if m != "auto" and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
+            _fail(f"{key}.micro_batches", m, "valid: auto (decided per step) or an integer >= 0")
+
+
+@dataclass
 class PromptCacheConfig:
     """Text encoders run once per unique prompt (memory + disk), then are freed.
 
@@ -547,6 +570,7 @@ _STRATEGY_KEYS = {
     "train_split": "digen.tsp.train_split",
     "tag": "digen.tag.enable",
     "fsdp": "digen.fsdp.enable",
+    "gat": "digen.gat.enable",
 }
 
 
@@ -571,6 +595,7 @@ class DigenConfig:
     async_: AsyncConfig = field(default_factory=AsyncConfig)  # hydra key: digen.async (see HYDRA_KEYS)
     tsp: TspConfig = field(default_factory=TspConfig)
     tag: TagConfig = field(default_factory=TagConfig)
+    gat: GatConfig = field(default_factory=GatConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     fsdp: FsdpConfig = field(default_factory=FsdpConfig)
     prompt_cache: PromptCacheConfig = field(default_factory=PromptCacheConfig)
@@ -606,6 +631,7 @@ class DigenConfig:
             train_split=self.tsp.train_split,
             tag=self.tag.enable,
             fsdp=self.fsdp.enable,
+            gat=self.gat.enable,
         )
 
     def fsdp_ranks(self, devices: int) -> int:
@@ -656,6 +682,7 @@ class DigenConfig:
         self.async_.validate("digen.async")
         self.sync.validate("digen.sync")
         self.tag.validate("digen.tag")
+        self.gat.validate("digen.gat")
         self.validation.validate("digen.validation")
         self.emulate.validate("digen.emulate")
         self.prompt_cache.validate("digen.prompt_cache")
@@ -687,10 +714,27 @@ class DigenConfig:
             # the pools are the disaggregated placement's; a colocated run would not place it
             _fail("digen.pools.reward.devices", self.pools.reward.devices,
                   "a reward pool needs digen.placement=disaggregated (colocated workers score what they generate)")
+        self._check_gat()
         if self.algo.std_mode == "global" and self.gap.enable:
             _fail("digen.algo.std_mode", "global", "GAP streams groups before the batch is complete; use group or none")
         _positive("digen.task_timeout_s", self.task_timeout_s)
         self._check_rollout_data_dir()
+
+    def _check_gat(self) -> None:
+        """GAT sends LoRA gradients (megabytes; a full fine-tune's would be the model's size)."""
+        if not self.gat.enable:
+            if self.gat.micro_batches != "auto":
+                _fail("digen.gat.micro_batches", self.gat.micro_batches, "is GAT's share; set digen.gat.enable=true too")
+            return
+        if not self.model.lora.enable:
+            _fail("digen.gat.enable", True, "GAT sends LoRA gradients from rollout to the trainers; it needs "
+                                            "digen.model.lora.enable=true")
+        b = self.batch
+        first = b.groups_per_step // b.mini_batches_per_step // b.train_micro_batch_groups
+        if self.gat.micro_batches != "auto" and self.gat.micro_batches > first:
+            _fail("digen.gat.micro_batches", self.gat.micro_batches,
+                  f"at most the {first} micro-batches of a step's first PPO mini-batch (the rollout workers' "
+                  "weights are the trainers' only until its optimizer step)")
 
     def _check_rollout_data_dir(self) -> None:
         """A dump directory is a path, and needs real workers: emulated ones make no images."""

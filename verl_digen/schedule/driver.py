@@ -1,7 +1,8 @@
 """The step driver: what one training step does, for every executor.
 
 A step is: decide the elastic shares from what the previous step measured (TAG's share of
-generation on the trainers, TSP's stage boundaries), append the step to the plan, run the plan
+generation on the trainers, GAT's share of training on the rollout workers, TSP's stage
+boundaries), append the step to the plan, run the plan
 until the step's optimizer step, read the step's metrics off the timeline, and re-measure the
 per-unit costs that the next step's look-ahead is planned with.
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from verl_digen.schedule.elastic import rebalanced_spec, tag_decision
+from verl_digen.schedule.elastic import gat_decision, rebalanced_spec, tag_decision
 from verl_digen.schedule.metrics import step_timing_metrics
 from verl_digen.schedule.plan import Plan, TaskId
 from verl_digen.schedule.runner import PlanRunner
@@ -31,7 +32,8 @@ class StepDriver:
     - ``costs``: the per-unit costs the first step is planned with (later steps use the costs
       measured on the step before);
     - ``tag_switch_s``: what a trainer pays to switch from generating to training (TAG);
-    - ``tsp_rebalance``: move TSP stage boundaries from the stage times measured each step.
+    - ``tsp_rebalance``: move TSP stage boundaries from the stage times measured each step;
+    - ``gat_micro_batches``: GAT's micro-batches every step (None: decided per step).
     """
 
     def __init__(
@@ -44,6 +46,7 @@ class StepDriver:
         costs: StepCosts | None = None,
         tag_switch_s: float = 0.0,
         tsp_rebalance: bool = False,
+        gat_micro_batches: int | None = None,
     ) -> None:
         self.spec = spec
         self.planner = StepPlanner(spec, start_step=start_step)
@@ -53,6 +56,7 @@ class StepDriver:
         self.costs = costs or StepCosts()
         self.tag_switch_s = tag_switch_s
         self.tsp_rebalance = tsp_rebalance
+        self.gat_micro_batches = gat_micro_batches
         self.stage_changes: list[dict[str, Any]] = []  # TSP boundaries moved: {"step", "bounds"}
         self.step_end: dict[int, float] = {}  # executor time at each step's optimizer step
 
@@ -65,19 +69,22 @@ class StepDriver:
         ex = self.executor
         t0 = ex.now()
         tag_metrics, tag_groups = tag_decision(self.spec, ex.timeline, step, self.tag_switch_s)
+        gat_metrics, gat_mbs = gat_decision(self.spec, ex.timeline, step, self.gat_micro_batches)
         if self.tsp_rebalance and self.spec.tsp_stages > 1 and step > self.first_step:
             spec = rebalanced_spec(self.spec, ex.timeline, step - 1)
             if spec is not self.spec:
                 self.stage_changes.append({"step": step, "bounds": list(spec.bounds)})
                 self.spec = self.planner.spec = spec
         has_next = self.total_steps is None or step + 1 < self.total_steps
-        self.planner.plan_step(step, self.costs, has_next=has_next, tag_groups=tag_groups)
+        self.planner.plan_step(step, self.costs, has_next=has_next, tag_groups=tag_groups,
+                               gat_micro_batches=gat_mbs)
         ex.run_until([TaskId.optimizer_step(step)])
         t1 = ex.now()
         self.step_end[step] = t1
         metrics = step_timing_metrics(self.spec, ex.timeline, step, t0, t1)
         metrics.update(ex.step_metrics(step))
         metrics.update(tag_metrics)
+        metrics.update(gat_metrics)
         self.costs = measure_costs(ex.timeline.of_step(step), step, self.spec, self.costs)
         return metrics
 

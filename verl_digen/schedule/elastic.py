@@ -1,4 +1,4 @@
-"""Per-step decisions from measured rates: TAG's share and TSP's stage boundaries.
+"""Per-step decisions from measured rates: TAG's share, GAT's share and TSP's stage boundaries.
 
 Both are pure functions of a :class:`~verl_digen.schedule.timeline.Timeline`, so the Ray loop
 and the simulator decide the same way (:class:`~verl_digen.schedule.driver.StepDriver` calls
@@ -8,6 +8,8 @@ them for both).
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -119,6 +121,114 @@ def tag_decision(spec: Any, timeline: Any, step: int, switch_s: float) -> tuple[
         return TagDecision(0, 0.0, 0.0, "no measurements yet").as_metrics(None), 0
     d = decide_tag_share(inputs)
     return d.as_metrics(inputs), d.groups
+
+
+@dataclass(frozen=True)
+class GatInputs:
+    """GAT's inputs for one step: the step's shape and measured seconds per group (one worker)."""
+
+    groups_per_step: int
+    train_micro_batch_groups: int
+    first_mini_batch: int  # micro-batches of the step's first PPO mini-batch (GAT's at most)
+    rollout_workers: int
+    trainer_workers: int
+    rollout_generate_per_group: float  # one rollout worker
+    train_per_group: float  # one trainer
+    rollout_train_per_group: float  # one rollout worker training (with sending its gradients)
+
+
+@dataclass(frozen=True)
+class GatDecision:
+    micro_batches: int
+    predicted_step_s: float
+    predicted_step_s_without: float
+    reason: str
+
+    def as_metrics(self, inputs: GatInputs | None) -> dict[str, float]:
+        m = {
+            "gat/micro_batches": float(self.micro_batches),
+            "gat/predicted_step_s": self.predicted_step_s,
+            "gat/predicted_step_s_without": self.predicted_step_s_without,
+        }
+        if inputs is not None:
+            m.update({f"gat/{k}": float(v) for k, v in asdict(inputs).items()})
+        return m
+
+
+def gat_step_time(inp: GatInputs, n: int) -> float:
+    """Predicted time until both pools are done with a step whose rollout workers train ``n``
+    micro-batches: rollout generates every group and trains its micro-batches (dealt one per
+    worker in turn); each trainer trains its round-robin share of the rest (the planner deals
+    micro-batch ``j`` to trainer ``j mod T``, ``schedule/mechanisms.py``)."""
+    mb = inp.train_micro_batch_groups
+    total = inp.groups_per_step // mb
+    assisted = set(range(inp.first_mini_batch - n, inp.first_mini_batch))
+    per_trainer = Counter(j % inp.trainer_workers for j in range(total) if j not in assisted)
+    rollout = inp.groups_per_step * inp.rollout_generate_per_group / inp.rollout_workers
+    rollout += math.ceil(n / inp.rollout_workers) * mb * inp.rollout_train_per_group
+    trainer = max(per_trainer.values(), default=0) * mb * inp.train_per_group
+    return max(rollout, trainer)
+
+
+def decide_gat_share(inp: GatInputs) -> GatDecision:
+    """How many micro-batches the rollout workers should train: the count that minimises the
+    predicted step; none unless that strictly beats not assisting (rollout is the bottleneck,
+    or its training is too slow to help)."""
+    without = gat_step_time(inp, 0)
+    best_n, best_t = 0, without
+    for n in range(1, inp.first_mini_batch + 1):
+        t = gat_step_time(inp, n)
+        if t < best_t - 1e-12:
+            best_n, best_t = n, t
+    reason = ("rollout trains while it would otherwise wait for the trainers" if best_n else
+              "assisting does not pay: rollout is the bottleneck or trains too slowly to help")
+    return GatDecision(best_n, best_t, without, reason)
+
+
+def gat_inputs_from_timeline(spec: Any, timeline: Any, step: int) -> GatInputs | None:
+    """GAT's inputs for the step after ``step``, from a :class:`Timeline`'s records of ``step``:
+    rollout generation and trainer training per group on one worker, and rollout training (the
+    latest step where rollout trained; until then the trainers' rate, i.e. the same device
+    type). None when ``step`` measured nothing yet."""
+
+    def per_group(kind: str, at: int, pool: str) -> float | None:
+        rs = [r for r in timeline.of_step(at) if r.kind == kind and r.workers[0].startswith(pool)]
+        groups = [g for r in rs for g in r.groups]
+        return sum(r.end - r.start for r in rs) / len(groups) if groups else None
+
+    if step < 0:
+        return None
+    roll, train = per_group("generate", step, "rollout"), per_group("train", step, "trainer")
+    if roll is None or train is None:
+        return None
+    rollout_train = next((v for v in (per_group("train", q, "rollout") for q in range(step, -1, -1)) if v is not None),
+                         train)
+    return GatInputs(
+        groups_per_step=spec.groups_per_step,
+        train_micro_batch_groups=spec.train_micro_batch_groups,
+        first_mini_batch=spec.groups_per_step // spec.mini_batches // spec.train_micro_batch_groups,
+        rollout_workers=spec.rollout_workers,
+        trainer_workers=spec.trainer_workers,
+        rollout_generate_per_group=roll,
+        train_per_group=train,
+        rollout_train_per_group=rollout_train,
+    )
+
+
+def gat_decision(spec: Any, timeline: Any, step: int, fixed: int | None = None) -> tuple[dict[str, float], int]:
+    """GAT's micro-batches for step ``step`` from the rates measured in step ``step - 1`` (or
+    ``fixed``, ``digen.gat.micro_batches``), and the decision's metrics. ``({}, 0)`` when GAT is off."""
+    if not spec.gat:
+        return {}, 0
+    inputs = gat_inputs_from_timeline(spec, timeline, step - 1)
+    if fixed is not None:
+        t = gat_step_time(inputs, fixed) if inputs else 0.0
+        without = gat_step_time(inputs, 0) if inputs else 0.0
+        return GatDecision(fixed, t, without, "fixed by digen.gat.micro_batches").as_metrics(inputs), fixed
+    if inputs is None:
+        return GatDecision(0, 0.0, 0.0, "no measurements yet").as_metrics(None), 0
+    d = decide_gat_share(inputs)
+    return d.as_metrics(inputs), d.micro_batches
 
 
 def balanced_spec(spec: Any, profile: dict[str, Any]) -> Any:

@@ -11,7 +11,9 @@ A step plan answers five questions, and each mechanism is one answer to one of t
   the whole step's (:class:`WholeStep`);
 - where it trains: every rank in lockstep (:class:`FsdpGang`), where it was generated
   (:class:`WhereGenerated`, colocated), a share of its time steps on every rank
-  (:class:`TimestepSplit`) or round-robin over the trainers (:class:`RoundRobinTrainers`);
+  (:class:`TimestepSplit`) or round-robin over the trainers (:class:`RoundRobinTrainers`); and
+  under GAT, for the micro-batches the step gives them, round-robin over the rollout workers
+  (:class:`RoundRobinRollout`);
 - what follows the optimizer step: the TCSS look-ahead (:class:`Lookahead`) and the weight
   sync (:class:`WeightSync`), each through :class:`AfterStep`.
 
@@ -207,6 +209,17 @@ class RoundRobinTrainers:
 
     def parts(self, index: int, first_group: int, generated_on: Callable[[int], WorkerId]) -> TrainParts:
         return (((self.trainers[index % len(self.trainers)],), None),)
+
+
+@dataclass(frozen=True)
+class RoundRobinRollout:
+    """GAT: the micro-batches the rollout pool trains (consecutive ones), one per rollout worker
+    in turn, so they spread evenly whichever worker generated them."""
+
+    rollout_workers: int
+
+    def parts(self, index: int, first_group: int, generated_on: Callable[[int], WorkerId]) -> TrainParts:
+        return (((WorkerId("rollout", index % self.rollout_workers),), None),)
 
 
 # ----------------------------------------------------------------------------- after the optimizer step

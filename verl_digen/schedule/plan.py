@@ -203,7 +203,8 @@ class Plan:
         - each step has one optimizer step per PPO mini-batch, each depending on its mini-batch's
           training; a later mini-batch trains after the previous one's step;
         - weights versions: each worker's version, replayed along its queue, equals the
-          version every generate task declares (never weights between two mini-batches);
+          version every generate task declares (never weights between two mini-batches), and
+          a rollout worker trains (GAT) only on the step's own version, in its first mini-batch;
           staleness (training step minus data version, both in rollout batches) stays within
           ``max_staleness``.
         """
@@ -344,6 +345,14 @@ class Plan:
                 for w in t.workers:
                     if w.pool != "trainer":
                         version[w] = t.version
+            elif t.kind == TaskKind.TRAIN and t.worker.pool == "rollout":
+                # GAT: a rollout worker's gradients are added to the trainers', so they must be of
+                # the trainers' weights: version ``step``, before the step's first optimizer step.
+                held = version[t.worker]
+                if held != t.step or t.mini_batch != 0:
+                    raise PlanError(f"{t.id} trains on {t.worker}, which holds version {held}; the trainers' "
+                                    f"gradients of mini-batch {t.mini_batch} are of version {t.step} "
+                                    "(rollout workers may train only the step's first mini-batch)")
             elif t.kind == TaskKind.GENERATE:
                 held = version[t.worker]
                 if held is None:

@@ -30,6 +30,7 @@ from verl_digen.schedule.mechanisms import (
     RewardPlacement,
     RewardPool,
     RoundRobinGeneration,
+    RoundRobinRollout,
     RoundRobinTrainers,
     Stage,
     StepCosts,
@@ -63,6 +64,7 @@ def strategy_violations(
     tag: bool = False,
     fsdp: bool = False,
     stage_bounds: tuple[int, ...] | None = None,
+    gat: bool = False,
     name: Callable[[str], str] = str,
 ) -> list[tuple[str, str]]:
     """The broken invariants of a strategy as ``(field, what is valid)`` pairs; empty if none.
@@ -85,6 +87,7 @@ def strategy_violations(
             ("tsp_stages", tsp_stages > 1, "TSP"),
             ("train_split", train_split == "timestep", "the TSP training split"),
             ("tag", tag, "TAG"),
+            ("gat", gat, "GAT"),
         ):
             if used:
                 out.append((field, f"{what} {needs}"))
@@ -104,6 +107,16 @@ def strategy_violations(
         if len(b) != tsp_stages + 1 or b[0] != 0 or b[-1] != num_steps or any(x >= y for x, y in zip(b, b[1:])):
             out.append(("stage_bounds", f"must rise strictly from 0 to {name('num_steps')}={num_steps} in "
                                         f"{name('tsp_stages')}={tsp_stages} stages"))
+    if gat and placement == "disaggregated":
+        # GAT: rollout workers train whole micro-batches on the weights they hold, which are the
+        # trainers' only before the step's first optimizer step, and add them to one trainer's
+        # gradients: neither lockstep FSDP shards nor TAG's trainers generating fit that.
+        for field, used, what in (("fsdp", fsdp, "FSDP trainers (gradient shards)"),
+                                  ("tag", tag, "TAG (the opposite direction)")):
+            if used:
+                out.append(("gat", f"GAT cannot be combined with {what}; turn off {name(field)}"))
+        if train_split != "sample":
+            out.append(("gat", f"GAT trains whole micro-batches; needs {name('train_split')}=sample"))
     for field, v in (("groups_per_task", groups_per_task), ("train_micro_batch_groups", train_micro_batch_groups)):
         if v < 1 or groups_per_step % v:
             valid = f"must be >= 1 and divide {name('groups_per_step')}={groups_per_step} (whole groups only)"
@@ -193,6 +206,11 @@ class StrategySpec:
     # PPO mini-batches: optimizer steps per training step, each on groups_per_step / mini_batches
     # groups (veRL's ppo_mini_batch_size); weights versions still count training steps.
     mini_batches: int = 1
+    # GAT (generator-assisted training, TAG reversed): rollout workers train some micro-batches of
+    # the step's first PPO mini-batch with the weights they hold (the trainers' version) and
+    # send the gradients to trainer 0, which adds them before its optimizer step (LoRA runs:
+    # the gradients are megabytes). How many is decided per step (schedule/elastic.py).
+    gat: bool = False
 
     def __post_init__(self) -> None:
         problems = strategy_violations(
@@ -200,7 +218,7 @@ class StrategySpec:
             groups_per_task=self.groups_per_task, train_micro_batch_groups=self.train_micro_batch_groups,
             max_staleness=self.max_staleness, tsp_stages=self.tsp_stages, num_steps=self.num_steps,
             train_split=self.train_split, tag=self.tag, fsdp=self.fsdp, stage_bounds=self.stage_bounds,
-            mini_batches=self.mini_batches,
+            mini_batches=self.mini_batches, gat=self.gat,
         )
         if problems:
             raise ValueError("; ".join(f"{name}={getattr(self, name)!r}: {valid}" for name, valid in problems))
@@ -238,6 +256,8 @@ class StrategySpec:
             parts.append("tsp_train")
         if self.tag:
             parts.append("tag")
+        if self.gat:
+            parts.append("gat")
         if self.fsdp:
             parts.append("fsdp")
         if self.max_staleness:
@@ -280,6 +300,7 @@ class StepLayout:
     reward: RewardPlacement
     waits: TrainWaits
     training: TrainPlacement
+    assisted_training: TrainPlacement | None  # GAT: the rollout pool's micro-batches (None: GAT off)
     after_step: tuple[AfterStep, ...]
 
 
@@ -297,6 +318,7 @@ def layout_of(spec: StrategySpec) -> StepLayout:
         reward=RewardPool(spec.reward_workers) if spec.reward_workers else RewardInPlace(),
         waits=OwnGroups() if spec.gap else WholeStep(),
         training=_training_of(spec, trainers),
+        assisted_training=RoundRobinRollout(spec.rollout_workers) if spec.gat else None,
         after_step=_after_step_of(spec),
     )
 
@@ -354,12 +376,15 @@ class StepPlanner:
     # ----------------------------------------------------------------- public
 
     def plan_step(
-        self, step: int, costs: StepCosts | None = None, *, has_next: bool = True, tag_groups: int = 0
+        self, step: int, costs: StepCosts | None = None, *, has_next: bool = True, tag_groups: int = 0,
+        gat_micro_batches: int = 0,
     ) -> list[Task]:
         """Append step ``step``; ``has_next=False`` for the last step (no look-ahead).
 
         ``tag_groups``: how many of the step's groups the trainers generate (TAG), decided by
         the caller's elastic policy; they are taken from the groups not generated ahead.
+        ``gat_micro_batches``: how many micro-batches the rollout workers train (GAT), the last
+        ones of the step's first PPO mini-batch (those whose groups come last).
         """
         costs = costs or StepCosts()
         start = len(self.plan.tasks)
@@ -370,7 +395,7 @@ class StepPlanner:
             remaining = self._assist(step, remaining, tag_groups)
         sync = TaskId.sync(step)
         self._add_generation(step, remaining, self.layout.generation, deps=(sync,) if sync in self.plan else ())
-        self._add_training(step, groups)
+        self._add_training(step, groups, gat_micro_batches)
         for mechanism in self.layout.after_step:
             mechanism.after_step(self, step, costs, has_next)
         return self.plan.tasks[start:]
@@ -450,22 +475,27 @@ class StepPlanner:
         """The worker that generated (the first slice of) ``group``'s generate task."""
         return self._gen_of[self._reward_of[group].groups[0]].worker
 
-    def _add_training(self, step: int, groups: list[int]) -> None:
+    def _add_training(self, step: int, groups: list[int], assisted: int = 0) -> None:
         """The step's micro-batches, in the order their groups become available (planned-ahead
         groups first), cut into PPO mini-batches of consecutive micro-batches; each mini-batch
         ends in its optimizer step, which the next mini-batch's micro-batches wait for. Only
-        the last one makes the next weights version (``step + 1``)."""
+        the last one makes the next weights version (``step + 1``). The last ``assisted``
+        micro-batches of the first mini-batch train on the rollout pool (GAT)."""
         spec = self.spec
         whole_step = tuple(sorted({self._reward_of[g].id for g in groups}))
         order = sorted(groups, key=lambda g: self._position[self._reward_of[g].id])
         per_mini = spec.groups_per_step // spec.mini_batches // spec.train_micro_batch_groups
         train_ids: list[TaskId] = []
         previous: tuple[TaskId, ...] = ()  # the previous mini-batch's optimizer step
+        first_assisted = per_mini - self._assisted_count(step, assisted, per_mini)
         for j, mb in enumerate(chunk(order, spec.train_micro_batch_groups)):
             mini = j // per_mini
             own = tuple(sorted({self._reward_of[g].id for g in mb}))
             deps = self.layout.waits.deps(own, whole_step) + previous
-            for workers, part in self.layout.training.parts(j, mb[0], self._generated_on):
+            placement = self.layout.training
+            if mini == 0 and j >= first_assisted:
+                placement = self.layout.assisted_training
+            for workers, part in placement.parts(j, mb[0], self._generated_on):
                 t = self.add(Task(
                     id=TaskId.train(step, j, part=part[0] if part else None), kind=TaskKind.TRAIN,
                     workers=workers, step=step, deps=deps, groups=mb, images=len(mb) * spec.group_size,
@@ -480,6 +510,19 @@ class StepPlanner:
                     version=step + 1 if last else step, mini_batch=mini,
                 ))
                 previous, train_ids = (opt.id,), []
+
+
+    def _assisted_count(self, step: int, assisted: int, per_mini: int) -> int:
+        """GAT's micro-batches of ``step`` (at most the first mini-batch's), checked: the rollout
+        workers hold the trainers' weights of this step (version ``step``) until its sync."""
+        if not assisted:
+            return 0
+        if self.layout.assisted_training is None:
+            raise ValueError("gat_micro_batches > 0 needs a StrategySpec with gat=True")
+        stale = sorted(str(w) for w, v in self._version.items() if w.pool == "rollout" and v != step)
+        if stale:
+            raise ValueError(f"GAT in step {step}: rollout workers {stale} do not hold version {step}")
+        return min(assisted, per_mini)
 
 
 def measure_costs(records: list, step: int, spec: StrategySpec, fallback: StepCosts) -> StepCosts:

@@ -195,6 +195,7 @@ def simulate(
     mirror_loop: bool = False,
     tag_switch_s: float | None = None,
     tsp_balance: bool = False,
+    gat_micro_batches: int | None = None,
 ) -> SimResult:
     """Run ``steps`` training steps of ``spec`` with the training loop's own step driver.
 
@@ -206,7 +207,8 @@ def simulate(
     own costs and every step, the last included, plans its look-ahead (a steady state).
     ``tag_switch_s``: TAG's switch cost (default: the cost model's); ``tsp_balance``: balance
     TSP stages from the model's per-step costs and re-balance them every step, as the loop
-    does with ``digen.tsp.balance``.
+    does with ``digen.tsp.balance``; ``gat_micro_batches``: GAT's fixed share (None: decided
+    every step from the step before, as the loop does).
     """
     if not 0 <= warmup < steps:
         raise ValueError(f"need 0 <= warmup ({warmup}) < steps ({steps})")
@@ -222,6 +224,7 @@ def simulate(
         costs=StepCosts() if mirror_loop else costs.step_costs(spec, cluster),
         tag_switch_s=tag_switch_seconds(spec, costs, cluster) if tag_switch_s is None else tag_switch_s,
         tsp_rebalance=tsp_balance,
+        gat_micro_batches=gat_micro_batches,
     )
     metrics = [driver.run_step(s) for s in range(steps)]
     if mirror_loop:

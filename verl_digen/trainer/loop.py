@@ -171,7 +171,7 @@ class DigenTrainer:
             lambda plan: RayPlanExecutor(plan, actors, std_mode=cfg.algo.std_mode, timeout_s=cfg.task_timeout_s,
                                          chunk_rows=gang_chunk_rows(self.spec)),
             start_step=first, total_steps=last, tag_switch_s=cfg.tag.switch_cost_s,
-            tsp_rebalance=self.spec.tsp_stages > 1 and cfg.tsp.balance,
+            tsp_rebalance=self.spec.tsp_stages > 1 and cfg.tsp.balance, gat_micro_batches=cfg.gat.fixed,
         )
         executor: RayPlanExecutor = driver.executor  # type: ignore[assignment]
         lookahead = 1 if self.spec.max_staleness else 0
