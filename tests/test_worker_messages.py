@@ -23,6 +23,7 @@ from verl_digen.workers.emulated import EmulatedTrajectories, EmulatedWorker, Te
 from verl_digen.workers.messages import (
     MESSAGES,
     GenerateRequest,
+    Gradients,
     OptimizerResult,
     RewardResult,
     SyncResult,
@@ -41,6 +42,8 @@ def _examples() -> dict[type, dict]:
         RewardResult: dict(group_id=torch.tensor([3, 3]), rewards=torch.tensor([0.25, 0.75]),
                            policy_version=torch.tensor([1, 1])),
         TrainResult: dict(metrics={"actor/loss": 0.125}, staleness_max=1.0, staleness_min=0.0),
+        Gradients: dict(tensors={"blocks.0.attn.to_q.lora_A.default.weight": torch.ones(2, 3)}, version=2,
+                        groups=(3,)),
         OptimizerResult: dict(metrics={"actor/grad_norm": 2.0}, policy_version=3),
         SyncResult: dict(version=3, nbytes=1024, seconds=0.5, num_tensors=4),
     }
@@ -49,6 +52,8 @@ def _examples() -> dict[type, dict]:
 def _same(a, b) -> bool:
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     return a == b
 
 

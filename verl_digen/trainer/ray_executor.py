@@ -110,6 +110,8 @@ class RayPlanExecutor(PlanRunner):
         self._refs: dict[str, list[ray.ObjectRef]] = {}
         self._ref_task: dict[ray.ObjectRef, str] = {}
         self._finished_refs: dict[str, list[Any]] = defaultdict(list)
+        # GAT: (step, mini-batch) -> (micro-batch, ref of its Gradients) computed on rollout workers
+        self.assisted_gradients: dict[tuple[int, int], list[tuple[int, ray.ObjectRef]]] = defaultdict(list)
 
     def now(self) -> float:
         return time.time()
@@ -181,6 +183,11 @@ class RayPlanExecutor(PlanRunner):
         part = tuple(task.train_part) if task.train_part is not None else None
         request = TrainRequest(groups=tuple(task.groups), advantages=self.advantages(task), train_part=part)
         inputs = [r for i in gen_ids for r in self.outputs[i]]
+        if task.worker.pool == "rollout":  # GAT: the gradients stay in the object store for trainer 0
+            request = dataclasses.replace(request, return_gradients=True)
+            result, gradients = self.actors[task.worker].train_micro_batch.options(num_returns=2).remote(request, *inputs)
+            self.assisted_gradients[(task.step, task.mini_batch)].append((task.id.micro_batch, gradients))
+            return [result]
         if len(task.workers) == 1:
             return [self.actors[task.worker].train_micro_batch.remote(request, *inputs)]
         n = len(task.workers)  # FSDP gang: every rank, in lockstep, on its share of the samples
@@ -195,9 +202,13 @@ class RayPlanExecutor(PlanRunner):
 
     def optimizer_step(self, task: Task) -> list[ray.ObjectRef]:
         """Reduce gradients over the trainer ranks and step (one PPO mini-batch's); the step's
-        last mini-batch makes weights version ``task.version``."""
+        last mini-batch makes weights version ``task.version``. Trainer 0 also adds the
+        gradients the rollout workers computed (GAT), in micro-batch order."""
         request = OptimizerRequest(mini_batch=task.mini_batch, final=task.id.mini_batch is None)
-        return [self.actors[w].optimizer_step.remote(request) for w in task.workers]
+        assisted = [ref for _, ref in sorted(self.assisted_gradients.pop((task.step, task.mini_batch), []),
+                                             key=lambda item: item[0])]
+        return [self.actors[w].optimizer_step.remote(request, *(assisted if r == 0 else ()))
+                for r, w in enumerate(task.workers)]
 
     def sync(self, task: Task) -> list[ray.ObjectRef]:
         """The rollout workers receive the trained weights (LoRA-only when LoRA is on): trainer

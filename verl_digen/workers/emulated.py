@@ -34,6 +34,7 @@ from verl_digen.schedule.plan import Task, TaskKind, WorkerId
 from verl_digen.sim.cost_model import Cluster, CostModel, PoolPlacement
 from verl_digen.workers.messages import (
     GenerateRequest,
+    Gradients,
     OptimizerRequest,
     OptimizerResult,
     RewardResult,
@@ -198,7 +199,7 @@ class EmulatedWorker:
             policy_version=TensorData([slices[0].policy_version] * len(rows), "int64"),
         )
 
-    def train_micro_batch(self, request: TrainRequest, *trajectories: EmulatedTrajectories) -> TrainResult:
+    def train_micro_batch(self, request: TrainRequest, *trajectories: EmulatedTrajectories) -> TrainResult | tuple:
         groups = request.groups
         versions = [t.policy_version for t in trajectories if set(t.group_ids) & set(groups)]
         if not versions:
@@ -206,14 +207,22 @@ class EmulatedWorker:
         part = request.train_part
         ranks = request.row_part[1] if request.row_part is not None else 1  # an FSDP gang: this rank's share of the rows
         seconds = self._work(TaskKind.TRAIN, groups=groups, ranks=ranks, **({"train_part": part} if part else {}))
-        return TrainResult(
+        result = TrainResult(
             metrics={"actor/loss": 0.0, "actor/emulated_s": seconds},
             staleness_max=float(self.policy_version - min(versions)),
             staleness_min=float(self.policy_version - max(versions)),
         )
+        if request.return_gradients:  # GAT: an empty gradient record, checked by trainer 0 as the real one is
+            return result, Gradients(tensors={}, version=self.policy_version, groups=tuple(groups))
+        return result
 
-    def optimizer_step(self, request: OptimizerRequest = OptimizerRequest()) -> OptimizerResult:
-        """The cost model's seconds for this mini-batch's step; the last one makes the version."""
+    def optimizer_step(self, request: OptimizerRequest = OptimizerRequest(), *gradients: Gradients) -> OptimizerResult:
+        """The cost model's seconds for this mini-batch's step; the last one makes the version.
+        GAT's ``gradients`` must be of the weights this worker holds, as the real worker checks."""
+        for g in gradients:
+            if g.version != self.policy_version:
+                raise RuntimeError(f"{self.worker} holds version {self.policy_version} but got gradients of groups "
+                                   f"{list(g.groups)} computed with version {g.version}")
         self._work(TaskKind.OPTIMIZER_STEP, mini_batch=request.mini_batch)
         if not request.final:
             return OptimizerResult(metrics={"actor/grad_norm": 0.0, "actor/lr": 0.0, "actor/skipped_nonfinite": 0.0},

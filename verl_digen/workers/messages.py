@@ -56,13 +56,16 @@ class TrainRequest:
     (TSP time-step split). ``row_part = (r, n)``: FSDP rank ``r`` of ``n`` trains its share of
     the rows (:func:`verl_digen.workers.sampling.rank_rows`). ``presliced``: the trajectories
     passed are exactly that share (the generate outputs' chunks of this rank), not the whole
-    micro-batch; ``advantages`` stay the whole micro-batch's."""
+    micro-batch; ``advantages`` stay the whole micro-batch's. ``return_gradients`` (GAT, a
+    rollout worker): the call returns two objects, the :class:`TrainResult` and the micro-batch's
+    :class:`Gradients`, which the executor hands to trainer 0's optimizer step unread."""
 
     groups: tuple[int, ...]
     advantages: torch.Tensor
     train_part: tuple[int, int] | None = None
     row_part: tuple[int, int] | None = None
     presliced: bool = False
+    return_gradients: bool = False
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,17 @@ class TrainResult:
 
 
 @dataclass(frozen=True)
+class Gradients:
+    """GAT: one micro-batch's accumulated gradients of the trained (LoRA) parameters, by name, on
+    the host, computed by a rollout worker with the trainers' weights of ``version``; trainer 0
+    adds them to its own before the optimizer step (the same sum the trainers would make)."""
+
+    tensors: dict[str, torch.Tensor]
+    version: int
+    groups: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class OptimizerResult:
     """One optimizer step: its ``actor/*`` statistics and the weights version it made."""
 
@@ -127,7 +141,7 @@ class SyncResult:
     num_tensors: int = 0
 
 
-MESSAGES = (GenerateRequest, TrainRequest, RewardResult, TrainResult, OptimizerResult, SyncResult)
+MESSAGES = (GenerateRequest, TrainRequest, RewardResult, TrainResult, Gradients, OptimizerResult, SyncResult)
 
 
 # ---------------------------------------------------------------------------- the task methods
@@ -152,14 +166,14 @@ class WorkerTasks(Protocol):
         """Score whole groups (one generate output, or a group's sample slices)."""
         ...
 
-    def train_micro_batch(self, request: TrainRequest, *trajectories: Any) -> TrainResult:
-        """Accumulate one micro-batch's gradients."""
+    def train_micro_batch(self, request: TrainRequest, *trajectories: Any) -> TrainResult | tuple[TrainResult, Gradients]:
+        """Accumulate one micro-batch's gradients (``request.return_gradients``: return them)."""
         ...
 
-    def optimizer_step(self, request: OptimizerRequest = OptimizerRequest()) -> OptimizerResult:
-        """Step on the accumulated gradients; the step's last mini-batch makes the next weights
-        version (the weight-sync sender, trainer 0 of a disaggregated run, starts sending it in
-        the background)."""
+    def optimizer_step(self, request: OptimizerRequest = OptimizerRequest(), *gradients: Gradients) -> OptimizerResult:
+        """Step on the accumulated gradients plus ``gradients`` (GAT's, trainer 0 only); the
+        step's last mini-batch makes the next weights version (the weight-sync sender, trainer 0
+        of a disaggregated run, starts sending it in the background)."""
         ...
 
     def sync_join(self, timeout_s: float | None = None) -> Any:

@@ -330,6 +330,47 @@ class PolicyUpdater:
         metrics["actor/passes"] = float(len(steps) * len(passes))
         return metrics
 
+    # ----------------------------------------------------------------- GAT
+
+    def _named_trained(self) -> dict[str, torch.nn.Parameter]:
+        ids = {id(p) for p in self.params}
+        return {n: p for n, p in self.adapter.transformer.named_parameters() if id(p) in ids}
+
+    @torch.no_grad()
+    def take_gradients(self) -> dict[str, torch.Tensor]:
+        """GAT, on a rollout worker: the gradients accumulated since the last take, by parameter
+        name, on the host; the parameters' gradients are cleared for the next micro-batch."""
+        if self.master is not None:
+            raise RuntimeError("GAT sends the gradients of parameters trained in their own dtype (LoRA); "
+                               "this model trains through fp32 masters")
+        out = {}
+        for name, p in self._named_trained().items():
+            out[name] = p.grad.detach().to("cpu") if p.grad is not None else torch.zeros(p.shape, dtype=p.dtype)
+            p.grad = None
+        self.samples_accumulated = 0
+        return out
+
+    @torch.no_grad()
+    def add_gradients(self, named: dict[str, torch.Tensor]) -> None:
+        """GAT, on trainer 0 before its optimizer step: add a rollout worker's micro-batch
+        gradients to this rank's; every trained parameter's, by name and shape, or an error."""
+        if self.master is not None:
+            raise RuntimeError("GAT adds gradients of parameters trained in their own dtype (LoRA) only")
+        params = self._named_trained()
+        if set(named) != set(params):
+            missing, extra = sorted(set(params) - set(named)), sorted(set(named) - set(params))
+            raise RuntimeError(f"GAT gradients do not match the trained parameters: missing {missing[:3]}, "
+                               f"unknown {extra[:3]}")
+        for name, p in params.items():
+            g = named[name]
+            if g.shape != p.shape:
+                raise RuntimeError(f"GAT gradient of {name} has shape {tuple(g.shape)}, the parameter {tuple(p.shape)}")
+            g = g.to(device=p.device, dtype=p.dtype)
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.add_(g)
+
     def optimizer_step(self, process_group: dist.ProcessGroup | None = None) -> dict[str, float]:
         """All-reduce (sum) the accumulated gradients over the trainer ranks, clip, step.
 

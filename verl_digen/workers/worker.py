@@ -35,6 +35,7 @@ from verl_digen.sync.state import trainable_state
 from verl_digen.sync.transport import DEFAULT_BUCKET_BYTES, WeightSyncMixin
 from verl_digen.workers.messages import (
     GenerateRequest,
+    Gradients,
     OptimizerRequest,
     OptimizerResult,
     RewardResult,
@@ -62,7 +63,9 @@ class RoleCapabilities:
     (process group, gradient checkpointing, KL reference, FSDP, the updater); ``scores``: builds
     the reward; ``scores_without_reward_pool``: builds it when no reward pool exists (it
     scores what it generates); ``scores_when_generating``: builds it when the role generates
-    part of a step (TAG) and no reward pool exists; ``offloads``: what stays on CPU between uses
+    part of a step (TAG) and no reward pool exists; ``assists_training``: builds a gradient-only
+    updater when ``digen.gat.enable`` (GAT: it trains micro-batches the trainers then step
+    on); ``offloads``: what stays on CPU between uses
     on a GPU (``"text_encoders"``, ``"vae"``); ``generates``: a generating role, whose text
     encoders stay on the GPU or on CPU as ``digen.model.offload_text_encoders`` (decided by the
     memory plan before Ray starts) says."""
@@ -74,12 +77,13 @@ class RoleCapabilities:
     scores_when_generating: bool = False
     offloads: tuple[str, ...] = ()
     generates: bool = False
+    assists_training: bool = False
 
 
 ROLE_CAPABILITIES: dict[str, RoleCapabilities] = {
     "fused": RoleCapabilities(policy=True, trains=True, scores=True, generates=True),
     "rollout": RoleCapabilities(policy=True, trains=False, scores=False, scores_without_reward_pool=True,
-                                generates=True),
+                                generates=True, assists_training=True),
     # Trainers decode only for validation or TAG: the VAE waits on CPU too.
     "trainer": RoleCapabilities(policy=True, trains=True, scores=False, scores_when_generating=True,
                                 offloads=("text_encoders", "vae")),
@@ -218,6 +222,8 @@ class DiffusionWorker(Worker, WeightSyncMixin):
             info.update(self._load_policy(caps))
         if caps.trains:
             info.update(self._prepare_training())
+        elif caps.assists_training and self.cfg.gat.enable:
+            info.update(self._prepare_assisting())
         if self._scores_in_training(caps):
             info["reward_device"] = str(self._build_reward())
         return info
@@ -278,6 +284,22 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         info["trainable_params"] = sum(p.numel() for p in self.updater.params)
         if self._stream_every_version:  # the sender's version 0 (open_weight_channel compares digests)
             self._refresh_sync_cache()
+        return info
+
+    def _prepare_assisting(self) -> dict[str, Any]:
+        """GAT: the trainers' loss and passes on this rollout worker, for gradients only: no
+        process group, no EMA, and an optimizer that never steps (AdamW allocates no state until
+        it does). Gradient checkpointing as the trainers have it, so a pass computes exactly
+        what theirs would (the memory plan charges this role a train phase)."""
+        info: dict[str, Any] = {}
+        if self.cfg.model.checkpointing:
+            from verl_digen.workers.fsdp import enable_gradient_checkpointing
+
+            info["gradient_checkpointing"] = enable_gradient_checkpointing(self.adapter.transformer)
+        settings = dataclasses.replace(self._train_settings(), ema_decay=None, optimizer_offload=False)
+        self.updater = PolicyUpdater(self.adapter, settings)
+        self.adapter.transformer.eval()
+        info["assists_training"] = sum(p.numel() for p in self.updater.params)
         return info
 
     def _join_trainer_group(self) -> None:
@@ -466,9 +488,12 @@ class DiffusionWorker(Worker, WeightSyncMixin):
             rollout_rows=rows,
         )
 
-    def train_micro_batch(self, request: TrainRequest, *trajectories: DataProto) -> TrainResult:
+    def train_micro_batch(self, request: TrainRequest, *trajectories: DataProto) -> TrainResult | tuple[TrainResult, Gradients]:
         """Accumulate the gradients of ``request.groups``' rows (selected from the trajectories)
-        with ``request.advantages``, one per row of the selection."""
+        with ``request.advantages``, one per row of the selection; ``request.return_gradients``
+        (GAT, a rollout worker): return them too, as a second object for trainer 0."""
+        if self.updater is None:
+            _no_updater(self.role)
         advantages = request.advantages
         if request.row_part is None:
             data = select_groups(trajectories, list(request.groups))
@@ -485,16 +510,27 @@ class DiffusionWorker(Worker, WeightSyncMixin):
                 data = select_groups(trajectories, list(request.groups)).select_idxs(rows)
         metrics = self.updater.train_micro_batch(data, advantages, part=request.train_part)
         versions = data.non_tensor_batch["policy_version"]
-        return TrainResult(
+        result = TrainResult(
             metrics=metrics,
             staleness_max=float(self.policy_version - versions.min()),
             staleness_min=float(self.policy_version - versions.max()),
         )
+        if not request.return_gradients:
+            return result
+        self.adapter.transformer.eval()  # generating again next
+        return result, Gradients(self.updater.take_gradients(), self.policy_version, tuple(request.groups))
 
-    def optimizer_step(self, request: OptimizerRequest = OptimizerRequest()) -> OptimizerResult:
-        """Step on the accumulated gradients (one PPO mini-batch's); after the step's last
-        mini-batch, the next version: sent to rollout, streamed out of FSDP shards for it (a
-        disaggregated run only; colocated, ``refresh_full_state`` streams when it is read)."""
+    def optimizer_step(self, request: OptimizerRequest = OptimizerRequest(), *gradients: Gradients) -> OptimizerResult:
+        """Step on the accumulated gradients (one PPO mini-batch's) plus ``gradients``, the
+        micro-batches rollout workers trained (GAT), which must be of the weights this worker
+        holds; after the step's last mini-batch, the next version: sent to rollout, streamed
+        out of FSDP shards for it (a disaggregated run only; colocated, ``refresh_full_state``
+        streams when it is read)."""
+        for g in gradients:
+            if g.version != self.policy_version:
+                raise RuntimeError(f"{self.role}{self.rank} holds version {self.policy_version} but got gradients of "
+                                   f"groups {list(g.groups)} computed with version {g.version}")
+            self.updater.add_gradients(g.tensors)
         if request.final and self.policy_version + 1 in self.cfg.fault_nonfinite_grad_steps:
             for p in self.updater.opt_params:  # fault injection for tests (digen.fault_nonfinite_grad_steps)
                 if p.grad is not None:
