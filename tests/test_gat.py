@@ -238,3 +238,27 @@ def test_a_gat_run_gives_the_trainers_update(shared_ray, tiny_flux, tmp_path, st
     for m, p in zip(gat.metrics, plain.metrics):
         assert m["max_staleness_seen"] == p["max_staleness_seen"] <= staleness
         assert m["actor/loss"] == pytest.approx(p["actor/loss"], rel=1e-3, abs=1e-6)
+
+
+@pytest.mark.e2e
+def test_gat_decides_its_share_from_the_rates_it_measures(shared_ray, tiny_flux, tmp_path):
+    """digen.gat.micro_batches=auto on a trainer-bound run (every denoising step trained, one
+    group per micro-batch, two rollout workers): nothing at the first step (nothing measured),
+    then micro-batches on the rollout workers from the rates of the step before, logged as
+    ``gat/*``; every group still trained once."""
+    from runs import run, timeline_records
+
+    result = run(
+        tmp_path, "auto", "digen.placement=disaggregated", "trainer.n_gpus_per_node=3", "digen.pools.rollout.devices=2",
+        "digen.gap.enable=true", "digen.gat.enable=true", "trainer.total_training_steps=3",
+        "digen.sampling.sde_window.mode=all", "digen.batch.groups_per_step=4", "digen.batch.train_micro_batch_groups=1",
+    )
+    shares = [m["gat/micro_batches"] for m in result.metrics]
+    assert shares[0] == 0 and all(s > 0 for s in shares[1:]), shares
+    for m in result.metrics[1:]:
+        assert m["gat/predicted_step_s"] < m["gat/predicted_step_s_without"]
+        assert m["gat/train_per_group"] > 0 and m["gat/rollout_generate_per_group"] > 0
+    recs = timeline_records(result.output_dir)
+    on_rollout = [r for r in recs if r["kind"] == "train" and r["worker"].startswith("rollout")]
+    assert sorted({r["step"] for r in on_rollout}) == [1, 2]
+    assert sorted(g for r in recs if r["kind"] == "train" for g in r["groups"]) == list(range(12))
