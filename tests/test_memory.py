@@ -330,3 +330,52 @@ def test_trainers_park_the_optimizer_state_exactly_when_that_spares_checkpointin
     colocated, c = _digen("flux_full_disaggregated", "digen.placement=colocated", "digen.async.max_staleness=0",
                           "digen.gap.enable=false")
     assert decide_optimizer_offload(colocated, devices_per_node=8) is True
+
+
+def test_gat_rollout_workers_train_a_pass_and_auto_checkpointing_counts_it():
+    """GAT (``digen.gat.enable``): a rollout worker trains micro-batches with the weights it
+    generates with, so its role gets a train phase: its resident parts (bf16 model, fp32 LoRA
+    adapters, encoders/VAE, the reward model it scores with), the LoRA gradients unsharded, and the
+    trainers' one-pass activations; no optimizer state. ``gradient_checkpointing=auto`` asks every
+    role that trains, so a rollout pass that does not fit turns it on for the run though the
+    trainers' would fit. The cost model decides by the same rule (tests/test_sim.py)."""
+    from verl_digen.memory import decide_checkpointing
+    from verl_digen.memory.plan import _transformer_facts, job_shape
+
+    small = ("digen.batch.group_size=2", "digen.batch.groups_per_step=8", "digen.batch.groups_per_task=1",
+             "digen.reward.name=pickscore")  # passes of 2 samples; a 4 GB (fp32) reward model on the rollout
+
+    def roles(*overrides: str) -> dict:
+        return _roles("flux_disaggregated", *small, *overrides)
+
+    off = "digen.model.gradient_checkpointing=false"
+    gat, plain = roles("digen.gat.enable=true", off), roles(off)
+    assert "train" not in plain["rollout"].phases
+    r_train, t_train = gat["rollout"].phases["train"], gat["trainer"].phases["train"]
+    d, c = _digen("flux_disaggregated", *small, "digen.gat.enable=true")
+    job = job_shape(d, devices_per_node=c.trainer.n_gpus_per_node, nnodes=1)
+    assert job.rollouts_train and job.lora and job.fsdp == 1
+    lora_params = _transformer_facts(job.family, job.config_path, job.dtype, job.lora_targets, job.lora_rank)[3]
+    assert r_train["gradients"] == lora_params * job.trainable_bytes == t_train["gradients"]  # unsharded trainers
+    assert r_train["activations"] == t_train["activations"] > 0  # the trainers' pass
+    assert r_train["optimizer"] == 0 and r_train["sync_buffers"] == 0
+    generate = gat["rollout"].phases["generate"]
+    assert r_train["weights"] == generate["weights"] and r_train["encoders_vae"] == generate["encoders_vae"]
+    assert r_train["encoders_vae"] - t_train["encoders_vae"] >= 3.9e9  # the reward model
+    # A GPU between the two passes: the trainers' fits without checkpointing, the rollout's not.
+    gib = (sum(t_train.values()) + sum(r_train.values())) / 2 / GIB
+    assert sum(t_train.values()) / GIB < gib < sum(r_train.values()) / GIB
+
+    def decided(*overrides: str) -> bool:
+        d, c = _digen("flux_disaggregated", *small, "digen.model.gradient_checkpointing=auto",
+                      f"digen.memory.device_gib={gib}", *overrides)
+        return decide_checkpointing(d, devices_per_node=c.trainer.n_gpus_per_node)
+
+    assert decided() is False
+    assert decided("digen.gat.enable=true") is True
+    # with a reward pool the rollout workers do not hold the reward: their pass fits again
+    assert decided("digen.gat.enable=true", "digen.pools.rollout.devices=3", "digen.pools.reward.devices=1") is False
+    # a rollout worker that does not fit names its training knobs (GAT off among them)
+    tight = roles("digen.gat.enable=true", off, f"digen.memory.device_gib={gib}")["rollout"]
+    assert tight.phase == "train" and "digen.gat.enable=false (rollout workers then do not train)" in tight.knobs
+    assert not any(k.startswith("digen.fsdp") for k in tight.knobs)

@@ -382,3 +382,38 @@ def test_cli_takes_a_reward_profile_and_names_bad_ones(tmp_path, capsys):
     assert "unknown reward profile 'nope'" in capsys.readouterr().err
     assert main(["--model", "flux-12b", "--devices", "8", "--reward-devices", "two"]) == 2
     assert "--reward-devices 'two'" in capsys.readouterr().err
+
+
+def test_gat_is_offered_for_lora_only_and_its_overrides_run_it(catalog):
+    """GAT (rollout workers train part of the first mini-batch and send LoRA gradients) is two
+    mechanism sets; a full fine-tune gets neither (its gradients are the model's size), and asking
+    for GAT alone there names why. A LoRA search evaluates them, and the overrides of a GAT
+    candidate build the same strategy, GAT on."""
+    from omegaconf import OmegaConf
+
+    from verl_digen.config.compose import compose_config
+    from verl_digen.config.schema import digen_config_from_dict
+    from verl_digen.config.verl_keys import VerlTrainerKeys
+    from verl_digen.placement.pools import cluster_from_trainer_keys, pool_layout
+
+    inv = Inventory({"H800": 8})
+    gat_sets = ["disaggregated+gap+gat", "disaggregated+gap+gat+tcss"]
+    full = _costs(catalog, "flux-12b", groups_per_step=16, lora=False)
+    result = search(full, inv, mechanisms=["disaggregated+gap", *gat_sets], micro_batches=(1,), steps=3, warmup=1,
+                    reward_devices=[0])
+    assert result.evaluations and not any(e.candidate.spec.gat for e in result.evaluations)
+    with pytest.raises(ProfileError, match="GAT needs LoRA"):
+        search(full, inv, mechanisms=gat_sets, steps=3, warmup=1, reward_devices=[0])
+
+    lora = _costs(catalog, "flux-12b", groups_per_step=16, lora=True)
+    result = search(lora, inv, mechanisms=gat_sets, micro_batches=(1,), steps=3, warmup=1, reward_devices=[0])
+    assert result.evaluated and all(e.candidate.spec.gat for e in result.evaluations)
+    assert {e.candidate.spec.max_staleness for e in result.evaluated} == {0, 1}
+    best = result.best
+    overrides = hydra_overrides(best.candidate, lora, inv)
+    assert "digen.gat.enable=true" in overrides and "digen.model.lora.enable=true" in overrides
+    container = OmegaConf.to_container(compose_config(overrides), resolve=True)
+    digen = digen_config_from_dict(container["digen"])
+    layout = pool_layout(digen, cluster_from_trainer_keys(VerlTrainerKeys.of(container)))
+    for field in ("placement", "rollout_workers", "trainer_workers", "gap", "max_staleness", "gat"):
+        assert getattr(layout.spec, field) == getattr(best.candidate.spec, field), field

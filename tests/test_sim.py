@@ -785,3 +785,106 @@ def test_trainers_park_the_optimizer_state_exactly_when_that_spares_checkpointin
     assert wan.optimizer_parked(dev, g) is True and wan.checkpointing(dev, g) is True
     fused = Cluster({"fused": PoolPlacement(16, 2, "H800")})
     assert full.optimizer_parked(dev, full.train_group(fused), "fused") is False
+
+
+# ---------------------------------------------------------------------------- GAT
+
+
+def _gat_spec(rollout: int, trainers: int, w, **kw) -> StrategySpec:
+    return StrategySpec("disaggregated", rollout, trainers, w.groups_per_step, w.group_size, gap=True, gat=True, **kw)
+
+
+def test_a_gat_micro_batch_on_a_rollout_worker_costs_a_trainers_plus_the_gradient_send_and_no_switch(catalog):
+    """GAT: a rollout worker trains a micro-batch as a trainer would on its device (one
+    unsharded rank, the trainers' passes, the run's checkpointing) and sends the LoRA gradients
+    (fp32) to trainer 0 over the link between the pools; it switches nothing (no offload, no
+    reload), so neither that task nor its next generate pays a switch."""
+    lora = _costs(catalog, "flux-12b", lora=True)
+    w = lora.workload
+    spec = _gat_spec(4, 4, w)
+    c = lora.for_spec(spec)
+    assert c.workload.gat and not lora.workload.gat
+    cluster = Cluster.for_spec(spec, "H800")  # both pools on one node: NVLink
+    dev, group = catalog.devices["H800"], c.train_group(cluster)
+    assert group.shard == 1 and group.gat_device == "H800" and group.gat_scores
+    images = spec.train_micro_batch_groups * w.group_size
+    task = Task(TaskId.train(0, 0), TaskKind.TRAIN, (WorkerId("rollout", 1),), 0, groups=(0,), images=images)
+    roll, trainer = WorkerId("rollout", 1), WorkerId("trainer", 0)
+    send = 4.0 * c.trainable_params / (dev.intra_node_gbps * 1e9 * c.system.nccl_efficiency)
+    assert c.gat_gradient_bytes() == 4.0 * c.trainable_params  # fp32 LoRA gradients: megabytes
+    assert c.gat_gradient_send_seconds(cluster) == pytest.approx(send)
+    as_trainer = c.task_seconds(task, trainer, cluster, switch_from="train")
+    for mode in ("generate", "train", None):
+        assert c.task_seconds(task, roll, cluster, switch_from=mode) == pytest.approx(as_trainer + send)
+    assert c.mode_of(task, roll) is None and c.mode_of(task, trainer) == "train"
+    # on a rollout pool of another device type: a trainer's passes on that device, the trainers' checkpointing
+    mixed = CostModel.from_catalog(catalog, "flux-12b", devices=["H800", "A100"], lora=True).for_spec(spec)
+    hetero = Cluster({"rollout": PoolPlacement.spread((0, 4), "A100"), "trainer": PoolPlacement.spread((4, 0), "H800")})
+    g = mixed.train_group(hetero)
+    a100, h800 = catalog.devices["A100"], catalog.devices["H800"]
+    ckpt = mixed.checkpointing(h800, g)
+    link = min(a100.inter_node_gbps, h800.inter_node_gbps)  # two nodes
+    expected = (mixed.train_seconds(images, a100, g, pool="trainer", checkpointing=ckpt)
+                + 4.0 * mixed.trainable_params / (link * 1e9 * mixed.system.nccl_efficiency) + mixed.system.task_overhead_s)
+    assert mixed.task_seconds(task, roll, hetero, switch_from="generate") == pytest.approx(expected)
+    assert expected > mixed.task_seconds(task, trainer, hetero, switch_from="train")  # an A100 trains slower
+    # the simulator records no switch on a rollout worker's training or on its next generate
+    sim = simulate(spec, lora, cluster, steps=3, warmup=1, gat_micro_batches=4)
+    on_rollout = [r for r in sim.timeline.records if r.workers[0].startswith("rollout")]
+    assert sum(r.kind == "train" for r in on_rollout) == 3 * 4
+    assert not any("switch" in r.extra for r in on_rollout)
+
+
+def test_gat_rollout_training_that_does_not_fit_turns_checkpointing_on_for_the_run(catalog):
+    """The cost model's side of the memory planner's rule (tests/test_memory.py): with
+    ``gradient_checkpointing`` auto, checkpointing is on when any role that trains does not fit a
+    pass without it; under GAT that includes the rollout workers (bf16 model, fp32 adapters and
+    gradients, the reward model they score with, the trainers' pass). Here FLUX passes of 2
+    samples fit an H800 trainer but not an L40S rollout worker: on for every pass of the run,
+    the trainers' too; a rollout worker that does not fit even checkpointed is a memory problem."""
+    lora = CostModel.from_catalog(catalog, "flux-12b", devices=["H800", "L40S"], lora=True)
+    w = lora.workload
+    spec = _gat_spec(4, 4, w)
+    cluster = Cluster({"rollout": PoolPlacement(4, 1, "L40S"), "trainer": PoolPlacement(4, 1, "H800")})
+    h800, l40s = catalog.devices["H800"], catalog.devices["L40S"]
+    plain = lora.for_spec(dataclasses.replace(spec, gat=False)).with_workload(call_rows=2)
+    gat = lora.for_spec(spec).with_workload(call_rows=2)
+    g0, g = plain.train_group(cluster), gat.train_group(cluster)
+    cap_l40s = l40s.hbm_gb * 1e9 * gat.system.memory_headroom
+    assert gat.pass_batch(h800, g) == 2
+    expected = (gat.param_bytes + 8.0 * gat.trainable_params + gat.reward_weight_bytes()
+                + 2 * gat.activation_bytes_per_sample(False))
+    assert gat.gat_training_bytes(g, False) == pytest.approx(expected)
+    assert gat.gat_training_bytes(g, False) > cap_l40s >= gat.gat_training_bytes(g, True)
+    assert plain.checkpointing(h800, g0) is False  # the trainers alone fit
+    assert gat.checkpointing(h800, g) is True and gat.optimizer_parked(h800, g) is False
+    assert gat.train_seconds(24, h800, g) > plain.train_seconds(24, h800, g0)  # the recomputed forward
+    assert gat.memory_problems(cluster) == []
+    # passes of 1 sample fit the rollout workers too
+    one = gat.with_workload(call_rows=1)
+    assert one.checkpointing(h800, one.train_group(cluster)) is False
+    # configured off: the rollout workers' pass is a memory problem naming GAT
+    off = gat.with_workload(gradient_checkpointing=False)
+    assert any(p.startswith("rollout: training a GAT micro-batch") for p in off.memory_problems(cluster))
+    assert plain.with_workload(gradient_checkpointing=False).memory_problems(cluster) == []
+
+
+def test_gat_speeds_up_a_trainer_bound_step_and_stays_out_of_a_rollout_bound_one(catalog):
+    """GAT's share is decided per step from the rates measured the step before
+    (``schedule/elastic.py: decide_gat_share``): with few trainers the rollout workers train some
+    of the first mini-batch and the steady step is shorter; with few rollout workers it decides
+    no share and the step is the one without GAT."""
+    lora = _costs(catalog, "flux-12b", lora=True)
+    w = lora.workload
+
+    def run(r: int, t: int, gat: bool):
+        spec = StrategySpec("disaggregated", r, t, w.groups_per_step, w.group_size, gap=True, gat=gat)
+        return simulate(spec, lora, Cluster.for_spec(spec, "H800"), steps=4, warmup=2)
+
+    with_gat, without = run(12, 4, True), run(12, 4, False)  # trainer-bound
+    assert with_gat.step_time_s < 0.8 * without.step_time_s
+    assert all(m["gat/micro_batches"] > 0 for m in with_gat.step_metrics[2:])
+    assert all("gat/micro_batches" not in m for m in without.step_metrics)
+    with_gat, without = run(4, 12, True), run(4, 12, False)  # rollout-bound
+    assert all(m["gat/micro_batches"] == 0 for m in with_gat.step_metrics)
+    assert with_gat.step_time_s == pytest.approx(without.step_time_s)

@@ -208,6 +208,7 @@ class JobShape:
     trainers_generate: bool
     reward_bytes: int  # per GPU of a worker that scores (reward_gpu_bytes)
     trainers_score: bool  # trainers generate under TAG with no reward pool: they build the reward too
+    rollouts_train: bool  # GAT: rollout workers train micro-batches too (disaggregated, digen.gat.enable)
     max_sequence_length: int | None = None  # text tokens per prompt (None: the pipeline's default)
     optimizer_offload: bool = False  # the optimizer state on the host except in the optimizer step
     param_offload: bool = False  # FSDP2's CPUOffloadPolicy: parameter shards, gradients, optimizer on the host
@@ -285,6 +286,7 @@ def job_shape(cfg: DigenConfig, *, devices_per_node: int, nnodes: int, model_pat
         reward_bytes=reward_gpu_bytes(cfg.reward.as_spec(), cfg.reward.device),
         # the worker's rule (DiffusionWorker._generates_without_reward_pool)
         trainers_score=disaggregated and cfg.tag.enable and cfg.pools.reward.devices == 0,
+        rollouts_train=disaggregated and cfg.gat.enable,
         max_sequence_length=cfg.model.max_sequence_length,
         optimizer_offload=cfg.optimizer_offloaded if optimizer_offload is None else optimizer_offload,
         param_offload=cfg.fsdp.param_offload,
@@ -515,7 +517,15 @@ def plan_roles(job: JobShape, gib: float) -> list[RolePlan]:
     r.add("generate", activations=rollout_acts, **r_resident)
     r.add("decode", activations=decode, **r_resident)
     r.add("sync", sync_buffers=sync, **r_resident)
-    plans.append(r.plan([], rollout_knobs))
+    if job.rollouts_train:
+        # GAT: a rollout worker trains micro-batches with the weights it generates with (nothing
+        # offloaded, nothing switched): its resident parts, the LoRA gradients (unsharded, it trains
+        # alone; no optimizer state: trainer 0 steps) and one pass's activations, the trainers'
+        # pass with the run's checkpointing (workers/training.py). No sync is in flight: it trains
+        # only on the version the last sync brought.
+        rollout_grads = lora_params * tb if job.lora else param_bytes
+        r.add("train", gradients=rollout_grads, activations=train_acts, **r_resident)
+    plans.append(r.plan(_gat_knobs(train_knobs) if job.rollouts_train else [], rollout_knobs))
 
     t = _RoleBuilder(job, "trainer", job.trainer_devices, gib)
     reward_on_trainer = reward if job.trainers_score else 0
@@ -564,7 +574,9 @@ def _training_knobs(job: JobShape) -> list[str]:
     if job.pass_samples > 1:
         knobs.append(f"smaller training passes: a pass is one transformer call of {job.pass_samples} sample(s) "
                      "(a smaller digen.batch.group_size, or FSDP over more ranks)")
-    if job.fsdp == 1:
+    if job.fsdp == 1 and job.rollouts_train:
+        knobs.append("digen.fsdp.enable=true with digen.gat.enable=false (GAT needs unsharded trainers)")
+    elif job.fsdp == 1:
         knobs.append("digen.fsdp.enable=true (shards weights, gradients and optimizer; splits micro-batches)")
     else:
         knobs.append("more trainer GPUs (digen.pools.trainer.devices) for a larger FSDP degree")
@@ -575,6 +587,13 @@ def _training_knobs(job: JobShape) -> list[str]:
     if not job.prompt_cache_releases:
         knobs.append("digen.prompt_cache.enable=true (frees the text encoders)")
     return knobs
+
+
+def _gat_knobs(train_knobs: list[str]) -> list[str]:
+    """A GAT rollout worker's training knobs: the trainers' but FSDP (GAT needs unsharded
+    trainers), and turning GAT off."""
+    return [k for k in train_knobs if not k.startswith(("digen.fsdp", "more trainer GPUs"))] + [
+        "digen.gat.enable=false (rollout workers then do not train)"]
 
 
 def _rollout_knobs(job: JobShape) -> list[str]:

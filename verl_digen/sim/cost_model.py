@@ -260,6 +260,10 @@ class Workload:
     # (digen.model.optimizer_offload); None: auto, parked exactly when that spares a training
     # pass its activation checkpointing (memory.plan.decide_optimizer_offload).
     optimizer_offload: bool | None = None
+    # GAT (generator-assisted training, LoRA, disaggregated): rollout workers also train
+    # micro-batches of the step's first PPO mini-batch and send their LoRA gradients to trainer 0
+    # (StrategySpec.gat). Set by for_spec.
+    gat: bool = False
 
     @property
     def cfg_factor(self) -> int:
@@ -492,13 +496,18 @@ class TrainGroup:
     """The training pool as FSDP sees it: ``ranks`` devices over ``nodes`` nodes; parameters
     are sharded over groups of ``shard`` ranks (``shard == ranks``: flat FSDP; fewer: HSDP,
     replicated ``ranks / shard`` times). ``sends``: the group has a weight-sync sender (a
-    disaggregated run's trainer pool), so the runtime streams every version out of the shards."""
+    disaggregated run's trainer pool), so the runtime streams every version out of the shards.
+    ``gat_device``: under GAT, the rollout pool's device (its workers train micro-batches too, with
+    the run's one checkpointing decision); ``gat_scores``: those workers also hold the reward
+    model (no reward pool). Empty / False without GAT."""
 
     ranks: int
     nodes: int
     shard: int
     shard_nodes: int
     sends: bool
+    gat_device: str = ""
+    gat_scores: bool = False
 
     @property
     def replicas(self) -> int:
@@ -588,7 +597,8 @@ class CostModel:
         # A plan with an optimizer step per mini-batch fixes the mini-batches; a plan with one
         # keeps the workload's (a published run's system stepping k times inside one task).
         minis = tasks if tasks > 1 else self.workload.mini_batches
-        return self.with_workload(call_rows=rows, fsdp=sharded, mini_batches=minis, optimizer_tasks=tasks)
+        return self.with_workload(call_rows=rows, fsdp=sharded, mini_batches=minis, optimizer_tasks=tasks,
+                                  gat=bool(getattr(spec, "gat", False)))
 
     def device(self, name: str) -> DeviceProfile:
         if name not in self.devices:
@@ -694,11 +704,15 @@ class CostModel:
     def _train_group(self, cluster: Cluster) -> TrainGroup:
         p = cluster.placement(training_pool(cluster))
         sends = "rollout" in cluster.pools  # disaggregated: trainer 0 sends every version
+        gat = {}
+        if self.workload.gat and sends:  # GAT: rollout workers train too (and score without a reward pool)
+            gat = dict(gat_device=cluster.placement("rollout").device, gat_scores="reward" not in cluster.pools)
         if self.workload.fsdp is False:  # every trainer holds the whole state and trains alone
-            return TrainGroup(ranks=p.size, nodes=p.nodes, shard=1, shard_nodes=1, sends=sends)
+            return TrainGroup(ranks=p.size, nodes=p.nodes, shard=1, shard_nodes=1, sends=sends, **gat)
         shard = self.system.hsdp_shard if 0 < self.system.hsdp_shard < p.size else p.size
         # flat FSDP spans the pool's nodes; an HSDP shard group the nodes its ranks sit on
-        return TrainGroup(ranks=p.size, nodes=p.nodes, shard=shard, shard_nodes=p.group_nodes(shard), sends=sends)
+        return TrainGroup(ranks=p.size, nodes=p.nodes, shard=shard, shard_nodes=p.group_nodes(shard), sends=sends,
+                          **gat)
 
     def held_grad_bytes_per_param(self) -> float:
         """Gradient bytes a rank holds per trained parameter: a LoRA run trains its adapters in
@@ -719,8 +733,10 @@ class CostModel:
         steps (``workers/training.py: park_optimizer``): as the workload says, else (auto) exactly
         when that lets a training pass run with less: for each checkpointing choice allowed (the
         configured one, else without then with), resident if a pass fits so, else parked if it
-        fits parked; the rule of ``memory.plan.decide_optimizer_offload``. Fused workers' parking
-        is the system's switch (``optimizer_offload``), charged where they switch."""
+        fits parked; the rule of ``memory.plan.decide_optimizer_offload``, which asks every role
+        that trains: under GAT a checkpointing choice whose rollout pass does not fit is no choice
+        (:meth:`gat_training_fits`). Fused workers' parking is the system's switch
+        (``optimizer_offload``), charged where they switch."""
         if pool != "trainer" or not group.sends or self.system.train_micro_batch:
             return False  # (a system sizing its own passes to memory is not this runtime)
         w = self.workload
@@ -729,6 +745,8 @@ class CostModel:
         cap = dev.hbm_gb * GB * self.system.memory_headroom
         configured = self.gradient_checkpointing
         for checkpointing in ((False, True) if configured is None else (configured,)):
+            if not self.gat_training_fits(group, checkpointing):
+                continue  # the rollout workers' pass decides this choice out whatever the trainers park
             if self.training_bytes(dev, group, pool, checkpointing, parked=False) <= cap:
                 return False
             if self.training_bytes(dev, group, pool, checkpointing, parked=True) <= cap:
@@ -801,15 +819,36 @@ class CostModel:
         return (self.state_bytes_per_rank(group, parked) + self.resident_reward_bytes(pool)
                 + self.pass_batch(dev, group, pool) * self.activation_bytes_per_sample(checkpointing))
 
+    def gat_training_bytes(self, group: TrainGroup, checkpointing: bool) -> float:
+        """Peak bytes of a GAT rollout worker in a training pass (``group.gat_device``): what it
+        holds to generate, the full bf16 model and the fp32 LoRA adapters, plus the LoRA
+        gradients (unsharded), the reward model when it scores (no reward pool), and one pass's
+        activations, the trainers' pass (no optimizer state: trainer 0 steps). 0 without GAT."""
+        if not group.gat_device:
+            return 0.0
+        dev = self.device(group.gat_device)
+        held = 4.0 + self.held_grad_bytes_per_param()  # fp32 adapters + their gradients
+        return (self.param_bytes + held * self.trainable_params
+                + (self.reward_weight_bytes() if group.gat_scores else 0.0)
+                + self.pass_batch(dev, group, "trainer") * self.activation_bytes_per_sample(checkpointing))
+
+    def gat_training_fits(self, group: TrainGroup, checkpointing: bool) -> bool:
+        """Whether a GAT rollout worker's training pass fits its device (True without GAT)."""
+        if not group.gat_device:
+            return True
+        dev = self.device(group.gat_device)
+        return self.gat_training_bytes(group, checkpointing) <= dev.hbm_gb * GB * self.system.memory_headroom
+
     def checkpointing(self, dev: DeviceProfile, group: TrainGroup, pool: str = "trainer") -> bool:
-        """Activation checkpointing of a training pass: as configured, else on exactly when the
+        """Activation checkpointing of a training pass: as configured, else on exactly when a
         pass does not fit without it (what ``digen.model.gradient_checkpointing=auto`` does,
-        ``memory.plan.decide_checkpointing``)."""
+        ``memory.plan.decide_checkpointing``): one decision for the run, so under GAT also when
+        the rollout workers' pass does not fit (:meth:`gat_training_fits`)."""
         configured = self.gradient_checkpointing
         if configured is not None:
             return configured
         cap = dev.hbm_gb * GB * self.system.memory_headroom
-        return self.training_bytes(dev, group, pool, False) > cap
+        return self.training_bytes(dev, group, pool, False) > cap or not self.gat_training_fits(group, False)
 
     def collective_bw(self, device: DeviceProfile, nodes: int) -> float:
         link = device.cross_node_gbps if nodes > 1 else device.intra_node_gbps
@@ -911,10 +950,15 @@ class CostModel:
     def _pass_seconds(self, compute: float, comm: float) -> float:
         return compute + max(0.0, comm - self.system.comm_overlap * compute)
 
-    def train_pass_seconds(self, samples: int, dev: DeviceProfile, group: TrainGroup, pool: str = "trainer") -> float:
+    def train_pass_seconds(self, samples: int, dev: DeviceProfile, group: TrainGroup, pool: str = "trainer",
+                           checkpointing: bool | None = None) -> float:
+        """One forward+backward pass of ``samples`` samples; ``checkpointing`` None: as decided
+        for ``dev`` and ``pool`` (:meth:`checkpointing`)."""
         w = self.workload
         tokens = samples * w.cfg_factor * self.tokens()[1]
-        flops = self.train_flops(self.checkpointing(dev, group, pool))
+        if checkpointing is None:
+            checkpointing = self.checkpointing(dev, group, pool)
+        flops = self.train_flops(checkpointing)
         compute = dev.train_pass_overhead_s + samples * w.cfg_factor * flops / (
             dev.flops * self.efficiency(dev, tokens, train=True) * self.system.train_efficiency
         )
@@ -930,16 +974,20 @@ class CostModel:
         return self._pass_seconds(compute, self.fsdp_gather_seconds(dev, group))
 
     def train_seconds(self, images: int, dev: DeviceProfile, group: TrainGroup, trained_steps: int | None = None,
-                      pool: str = "trainer") -> float:
+                      pool: str = "trainer", checkpointing: bool | None = None) -> float:
+        """Training ``images`` samples on one rank of ``pool`` on ``dev``; ``checkpointing`` None:
+        as decided for them (:meth:`checkpointing`), else that decision (a GAT rollout worker
+        trains with the run's)."""
         k = self.workload.trained_steps if trained_steps is None else trained_steps
-        key = (images, dev, group, k, pool)
+        key = (images, dev, group, k, pool, checkpointing)
         if key not in self._seconds_memo:
-            self._seconds_memo[key] = self._train_seconds(images, dev, group, k, pool)
+            self._seconds_memo[key] = self._train_seconds(images, dev, group, k, pool, checkpointing)
         return self._seconds_memo[key]
 
-    def _train_seconds(self, images: int, dev: DeviceProfile, group: TrainGroup, k: int, pool: str) -> float:
+    def _train_seconds(self, images: int, dev: DeviceProfile, group: TrainGroup, k: int, pool: str,
+                       checkpointing: bool | None = None) -> float:
         b = self.pass_batch(dev, group, pool)  # a pass that does not fit is reported by memory_problems
-        t = k * sum(self.train_pass_seconds(n, dev, group, pool) for n in _passes(images, b))
+        t = k * sum(self.train_pass_seconds(n, dev, group, pool, checkpointing) for n in _passes(images, b))
         if self.system.recompute_logprob:
             bl = self.system.logprob_micro_batch or b
             t += k * sum(self.logprob_pass_seconds(n, dev, group) for n in _passes(images, bl))
@@ -1011,14 +1059,12 @@ class CostModel:
             return max(0.0, copy - self.state_stream_seconds(dev, group))
         return copy
 
-    def sync_seconds(self, cluster: Cluster) -> float:
+    def pools_link_gbps(self, cluster: Cluster) -> float:
+        """The link between the trainer and rollout pools, one direction, per device: NVLink
+        only when every rollout worker shares trainer 0's node, else the network; the slower
+        end's (what the weight sync and GAT's gradients cross)."""
         tp = cluster.placement("trainer")
         dev = self.device(tp.device)
-        group = self.train_group(cluster)
-        gather = 0.0
-        if group.shard > 1 and self.system.always_sharded:  # trainer 0 gathers the shards for the sync
-            gather = self.sync_bytes * (group.shard - 1) / group.shard / self.collective_bw(dev, group.shard_nodes)
-        # (ours: every rank streamed them after the optimizer step, state_stream_seconds)
         rollout = cluster.placement("rollout")
         ends = (dev, self.device(rollout.device))
         if tp.on_nodes is not None and rollout.on_nodes is not None:
@@ -1026,7 +1072,16 @@ class CostModel:
             same_node = [i for i, n in enumerate(rollout.on_nodes) if n] == [tp.first_node]
         else:  # one node holds both pools only when they fit in it together
             same_node = tp.nodes == 1 and rollout.nodes == 1 and tp.size + rollout.size <= dev.devices_per_node
-        link = min(d.intra_node_gbps if same_node else d.inter_node_gbps for d in ends)
+        return min(d.intra_node_gbps if same_node else d.inter_node_gbps for d in ends)
+
+    def sync_seconds(self, cluster: Cluster) -> float:
+        dev = self.device(cluster.placement("trainer").device)
+        group = self.train_group(cluster)
+        gather = 0.0
+        if group.shard > 1 and self.system.always_sharded:  # trainer 0 gathers the shards for the sync
+            gather = self.sync_bytes * (group.shard - 1) / group.shard / self.collective_bw(dev, group.shard_nodes)
+        # (ours: every rank streamed them after the optimizer step, state_stream_seconds)
+        link = self.pools_link_gbps(cluster)
         # a pipelined broadcast from trainer 0 costs about bytes / bandwidth whatever the number of
         # receivers; the sender is one device, so one NIC
         return self.system.sync_fixed_s + gather + self.sync_bytes / (link * GB * self.system.nccl_efficiency)
@@ -1058,13 +1113,37 @@ class CostModel:
             t += self.reload_seconds(dev, group)
         return t
 
+    def gat_gradient_bytes(self) -> float:
+        """The LoRA gradients a GAT rollout worker sends to trainer 0 after a micro-batch (fp32)."""
+        return self.held_grad_bytes_per_param() * self.trainable_params
+
+    def gat_gradient_send_seconds(self, cluster: Cluster) -> float:
+        """Sending one micro-batch's LoRA gradients from a rollout worker to trainer 0, over the
+        link between the pools (:meth:`pools_link_gbps`, as the weight sync)."""
+        return self.gat_gradient_bytes() / (self.pools_link_gbps(cluster) * GB * self.system.nccl_efficiency)
+
+    def gat_train_seconds(self, images: int, dev: DeviceProfile, cluster: Cluster, trained_steps: int | None = None) -> float:
+        """A GAT micro-batch on a rollout worker of device ``dev``: the passes a trainer would run
+        on that device (one unsharded rank, the trainers' pass size), with the run's one
+        checkpointing decision (the trainers', which counts the rollout workers' pass), then its
+        gradients sent to trainer 0. The worker does nothing to switch (no offload, no reload):
+        no switch is charged (:meth:`mode_of`)."""
+        group = self.train_group(cluster)
+        trainer_dev = self.device(cluster.placement("trainer").device)
+        ckpt = self.checkpointing(trainer_dev, group, "trainer")
+        t = self.train_seconds(images, dev, group, trained_steps, pool="trainer", checkpointing=ckpt)
+        return t + self.gat_gradient_send_seconds(cluster)
+
     # ------------------------------------------------------------------ tasks
 
     @staticmethod
     def mode_of(task: Task, worker: WorkerId) -> str | None:
-        """The mode a worker must be in to run ``task`` (None: either)."""
+        """The mode a worker must be in to run ``task`` (None: either). A rollout worker trains
+        (GAT) in the mode it generates in: it holds the weights and switches nothing."""
         if task.kind == TaskKind.GENERATE:
             return MODE_GENERATE
+        if task.kind == TaskKind.TRAIN and worker.pool == "rollout":
+            return None
         if task.kind in (TaskKind.TRAIN, TaskKind.OPTIMIZER_STEP):
             return MODE_TRAIN
         if task.kind == TaskKind.SYNC and worker.pool == "trainer":
@@ -1132,6 +1211,8 @@ class CostModel:
         elif task.kind == TaskKind.REWARD:
             t = self.reward_seconds(images, dev, residency=self.reward_residency(worker),
                                     per_worker=self.images_per_worker(cluster, worker.pool))
+        elif task.kind == TaskKind.TRAIN and worker.pool == "rollout":  # GAT
+            t = self.gat_train_seconds(images, dev, cluster, self.trained_steps_of(task))
         elif task.kind == TaskKind.TRAIN:
             # a gang (lockstep FSDP) micro-batch: every rank takes its share of the samples
             share = math.ceil(images / len(task.workers))
@@ -1235,6 +1316,20 @@ class CostModel:
                         f"{pool}: generating holds {held / GB:.0f} GB (weights {self.param_bytes / GB:.0f} GB"
                         f"{', training state' if pool == 'fused' else ''}{', reward model' if self.reward_weight_bytes() else ''})"
                         f", more than {cap / GB:.0f} GB on {dev.name}"
+                    )
+            if pool == "rollout" and self.workload.gat and not self.workload.lora:
+                problems.append("rollout: GAT sends LoRA gradients to the trainers; a full fine-tune does not run it")
+            elif pool == "rollout" and group.gat_device:
+                trainer_dev = self.device(cluster.placement("trainer").device)
+                ckpt = self.checkpointing(trainer_dev, group, "trainer")
+                need = self.gat_training_bytes(group, ckpt)
+                if need > cap:
+                    problems.append(
+                        f"rollout: training a GAT micro-batch holds {need / GB:.0f} GB (weights "
+                        f"{self.param_bytes / GB:.0f} GB, LoRA adapters and gradients"
+                        f"{', the reward model' if group.gat_scores and self.reward_weight_bytes() else ''}, "
+                        f"activations of a pass of {self.pass_batch(dev, group, 'trainer')} sample(s)"
+                        f"{'' if ckpt else ' without checkpointing'}), more than {cap / GB:.0f} GB on {dev.name}"
                     )
             if pool == "reward" and self.reward_replica_bytes() > cap:
                 problems.append(

@@ -53,7 +53,20 @@ MECHANISMS: dict[str, dict[str, Any]] = {
     # FSDP in lockstep (digen.fsdp.enable): every micro-batch runs on all trainer ranks at once
     "disaggregated+gap+fsdp": {"placement": "disaggregated", "gap": True, "fsdp": True},
     "disaggregated+gap+fsdp+tcss": {"placement": "disaggregated", "gap": True, "fsdp": True, "max_staleness": 1},
+    # GAT (digen.gat.enable, LoRA only): rollout workers train part of the first mini-batch
+    "disaggregated+gap+gat": {"placement": "disaggregated", "gap": True, "gat": True},
+    "disaggregated+gap+gat+tcss": {"placement": "disaggregated", "gap": True, "gat": True, "max_staleness": 1},
 }
+
+
+def gat_not_applicable(costs: CostModel) -> str | None:
+    """Why GAT's mechanism sets do not apply to ``costs`` (None: they do): GAT sends LoRA
+    gradients, and it is this runtime's (unsharded trainers)."""
+    if not costs.workload.lora:
+        return "GAT needs LoRA (it sends the LoRA gradients to the trainers)"
+    if costs.system.always_sharded:
+        return f"GAT needs unsharded trainers; system {costs.system.name!r} always shards"
+    return None
 
 
 @dataclass(frozen=True)
@@ -357,6 +370,8 @@ def _candidates_without_reward(
                     )
                     if "tag" in switches:
                         common["tag"] = True
+                    if "gat" in switches:
+                        common["gat"] = True
                     if "fsdp" in switches:
                         if not fsdp_rows_split(mb, group_size, pools["trainer"].size):
                             continue  # the runtime refuses it (DigenConfig.validate): ranks would take unequal shares
@@ -418,7 +433,12 @@ def search(
     runnable = [m for m in mechanisms if m not in MECHANISMS or costs.system.runs(MECHANISMS[m]["placement"])]
     if costs.system.always_sharded:  # its engine shards every run; our lockstep-FSDP plans are not its
         runnable = [m for m in runnable if not MECHANISMS.get(m, {}).get("fsdp")]
+    no_gat = gat_not_applicable(costs)
+    if no_gat:  # not offered (a full fine-tune, or a system that shards)
+        runnable = [m for m in runnable if not MECHANISMS.get(m, {}).get("gat")]
     if not runnable:
+        if no_gat and any(MECHANISMS.get(m, {}).get("gat") for m in mechanisms):
+            raise ProfileError(f"none of {', '.join(mechanisms)} applies: {no_gat}")
         raise ProfileError(f"system {costs.system.name!r} runs only {costs.system.placements}; none of "
                            f"{', '.join(mechanisms)} applies")
     cands = candidates(
@@ -465,6 +485,7 @@ def hydra_overrides(candidate: Candidate, costs: CostModel, inventory: Inventory
         f"digen.tsp.stages={getattr(spec, 'tsp_stages', 1)}",
         f"digen.tsp.train_split={getattr(spec, 'train_split', 'sample')}",
         f"digen.tag.enable={'true' if getattr(spec, 'tag', False) else 'false'}",
+        f"digen.gat.enable={'true' if getattr(spec, 'gat', False) else 'false'}",
         f"digen.fsdp.enable={'true' if getattr(spec, 'fsdp', False) else 'false'}",
         f"digen.sampling.height={w.height}",
         f"digen.sampling.width={w.width}",
