@@ -417,3 +417,27 @@ def test_gat_is_offered_for_lora_only_and_its_overrides_run_it(catalog):
     layout = pool_layout(digen, cluster_from_trainer_keys(VerlTrainerKeys.of(container)))
     for field in ("placement", "rollout_workers", "trainer_workers", "gap", "max_staleness", "gat"):
         assert getattr(layout.spec, field) == getattr(best.candidate.spec, field), field
+
+
+def test_this_runtimes_plans_step_once_per_ppo_mini_batch_and_say_so(catalog):
+    """A workload of 2 PPO mini-batches: every plan of this runtime has an optimizer step per
+    mini-batch (what the runtime runs; GAT may take micro-batches of the first only), micro-batch
+    sizes that do not divide a mini-batch are not offered, and the overrides carry the count; a
+    whole-step engine (veRL-Omni) steps its mini-batches inside one task."""
+    from verl_digen.config.compose import compose_config
+
+    costs = _costs(catalog, "sd3.5-medium", groups_per_step=8, mini_batches=2)
+    inv = Inventory({"H800": 4})
+    result = search(costs, inv, mechanisms=["colocated", "disaggregated+gap"], micro_batches=(1, 2, 8), steps=3,
+                    warmup=1)
+    specs = [e.candidate.spec for e in result.evaluated]
+    assert specs and all(s.mini_batches == 2 for s in specs)
+    assert {s.train_micro_batch_groups for s in specs} == {1, 2}  # 8 does not divide a mini-batch of 4 groups
+    ok = next(e for e in result.evaluated if e.feasible)
+    opts = [t for t in ok.result.plan.tasks if t.kind.value == "optimizer_step" and t.step == 0]
+    assert len(opts) == 2
+    cfg = compose_config(hydra_overrides(ok.candidate, costs, inv))
+    assert cfg.digen.batch.mini_batches_per_step == 2
+    omni = costs.with_system(catalog.system("verl-omni"))
+    whole = search(omni, inv, mechanisms=["colocated"], steps=3, warmup=1)
+    assert all(e.candidate.spec.mini_batches == 1 for e in whole.evaluated)

@@ -254,6 +254,7 @@ def candidates(
     hsdp_shard: int = 0,
     reward_devices: Iterable[int] = (0,),
     reward_placements: Iterable[str] = ("disaggregated",),
+    ppo_mini_batches: int = 1,
 ) -> list[Candidate]:
     """Every configuration the planner evaluates. ``whole_step``: a system whose engine takes a
     worker's whole share of the step at once (one generate and one train task per worker).
@@ -264,7 +265,11 @@ def candidates(
     ``reward_devices``: reward pool sizes to try (0: the reward runs where the samples were
     generated); a pool of ``k`` devices is taken out of the cluster before the split, in the
     placements of ``reward_placements`` only (the system's). A cluster of two device types gets
-    no reward pool (not modelled)."""
+    no reward pool (not modelled).
+
+    ``ppo_mini_batches``: optimizer steps per training step in every plan (this runtime plans one
+    per PPO mini-batch, and GAT may take micro-batches of the first only); micro-batch sizes that
+    do not divide a mini-batch are not offered (the runtime refuses them)."""
     out: list[Candidate] = []
     placements = set(reward_placements)
     for k in dict.fromkeys(reward_devices):
@@ -276,7 +281,7 @@ def candidates(
         out.extend(_candidates_without_reward(
             inventory, groups_per_step=groups_per_step, group_size=group_size, mechanisms=labels,
             micro_batches=micro_batches, splits=splits, num_steps=num_steps, whole_step=whole_step,
-            hsdp_shard=hsdp_shard, reward=k,
+            hsdp_shard=hsdp_shard, reward=k, ppo_mini_batches=ppo_mini_batches,
         ))
     return out
 
@@ -293,10 +298,13 @@ def _candidates_without_reward(
     whole_step: bool,
     hsdp_shard: int,
     reward: int,
+    ppo_mini_batches: int = 1,
 ) -> list[Candidate]:
     """:func:`candidates` for one reward pool size ``reward`` (devices taken out of the
     inventory's one device type; 0: none)."""
-    micro = _divisors(groups_per_step, micro_batches)
+    if ppo_mini_batches < 1 or groups_per_step % ppo_mini_batches:
+        raise ProfileError(f"{ppo_mini_batches} PPO mini-batches do not divide {groups_per_step} groups per step")
+    micro = [m for m in _divisors(groups_per_step, micro_batches) if (groups_per_step // ppo_mini_batches) % m == 0]
     types = sorted(inventory.devices, key=lambda t: -inventory.devices[t])
     if len(types) > 2:
         raise ProfileError(f"--mix supports at most two device types, got {', '.join(types)}")
@@ -361,12 +369,14 @@ def _candidates_without_reward(
                         spec = StrategySpec(
                             "colocated", pools["fused"].size, pools["fused"].size, groups_per_step, group_size,
                             groups_per_task=gpt, train_micro_batch_groups=mb, fsdp=fsdp, reward_workers=reward,
+                            mini_batches=ppo_mini_batches,
                         )
                         out.append(Candidate(spec, pools))
                         continue
                     common = dict(
                         groups_per_task=gpt, train_micro_batch_groups=mb, gap=switches.get("gap", False),
                         max_staleness=switches.get("max_staleness", 0), reward_workers=reward,
+                        mini_batches=ppo_mini_batches,
                     )
                     if "tag" in switches:
                         common["tag"] = True
@@ -444,6 +454,9 @@ def search(
     cands = candidates(
         inventory, groups_per_step=w.groups_per_step, group_size=w.group_size, mechanisms=runnable,
         micro_batches=micro_batches, num_steps=w.num_steps, whole_step=costs.system.whole_step_tasks,
+        # this runtime plans an optimizer step per PPO mini-batch; a whole-step engine steps
+        # its mini-batches inside one task (CostModel.for_spec keeps the workload's count then)
+        ppo_mini_batches=1 if costs.system.whole_step_tasks else w.mini_batches,
         hsdp_shard=costs.system.hsdp_shard, reward_devices=sizes,
         reward_placements=[p for p in ("colocated", "disaggregated") if costs.system.reward_pool_in(p)],
     )
@@ -480,6 +493,7 @@ def hydra_overrides(candidate: Candidate, costs: CostModel, inventory: Inventory
         f"digen.batch.group_size={spec.group_size}",
         f"digen.batch.groups_per_task={spec.groups_per_task}",
         f"digen.batch.train_micro_batch_groups={spec.train_micro_batch_groups}",
+        f"digen.batch.mini_batches_per_step={getattr(spec, 'mini_batches', 1)}",
         f"digen.gap.enable={'true' if spec.gap else 'false'}",
         f"digen.async.max_staleness={spec.max_staleness}",
         f"digen.tsp.stages={getattr(spec, 'tsp_stages', 1)}",
