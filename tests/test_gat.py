@@ -180,8 +180,7 @@ def test_rollout_bound_steps_or_slow_rollout_training_assign_nothing():
 @pytest.mark.parametrize("overrides,match", [
     (dict(placement="colocated"), "digen.gat.enable=True; GAT needs digen.placement=disaggregated"),
     (dict(model=dict(lora=dict(enable=False))), "needs digen.model.lora.enable=true"),
-    (dict(fsdp=dict(enable=True)), "turn off digen.fsdp.enable"),
-    (dict(tag=dict(enable=True)), "turn off digen.tag.enable"),
+    (dict(tag=dict(enable=True)), "GAT cannot be combined with TAG (the opposite direction); turn off digen.tag.enable"),
     (dict(tsp=dict(train_split="timestep")), "needs digen.tsp.train_split=sample"),
     (dict(gat=dict(enable=True, micro_batches=5), batch=dict(groups_per_step=8, mini_batches_per_step=2)),
      "digen.gat.micro_batches=5; at most the 4 micro-batches"),
@@ -262,3 +261,28 @@ def test_gat_decides_its_share_from_the_rates_it_measures(shared_ray, tiny_flux,
     on_rollout = [r for r in recs if r["kind"] == "train" and r["worker"].startswith("rollout")]
     assert sorted({r["step"] for r in on_rollout}) == [1, 2]
     assert sorted(g for r in recs if r["kind"] == "train" for g in r["groups"]) == list(range(12))
+
+
+@pytest.mark.e2e
+def test_gat_with_fsdp_trainers_gives_their_update(shared_ray, tiny_flux, tmp_path):
+    """FSDP2 over 2 trainer ranks (lockstep micro-batches, gradients reduce-scattered): the
+    rollout worker trains one micro-batch unsharded and every rank adds its own shard of those
+    gradients. Same final weights as the FSDP run without GAT (SGD, float rounding), rollout in
+    sync."""
+    from safetensors.torch import load_file
+
+    from runs import run, timeline_records
+
+    common = ["digen.placement=disaggregated", "trainer.n_gpus_per_node=3", "digen.pools.rollout.devices=1",
+              "digen.pools.trainer.devices=2", "digen.fsdp.enable=true", "digen.gap.enable=true",
+              "trainer.total_training_steps=2", "digen.batch.groups_per_step=4", "digen.batch.train_micro_batch_groups=2",
+              "digen.save_final_weights=true", "digen.algo.optimizer=sgd"]
+    plain = run(tmp_path, "fsdp", *common)
+    gat = run(tmp_path, "fsdp_gat", *common, "digen.gat.enable=true", "digen.gat.micro_batches=1")
+    assert gat.extra["weights_in_sync"] is True
+    a, b = load_file(plain.extra["final_weights"]), load_file(gat.extra["final_weights"])
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-4)
+    trains = [r for r in timeline_records(gat.output_dir) if r["kind"] == "train"]
+    assert sorted(r["worker"] for r in trains) == ["rollout0", "rollout0", "trainer0,trainer1", "trainer0,trainer1"]

@@ -392,8 +392,9 @@ class TagConfig:
 class GatConfig:
     """GAT, generator-assisted training (TAG reversed, LoRA runs): rollout workers train
     micro-batches of the step's first PPO mini-batch with the weights they hold, which are the
-    trainers' then, and send the LoRA gradients to trainer 0, which adds them before its
-    optimizer step: the same update as if the trainers had computed it, to float rounding."""
+    trainers' then, and send the LoRA gradients to the trainers, which add them before their
+    optimizer step (trainer 0, or under FSDP every rank its shard): the same update as if the
+    trainers had computed it, to float rounding."""
 
     enable: bool = False
     # "auto": decided every step from the rates the previous step measured (0 when it does not

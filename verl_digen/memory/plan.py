@@ -574,9 +574,7 @@ def _training_knobs(job: JobShape) -> list[str]:
     if job.pass_samples > 1:
         knobs.append(f"smaller training passes: a pass is one transformer call of {job.pass_samples} sample(s) "
                      "(a smaller digen.batch.group_size, or FSDP over more ranks)")
-    if job.fsdp == 1 and job.rollouts_train:
-        knobs.append("digen.fsdp.enable=true with digen.gat.enable=false (GAT needs unsharded trainers)")
-    elif job.fsdp == 1:
+    if job.fsdp == 1:
         knobs.append("digen.fsdp.enable=true (shards weights, gradients and optimizer; splits micro-batches)")
     else:
         knobs.append("more trainer GPUs (digen.pools.trainer.devices) for a larger FSDP degree")
@@ -590,8 +588,8 @@ def _training_knobs(job: JobShape) -> list[str]:
 
 
 def _gat_knobs(train_knobs: list[str]) -> list[str]:
-    """A GAT rollout worker's training knobs: the trainers' but FSDP (GAT needs unsharded
-    trainers), and turning GAT off."""
+    """A GAT rollout worker's training knobs: the trainers' but FSDP (a rollout worker trains
+    its micro-batches unsharded whatever the trainers do), and turning GAT off."""
     return [k for k in train_knobs if not k.startswith(("digen.fsdp", "more trainer GPUs"))] + [
         "digen.gat.enable=false (rollout workers then do not train)"]
 

@@ -109,12 +109,10 @@ def strategy_violations(
                                         f"{name('tsp_stages')}={tsp_stages} stages"))
     if gat and placement == "disaggregated":
         # GAT: rollout workers train whole micro-batches on the weights they hold, which are the
-        # trainers' only before the step's first optimizer step, and add them to one trainer's
-        # gradients: neither lockstep FSDP shards nor TAG's trainers generating fit that.
-        for field, used, what in (("fsdp", fsdp, "FSDP trainers (gradient shards)"),
-                                  ("tag", tag, "TAG (the opposite direction)")):
-            if used:
-                out.append(("gat", f"GAT cannot be combined with {what}; turn off {name(field)}"))
+        # trainers' only before the step's first optimizer step; TAG's trainers generating with
+        # the same weights is the opposite direction, not both at once.
+        if tag:
+            out.append(("gat", f"GAT cannot be combined with TAG (the opposite direction); turn off {name('tag')}"))
         if train_split != "sample":
             out.append(("gat", f"GAT trains whole micro-batches; needs {name('train_split')}=sample"))
     for field, v in (("groups_per_task", groups_per_task), ("train_micro_batch_groups", train_micro_batch_groups)):
@@ -208,7 +206,7 @@ class StrategySpec:
     mini_batches: int = 1
     # GAT (generator-assisted training, TAG reversed): rollout workers train some micro-batches of
     # the step's first PPO mini-batch with the weights they hold (the trainers' version) and
-    # send the gradients to trainer 0, which adds them before its optimizer step (LoRA runs:
+    # send the gradients to the trainers, which add them before their optimizer step (LoRA runs:
     # the gradients are megabytes). How many is decided per step (schedule/elastic.py).
     gat: bool = False
 

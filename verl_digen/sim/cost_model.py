@@ -1131,7 +1131,9 @@ class CostModel:
         group = self.train_group(cluster)
         trainer_dev = self.device(cluster.placement("trainer").device)
         ckpt = self.checkpointing(trainer_dev, group, "trainer")
-        t = self.train_seconds(images, dev, group, trained_steps, pool="trainer", checkpointing=ckpt)
+        # the rollout worker trains alone, unsharded, whatever the trainers' FSDP (no collectives)
+        alone = replace(group, ranks=1, nodes=1, shard=1, shard_nodes=1)
+        t = self.train_seconds(images, dev, alone, trained_steps, pool="trainer", checkpointing=ckpt)
         return t + self.gat_gradient_send_seconds(cluster)
 
     # ------------------------------------------------------------------ tasks

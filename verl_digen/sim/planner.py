@@ -53,6 +53,9 @@ MECHANISMS: dict[str, dict[str, Any]] = {
     # FSDP in lockstep (digen.fsdp.enable): every micro-batch runs on all trainer ranks at once
     "disaggregated+gap+fsdp": {"placement": "disaggregated", "gap": True, "fsdp": True},
     "disaggregated+gap+fsdp+tcss": {"placement": "disaggregated", "gap": True, "fsdp": True, "max_staleness": 1},
+    "disaggregated+gap+gat+fsdp+tcss": {
+        "placement": "disaggregated", "gap": True, "gat": True, "fsdp": True, "max_staleness": 1,
+    },
     # GAT (digen.gat.enable, LoRA only): rollout workers train part of the first mini-batch
     "disaggregated+gap+gat": {"placement": "disaggregated", "gap": True, "gat": True},
     "disaggregated+gap+gat+tcss": {"placement": "disaggregated", "gap": True, "gat": True, "max_staleness": 1},
@@ -61,11 +64,11 @@ MECHANISMS: dict[str, dict[str, Any]] = {
 
 def gat_not_applicable(costs: CostModel) -> str | None:
     """Why GAT's mechanism sets do not apply to ``costs`` (None: they do): GAT sends LoRA
-    gradients, and it is this runtime's (unsharded trainers)."""
+    gradients, and it is this runtime's (an engine that always shards is not)."""
     if not costs.workload.lora:
         return "GAT needs LoRA (it sends the LoRA gradients to the trainers)"
     if costs.system.always_sharded:
-        return f"GAT needs unsharded trainers; system {costs.system.name!r} always shards"
+        return f"GAT is this runtime's; system {costs.system.name!r} shards every run in its own engine"
     return None
 
 

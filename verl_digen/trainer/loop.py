@@ -169,7 +169,7 @@ class DigenTrainer:
         driver = StepDriver(
             self.spec,
             lambda plan: RayPlanExecutor(plan, actors, std_mode=cfg.algo.std_mode, timeout_s=cfg.task_timeout_s,
-                                         chunk_rows=gang_chunk_rows(self.spec)),
+                                         chunk_rows=gang_chunk_rows(self.spec), sharded_trainers=self.spec.fsdp),
             start_step=first, total_steps=last, tag_switch_s=cfg.tag.switch_cost_s,
             tsp_rebalance=self.spec.tsp_stages > 1 and cfg.tsp.balance, gat_micro_batches=cfg.gat.fixed,
         )

@@ -91,10 +91,13 @@ class RayPlanExecutor(PlanRunner):
         std_mode: str,
         timeout_s: float,
         chunk_rows: int = 0,
+        sharded_trainers: bool = False,
     ) -> None:
         """``chunk_rows > 0`` (an FSDP gang of several ranks trains): final generate tasks return
         one object per ``chunk_rows`` samples of one group (the transformer calls rank_rows deals
-        to the ranks), and each rank is sent its chunks only, not every rank every output."""
+        to the ranks), and each rank is sent its chunks only, not every rank every output.
+        ``sharded_trainers`` (FSDP): every trainer rank receives GAT's gradients and adds its
+        shard of them; otherwise trainer 0 adds them whole before the all-reduce."""
         super().__init__(plan)
         self.actors = actors
         self.std_mode = std_mode
@@ -102,6 +105,7 @@ class RayPlanExecutor(PlanRunner):
         self.prompts: dict[int, tuple[int, str]] = {}  # group -> (prompt index, prompt)
         self.metadata: dict[int, dict[str, Any]] = {}  # group -> its prompt's record (reaches the reward)
         self.chunk_rows = chunk_rows
+        self.sharded_trainers = sharded_trainers
         self.outputs: dict[str, list[ray.ObjectRef]] = {}  # generate task id -> its output's refs
         self.chunk_refs: dict[tuple[int, int], ray.ObjectRef] = {}  # (group, first sample) -> its chunk
         self.gen_of_group: dict[int, list[str]] = {}  # group -> its final generate tasks (sample slices)
@@ -202,12 +206,13 @@ class RayPlanExecutor(PlanRunner):
 
     def optimizer_step(self, task: Task) -> list[ray.ObjectRef]:
         """Reduce gradients over the trainer ranks and step (one PPO mini-batch's); the step's
-        last mini-batch makes weights version ``task.version``. Trainer 0 also adds the
-        gradients the rollout workers computed (GAT), in micro-batch order."""
+        last mini-batch makes weights version ``task.version``. The trainers also add the
+        gradients the rollout workers computed (GAT), in micro-batch order: trainer 0 before the
+        all-reduce, or every FSDP rank its shard (their gradients are reduce-scattered already)."""
         request = OptimizerRequest(mini_batch=task.mini_batch, final=task.id.mini_batch is None)
         assisted = [ref for _, ref in sorted(self.assisted_gradients.pop((task.step, task.mini_batch), []),
                                              key=lambda item: item[0])]
-        return [self.actors[w].optimizer_step.remote(request, *(assisted if r == 0 else ()))
+        return [self.actors[w].optimizer_step.remote(request, *(assisted if r == 0 or self.sharded_trainers else ()))
                 for r, w in enumerate(task.workers)]
 
     def sync(self, task: Task) -> list[ray.ObjectRef]:

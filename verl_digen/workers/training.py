@@ -109,6 +109,15 @@ def trainable_parameters(module: torch.nn.Module, *, lora_only: bool) -> list[to
     return params
 
 
+def _dtensor_type():
+    """DTensor (FSDP2's sharded parameters), or None where this torch has none."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None
+    return DTensor
+
+
 @dataclass
 class TrainSettings:
     algo: AlgoConfig
@@ -352,8 +361,10 @@ class PolicyUpdater:
 
     @torch.no_grad()
     def add_gradients(self, named: dict[str, torch.Tensor]) -> None:
-        """GAT, on trainer 0 before its optimizer step: add a rollout worker's micro-batch
-        gradients to this rank's; every trained parameter's, by name and shape, or an error."""
+        """GAT, before the optimizer step: add a rollout worker's micro-batch gradients (whole, by
+        parameter name) to this rank's: trainer 0 adds them whole (the all-reduce then sums);
+        an FSDP rank adds its own shard of each (its gradients are reduce-scattered sums
+        already). Every trained parameter's, by name and shape, or an error."""
         if self.master is not None:
             raise RuntimeError("GAT adds gradients of parameters trained in their own dtype (LoRA) only")
         params = self._named_trained()
@@ -361,11 +372,20 @@ class PolicyUpdater:
             missing, extra = sorted(set(params) - set(named)), sorted(set(named) - set(params))
             raise RuntimeError(f"GAT gradients do not match the trained parameters: missing {missing[:3]}, "
                                f"unknown {extra[:3]}")
+        dtensor = _dtensor_type()
         for name, p in params.items():
             g = named[name]
             if g.shape != p.shape:
                 raise RuntimeError(f"GAT gradient of {name} has shape {tuple(g.shape)}, the parameter {tuple(p.shape)}")
-            g = g.to(device=p.device, dtype=p.dtype)
+            if dtensor is not None and isinstance(p, dtensor):
+                from torch.distributed.tensor import distribute_tensor
+
+                # this rank's shard, cut locally from the whole (src_data_rank=None: no collective);
+                # the gradient lives where FSDP keeps it (the host under CPUOffloadPolicy)
+                home = p.grad.device if p.grad is not None else p.device
+                g = distribute_tensor(g.to(device=home, dtype=p.dtype), p.device_mesh, p.placements, src_data_rank=None)
+            else:
+                g = g.to(device=p.device, dtype=p.dtype)
             if p.grad is None:
                 p.grad = g.clone()
             else:
