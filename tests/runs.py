@@ -41,6 +41,16 @@ def run_config(tmp_path, name: str, *overrides: str):
     return compose_config(QUIET + [f"digen.output_dir={tmp_path / name}", *overrides])
 
 
+def assert_same_final_weights(a: RunResult, b: RunResult, *, atol: float, rtol: float) -> None:
+    """Two runs saved (``digen.save_final_weights``) the same tensors, equal within the tolerance."""
+    from safetensors.torch import load_file
+
+    wa, wb = load_file(a.extra["final_weights"]), load_file(b.extra["final_weights"])
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], atol=atol, rtol=rtol, msg=lambda m, k=k: f"{k}: {m}")
+
+
 def run(tmp_path, name: str, *overrides: str) -> RunResult:
     from verl_digen.trainer.loop import run_training
 

@@ -212,9 +212,7 @@ def test_a_gat_run_gives_the_trainers_update(shared_ray, tiny_flux, tmp_path, st
     the second micro-batch of every step and trainer 0 adds its gradients. The final weights are
     those of the run without GAT (float rounding: the gradient sum's order; SGD), every step trained
     every group once, and the rollout worker's training used the trainers' version."""
-    from safetensors.torch import load_file
-
-    from runs import run, timeline_records
+    from runs import assert_same_final_weights, run, timeline_records
 
     common = ["digen.placement=disaggregated", "digen.gap.enable=true", "trainer.total_training_steps=3",
               "digen.batch.groups_per_step=4", "digen.batch.train_micro_batch_groups=2",
@@ -225,10 +223,7 @@ def test_a_gat_run_gives_the_trainers_update(shared_ray, tiny_flux, tmp_path, st
     plain = run(tmp_path, "plain", *common)
     gat = run(tmp_path, "gat", *common, "digen.gat.enable=true", "digen.gat.micro_batches=1")
     assert gat.extra["weights_in_sync"] is True
-    a, b = load_file(plain.extra["final_weights"]), load_file(gat.extra["final_weights"])
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-4)
+    assert_same_final_weights(plain, gat, atol=1e-6, rtol=1e-4)
     recs = timeline_records(gat.output_dir)
     assisted = [r for r in recs if r["kind"] == "train" and r["worker"] == "rollout0"]
     assert [r["step"] for r in assisted] == [0, 1, 2]
@@ -269,9 +264,7 @@ def test_gat_with_fsdp_trainers_gives_their_update(shared_ray, tiny_flux, tmp_pa
     rollout worker trains one micro-batch unsharded and every rank adds its own shard of those
     gradients. Same final weights as the FSDP run without GAT (SGD, float rounding), rollout in
     sync."""
-    from safetensors.torch import load_file
-
-    from runs import run, timeline_records
+    from runs import assert_same_final_weights, run, timeline_records
 
     common = ["digen.placement=disaggregated", "trainer.n_gpus_per_node=3", "digen.pools.rollout.devices=1",
               "digen.pools.trainer.devices=2", "digen.fsdp.enable=true", "digen.gap.enable=true",
@@ -280,9 +273,6 @@ def test_gat_with_fsdp_trainers_gives_their_update(shared_ray, tiny_flux, tmp_pa
     plain = run(tmp_path, "fsdp", *common)
     gat = run(tmp_path, "fsdp_gat", *common, "digen.gat.enable=true", "digen.gat.micro_batches=1")
     assert gat.extra["weights_in_sync"] is True
-    a, b = load_file(plain.extra["final_weights"]), load_file(gat.extra["final_weights"])
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-4)
+    assert_same_final_weights(plain, gat, atol=1e-6, rtol=1e-4)
     trains = [r for r in timeline_records(gat.output_dir) if r["kind"] == "train"]
     assert sorted(r["worker"] for r in trains) == ["rollout0", "rollout0", "trainer0,trainer1", "trainer0,trainer1"]

@@ -9,12 +9,11 @@ import pickle
 import pytest
 import ray
 import torch
-from safetensors.torch import load_file
 
 from verl_digen.config.schema import digen_config_from_dict
 from verl_digen.models.registry import load_adapter
 from verl_digen.workers.messages import GenerateRequest
-from runs import run, timeline_records
+from runs import assert_same_final_weights, run, timeline_records
 from verl_digen.workers.sampling import GroupRequest, begin_groups, denoise, finish_groups, sample_groups
 from verl_digen.workers.worker import sampling_settings
 
@@ -90,10 +89,8 @@ def test_timestep_split_training_gives_the_sample_split_gradient(shared_ray, tin
     ]
     by_sample = run(tmp_path, "sample", *common, "digen.tsp.train_split=sample")
     by_step = run(tmp_path, "timestep", *common, "digen.tsp.train_split=timestep")
-    a, b = load_file(by_sample.extra["final_weights"]), load_file(by_step.extra["final_weights"])
-    for k in a:
-        # Same per-step terms, summed in a different order across ranks: float rounding only.
-        torch.testing.assert_close(a[k], b[k], atol=1e-7, rtol=1e-5)
+    # Same per-step terms, summed in a different order across ranks: float rounding only.
+    assert_same_final_weights(by_sample, by_step, atol=1e-7, rtol=1e-5)
     assert len([r for r in timeline_records(by_step.output_dir) if r["kind"] == "train"]) == 4  # 2 micro-batches x 2 ranks
 
 
@@ -146,9 +143,6 @@ def test_fsdp_trainer_pool_gives_the_data_parallel_update(shared_ray, tiny_flux,
     dp = run(tmp_path, "dp", *common)
     fsdp = run(tmp_path, "fsdp", *common, "digen.fsdp.enable=true")
     assert fsdp.extra["weights_in_sync"] is True
-    a, b = load_file(dp.extra["final_weights"]), load_file(fsdp.extra["final_weights"])
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)
+    assert_same_final_weights(dp, fsdp, atol=1e-6, rtol=1e-5)
     gangs = [r for r in timeline_records(fsdp.output_dir) if r["kind"] == "train"]
     assert all(r["worker"] == "trainer0,trainer1" for r in gangs)

@@ -36,14 +36,19 @@ class TagDecision:
     reason: str
 
     def as_metrics(self, inputs: TagInputs | None) -> dict[str, float]:
-        m = {
-            "tag/groups": float(self.groups),
-            "tag/predicted_step_s": self.predicted_step_s,
-            "tag/predicted_step_s_without": self.predicted_step_s_without,
-        }
-        if inputs is not None:
-            m.update({f"tag/{k}": float(v) for k, v in asdict(inputs).items()})
-        return m
+        return _decision_metrics("tag", "groups", self, inputs)
+
+
+def _decision_metrics(prefix: str, share: str, decision: Any, inputs: Any) -> dict[str, float]:
+    """An elastic decision as ``<prefix>/*`` metrics: its share, both predictions, its inputs."""
+    m = {
+        f"{prefix}/{share}": float(getattr(decision, share)),
+        f"{prefix}/predicted_step_s": decision.predicted_step_s,
+        f"{prefix}/predicted_step_s_without": decision.predicted_step_s_without,
+    }
+    if inputs is not None:
+        m.update({f"{prefix}/{k}": float(v) for k, v in asdict(inputs).items()})
+    return m
 
 
 def tag_inputs_from_timeline(spec, timeline, step: int, switch_s: float) -> TagInputs | None:
@@ -145,14 +150,7 @@ class GatDecision:
     reason: str
 
     def as_metrics(self, inputs: GatInputs | None) -> dict[str, float]:
-        m = {
-            "gat/micro_batches": float(self.micro_batches),
-            "gat/predicted_step_s": self.predicted_step_s,
-            "gat/predicted_step_s_without": self.predicted_step_s_without,
-        }
-        if inputs is not None:
-            m.update({f"gat/{k}": float(v) for k, v in asdict(inputs).items()})
-        return m
+        return _decision_metrics("gat", "micro_batches", self, inputs)
 
 
 def gat_step_time(inp: GatInputs, n: int) -> float:
