@@ -58,7 +58,9 @@ def test_rollout_gradients_added_by_the_trainer_give_the_trainers_update(tiny_fl
         rollout.train_micro_batch(second, adv[2:])
         grads = rollout.take_gradients()
         assert all(p.grad is None for p in rollout.params) and any(g.abs().sum() > 0 for g in grads.values())
+        dropped = [p.grad.clone() for p in trainer.params]  # what the trainer would step on without them
         trainer.add_gradients(grads)
+        assert any(not torch.equal(a, p.grad) for a, p in zip(dropped, trainer.params))  # the control: they count
         trainer.optimizer_step()
         with torch.no_grad():  # the weight sync: rollout receives the trainer's new version
             for p, q in zip(rollout.params, trainer.params):
@@ -174,6 +176,41 @@ def test_rollout_bound_steps_or_slow_rollout_training_assign_nothing():
     assert slow.micro_batches == 0 and slow.predicted_step_s == slow.predicted_step_s_without
 
 
+def test_fsdp_trainers_count_every_micro_batch_and_a_later_mini_batch_waits_for_the_first():
+    """FSDP: each micro-batch takes the whole gang, so the trainers' time is every micro-batch
+    they keep; 2 PPO mini-batches without TCSS: the rollout trains only after generating, and the
+    second mini-batch waits for the first's step, which waits for the rollout: no share pays
+    (rollout 2 workers, 8 groups of 1.5 s, training 2 s a group: 16 s whatever n)."""
+    gang = _inputs(trainer_workers=4, gang=True, train_per_group=0.5, rollout_generate_per_group=0.1)  # 8 x 0.5: 4 s
+    assert gat_step_time(gang, 0) == pytest.approx(4.0)
+    assert gat_step_time(dataclasses.replace(gang, gang=False), 0) == pytest.approx(1.0)  # 2 each on 4 trainers
+    barrier = _inputs(first_mini_batch=4, rollout_generate_per_group=1.5)
+    assert [gat_step_time(barrier, n) for n in range(4)] == pytest.approx([16.0, 16.0, 16.0, 18.0])
+    assert decide_gat_share(barrier).micro_batches == 0
+    # under TCSS the rollout trains first (before the next step's groups): then it pays
+    ahead = dataclasses.replace(barrier, lookahead=True)
+    assert gat_step_time(ahead, 2) == pytest.approx(max(6 + 2, max(2 * 2, 2) + 8))  # 12 s
+    assert gat_step_time(ahead, 0) == pytest.approx(16.0) and decide_gat_share(ahead).micro_batches > 0
+
+
+def test_measured_rates_count_a_group_once_across_its_tsp_stages_and_a_gangs_rate_per_rank():
+    from verl_digen.schedule.elastic import gat_inputs_from_timeline
+    from verl_digen.schedule.timeline import TaskRecord, Timeline
+
+    spec = _spec(rollout_workers=2, trainer_workers=2, fsdp=True, tsp_stages=2, num_steps=8)
+    records = [TaskRecord(f"gen:{g}:s{k}", "generate", [f"rollout{k}"], 0.0, 1.0, 0, 0, [g], stage=k)
+               for g in range(8) for k in range(2)]
+    records += [TaskRecord(f"train:0:{j}", "train", ["trainer0", "trainer1"], 0.0, 3.0, 0, 0, [2 * j, 2 * j + 1])
+                for j in range(4)]
+    timeline = Timeline(workers=["rollout0", "rollout1", "trainer0", "trainer1"])
+    for r in records:
+        timeline.add(r)
+    inp = gat_inputs_from_timeline(spec, timeline, 0)
+    assert inp.rollout_generate_per_group == 2.0  # two 1 s stages per group, not 1 s
+    assert inp.train_per_group == 1.5 and inp.gang
+    assert inp.rollout_train_per_group == 3.0  # unsharded: the gang's rate over its 2 ranks
+
+
 # ----------------------------------------------------------------------------- the config
 
 
@@ -186,6 +223,7 @@ def test_rollout_bound_steps_or_slow_rollout_training_assign_nothing():
      "digen.gat.micro_batches=5; at most the 4 micro-batches"),
     (dict(gat=dict(enable=True, micro_batches="half")), "digen.gat.micro_batches='half'; valid: auto"),
     (dict(gat=dict(enable=False, micro_batches=2)), "set digen.gat.enable=true too"),
+    (dict(gat=dict(enable=True, micro_batches=0)), "digen.gat.micro_batches=0; assigns nothing every step"),
 ])
 def test_gat_config_rules_name_their_key(overrides, match):
     d = {"placement": "disaggregated", "gat": {"enable": True}, **overrides}
@@ -206,17 +244,23 @@ def test_a_valid_gat_config_passes_and_fixes_its_share():
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("staleness", [0, 1])
-def test_a_gat_run_gives_the_trainers_update(shared_ray, tiny_flux, tmp_path, staleness):
-    """1 rollout + 1 trainer, 2 micro-batches per step, GAT fixed at 1: the rollout worker trains
-    the second micro-batch of every step and trainer 0 adds its gradients. The final weights are
-    those of the run without GAT (float rounding: the gradient sum's order; SGD), every step trained
-    every group once, and the rollout worker's training used the trainers' version."""
+@pytest.mark.parametrize("staleness,trainers,mini_batches", [(0, 1, 1), (1, 1, 1), (0, 2, 1), (0, 1, 2)],
+                         ids=["on-policy", "one-step-off", "two-trainers", "two-mini-batches"])
+def test_a_gat_run_gives_the_trainers_update(shared_ray, tiny_flux, tmp_path, staleness, trainers, mini_batches):
+    """1 rollout worker, 2 micro-batches per step, GAT fixed at 1: the rollout worker trains the
+    last micro-batch of every step's first mini-batch and trainer 0 adds its gradients (then the
+    all-reduce sums the trainers'). With two trainers the second has nothing of its own; with two
+    PPO mini-batches the first mini-batch is all GAT's and its optimizer step steps on the rollout's
+    gradients alone. The final weights are those of the run without GAT (float rounding: the
+    gradient sum's order; SGD), every step trained every group once, and the rollout worker's
+    training used the trainers' version."""
     from runs import assert_same_final_weights, run, timeline_records
 
     common = ["digen.placement=disaggregated", "digen.gap.enable=true", "trainer.total_training_steps=3",
               "digen.batch.groups_per_step=4", "digen.batch.train_micro_batch_groups=2",
               "digen.save_final_weights=true", f"digen.async.max_staleness={staleness}",
+              f"trainer.n_gpus_per_node={1 + trainers}", f"digen.pools.trainer.devices={trainers}",
+              f"digen.batch.mini_batches_per_step={mini_batches}",
               # SGD: the update is the gradient itself; Adam would amplify the rounding of a
               # near-zero gradient element into a visible difference (see the updater test above)
               "digen.algo.optimizer=sgd"]

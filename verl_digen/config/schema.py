@@ -730,6 +730,9 @@ class DigenConfig:
         if not self.model.lora.enable:
             _fail("digen.gat.enable", True, "GAT sends LoRA gradients from rollout to the trainers; it needs "
                                             "digen.model.lora.enable=true")
+        if self.gat.micro_batches == 0:
+            _fail("digen.gat.micro_batches", 0, "assigns nothing every step; set digen.gat.enable=false instead "
+                                                "(the rollout workers would still be set up and planned to train)")
         b = self.batch
         first = b.groups_per_step // b.mini_batches_per_step // b.train_micro_batch_groups
         if self.gat.micro_batches != "auto" and self.gat.micro_batches > first:

@@ -137,9 +137,11 @@ class GatInputs:
     first_mini_batch: int  # micro-batches of the step's first PPO mini-batch (GAT's at most)
     rollout_workers: int
     trainer_workers: int
-    rollout_generate_per_group: float  # one rollout worker
-    train_per_group: float  # one trainer
-    rollout_train_per_group: float  # one rollout worker training (with sending its gradients)
+    rollout_generate_per_group: float  # the rollout pool's worker-seconds per group (stages, slices summed)
+    train_per_group: float  # one trainer (FSDP: the gang's seconds per group)
+    rollout_train_per_group: float  # one rollout worker training (its passes; the gradients travel later)
+    gang: bool = False  # FSDP trainers: every micro-batch runs on all of them in lockstep
+    lookahead: bool = False  # TCSS: rollout trains before it generates the next step, not after this one
 
 
 @dataclass(frozen=True)
@@ -155,17 +157,31 @@ class GatDecision:
 
 def gat_step_time(inp: GatInputs, n: int) -> float:
     """Predicted time until both pools are done with a step whose rollout workers train ``n``
-    micro-batches: rollout generates every group and trains its micro-batches (dealt one per
-    worker in turn); each trainer trains its round-robin share of the rest (the planner deals
-    micro-batch ``j`` to trainer ``j mod T``, ``schedule/mechanisms.py``)."""
+    micro-batches (the last of the first PPO mini-batch, dealt one per rollout worker in turn).
+
+    Rollout generates its groups and trains its micro-batches: before generating the next step
+    under TCSS (``lookahead``), after this step's groups otherwise (its queue's order). The
+    trainers train the rest of the first mini-batch: unsharded, micro-batch ``j`` on trainer
+    ``j mod T`` (``schedule/mechanisms.py``); FSDP (``gang``), every micro-batch on all of them.
+    The first mini-batch's optimizer step waits for the rollout's micro-batches too, and the
+    later mini-batches wait for that step."""
     mb = inp.train_micro_batch_groups
     total = inp.groups_per_step // mb
-    assisted = set(range(inp.first_mini_batch - n, inp.first_mini_batch))
-    per_trainer = Counter(j % inp.trainer_workers for j in range(total) if j not in assisted)
-    rollout = inp.groups_per_step * inp.rollout_generate_per_group / inp.rollout_workers
-    rollout += math.ceil(n / inp.rollout_workers) * mb * inp.rollout_train_per_group
-    trainer = max(per_trainer.values(), default=0) * mb * inp.train_per_group
-    return max(rollout, trainer)
+    first = inp.first_mini_batch
+    assisted = set(range(first - n, first))
+
+    def trainers(micro_batches: range) -> float:
+        own = [j for j in micro_batches if j not in assisted]
+        if inp.gang:
+            return len(own) * mb * inp.train_per_group
+        per_trainer = Counter(j % inp.trainer_workers for j in own)
+        return max(per_trainer.values(), default=0) * mb * inp.train_per_group
+
+    generate = inp.groups_per_step * inp.rollout_generate_per_group / inp.rollout_workers
+    assist = math.ceil(n / inp.rollout_workers) * mb * inp.rollout_train_per_group
+    assisted_done = 0.0 if not n else (assist if inp.lookahead else generate + assist)
+    trained = max(trainers(range(first)), assisted_done) + trainers(range(first, total))
+    return max(generate + assist, trained)
 
 
 def decide_gat_share(inp: GatInputs) -> GatDecision:
@@ -191,7 +207,7 @@ def gat_inputs_from_timeline(spec: Any, timeline: Any, step: int) -> GatInputs |
 
     def per_group(kind: str, at: int, pool: str) -> float | None:
         rs = [r for r in timeline.of_step(at) if r.kind == kind and r.workers[0].startswith(pool)]
-        groups = [g for r in rs for g in r.groups]
+        groups = {g for r in rs for g in r.groups}  # a group's TSP stages and sample slices: one group
         return sum(r.end - r.start for r in rs) / len(groups) if groups else None
 
     if step < 0:
@@ -199,8 +215,10 @@ def gat_inputs_from_timeline(spec: Any, timeline: Any, step: int) -> GatInputs |
     roll, train = per_group("generate", step, "rollout"), per_group("train", step, "trainer")
     if roll is None or train is None:
         return None
+    # until rollout has trained: a trainer's rate on the same device type (a gang's takes T ranks)
+    unsharded = train * (spec.trainer_workers if spec.fsdp else 1)
     rollout_train = next((v for v in (per_group("train", q, "rollout") for q in range(step, -1, -1)) if v is not None),
-                         train)
+                         unsharded)
     return GatInputs(
         groups_per_step=spec.groups_per_step,
         train_micro_batch_groups=spec.train_micro_batch_groups,
@@ -210,6 +228,8 @@ def gat_inputs_from_timeline(spec: Any, timeline: Any, step: int) -> GatInputs |
         rollout_generate_per_group=roll,
         train_per_group=train,
         rollout_train_per_group=rollout_train,
+        gang=bool(spec.fsdp),
+        lookahead=spec.max_staleness >= 1,
     )
 
 

@@ -114,8 +114,9 @@ class RayPlanExecutor(PlanRunner):
         self._refs: dict[str, list[ray.ObjectRef]] = {}
         self._ref_task: dict[ray.ObjectRef, str] = {}
         self._finished_refs: dict[str, list[Any]] = defaultdict(list)
-        # GAT: (step, mini-batch) -> (micro-batch, ref of its Gradients) computed on rollout workers
-        self.assisted_gradients: dict[tuple[int, int], list[tuple[int, ray.ObjectRef]]] = defaultdict(list)
+        # GAT: (step, mini-batch) -> (micro-batch, its groups, ref of its Gradients) from rollout workers
+        self.assisted_gradients: dict[tuple[int, int], list[tuple[int, tuple[int, ...], ray.ObjectRef]]] = \
+            defaultdict(list)
 
     def now(self) -> float:
         return time.time()
@@ -190,7 +191,7 @@ class RayPlanExecutor(PlanRunner):
         if task.worker.pool == "rollout":  # GAT: the gradients stay in the object store for trainer 0
             request = dataclasses.replace(request, return_gradients=True)
             result, gradients = self.actors[task.worker].train_micro_batch.options(num_returns=2).remote(request, *inputs)
-            self.assisted_gradients[(task.step, task.mini_batch)].append((task.id.micro_batch, gradients))
+            self.assisted_gradients[(task.step, task.mini_batch)].append((task.id.micro_batch, tuple(task.groups), gradients))
             return [result]
         if len(task.workers) == 1:
             return [self.actors[task.worker].train_micro_batch.remote(request, *inputs)]
@@ -209,10 +210,12 @@ class RayPlanExecutor(PlanRunner):
         last mini-batch makes weights version ``task.version``. The trainers also add the
         gradients the rollout workers computed (GAT), in micro-batch order: trainer 0 before the
         all-reduce, or every FSDP rank its shard (their gradients are reduce-scattered already)."""
+        assisted = sorted(self.assisted_gradients.pop((task.step, task.mini_batch), []), key=lambda item: item[0])
         request = OptimizerRequest(mini_batch=task.mini_batch, final=task.id.mini_batch is None)
-        assisted = [ref for _, ref in sorted(self.assisted_gradients.pop((task.step, task.mini_batch), []),
-                                             key=lambda item: item[0])]
-        return [self.actors[w].optimizer_step.remote(request, *(assisted if r == 0 or self.sharded_trainers else ()))
+        with_gradients = dataclasses.replace(request, gradients_of=tuple(groups for _, groups, _ in assisted))
+        refs = [ref for _, _, ref in assisted]
+        return [self.actors[w].optimizer_step.remote(with_gradients, *refs) if r == 0 or self.sharded_trainers
+                else self.actors[w].optimizer_step.remote(request)
                 for r, w in enumerate(task.workers)]
 
     def sync(self, task: Task) -> list[ray.ObjectRef]:

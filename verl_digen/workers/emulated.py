@@ -35,6 +35,7 @@ from verl_digen.sim.cost_model import Cluster, CostModel, PoolPlacement
 from verl_digen.workers.messages import (
     GenerateRequest,
     Gradients,
+    check_assisted_gradients,
     OptimizerRequest,
     OptimizerResult,
     RewardResult,
@@ -219,10 +220,7 @@ class EmulatedWorker:
     def optimizer_step(self, request: OptimizerRequest = OptimizerRequest(), *gradients: Gradients) -> OptimizerResult:
         """The cost model's seconds for this mini-batch's step; the last one makes the version.
         GAT's ``gradients`` must be of the weights this worker holds, as the real worker checks."""
-        for g in gradients:
-            if g.version != self.policy_version:
-                raise RuntimeError(f"{self.worker} holds version {self.policy_version} but got gradients of groups "
-                                   f"{list(g.groups)} computed with version {g.version}")
+        check_assisted_gradients(request, gradients, self.policy_version, str(self.worker))
         self._work(TaskKind.OPTIMIZER_STEP, mini_batch=request.mini_batch)
         if not request.final:
             return OptimizerResult(metrics={"actor/grad_norm": 0.0, "actor/lr": 0.0, "actor/skipped_nonfinite": 0.0},

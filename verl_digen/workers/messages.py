@@ -77,6 +77,9 @@ class OptimizerRequest:
 
     mini_batch: int = 0
     final: bool = True
+    # GAT: the groups of each micro-batch whose Gradients come with the call, in their order (a
+    # receiver checks what it got against it: nothing lost, nothing of another mini-batch)
+    gradients_of: tuple[tuple[int, ...], ...] = ()
 
 
 # ---------------------------------------------------------------------------- results
@@ -139,6 +142,20 @@ class SyncResult:
     nbytes: int  # payload bytes (flat buffers), headers excluded
     seconds: float  # wall time of the whole send/recv
     num_tensors: int = 0
+
+
+def check_assisted_gradients(request: OptimizerRequest, gradients: tuple[Gradients, ...], version: int,
+                             worker: str) -> None:
+    """GAT: the gradients an optimizer step received are those its request names, in order, of
+    the weights version the worker holds; anything else is an error naming the mismatch."""
+    got = tuple(g.groups for g in gradients)
+    if got != tuple(request.gradients_of):
+        raise RuntimeError(f"{worker}: optimizer step of mini-batch {request.mini_batch} expected GAT gradients of "
+                           f"groups {list(request.gradients_of)}, got {list(got)}")
+    stale = [g.groups for g in gradients if g.version != version]
+    if stale:
+        raise RuntimeError(f"{worker} holds version {version} but got gradients of groups {list(stale)} computed "
+                           f"with another version")
 
 
 MESSAGES = (GenerateRequest, TrainRequest, RewardResult, TrainResult, Gradients, OptimizerResult, SyncResult)

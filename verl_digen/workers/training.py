@@ -380,12 +380,16 @@ class PolicyUpdater:
             if dtensor is not None and isinstance(p, dtensor):
                 from torch.distributed.tensor import distribute_tensor
 
-                # this rank's shard, cut locally from the whole (src_data_rank=None: no collective);
-                # the gradient lives where FSDP keeps it (the host under CPUOffloadPolicy)
-                home = p.grad.device if p.grad is not None else p.device
-                g = distribute_tensor(g.to(device=home, dtype=p.dtype), p.device_mesh, p.placements, src_data_rank=None)
-            else:
-                g = g.to(device=p.device, dtype=p.dtype)
+                # this rank's shard, cut locally from the whole (src_data_rank=None: no collective;
+                # it lands on the mesh's device type), added where FSDP keeps this rank's
+                # gradient (the host under CPUOffloadPolicy, whose mesh is still the GPUs')
+                shard = distribute_tensor(g.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None).to_local()
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                local = p.grad.to_local()
+                local.add_(shard.to(local.device))
+                continue
+            g = g.to(device=p.device, dtype=p.dtype)
             if p.grad is None:
                 p.grad = g.clone()
             else:

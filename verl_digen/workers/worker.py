@@ -36,6 +36,7 @@ from verl_digen.sync.transport import DEFAULT_BUCKET_BYTES, WeightSyncMixin
 from verl_digen.workers.messages import (
     GenerateRequest,
     Gradients,
+    check_assisted_gradients,
     OptimizerRequest,
     OptimizerResult,
     RewardResult,
@@ -508,7 +509,11 @@ class DiffusionWorker(Worker, WeightSyncMixin):
                                        f"its share is {len(rows)}")
             else:
                 data = select_groups(trajectories, list(request.groups)).select_idxs(rows)
-        metrics = self.updater.train_micro_batch(data, advantages, part=request.train_part)
+        try:
+            metrics = self.updater.train_micro_batch(data, advantages, part=request.train_part)
+        finally:
+            if request.return_gradients:
+                self.adapter.transformer.eval()  # a rollout worker generates next
         versions = data.non_tensor_batch["policy_version"]
         result = TrainResult(
             metrics=metrics,
@@ -517,7 +522,6 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         )
         if not request.return_gradients:
             return result
-        self.adapter.transformer.eval()  # generating again next
         return result, Gradients(self.updater.take_gradients(), self.policy_version, tuple(request.groups))
 
     def optimizer_step(self, request: OptimizerRequest = OptimizerRequest(), *gradients: Gradients) -> OptimizerResult:
@@ -526,10 +530,8 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         holds; after the step's last mini-batch, the next version: sent to rollout, streamed
         out of FSDP shards for it (a disaggregated run only; colocated, ``refresh_full_state``
         streams when it is read)."""
+        check_assisted_gradients(request, gradients, self.policy_version, f"{self.role}{self.rank}")
         for g in gradients:
-            if g.version != self.policy_version:
-                raise RuntimeError(f"{self.role}{self.rank} holds version {self.policy_version} but got gradients of "
-                                   f"groups {list(g.groups)} computed with version {g.version}")
             self.updater.add_gradients(g.tensors)
         if request.final and self.policy_version + 1 in self.cfg.fault_nonfinite_grad_steps:
             for p in self.updater.opt_params:  # fault injection for tests (digen.fault_nonfinite_grad_steps)
@@ -736,7 +738,8 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         the optimizer, EMA and RNG too, others the weights only. Returns the weights' digest."""
         from verl_digen.workers.sharded_state import load_rank_state
 
-        trains = self.updater is not None
+        # the training roles' (a GAT rollout worker's gradient-only updater keeps no state to load)
+        trains = ROLE_CAPABILITIES[self.role].trains
         load_rank_state(
             directory, module=self.adapter.transformer, optimizer=self.updater.optimizer if trains else None,
             ema=getattr(self.updater, "ema", None) if trains else None, lora_only=self.cfg.model.lora.enable,
