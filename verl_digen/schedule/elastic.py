@@ -51,6 +51,35 @@ def _decision_metrics(prefix: str, share: str, decision: Any, inputs: Any) -> di
     return m
 
 
+def seconds_per_group(timeline: Any, kind: str, step: int, pool: str | None = None) -> float | None:
+    """Seconds per group of the ``kind`` tasks of ``step`` on workers of ``pool`` (None: any):
+    their summed durations over the distinct groups they served (a group's TSP stages and
+    sample slices count once). None when no such task ran."""
+    rs = [r for r in timeline.of_step(step) if r.kind == kind and (pool is None or r.workers[0].startswith(pool))]
+    groups = {g for r in rs for g in r.groups}
+    return sum(r.end - r.start for r in rs) / len(groups) if groups else None
+
+
+def latest_seconds_per_group(timeline: Any, kind: str, step: int, pool: str, *, default: float) -> float:
+    """:func:`seconds_per_group` of the latest step up to ``step`` where ``pool`` ran ``kind``
+    tasks (an elastic share's assisting pool may not have run any yet); ``default`` if none did."""
+    for at in range(step, -1, -1):
+        v = seconds_per_group(timeline, kind, at, pool)
+        if v is not None:
+            return v
+    return default
+
+
+def _step_rates(timeline: Any, step: int, *, train_pool: str | None) -> tuple[float, float] | None:
+    """Step ``step``'s rollout generation and training (on ``train_pool``; None: any worker)
+    seconds per group, or None when it measured either not yet."""
+    if step < 0:
+        return None
+    roll = seconds_per_group(timeline, "generate", step, "rollout")
+    train = seconds_per_group(timeline, "train", step, train_pool)
+    return None if roll is None or train is None else (roll, train)
+
+
 def tag_inputs_from_timeline(spec, timeline, step: int, switch_s: float) -> TagInputs | None:
     """TAG's inputs for the step after ``step``, from a :class:`Timeline`'s records of ``step``.
 
@@ -59,18 +88,11 @@ def tag_inputs_from_timeline(spec, timeline, step: int, switch_s: float) -> TagI
     rate, i.e. the same device type). None when ``step`` measured nothing yet.
     """
 
-    def per_group(kind: str, at: int, pool: str | None) -> float | None:
-        rs = [r for r in timeline.of_step(at) if r.kind == kind and (pool is None or r.workers[0].startswith(pool))]
-        groups = {g for r in rs for g in r.groups}
-        return sum(r.end - r.start for r in rs) / len(groups) if groups else None
-
-    if step < 0:
+    rates = _step_rates(timeline, step, train_pool=None)
+    if rates is None:
         return None
-    roll = per_group("generate", step, "rollout")
-    train = per_group("train", step, None)
-    if roll is None or train is None:
-        return None
-    trainer_gen = next((v for v in (per_group("generate", q, "trainer") for q in range(step, -1, -1)) if v is not None), roll)
+    roll, train = rates
+    trainer_gen = latest_seconds_per_group(timeline, "generate", step, "trainer", default=roll)
     return TagInputs(
         groups_per_step=spec.groups_per_step,
         groups_per_task=spec.groups_per_task,
@@ -205,24 +227,17 @@ def gat_inputs_from_timeline(spec: Any, timeline: Any, step: int) -> GatInputs |
     latest step where rollout trained; until then the trainers' rate, i.e. the same device
     type). None when ``step`` measured nothing yet."""
 
-    def per_group(kind: str, at: int, pool: str) -> float | None:
-        rs = [r for r in timeline.of_step(at) if r.kind == kind and r.workers[0].startswith(pool)]
-        groups = {g for r in rs for g in r.groups}  # a group's TSP stages and sample slices: one group
-        return sum(r.end - r.start for r in rs) / len(groups) if groups else None
-
-    if step < 0:
+    rates = _step_rates(timeline, step, train_pool="trainer")
+    if rates is None:
         return None
-    roll, train = per_group("generate", step, "rollout"), per_group("train", step, "trainer")
-    if roll is None or train is None:
-        return None
+    roll, train = rates
     # until rollout has trained: a trainer's rate on the same device type (a gang's takes T ranks)
     unsharded = train * (spec.trainer_workers if spec.fsdp else 1)
-    rollout_train = next((v for v in (per_group("train", q, "rollout") for q in range(step, -1, -1)) if v is not None),
-                         unsharded)
+    rollout_train = latest_seconds_per_group(timeline, "train", step, "rollout", default=unsharded)
     return GatInputs(
         groups_per_step=spec.groups_per_step,
         train_micro_batch_groups=spec.train_micro_batch_groups,
-        first_mini_batch=spec.groups_per_step // spec.mini_batches // spec.train_micro_batch_groups,
+        first_mini_batch=spec.micro_batches_per_mini_batch,
         rollout_workers=spec.rollout_workers,
         trainer_workers=spec.trainer_workers,
         rollout_generate_per_group=roll,

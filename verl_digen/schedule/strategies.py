@@ -229,6 +229,11 @@ class StrategySpec:
         return tuple(round(i * n / k) for i in range(k + 1))
 
     @property
+    def micro_batches_per_mini_batch(self) -> int:
+        """Training micro-batches in each PPO mini-batch (GAT takes at most the first's)."""
+        return self.groups_per_step // self.mini_batches // self.train_micro_batch_groups
+
+    @property
     def pipelines(self) -> int:
         return self.rollout_workers // self.tsp_stages
 
@@ -482,7 +487,7 @@ class StepPlanner:
         spec = self.spec
         whole_step = tuple(sorted({self._reward_of[g].id for g in groups}))
         order = sorted(groups, key=lambda g: self._position[self._reward_of[g].id])
-        per_mini = spec.groups_per_step // spec.mini_batches // spec.train_micro_batch_groups
+        per_mini = spec.micro_batches_per_mini_batch
         train_ids: list[TaskId] = []
         previous: tuple[TaskId, ...] = ()  # the previous mini-batch's optimizer step
         first_assisted = per_mini - self._assisted_count(step, assisted, per_mini)

@@ -850,6 +850,12 @@ class CostModel:
         cap = dev.hbm_gb * GB * self.system.memory_headroom
         return self.training_bytes(dev, group, pool, False) > cap or not self.gat_training_fits(group, False)
 
+    def run_checkpointing(self, cluster: Cluster) -> bool:
+        """The run's one checkpointing decision (:meth:`checkpointing` of the training pool),
+        which a GAT rollout worker trains with too."""
+        pool = training_pool(cluster)
+        return self.checkpointing(self.device(cluster.placement(pool).device), self.train_group(cluster), pool)
+
     def collective_bw(self, device: DeviceProfile, nodes: int) -> float:
         link = device.cross_node_gbps if nodes > 1 else device.intra_node_gbps
         return link * GB * self.system.nccl_efficiency
@@ -1129,8 +1135,7 @@ class CostModel:
         gradients sent to trainer 0. The worker does nothing to switch (no offload, no reload):
         no switch is charged (:meth:`mode_of`)."""
         group = self.train_group(cluster)
-        trainer_dev = self.device(cluster.placement("trainer").device)
-        ckpt = self.checkpointing(trainer_dev, group, "trainer")
+        ckpt = self.run_checkpointing(cluster)
         # the rollout worker trains alone, unsharded, whatever the trainers' FSDP (no collectives)
         alone = replace(group, ranks=1, nodes=1, shard=1, shard_nodes=1)
         t = self.train_seconds(images, dev, alone, trained_steps, pool="trainer", checkpointing=ckpt)
@@ -1322,8 +1327,7 @@ class CostModel:
             if pool == "rollout" and self.workload.gat and not self.workload.lora:
                 problems.append("rollout: GAT sends LoRA gradients to the trainers; a full fine-tune does not run it")
             elif pool == "rollout" and group.gat_device:
-                trainer_dev = self.device(cluster.placement("trainer").device)
-                ckpt = self.checkpointing(trainer_dev, group, "trainer")
+                ckpt = self.run_checkpointing(cluster)
                 need = self.gat_training_bytes(group, ckpt)
                 if need > cap:
                     problems.append(
