@@ -2,7 +2,7 @@
 
     python benchmarks/bubbles.py [--steps 8] [--out runs/bubbles] [--only nogat,gat]
 
-Runs six disaggregated+GAP configurations on the same work and prints, per run, the
+Runs eight disaggregated+GAP configurations on the same work and prints, per run, the
 steady-state bubble fraction, the trainers' head bubble (idle before their first micro-batch
 of a step), the rollout's drain bubble (idle after its last group of a step) and images/s:
 
@@ -13,6 +13,9 @@ of a step), the rollout's drain bubble (idle after its last group of a step) and
 - tag:      the same with TAG on (docs/design.md: smaller trainer head bubble)
 - nogat:    1 rollout, 1 trainer, every denoising step trained (training is dear: rollout idles)
 - gat:      the same with GAT on (the rollout worker trains micro-batches: smaller drain bubble)
+- rr22:     2 rollout workers, 2 trainers, one-step-off (TCSS), work dealt round-robin
+- pull22:   the same with pulled units (digen.units.pull, 2 row slices per micro-batch): a worker
+            that finishes early takes the next unit instead of waiting behind a slow one
 
 Every number comes from the run's own timeline (timeline.jsonl, metrics.jsonl).
 """
@@ -30,6 +33,10 @@ CONFIGS = {
     "tag": ["digen.sampling.sde_window.mode=fixed", "digen.sampling.sde_window.size=2", "digen.tag.enable=true"],
     "nogat": ["digen.sampling.sde_window.mode=all", "digen.batch.train_micro_batch_groups=1"],
     "gat": ["digen.sampling.sde_window.mode=all", "digen.batch.train_micro_batch_groups=1", "digen.gat.enable=true"],
+    "rr22": ["trainer.n_gpus_per_node=4", "digen.pools.rollout.devices=2", "digen.pools.trainer.devices=2",
+             "digen.async.max_staleness=1"],
+    "pull22": ["trainer.n_gpus_per_node=4", "digen.pools.rollout.devices=2", "digen.pools.trainer.devices=2",
+               "digen.async.max_staleness=1", "digen.units.pull=true", "digen.units.train_slices=2"],
 }
 COMMON = [
     "digen.placement=disaggregated", "digen.gap.enable=true", "digen.pools.trainer.devices=1",

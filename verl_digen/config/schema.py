@@ -413,6 +413,35 @@ class GatConfig:
 
 
 @dataclass
+class UnitsConfig:
+    """Work units of a disaggregated run. ``pull``: generate, reward and training tasks are
+    taken by whichever worker of their pool is free next, instead of dealt round-robin when the
+    step is planned (a worker that finishes early takes the next unit rather than idling behind
+    a slow one: uneven prompts, a reward server's latency, a device of another kind). Every
+    sample is the same trajectory wherever it runs (seeded by group and sample), so only where
+    work runs changes; with several trainers the all-reduce sums the micro-batches' gradients in
+    another grouping (the same update to float rounding)."""
+
+    pull: bool = False
+    # generate tasks per group (equal sample slices, each a whole number of transformer calls);
+    # "auto": one per group unless the step has fewer groups than rollout workers
+    sample_slices: Any = "auto"
+    # pulled row slices per training micro-batch (1: whole micro-batches); needs pull, no FSDP
+    train_slices: int = 1
+
+    @property
+    def fixed_sample_slices(self) -> int | None:
+        return None if self.sample_slices == "auto" else int(self.sample_slices)
+
+    def validate(self, key: str) -> None:
+        v = self.sample_slices
+        if v != "auto" and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            _fail(f"{key}.sample_slices", v, "valid: auto or an integer >= 1 dividing digen.batch.group_size")
+        if isinstance(self.train_slices, bool) or not isinstance(self.train_slices, int) or self.train_slices < 1:
+            _fail(f"{key}.train_slices", self.train_slices, "valid: an integer >= 1")
+
+
+@dataclass
 class PromptCacheConfig:
     """Text encoders run once per unique prompt (memory + disk), then are freed.
 
@@ -572,6 +601,10 @@ _STRATEGY_KEYS = {
     "tag": "digen.tag.enable",
     "fsdp": "digen.fsdp.enable",
     "gat": "digen.gat.enable",
+    "pull": "digen.units.pull",
+    "sample_slices": "digen.units.sample_slices",
+    "train_slices": "digen.units.train_slices",
+    "group_size": "digen.batch.group_size",
 }
 
 
@@ -597,6 +630,7 @@ class DigenConfig:
     tsp: TspConfig = field(default_factory=TspConfig)
     tag: TagConfig = field(default_factory=TagConfig)
     gat: GatConfig = field(default_factory=GatConfig)
+    units: UnitsConfig = field(default_factory=UnitsConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     fsdp: FsdpConfig = field(default_factory=FsdpConfig)
     prompt_cache: PromptCacheConfig = field(default_factory=PromptCacheConfig)
@@ -633,6 +667,10 @@ class DigenConfig:
             tag=self.tag.enable,
             fsdp=self.fsdp.enable,
             gat=self.gat.enable,
+            pull=self.units.pull,
+            sample_slices=self.units.fixed_sample_slices,
+            train_slices=self.units.train_slices,
+            group_size=b.group_size,
         )
 
     def fsdp_ranks(self, devices: int) -> int:
@@ -664,7 +702,8 @@ class DigenConfig:
         b = self.batch
         try:
             return pass_rows(b.group_size, b.train_micro_batch_groups, self.fsdp_ranks(devices), b.groups_per_step,
-                             b.groups_per_task, self.rollout_lanes(devices))
+                             b.groups_per_task, self.rollout_lanes(devices), self.units.fixed_sample_slices,
+                             self.units.train_slices)
         except ValueError as e:
             where = "the trainer pool" if self.placement == "disaggregated" else f"all {devices} colocated GPUs"
             raise ConfigError(f"invalid config: {e} (digen.fsdp.enable=true shards each micro-batch over {where}); "
@@ -684,6 +723,7 @@ class DigenConfig:
         self.sync.validate("digen.sync")
         self.tag.validate("digen.tag")
         self.gat.validate("digen.gat")
+        self.units.validate("digen.units")
         self.validation.validate("digen.validation")
         self.emulate.validate("digen.emulate")
         self.prompt_cache.validate("digen.prompt_cache")

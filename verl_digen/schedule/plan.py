@@ -3,8 +3,13 @@
 A plan is a list of tasks in one global order. Each worker runs the tasks assigned to it
 in that order (its *queue*); a task starts once its dependencies are done and it is at the
 head of the queue of every worker it occupies (a task on several workers, e.g. the
-optimizer step's all-reduce or a weight broadcast, is a gang). Because every queue follows
-the one global order and dependencies only point backwards, a plan can never deadlock.
+optimizer step's all-reduce or a weight broadcast, is a gang). A *pulled* task names
+candidates instead of a gang: its candidates share one queue of pulled tasks, and whichever
+of them is free first when the task reaches its head runs it (sample-granular work taken by
+the next free worker); a worker's queue is its own tasks and its pools' pulled tasks, merged
+in the global order. Because every queue follows the one global order and dependencies only
+point backwards, a plan can never deadlock: the earliest task not yet started is at the head
+of every queue it is in.
 
 The semantics are the same for the Ray executor and the simulator; only the clock differs.
 """
@@ -56,6 +61,7 @@ class TaskId:
     version: int | None = None  # SYNC: the weights version it delivers
     micro_batch: int | None = None  # TRAIN: the micro-batch's index in its step
     part: int | None = None  # TRAIN under the time-step split: this rank's part
+    rows: int | None = None  # TRAIN cut into row slices (pulled units): the slice's index
     sample_slice: int | None = None  # GENERATE split below the group: the slice's index
     stage: int | None = None  # GENERATE under TSP: the stage index
     mini_batch: int | None = None  # OPTIMIZER_STEP before a step's last PPO mini-batch: its index
@@ -75,8 +81,8 @@ class TaskId:
         return cls(TaskKind.REWARD, groups=tuple(groups))
 
     @classmethod
-    def train(cls, step: int, micro_batch: int, *, part: int | None = None) -> "TaskId":
-        return cls(TaskKind.TRAIN, step=step, micro_batch=micro_batch, part=part)
+    def train(cls, step: int, micro_batch: int, *, part: int | None = None, rows: int | None = None) -> "TaskId":
+        return cls(TaskKind.TRAIN, step=step, micro_batch=micro_batch, part=part, rows=rows)
 
     @classmethod
     def optimizer_step(cls, step: int, mini_batch: int | None = None) -> "TaskId":
@@ -105,7 +111,7 @@ class TaskId:
 
 def format_task_id(tid: TaskId) -> str:
     """The one text form of a task id: ``gen:<groups>[:k<slice>][:s<stage>]``,
-    ``reward:<groups>``, ``train:<step>:<micro-batch>[:p<part>]``, ``opt:<step>[:m<mini-batch>]``,
+    ``reward:<groups>``, ``train:<step>:<micro-batch>[:p<part>][:r<row slice>]``, ``opt:<step>[:m<mini-batch>]``,
     ``sync:<version>`` (groups joined by ``-``)."""
     groups = "-".join(str(g) for g in tid.groups)
     if tid.kind == TaskKind.GENERATE:
@@ -116,7 +122,8 @@ def format_task_id(tid: TaskId) -> str:
     if tid.kind == TaskKind.REWARD:
         return f"reward:{groups}"
     if tid.kind == TaskKind.TRAIN:
-        return f"train:{tid.step}:{tid.micro_batch}" + ("" if tid.part is None else f":p{tid.part}")
+        return (f"train:{tid.step}:{tid.micro_batch}" + ("" if tid.part is None else f":p{tid.part}")
+                + ("" if tid.rows is None else f":r{tid.rows}"))
     if tid.kind == TaskKind.OPTIMIZER_STEP:
         return f"opt:{tid.step}" + ("" if tid.mini_batch is None else f":m{tid.mini_batch}")
     return f"sync:{tid.version}"
@@ -148,9 +155,20 @@ class Task:
     samples: tuple[int, int] | None = None
     # TRAIN / OPTIMIZER_STEP: the PPO mini-batch of its step it trains / steps (0: the only one).
     mini_batch: int = 0
+    # Pulled: ``workers`` are candidates, not a gang; whichever of them is free first when the
+    # task reaches the head of their shared queue runs it (:class:`~verl_digen.schedule.runner.PlanRunner`).
+    pull: bool = False
+    # TRAIN cut into row slices: (k, n) -> this task trains slice k of n of the micro-batch's rows
+    # (whole transformer calls dealt round-robin, ``workers/sampling.py: rank_rows``).
+    row_part: tuple[int, int] | None = None
 
     @property
     def worker(self) -> WorkerId:
+        """The one worker of a single-worker task (a gang's first); a pulled task has none until
+        it runs (the runner binds it then)."""
+        if self.pull and len(self.workers) > 1:
+            raise PlanError(f"{self.id} is pulled by whichever of {[str(w) for w in self.workers]} is free "
+                            "first: it has no worker before it runs")
         return self.workers[0]
 
 
@@ -238,7 +256,7 @@ class Plan:
     def _check_groups(self, steps: list[int]) -> None:
         def unit(t: Task) -> tuple:
             # A group is generated once per denoising range and sample slice, trained once per step part.
-            return (t.denoise[0] if t.denoise else 0, t.train_part, t.samples)
+            return (t.denoise[0] if t.denoise else 0, t.train_part, t.samples, t.row_part)
 
         for kind in (TaskKind.GENERATE, TaskKind.REWARD, TaskKind.TRAIN):
             counts = Counter((g, unit(t)) for t in self.of_kind(kind) for g in t.groups)
@@ -246,6 +264,7 @@ class Plan:
             if dup:
                 raise PlanError(f"groups {dup[:5]} appear in more than one {kind.value} task")
         self._check_stages()
+        self._check_row_parts()
         gen_of: dict[int, list[Task]] = defaultdict(list)  # group -> its final generate tasks
         for t in self.of_kind(TaskKind.GENERATE):
             if t.final:
@@ -311,6 +330,21 @@ class Plan:
             if ordered[0][0] != 0 or any(a[1] != b[0] for a, b in zip(ordered, ordered[1:])):
                 raise PlanError(f"group {g}: sample slices {ordered} do not tile the group from sample 0")
 
+    def _check_row_parts(self) -> None:
+        """A micro-batch cut into row slices: its train tasks are slices ``0..n-1`` of ``n``, of one
+        mini-batch, and none of them trains it whole."""
+        slices: dict[tuple[int, int], list[Task]] = defaultdict(list)
+        for t in self.of_kind(TaskKind.TRAIN):
+            slices[(t.step, t.id.micro_batch)].append(t)
+        for (step, mb), ts in slices.items():
+            parts = [t.row_part for t in ts]
+            if all(p is None for p in parts):
+                continue
+            n = parts[0][1] if parts[0] is not None else None
+            if None in parts or sorted(parts) != [(k, n) for k in range(n)] or len({t.mini_batch for t in ts}) != 1:
+                raise PlanError(f"step {step} micro-batch {mb}: row slices {sorted(map(str, parts))} do not tile it "
+                                "(slices 0..n-1 of one n, one mini-batch)")
+
     def _check_stages(self) -> None:
         """TSP: each group's stages tile the denoising steps, in order, with one weights version."""
         stages: dict[tuple[int, tuple[int, int] | None], list[Task]] = {}
@@ -345,21 +379,24 @@ class Plan:
                 for w in t.workers:
                     if w.pool != "trainer":
                         version[w] = t.version
-            elif t.kind == TaskKind.TRAIN and t.worker.pool == "rollout":
+            elif t.kind == TaskKind.TRAIN and t.workers[0].pool == "rollout":
                 # GAT: a rollout worker's gradients are added to the trainers', so they must be of
                 # the trainers' weights: version ``step``, before the step's first optimizer step.
-                held = version[t.worker]
-                if held != t.step or t.mini_batch != 0:
-                    raise PlanError(f"{t.id} trains on {t.worker}, which holds version {held}; the trainers' "
-                                    f"gradients of mini-batch {t.mini_batch} are of version {t.step} "
-                                    "(rollout workers may train only the step's first mini-batch)")
+                # A pulled task: every candidate, since any of them may run it.
+                for w in t.workers:
+                    held = version[w]
+                    if held != t.step or t.mini_batch != 0:
+                        raise PlanError(f"{t.id} trains on {w}, which holds version {held}; the trainers' "
+                                        f"gradients of mini-batch {t.mini_batch} are of version {t.step} "
+                                        "(rollout workers may train only the step's first mini-batch)")
             elif t.kind == TaskKind.GENERATE:
-                held = version[t.worker]
-                if held is None:
-                    raise PlanError(f"{t.id} generates on {t.worker} between two mini-batches' optimizer steps "
-                                    "(weights of no version)")
-                if held != t.version:
-                    raise PlanError(f"{t.id} declares weights version {t.version} but {t.worker} holds {held}")
+                for w in t.workers:  # one worker, or a pulled task's candidates (any may run it)
+                    held = version[w]
+                    if held is None:
+                        raise PlanError(f"{t.id} generates on {w} between two mini-batches' optimizer steps "
+                                        "(weights of no version)")
+                    if held != t.version:
+                        raise PlanError(f"{t.id} declares weights version {t.version} but {w} holds {held}")
                 staleness = t.step - t.version
                 if staleness < 0 or staleness > self.max_staleness:
                     raise PlanError(

@@ -2,7 +2,10 @@
 
 :class:`PlanRunner` is a list scheduler over per-worker queues: a task is launched when all
 its dependencies are done and it is at the head of the queue of every worker it occupies
-(and those workers are idle). Subclasses supply the clock: :meth:`_launch` starts a task,
+(and those workers are idle); a pulled task, when it is at the head of its candidates' shared
+queue and one of them is idle with nothing earlier to run, on the first such candidate in
+``plan.workers`` order. Subclasses supply the clock: :meth:`_launch` starts a task (a pulled
+one bound to the worker that took it),
 :meth:`_wait_one` returns the next one to finish. Every interval is recorded in a
 :class:`~verl_digen.schedule.timeline.Timeline`.
 """
@@ -10,7 +13,9 @@ its dependencies are done and it is at the head of the queue of every worker it 
 from __future__ import annotations
 
 import abc
-from typing import Any
+import dataclasses
+import itertools
+from typing import Any, Iterator
 
 from verl_digen.schedule.plan import Plan, PlanError, Task, TaskId, WorkerId
 from verl_digen.schedule.timeline import TaskRecord, Timeline
@@ -33,6 +38,13 @@ class PlanRunner(abc.ABC):
         self._order = {w: i for i, w in enumerate(plan.workers)}
         self._dependents: dict[TaskId, list[Task]] = {}
         self._check: dict[TaskId, Task] = {}
+        # Pulled tasks: one shared queue per candidate set, taken from its head at launch.
+        self._position: dict[TaskId, int] = {}
+        self._pools: dict[tuple[WorkerId, ...], list[Task]] = {}
+        self._pool_head: dict[tuple[WorkerId, ...], int] = {}
+        self._pools_of: dict[WorkerId, list[tuple[WorkerId, ...]]] = {w: [] for w in plan.workers}
+        self._taken: set[TaskId] = set()  # pulled tasks started
+        self.bound: dict[TaskId, tuple[WorkerId, ...]] = {}  # running or done task -> the workers it ran on
 
     # ------------------------------------------------------------------ clock
 
@@ -63,23 +75,69 @@ class PlanRunner(abc.ABC):
         tasks = self.plan.tasks
         while self._seen < len(tasks):
             t = tasks[self._seen]
-            for w in t.workers:
-                self._queues[w].append(t)
+            self._position[t.id] = self._seen
+            if t.pull and len(t.workers) > 1:
+                if t.workers not in self._pools:
+                    self._pools[t.workers], self._pool_head[t.workers] = [], 0
+                    for w in t.workers:
+                        self._pools_of[w].append(t.workers)
+                self._pools[t.workers].append(t)
+            else:
+                for w in t.workers:
+                    self._queues[w].append(t)
             for d in t.deps:
                 self._dependents.setdefault(d, []).append(t)
             self._check[t.id] = t
             self._seen += 1
 
+    def _pulled(self, t: Task) -> bool:
+        return t.pull and len(t.workers) > 1
+
     def _head_task(self, w: WorkerId) -> Task | None:
+        """What ``w`` runs next, if it can: the first pulled task of its candidate queues whose
+        dependencies are done and that comes before its own queue's head; its own head only
+        when no pulled task before it is still unstarted (a gang, e.g. a weight sync, starts
+        once every task planned before it has: so a pulled task always finds the weights
+        version it was planned for). None: it waits."""
         q = self._queues[w]
         i = self._head[w]
-        return q[i] if i < len(q) else None
+        own = q[i] if i < len(q) else None
+        limit = self._position[own.id] if own is not None else len(self.plan.tasks)
+        pulled, blocked = None, False
+        for pool in self._pools_of[w]:
+            for t in self._unstarted(pool):
+                pos = self._position[t.id]
+                if pos >= limit:
+                    break
+                if all(d in self.done for d in t.deps):
+                    pulled, limit = t, pos  # the earliest ready one over all pools
+                    break
+                blocked = True
+        if pulled is not None:
+            return pulled
+        return None if blocked else own
+
+    def _unstarted(self, pool: tuple[WorkerId, ...]) -> Iterator[Task]:
+        """The pool's pulled tasks not started yet, in plan order (the started ones at its front
+        are dropped for good)."""
+        q, taken = self._pools[pool], self._taken
+        while self._pool_head[pool] < len(q) and q[self._pool_head[pool]].id in taken:
+            self._pool_head[pool] += 1
+        return (t for t in itertools.islice(q, self._pool_head[pool], None) if t.id not in taken)
+
+    def _takers(self, t: Task) -> list[WorkerId]:
+        """The idle workers that would run ``t`` now: every worker of a gang, or one candidate of
+        a pulled task (the first in ``plan.workers`` order); empty if it cannot start."""
+        idle = [x for x in t.workers if x not in self._busy and self._head_task(x) is t]
+        if self._pulled(t):
+            return idle[:1]
+        return idle if len(idle) == len(t.workers) else []
 
     def _ready(self, t: Task) -> bool:
-        """At the head of every queue it occupies, those workers idle, its dependencies done."""
+        """At the head of every queue it occupies (a pulled task: of its shared queue, with a
+        candidate idle), those workers idle, its dependencies done."""
         return (t.id not in self.running and t.id not in self.done
-                and all(x not in self._busy and self._head_task(x) is t for x in t.workers)
-                and all(d in self.done for d in t.deps))
+                and all(d in self.done for d in t.deps) and bool(self._takers(t)))
 
     def launchable(self) -> list[Task]:
         """The tasks that can start now, in the order of the first of their workers in
@@ -89,16 +147,49 @@ class PlanRunner(abc.ABC):
             del self._check[tid]  # an event (above) looks at it again when it may have changed
         return sorted(self._check.values(), key=lambda t: min(self._order[w] for w in t.workers))
 
-    def _finished(self, task: Task) -> None:
-        """Mark ``task`` done; what it unblocks is looked at next."""
-        for w in task.workers:
-            self._busy.discard(w)
-            self._head[w] += 1
-        self.done.add(task.id)
-        self.finished_order.append(task.id)
-        for t in [self._head_task(w) for w in task.workers] + self._dependents.pop(task.id, []):
+    def _look_at_heads(self, workers: tuple[WorkerId, ...]) -> None:
+        for w in workers:
+            t = self._head_task(w)
             if t is not None:
                 self._check[t.id] = t
+
+    def _start_task(self, t: Task) -> Task:
+        """Mark ``t`` running on the workers that take it; a pulled task leaves its shared queue
+        now (the next one may start on another candidate at once) and is returned bound to its
+        worker (a single-worker task), which is what the subclass launches and records."""
+        workers = tuple(self._takers(t))
+        self.running[t.id] = self.now()
+        self._busy.update(workers)
+        self.bound[t.id] = workers
+        del self._check[t.id]
+        if not self._pulled(t):
+            return t
+        self._taken.add(t.id)
+        self._look_at_heads(t.workers)  # the next pulled task, or a gang behind this one
+        return self.bound_task(t.id)
+
+    def bound_task(self, tid: TaskId) -> Task:
+        """Task ``tid`` as it runs (or ran): a pulled task on the worker that took it."""
+        task = self.plan[tid]
+        if not self._pulled(task):
+            return task
+        return dataclasses.replace(task, workers=self.bound[tid], pull=False)
+
+    def _finished(self, task: Task) -> None:
+        """Mark ``task`` done; what it unblocks is looked at next."""
+        workers = self.bound.get(task.id, task.workers)
+        for w in workers:
+            self._busy.discard(w)
+        if not self._pulled(task):
+            for w in workers:
+                self._head[w] += 1
+        self.done.add(task.id)
+        self.finished_order.append(task.id)
+        self._look_at_heads(workers)
+        for t in self._dependents.pop(task.id, []):
+            self._check[t.id] = t
+            if self._pulled(t):  # ready now: an idle candidate may take it before its own head
+                self._look_at_heads(t.workers)
 
     def run_until(self, task_ids: list[TaskId] | None = None) -> None:
         """Run until every task in ``task_ids`` is done (all planned tasks when None)."""
@@ -108,11 +199,12 @@ class PlanRunner(abc.ABC):
                 return  # every task of the plan (which may grow while it runs)
             if waiting is not None and not waiting:
                 return
-            for t in self.launchable():
-                self.running[t.id] = self.now()
-                self._busy.update(t.workers)
-                del self._check[t.id]
-                self._launch(t)
+            ready = self.launchable()
+            while ready:  # starting a pulled task can make the next one of its queue launchable
+                for t in ready:
+                    if self._ready(t):  # (an earlier one of this round may have taken its worker)
+                        self._launch(self._start_task(t))
+                ready = self.launchable()
             if not self.running:
                 targets = [t.id for t in self.plan.tasks] if task_ids is None else task_ids
                 pending = [t for t in targets if t not in self.done]
@@ -128,14 +220,15 @@ class PlanRunner(abc.ABC):
                 TaskRecord(
                     task=str(tid),  # the id's text form: timelines are written as JSON
                     kind=task.kind.value,
-                    workers=[str(w) for w in task.workers],
+                    workers=[str(w) for w in self.bound[tid]],
                     start=start,
                     end=end,
                     step=task.step,
                     version=task.version,
                     groups=list(task.groups),
                     extra={**self._record_extra(task, result),
-                           **({"samples": list(task.samples)} if task.samples is not None else {})},
+                           **({"samples": list(task.samples)} if task.samples is not None else {}),
+                           **({"rows": list(task.row_part)} if task.row_part is not None else {})},
                     stage=task.stage,
                 )
             )

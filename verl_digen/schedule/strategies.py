@@ -26,6 +26,8 @@ from verl_digen.schedule.mechanisms import (
     Lookahead,
     OwnGroups,
     PipelineGeneration,
+    PulledGeneration,
+    PulledTrainers,
     RewardInPlace,
     RewardPlacement,
     RewardPool,
@@ -65,6 +67,10 @@ def strategy_violations(
     fsdp: bool = False,
     stage_bounds: tuple[int, ...] | None = None,
     gat: bool = False,
+    pull: bool = False,
+    sample_slices: int | None = None,
+    train_slices: int = 1,
+    group_size: int | None = None,
     name: Callable[[str], str] = str,
 ) -> list[tuple[str, str]]:
     """The broken invariants of a strategy as ``(field, what is valid)`` pairs; empty if none.
@@ -88,6 +94,8 @@ def strategy_violations(
             ("train_split", train_split == "timestep", "the TSP training split"),
             ("tag", tag, "TAG"),
             ("gat", gat, "GAT"),
+            ("pull", pull, "pulling work units"),
+            ("sample_slices", sample_slices is not None, "a fixed sample split"),
         ):
             if used:
                 out.append((field, f"{what} {needs}"))
@@ -115,6 +123,9 @@ def strategy_violations(
             out.append(("gat", f"GAT cannot be combined with TAG (the opposite direction); turn off {name('tag')}"))
         if train_split != "sample":
             out.append(("gat", f"GAT trains whole micro-batches; needs {name('train_split')}=sample"))
+    out += _unit_violations(pull=pull, sample_slices=sample_slices, train_slices=train_slices, group_size=group_size,
+                            tsp_stages=tsp_stages, fsdp=fsdp, train_split=train_split,
+                            train_micro_batch_groups=train_micro_batch_groups, name=name)
     for field, v in (("groups_per_task", groups_per_task), ("train_micro_batch_groups", train_micro_batch_groups)):
         if v < 1 or groups_per_step % v:
             valid = f"must be >= 1 and divide {name('groups_per_step')}={groups_per_step} (whole groups only)"
@@ -128,18 +139,47 @@ def strategy_violations(
     return out
 
 
+def _unit_violations(*, pull: bool, sample_slices: int | None, train_slices: int, group_size: int | None,
+                     tsp_stages: int, fsdp: bool, train_split: str, train_micro_batch_groups: int,
+                     name: Callable[[str], str]) -> list[tuple[str, str]]:
+    """The rules of the work units: pulled tasks, a fixed sample split, training row slices."""
+    out: list[tuple[str, str]] = []
+    if pull and tsp_stages > 1:
+        out.append(("pull", f"a TSP pipeline chains its stages on fixed workers; pulled units need {name('tsp_stages')}=1"))
+    if sample_slices is not None and (sample_slices < 1 or (group_size is not None and group_size % sample_slices)):
+        out.append(("sample_slices", f"must be >= 1 and divide {name('group_size')}={group_size} (equal slices)"))
+    if train_slices < 1:
+        out.append(("train_slices", "must be >= 1"))
+    elif train_slices > 1:
+        if not pull:
+            out.append(("train_slices", f"row slices are pulled by the free trainers; set {name('pull')}=true"))
+        if fsdp:
+            out.append(("train_slices", "an FSDP gang already splits each micro-batch's rows over every rank"))
+        if train_split != "sample":
+            out.append(("train_slices", f"slices a micro-batch by rows; needs {name('train_split')}=sample"))
+        rows = train_micro_batch_groups * (group_size or 0)
+        if group_size is not None and rows % train_slices:
+            out.append(("train_slices", f"must divide a micro-batch's {rows} rows ({name('train_micro_batch_groups')} "
+                                        f"x {name('group_size')}) into whole transformer calls"))
+    return out
+
+
 def fsdp_rows_split(train_micro_batch_groups: int, group_size: int, trainer_workers: int) -> bool:
     """Whether a micro-batch's rows split evenly over the FSDP trainer ranks, as the lockstep
     gang needs (every rank takes the same share of each micro-batch)."""
     return (train_micro_batch_groups * group_size) % trainer_workers == 0
 
 
-def sample_split(groups_per_step: int, groups_per_task: int, group_size: int, lanes: int) -> int:
-    """Generate tasks per unit of ``groups_per_task`` groups: 1 when the step has at least as many
+def sample_split(groups_per_step: int, groups_per_task: int, group_size: int, lanes: int,
+                 fixed: int | None = None) -> int:
+    """Generate tasks per unit of ``groups_per_task`` groups: ``fixed`` when set
+    (``digen.units.sample_slices``); else 1 when the step has at least as many
     units as rollout lanes (workers, or TSP pipelines); otherwise each unit is cut into that many
     equal sample slices, the largest divisor of ``group_size`` not above ``lanes // units``, so
     that every lane generates every step. Equal slices keep every transformer call the same
     rows in rollout and training (:func:`call_rows`)."""
+    if fixed is not None:
+        return fixed
     units = groups_per_step // groups_per_task
     if units >= lanes:
         return 1
@@ -167,13 +207,15 @@ def call_rows(group_size: int, micro_batch_groups: int, ranks: int, split: int =
 
 
 def pass_rows(group_size: int, micro_batch_groups: int, fsdp_ranks: int, groups_per_step: int,
-              groups_per_task: int, rollout_lanes: int) -> int:
+              groups_per_task: int, rollout_lanes: int, sample_slices: int | None = None,
+              train_slices: int = 1) -> int:
     """Samples per transformer call of a run, in rollout and in a training pass alike: the
-    :func:`call_rows` of its sample split (:func:`sample_split` over ``rollout_lanes``). A
-    training micro-batch runs one forward + backward per call (``workers/training.py``), so this
-    is what bounds training activations, in the code, the memory planner and the cost model."""
-    split = sample_split(groups_per_step, groups_per_task, group_size, rollout_lanes)
-    return call_rows(group_size, micro_batch_groups, fsdp_ranks, split)
+    :func:`call_rows` of its sample split (:func:`sample_split` over ``rollout_lanes``, or
+    ``sample_slices``), its micro-batch's rows dealt over the FSDP ranks or the training row
+    slices. A training micro-batch runs one forward + backward per call (``workers/training.py``),
+    so this is what bounds training activations, in the code, the memory planner and the cost model."""
+    split = sample_split(groups_per_step, groups_per_task, group_size, rollout_lanes, sample_slices)
+    return call_rows(group_size, micro_batch_groups, fsdp_ranks * train_slices, split)
 
 
 @dataclass(frozen=True)
@@ -209,6 +251,13 @@ class StrategySpec:
     # send the gradients to the trainers, which add them before their optimizer step (LoRA runs:
     # the gradients are megabytes). How many is decided per step (schedule/elastic.py).
     gat: bool = False
+    # Work units (disaggregated): ``pull``: generate, reward and train tasks are taken by whichever
+    # worker of their pool is free next (not dealt round-robin when planned); ``sample_slices``:
+    # generate tasks per group (None: :func:`sample_split` decides); ``train_slices``: pulled row
+    # slices per trainer micro-batch (whole transformer calls each).
+    pull: bool = False
+    sample_slices: int | None = None
+    train_slices: int = 1
 
     def __post_init__(self) -> None:
         problems = strategy_violations(
@@ -216,7 +265,8 @@ class StrategySpec:
             groups_per_task=self.groups_per_task, train_micro_batch_groups=self.train_micro_batch_groups,
             max_staleness=self.max_staleness, tsp_stages=self.tsp_stages, num_steps=self.num_steps,
             train_split=self.train_split, tag=self.tag, fsdp=self.fsdp, stage_bounds=self.stage_bounds,
-            mini_batches=self.mini_batches, gat=self.gat,
+            mini_batches=self.mini_batches, gat=self.gat, pull=self.pull, sample_slices=self.sample_slices,
+            train_slices=self.train_slices, group_size=self.group_size,
         )
         if problems:
             raise ValueError("; ".join(f"{name}={getattr(self, name)!r}: {valid}" for name, valid in problems))
@@ -240,7 +290,8 @@ class StrategySpec:
     @property
     def sample_split(self) -> int:
         """Generate tasks per unit of ``groups_per_task`` groups: see :func:`sample_split`."""
-        return sample_split(self.groups_per_step, self.groups_per_task, self.group_size, self.pipelines)
+        return sample_split(self.groups_per_step, self.groups_per_task, self.group_size, self.pipelines,
+                            self.sample_slices)
 
     @property
     def name(self) -> str:
@@ -261,6 +312,8 @@ class StrategySpec:
             parts.append("tag")
         if self.gat:
             parts.append("gat")
+        if self.pull:
+            parts.append("pull" if self.train_slices == 1 else f"pull{self.train_slices}")
         if self.fsdp:
             parts.append("fsdp")
         if self.max_staleness:
@@ -312,16 +365,18 @@ def layout_of(spec: StrategySpec) -> StepLayout:
     trainers = tuple(spec.trainers)
     if spec.tsp_stages > 1:
         generation: Generation = PipelineGeneration(spec.pipelines, spec.bounds, spec.sample_split)
+    elif spec.pull:
+        generation = PulledGeneration(tuple(spec.generators), spec.sample_split)
     else:
         generation = RoundRobinGeneration(tuple(spec.generators), spec.sample_split, "generate")
     return StepLayout(
         generation=generation,
         # TAG tasks take whole groups: trainers are few, and they train right after.
         assist=RoundRobinGeneration(trainers, 1, "tag") if spec.tag else None,
-        reward=RewardPool(spec.reward_workers) if spec.reward_workers else RewardInPlace(),
+        reward=RewardPool(spec.reward_workers, spec.pull) if spec.reward_workers else RewardInPlace(),
         waits=OwnGroups() if spec.gap else WholeStep(),
         training=_training_of(spec, trainers),
-        assisted_training=RoundRobinRollout(spec.rollout_workers) if spec.gat else None,
+        assisted_training=RoundRobinRollout(spec.rollout_workers, spec.pull) if spec.gat else None,
         after_step=_after_step_of(spec),
     )
 
@@ -334,6 +389,8 @@ def _training_of(spec: StrategySpec, trainers: tuple[WorkerId, ...]) -> TrainPla
         return WhereGenerated()
     if spec.train_split == "timestep":
         return TimestepSplit(trainers)
+    if spec.pull:
+        return PulledTrainers(trainers, spec.train_slices)
     return RoundRobinTrainers(trainers)
 
 
@@ -448,14 +505,19 @@ class StepPlanner:
         samples: tuple[int, int] | None, deps: tuple[TaskId, ...],
     ) -> Task:
         """One sample slice of ``groups`` (all samples when None) as a chain of ``stages``;
-        returns its final task. Every stage generates with the first stage worker's weights."""
-        version = self._version[stages[0].worker]
+        returns its final task. Every stage generates with the first stage worker's weights
+        (a pulled task: every candidate's, which are the same)."""
+        held = {self._version[w] for w in stages[0].workers}
+        if len(held) != 1:
+            raise ValueError(f"a pulled generate task of groups {groups} would run on workers holding "
+                             f"weights versions {sorted(held)}")
+        version = held.pop()
         per_group = self.spec.group_size if samples is None else samples[1] - samples[0]
         gen: Task | None = None
         for stage in stages:
             gen = self.add(Task(
                 id=TaskId.generate(groups, sample_slice=None if samples is None else part, stage=stage.index),
-                kind=TaskKind.GENERATE, workers=(stage.worker,), step=step,
+                kind=TaskKind.GENERATE, workers=stage.workers, step=step, pull=bool(stage.pulled_by),
                 deps=deps + ((gen.id,) if gen else ()), groups=groups, version=version,
                 images=len(groups) * per_group, denoise=stage.denoise, final=stage.final, stage=stage.index,
                 samples=samples,
@@ -465,8 +527,9 @@ class StepPlanner:
 
     def _add_reward(self, step: int, groups: tuple[int, ...], finals: list[Task]) -> None:
         """The reward scores whole groups: it waits for every sample slice (reassembly)."""
+        workers, pull = self.layout.reward.place(finals, self._turns)
         rew = self.add(Task(
-            id=TaskId.reward(groups), kind=TaskKind.REWARD, workers=(self.layout.reward.worker(finals, self._turns),),
+            id=TaskId.reward(groups), kind=TaskKind.REWARD, workers=workers, pull=pull,
             step=step, deps=tuple(g.id for g in finals), groups=groups, images=sum(g.images for g in finals),
         ))
         self._gen_of[groups[0]] = finals[0]
@@ -498,11 +561,14 @@ class StepPlanner:
             placement = self.layout.training
             if mini == 0 and j >= first_assisted:
                 placement = self.layout.assisted_training
-            for workers, part in placement.parts(j, mb[0], self._generated_on):
+            for unit in placement.parts(j, mb[0], self._generated_on):
+                rows = len(mb) * spec.group_size
                 t = self.add(Task(
-                    id=TaskId.train(step, j, part=part[0] if part else None), kind=TaskKind.TRAIN,
-                    workers=workers, step=step, deps=deps, groups=mb, images=len(mb) * spec.group_size,
-                    train_part=part, mini_batch=mini,
+                    id=TaskId.train(step, j, part=unit.part[0] if unit.part else None,
+                                    rows=unit.rows[0] if unit.rows else None),
+                    kind=TaskKind.TRAIN, workers=unit.workers, step=step, deps=deps, groups=mb,
+                    images=rows // unit.rows[1] if unit.rows else rows, train_part=unit.part, mini_batch=mini,
+                    row_part=unit.rows, pull=unit.pull,
                 ))
                 train_ids.append(t.id)
             if (j + 1) % per_mini == 0:
@@ -536,7 +602,9 @@ def measure_costs(records: list, step: int, spec: StrategySpec, fallback: StepCo
 
     def groups_of(r) -> float:
         samples = r.extra.get("samples")  # a slice of each group's samples: that fraction of a group
-        return len(r.groups) * ((samples[1] - samples[0]) / spec.group_size if samples else 1.0)
+        rows = r.extra.get("rows")  # a row slice k of n of a micro-batch: 1/n of its groups
+        return (len(r.groups) * ((samples[1] - samples[0]) / spec.group_size if samples else 1.0)
+                / (rows[1] if rows else 1))
 
     def mean(kind: str, per_group: bool) -> float | None:
         rs = [r for r in records if r.kind == kind and r.step == step]

@@ -586,12 +586,13 @@ class CostModel:
 
     def for_spec(self, spec: StrategySpec) -> "CostModel":
         """This model for one strategy: its transformer calls' rows (the runtime's
-        :func:`~verl_digen.schedule.strategies.call_rows`: FSDP ranks, sample split) and whether
+        :func:`~verl_digen.schedule.strategies.call_rows`: FSDP ranks or row slices, sample split) and whether
         its training state is sharded. The simulator and the planner cost every strategy through it."""
         from verl_digen.schedule.strategies import call_rows
 
         sharded = bool(getattr(spec, "fsdp", False)) or self.system.always_sharded
         ranks = len(spec.trainers) if getattr(spec, "fsdp", False) else 1
+        ranks *= getattr(spec, "train_slices", 1)  # row slices deal a micro-batch's calls as FSDP ranks do
         rows = call_rows(spec.group_size, spec.train_micro_batch_groups, ranks, spec.sample_split)
         tasks = getattr(spec, "mini_batches", 1)
         # A plan with an optimizer step per mini-batch fixes the mini-batches; a plan with one

@@ -194,6 +194,8 @@ class RayPlanExecutor(PlanRunner):
             self.assisted_gradients[(task.step, task.mini_batch)].append((task.id.micro_batch, tuple(task.groups), gradients))
             return [result]
         if len(task.workers) == 1:
+            if task.row_part is not None:  # a row slice of the micro-batch, pulled by this trainer
+                request = dataclasses.replace(request, row_part=tuple(task.row_part))
             return [self.actors[task.worker].train_micro_batch.remote(request, *inputs)]
         n = len(task.workers)  # FSDP gang: every rank, in lockstep, on its share of the samples
         if not self.chunk_rows:
@@ -237,14 +239,14 @@ class RayPlanExecutor(PlanRunner):
             pending = list(self._ref_task)
             ready, _ = ray.wait(pending, num_returns=1, timeout=self.timeout_s)
             if not ready:
-                running = {str(tid): [str(w) for w in self.plan[tid].workers] for tid in self.running}
+                running = {str(tid): [str(w) for w in self.bound[tid]] for tid in self.running}
                 raise WorkerFailure(
                     f"no task finished within digen.task_timeout_s={self.timeout_s}s; running: {running}. "
                     "A worker may be hung; the run stops here."
                 )
             ref = ready[0]
             tid = self._ref_task.pop(ref)
-            task = self.plan[tid]
+            task = self.bound_task(tid)
             if task.kind == TaskKind.GENERATE:
                 # Keep the trajectories in the object store; a failed generate surfaces in
                 # the reward task that consumes it, with the original error attached.

@@ -206,7 +206,8 @@ class EmulatedWorker:
         if not versions:
             raise KeyError(f"groups {groups} are in none of the trajectories passed to {self.worker}")
         part = request.train_part
-        ranks = request.row_part[1] if request.row_part is not None else 1  # an FSDP gang: this rank's share of the rows
+        # an FSDP gang rank's or a row slice's share of the rows (charged as the simulator charges it)
+        ranks = request.row_part[1] if request.row_part is not None else 1
         seconds = self._work(TaskKind.TRAIN, groups=groups, ranks=ranks, **({"train_part": part} if part else {}))
         result = TrainResult(
             metrics={"actor/loss": 0.0, "actor/emulated_s": seconds},

@@ -53,7 +53,8 @@ class GenerateRequest:
 class TrainRequest:
     """Train one micro-batch: the rows of ``groups`` (in that order), ``advantages`` ``[rows]``
     one per row of the selection. ``train_part = (r, P)``: only the trained steps ``[r::P]``
-    (TSP time-step split). ``row_part = (r, n)``: FSDP rank ``r`` of ``n`` trains its share of
+    (TSP time-step split). ``row_part = (r, n)``: FSDP rank ``r`` of ``n``, or row slice ``r`` of
+    ``n`` of a pulled micro-batch (``digen.units.train_slices``), trains that share of
     the rows (:func:`verl_digen.workers.sampling.rank_rows`). ``presliced``: the trajectories
     passed are exactly that share (the generate outputs' chunks of this rank), not the whole
     micro-batch; ``advantages`` stay the whole micro-batch's. ``return_gradients`` (GAT, a

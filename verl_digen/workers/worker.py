@@ -130,6 +130,7 @@ def sampling_settings(cfg: DigenConfig, fsdp_ranks: int = 1, rollout_lanes: int 
         forward_rows=pass_rows(
             cfg.batch.group_size, cfg.batch.train_micro_batch_groups, fsdp_ranks,
             cfg.batch.groups_per_step, cfg.batch.groups_per_task, rollout_lanes,
+            cfg.units.fixed_sample_slices, cfg.units.train_slices,
         ),
     )
 
@@ -498,7 +499,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         advantages = request.advantages
         if request.row_part is None:
             data = select_groups(trajectories, list(request.groups))
-        else:  # FSDP gang: this rank's share of the micro-batch's samples
+        else:  # an FSDP gang rank's share of the micro-batch's samples, or a pulled row slice
             r, n = request.row_part
             rows = rank_rows(len(advantages), self.settings.forward_rows, r, n)
             advantages = advantages[rows]
