@@ -229,6 +229,21 @@ def test_measured_training_rate_counts_a_row_slice_as_its_share_of_a_group():
     assert costs.train_per_group == pytest.approx(1.0)
 
 
+def test_gat_models_pulled_training_as_slices_spread_over_the_trainers():
+    """GAT's step model: 3 micro-batches of their own on 2 trainers take 2 micro-batch times
+    round-robin, 1.5 pulled in 2 row slices (the free trainer takes the next slice)."""
+    from verl_digen.schedule.elastic import GatInputs, gat_step_time
+
+    base = GatInputs(groups_per_step=4, train_micro_batch_groups=1, first_mini_batch=4, rollout_workers=1,
+                     trainer_workers=2, rollout_generate_per_group=0.1, train_per_group=1.0,
+                     rollout_train_per_group=10.0)
+    pulled = dataclasses.replace(base, pulled_slices=2)
+    assert gat_step_time(pulled, 0) == pytest.approx(2.0)  # 4 micro-batches, 8 slices, 4 each
+    rr_own = gat_step_time(dataclasses.replace(base, rollout_train_per_group=0.01), 1)
+    pulled_own = gat_step_time(dataclasses.replace(pulled, rollout_train_per_group=0.01), 1)
+    assert rr_own == pytest.approx(2.0) and pulled_own == pytest.approx(1.5)
+
+
 # ----------------------------------------------------------------------------- config
 
 
@@ -281,7 +296,10 @@ def test_a_pulled_run_gives_the_round_robin_update(shared_ray, tiny_flux, tmp_pa
     from runs import assert_same_final_weights, run, timeline_records
 
     common = ["digen.placement=disaggregated", "digen.gap.enable=true", "trainer.total_training_steps=3",
-              "digen.batch.groups_per_step=4", "digen.async.max_staleness=1", "trainer.n_gpus_per_node=4",
+              # 2 groups of 4 per micro-batch: 2 row slices of 4 rows keep the round-robin run's
+              # 4-row transformer calls (pass_rows), so the samples can be compared bit for bit
+              "digen.batch.groups_per_step=4", "digen.batch.train_micro_batch_groups=2",
+              "digen.async.max_staleness=1", "trainer.n_gpus_per_node=4",
               "digen.pools.rollout.devices=2", "digen.pools.trainer.devices=2", "digen.save_final_weights=true",
               "digen.algo.optimizer=sgd"]
     plain = run(tmp_path, "round_robin", *common)

@@ -164,6 +164,7 @@ class GatInputs:
     rollout_train_per_group: float  # one rollout worker training (its passes; the gradients travel later)
     gang: bool = False  # FSDP trainers: every micro-batch runs on all of them in lockstep
     lookahead: bool = False  # TCSS: rollout trains before it generates the next step, not after this one
+    pulled_slices: int = 0  # pulled units (digen.units.pull): row slices per micro-batch; 0: round-robin
 
 
 @dataclass(frozen=True)
@@ -184,7 +185,8 @@ def gat_step_time(inp: GatInputs, n: int) -> float:
     Rollout generates its groups and trains its micro-batches: before generating the next step
     under TCSS (``lookahead``), after this step's groups otherwise (its queue's order). The
     trainers train the rest of the first mini-batch: unsharded, micro-batch ``j`` on trainer
-    ``j mod T`` (``schedule/mechanisms.py``); FSDP (``gang``), every micro-batch on all of them.
+    ``j mod T`` (``schedule/mechanisms.py``), or pulled, its row slices spread evenly over them;
+    FSDP (``gang``), every micro-batch on all of them.
     The first mini-batch's optimizer step waits for the rollout's micro-batches too, and the
     later mini-batches wait for that step."""
     mb = inp.train_micro_batch_groups
@@ -196,6 +198,9 @@ def gat_step_time(inp: GatInputs, n: int) -> float:
         own = [j for j in micro_batches if j not in assisted]
         if inp.gang:
             return len(own) * mb * inp.train_per_group
+        if inp.pulled_slices:  # the free trainer takes the next slice: the slices spread evenly
+            k = inp.pulled_slices
+            return math.ceil(len(own) * k / inp.trainer_workers) * mb * inp.train_per_group / k
         per_trainer = Counter(j % inp.trainer_workers for j in own)
         return max(per_trainer.values(), default=0) * mb * inp.train_per_group
 
@@ -245,6 +250,7 @@ def gat_inputs_from_timeline(spec: Any, timeline: Any, step: int) -> GatInputs |
         rollout_train_per_group=rollout_train,
         gang=bool(spec.fsdp),
         lookahead=spec.max_staleness >= 1,
+        pulled_slices=spec.train_slices if spec.pull else 0,
     )
 
 
