@@ -181,7 +181,7 @@ def _same_config(a, b) -> None:
     assert OmegaConf.to_yaml(a) == OmegaConf.to_yaml(b)  # keys in order, values unresolved
     assert OmegaConf.to_container(a, resolve=True) == OmegaConf.to_container(b, resolve=True)
     assert OmegaConf.is_struct(a) and OmegaConf.is_struct(b)
-    assert OmegaConf.get_type(a.digen) is OmegaConf.get_type(b.digen)
+    assert OmegaConf.get_type(a.trainer) is OmegaConf.get_type(b.trainer)
 
 
 # (config name, overrides, the config-group overrides among them)
@@ -197,21 +197,39 @@ OVERRIDE_SETS = [
 ]
 
 
-@pytest.mark.parametrize("config_name, overrides, groups", OVERRIDE_SETS)
+def _verl_config_dir() -> str:
+    import verl
+
+    return os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+
+
+# veRL's own ppo_trainer (what main_ppo composes; test_verl_keys.py and test_omni_keys.py compose it
+# with compose_config)
+VERL_OVERRIDE_SETS = [
+    ("ppo_trainer", [], ()),
+    ("ppo_trainer", ["trainer.v1.trainer_mode=digen", "+ray_kwargs.ray_init.num_cpus=4",
+                     "transfer_queue.backend.SimpleStorage.num_data_storage_units=1"], ()),
+    ("ppo_trainer", ["data.train_batch_size=3", "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ppo_epochs=3",
+                     "actor_rollout_ref.model.lora_rank=16", "model_engine=dp"], ("model_engine=dp",)),
+]
+
+
+@pytest.mark.parametrize("config_name, overrides, groups", OVERRIDE_SETS + VERL_OVERRIDE_SETS)
 def test_composing_from_the_cached_defaults_is_hydras_composition(config_name, overrides, groups):
     """compose_config composes the defaults list once and applies key overrides to a copy: the
     config is Hydra's own, a second time (from the cache) too, and changing it leaves the next alone."""
     from verl_digen.config import compose
 
-    expected = _hydra_compose(overrides, config_name)
-    first = compose_config(overrides, config_name=config_name)
-    assert (os.path.abspath(PACKAGED), config_name, groups) in compose._BASES  # the cached path ran
-    second = compose_config(overrides, config_name=config_name)
+    config_dir = _verl_config_dir() if config_name == "ppo_trainer" else PACKAGED
+    expected = _hydra_compose(overrides, config_name, config_dir)
+    first = compose_config(overrides, config_name=config_name, config_dir=config_dir)
+    assert (os.path.abspath(config_dir), config_name, groups) in compose._BASES  # the cached path ran
+    second = compose_config(overrides, config_name=config_name, config_dir=config_dir)
     _same_config(first, expected)
     _same_config(second, expected)
     with open_dict(first):
         first.trainer.nnodes = 99
-    _same_config(compose_config(overrides, config_name=config_name), expected)
+    _same_config(compose_config(overrides, config_name=config_name, config_dir=config_dir), expected)
 
 
 @pytest.mark.parametrize("overrides", [
