@@ -9,7 +9,7 @@ import os
 import pytest
 import yaml
 from hydra.errors import ConfigCompositionException
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 from verl_digen.config.compose import compose_config, presets_dir
 from verl_digen.config.schema import ConfigError, DigenConfig, digen_config_from_dict
@@ -165,3 +165,114 @@ def test_a_reward_pool_with_colocated_placement_is_refused_not_ignored():
     with pytest.raises(ConfigError, match=r"digen.pools.reward.devices=2; a reward pool needs digen.placement=disaggregated"):
         digen_config_from_dict({"placement": "colocated", "pools": {"reward": {"devices": 2}}}).validate()
     digen_config_from_dict({"placement": "disaggregated", "pools": {"reward": {"devices": 2}}}).validate()
+
+
+def _hydra_compose(overrides: list[str], config_name: str = "digen_trainer", config_dir: str = PACKAGED):
+    """Hydra's whole composition, every time: what compose_config composed before its cache."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base=None):
+        return compose(config_name=config_name, overrides=overrides)
+
+
+def _same_config(a, b) -> None:
+    assert OmegaConf.to_yaml(a) == OmegaConf.to_yaml(b)  # keys in order, values unresolved
+    assert OmegaConf.to_container(a, resolve=True) == OmegaConf.to_container(b, resolve=True)
+    assert OmegaConf.is_struct(a) and OmegaConf.is_struct(b)
+    assert OmegaConf.get_type(a.trainer) is OmegaConf.get_type(b.trainer)
+
+
+# (config name, overrides, the config-group overrides among them)
+OVERRIDE_SETS = [
+    ("digen_trainer", [], ()),
+    ("digen_trainer", ["digen.batch.group_size=4", "trainer.logger=[]", "digen.algo.betas=[0.8,0.99]"], ()),
+    ("digen_trainer", ["+digen.foo=1", "~digen.algo.lr", "++trainer.nnodes=3", "++digen.bar={a: 1}"], ()),
+    ("digen_trainer", ["digen.placement=disaggregated", "digen.pools.rollout.devices=3",
+                       "actor_rollout_ref.actor.optim.lr=3e-4", "digen.model.path=null"], ()),
+    ("flux_colocated", ["+smoke=tiny", "digen.sampling.num_steps=6"], ("+smoke=tiny",)),
+    ("wan_disaggregated", ["trainer.n_gpus_per_node=4", "+smoke=tiny"], ("+smoke=tiny",)),
+    ("digits", ["data.train_batch_size=8", "digen.seed=7"], ()),
+]
+
+
+def _verl_config_dir() -> str:
+    import verl
+
+    return os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+
+
+# veRL's own ppo_trainer (what main_ppo composes; test_verl_keys.py and test_omni_keys.py compose it
+# with compose_config)
+VERL_OVERRIDE_SETS = [
+    ("ppo_trainer", [], ()),
+    ("ppo_trainer", ["trainer.v1.trainer_mode=digen", "+ray_kwargs.ray_init.num_cpus=4",
+                     "transfer_queue.backend.SimpleStorage.num_data_storage_units=1"], ()),
+    ("ppo_trainer", ["data.train_batch_size=3", "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ppo_epochs=3",
+                     "actor_rollout_ref.model.lora_rank=16", "model_engine=dp"], ("model_engine=dp",)),
+]
+
+
+@pytest.mark.parametrize("config_name, overrides, groups", OVERRIDE_SETS + VERL_OVERRIDE_SETS)
+def test_composing_from_the_cached_defaults_is_hydras_composition(config_name, overrides, groups):
+    """compose_config composes the defaults list once and applies key overrides to a copy: the
+    config is Hydra's own, a second time (from the cache) too, and changing it leaves the next alone."""
+    from verl_digen.config import compose
+
+    config_dir = _verl_config_dir() if config_name == "ppo_trainer" else PACKAGED
+    expected = _hydra_compose(overrides, config_name, config_dir)
+    first = compose_config(overrides, config_name=config_name, config_dir=config_dir)
+    assert (os.path.abspath(config_dir), config_name, groups) in compose._BASES  # the cached path ran
+    second = compose_config(overrides, config_name=config_name, config_dir=config_dir)
+    _same_config(first, expected)
+    _same_config(second, expected)
+    with open_dict(first):
+        first.trainer.nnodes = 99
+    _same_config(compose_config(overrides, config_name=config_name, config_dir=config_dir), expected)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["digen.batch.group_szie=4"],  # a typo under struct mode
+    ["+digen.batch.group_size=4"],  # + on a key that exists
+    ["~digen.algo.nothing"],  # deleting what is not there
+    ["+smoke=missing"],  # a config-group option that does not exist
+    ["digen.batch.group_size=[1,2"],  # not an override
+])
+def test_refused_overrides_raise_hydras_own_error(overrides):
+    with pytest.raises(Exception) as ours:
+        compose_config(overrides)
+    with pytest.raises(Exception) as hydras:
+        _hydra_compose(overrides)
+    assert type(ours.value) is type(hydras.value) and str(ours.value) == str(hydras.value)
+
+
+def test_an_edited_preset_or_config_store_node_is_composed_again(tmp_path):
+    """The cached composition is keyed by the files it read and the ConfigStore's nodes: a
+    notebook that edits a preset, or stores a node again, composes the new one."""
+    import shutil
+
+    from hydra.core.config_store import ConfigStore
+
+    from verl_digen.config.schema import hydra_defaults
+
+    configs = tmp_path / "configs"
+    shutil.copytree(PACKAGED, configs)
+    preset = configs / "mine.yaml"
+    primary = (configs / "digen_trainer.yaml").read_text()  # its hydra.searchpath finds veRL's config
+    preset.write_text(primary + "trainer:\n  nnodes: 2\n")
+    assert compose_config([], config_name="mine", config_dir=str(configs)).trainer.nnodes == 2
+    preset.write_text(primary + "trainer:\n  nnodes: 30\n")
+    assert compose_config([], config_name="mine", config_dir=str(configs)).trainer.nnodes == 30
+    _same_config(compose_config([], config_name="mine", config_dir=str(configs)),
+                 _hydra_compose([], "mine", str(configs)))
+
+    store = ConfigStore.instance()
+    node = hydra_defaults()
+    node["seed"] = 1234
+    store.store(name="digen_defaults", node=node, package="digen")
+    try:
+        assert compose_config([]).digen.seed == 1234
+    finally:
+        store.store(name="digen_defaults", node=hydra_defaults(), package="digen")
+    assert compose_config([]).digen.seed == DigenConfig().seed

@@ -26,18 +26,12 @@ def _resolved(*overrides: str):
 
 
 def _verl_config(overrides: list[str]):
-    """What main_ppo composes: veRL's own ppo_trainer config, no digen group."""
+    """What main_ppo composes: veRL's own ppo_trainer config, no digen group (compose_config
+    composes it as Hydra does, test_config.py::test_composing_from_the_cached_defaults_is_hydras_composition)."""
     import verl
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
 
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(os.path.join(os.path.dirname(verl.__file__), "trainer", "config"),
-                                   version_base=None):
-            return compose("ppo_trainer", overrides=overrides)
-    finally:
-        GlobalHydra.instance().clear()
+    return compose_config(overrides, config_name="ppo_trainer",
+                          config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer", "config"))
 
 
 def _sd3_dir(tmp_path):

@@ -227,15 +227,12 @@ def test_digen_mode_is_in_veRL_trainer_registry():
 
 
 def _verl_config(*overrides: str):
+    """What main_ppo composes: veRL's own ppo_trainer config (compose_config composes it as Hydra
+    does, test_config.py::test_composing_from_the_cached_defaults_is_hydras_composition)."""
     import verl
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
 
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(os.path.join(os.path.dirname(verl.__file__), "trainer", "config"), version_base=None):
-        config = compose("ppo_trainer", overrides=list(overrides))
-    GlobalHydra.instance().clear()
-    return config
+    return compose_config(list(overrides), config_name="ppo_trainer",
+                          config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer", "config"))
 
 
 def test_validate_config_runs_the_digen_checks_in_the_digen_mode_only():
