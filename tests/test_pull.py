@@ -54,13 +54,19 @@ def run_plan(plan: Plan, costs) -> SimulatedExecutor:
     return sim
 
 
+def tasks_by_text(plan: Plan) -> dict[str, Task]:
+    """The plan's tasks by their id's text form, which timeline records carry."""
+    return {str(t.id): t for t in plan.tasks}
+
+
 def assert_versions_held(plan: Plan, sim: SimulatedExecutor) -> None:
     """Replay every worker's weights version along the timeline (a sync or the last mini-batch's
     optimizer step sets it at its end): every generate task found the version it declares on the
     worker that ran it, and a rollout worker's training (GAT) found the step's."""
     events = []
+    by_text = tasks_by_text(plan)
     for r in sim.timeline.records:
-        task = plan[next(t.id for t in plan.tasks if str(t.id) == r.task)]
+        task = by_text[r.task]
         events.append((r.start, 1, task, r.workers))
         if task.kind == TaskKind.SYNC or (task.kind == TaskKind.OPTIMIZER_STEP and task.id.mini_batch is None):
             events.append((r.end, 0, task, r.workers))
@@ -78,9 +84,10 @@ def assert_versions_held(plan: Plan, sim: SimulatedExecutor) -> None:
 def assert_ran_once(plan: Plan, sim: SimulatedExecutor) -> None:
     ran = [r.task for r in sim.timeline.records]
     assert sorted(ran) == sorted(str(t.id) for t in plan.tasks)
+    by_text = tasks_by_text(plan)
     for r in sim.timeline.records:
-        task = next(t for t in plan.tasks if str(t.id) == r.task)
-        if task.pull:
+        task = by_text[r.task]
+        if task.pulled:
             assert len(r.workers) == 1 and r.workers[0] in {str(w) for w in task.workers}
         else:
             assert r.workers == [str(w) for w in task.workers]
@@ -356,7 +363,8 @@ def test_a_pulled_plan_on_emulated_workers_charges_each_task_what_the_simulator_
     for (k, g, a), (_, _, b) in zip(charged, simulated):
         assert a == pytest.approx(b, rel=1e-9, abs=1e-12), (k, g)
     assert any(r.extra.get("rows") for r in run.timeline.records if r.kind == "train")
+    by_text = tasks_by_text(planner.plan)
     for r in run.timeline.records:
-        task = next(t for t in planner.plan.tasks if str(t.id) == r.task)
-        assert len(r.workers) == (1 if task.pull else len(task.workers))
+        task = by_text[r.task]
+        assert len(r.workers) == (1 if task.pulled else len(task.workers))
         assert set(r.workers) <= {str(w) for w in task.workers}

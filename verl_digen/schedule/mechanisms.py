@@ -108,7 +108,7 @@ class PulledGeneration:
     split: int
 
     def stages(self, turns: Turns) -> tuple[Stage, ...]:
-        return (Stage(self.workers[0], pulled_by=self.workers if len(self.workers) > 1 else ()),)
+        return (Stage(self.workers[0], pulled_by=self.workers),)
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,7 @@ class RewardPool:
     pull: bool = False
 
     def place(self, finals: list[Task], turns: Turns) -> tuple[tuple[WorkerId, ...], bool]:
-        if self.pull and self.workers > 1:
+        if self.pull:
             return tuple(WorkerId("reward", r) for r in range(self.workers)), True
         return (WorkerId("reward", turns.next("reward", self.workers)),), False
 
@@ -257,10 +257,9 @@ class PulledTrainers:
     slices: int = 1
 
     def parts(self, index: int, first_group: int, generated_on: Callable[[int], WorkerId]) -> TrainParts:
-        pull = len(self.trainers) > 1
         if self.slices == 1:
-            return (TrainUnit(self.trainers, pull=pull),)
-        return tuple(TrainUnit(self.trainers, rows=(k, self.slices), pull=pull) for k in range(self.slices))
+            return (TrainUnit(self.trainers, pull=True),)
+        return tuple(TrainUnit(self.trainers, rows=(k, self.slices), pull=True) for k in range(self.slices))
 
 
 @dataclass(frozen=True)
@@ -273,7 +272,7 @@ class RoundRobinRollout:
     pull: bool = False
 
     def parts(self, index: int, first_group: int, generated_on: Callable[[int], WorkerId]) -> TrainParts:
-        if self.pull and self.rollout_workers > 1:
+        if self.pull:
             return (TrainUnit(tuple(WorkerId("rollout", r) for r in range(self.rollout_workers)), pull=True),)
         return (TrainUnit((WorkerId("rollout", index % self.rollout_workers),)),)
 

@@ -163,10 +163,16 @@ class Task:
     row_part: tuple[int, int] | None = None
 
     @property
+    def pulled(self) -> bool:
+        """Whether a free candidate takes it: pulled, with more than one candidate (a pulled task
+        of one candidate is that worker's own)."""
+        return self.pull and len(self.workers) > 1
+
+    @property
     def worker(self) -> WorkerId:
         """The one worker of a single-worker task (a gang's first); a pulled task has none until
         it runs (the runner binds it then)."""
-        if self.pull and len(self.workers) > 1:
+        if self.pulled:
             raise PlanError(f"{self.id} is pulled by whichever of {[str(w) for w in self.workers]} is free "
                             "first: it has no worker before it runs")
         return self.workers[0]

@@ -76,7 +76,7 @@ class PlanRunner(abc.ABC):
         while self._seen < len(tasks):
             t = tasks[self._seen]
             self._position[t.id] = self._seen
-            if t.pull and len(t.workers) > 1:
+            if t.pulled:
                 if t.workers not in self._pools:
                     self._pools[t.workers], self._pool_head[t.workers] = [], 0
                     for w in t.workers:
@@ -90,9 +90,6 @@ class PlanRunner(abc.ABC):
             self._check[t.id] = t
             self._seen += 1
 
-    def _pulled(self, t: Task) -> bool:
-        return t.pull and len(t.workers) > 1
-
     def _head_task(self, w: WorkerId) -> Task | None:
         """What ``w`` runs next, if it can: the first pulled task of its candidate queues whose
         dependencies are done and that comes before its own queue's head; its own head only
@@ -102,6 +99,8 @@ class PlanRunner(abc.ABC):
         q = self._queues[w]
         i = self._head[w]
         own = q[i] if i < len(q) else None
+        if not self._pools_of[w]:
+            return own  # a worker no pulled task names (every worker of a plan without them)
         limit = self._position[own.id] if own is not None else len(self.plan.tasks)
         pulled, blocked = None, False
         for pool in self._pools_of[w]:
@@ -129,7 +128,7 @@ class PlanRunner(abc.ABC):
         """The idle workers that would run ``t`` now: every worker of a gang, or one candidate of
         a pulled task (the first in ``plan.workers`` order); empty if it cannot start."""
         idle = [x for x in t.workers if x not in self._busy and self._head_task(x) is t]
-        if self._pulled(t):
+        if t.pulled:
             return idle[:1]
         return idle if len(idle) == len(t.workers) else []
 
@@ -162,7 +161,7 @@ class PlanRunner(abc.ABC):
         self._busy.update(workers)
         self.bound[t.id] = workers
         del self._check[t.id]
-        if not self._pulled(t):
+        if not t.pulled:
             return t
         self._taken.add(t.id)
         self._look_at_heads(t.workers)  # the next pulled task, or a gang behind this one
@@ -171,16 +170,16 @@ class PlanRunner(abc.ABC):
     def bound_task(self, tid: TaskId) -> Task:
         """Task ``tid`` as it runs (or ran): a pulled task on the worker that took it."""
         task = self.plan[tid]
-        if not self._pulled(task):
+        if not task.pulled:
             return task
         return dataclasses.replace(task, workers=self.bound[tid], pull=False)
 
     def _finished(self, task: Task) -> None:
         """Mark ``task`` done; what it unblocks is looked at next."""
-        workers = self.bound.get(task.id, task.workers)
+        workers = self.bound[task.id]
         for w in workers:
             self._busy.discard(w)
-        if not self._pulled(task):
+        if not task.pulled:
             for w in workers:
                 self._head[w] += 1
         self.done.add(task.id)
@@ -188,7 +187,7 @@ class PlanRunner(abc.ABC):
         self._look_at_heads(workers)
         for t in self._dependents.pop(task.id, []):
             self._check[t.id] = t
-            if self._pulled(t):  # ready now: an idle candidate may take it before its own head
+            if t.pulled:  # ready now: an idle candidate may take it before its own head
                 self._look_at_heads(t.workers)
 
     def run_until(self, task_ids: list[TaskId] | None = None) -> None:
