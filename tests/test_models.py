@@ -369,3 +369,36 @@ def test_prompt_token_counts_read_the_prompt_as_the_text_encoder_does(arch, tiny
         assert counts[0] > len(plain) + 5  # the template's tokens count
     else:
         assert counts[0] == len(plain)
+
+
+def test_under_fsdp2_host_offload_the_adapter_computes_on_the_workers_device(monkeypatch, tiny_dirs):
+    """digen.fsdp.param_offload keeps the shards on the host and FSDP2 computes each unit on the
+    GPU (its root moves the inputs there), so sampling's and training's own tensors (latents,
+    noise, sigmas, the SDE maths) must go to the worker's device, not to the parameters' (an H100
+    run failed on cuda:0 vs cpu in the SDE step). The device is a stand-in here: ``compute_device``
+    answers ``meta`` (any device other than the parameters'), and the process group and the
+    sharding are left out (the two-rank gloo offload test in test_fsdp.py runs them); what is
+    checked is where the worker tells the adapter to compute."""
+    import verl_digen.workers.worker as worker_mod
+    from verl_digen.config import digen_config_from_dict
+    from verl_digen.workers.worker import ROLE_CAPABILITIES, DiffusionWorker
+
+    for key, value in {"WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    devices = {}
+    for offload in (False, True):
+        cfg = digen_config_from_dict({"placement": "colocated", "model": {"arch": "flux"},
+                                      "fsdp": {"enable": True, "param_offload": offload}})
+        worker = DiffusionWorker("fused", cfg, tiny_dirs["flux"])
+        worker._load_policy(ROLE_CAPABILITIES["fused"])
+        monkeypatch.setattr(worker, "_join_trainer_group", lambda: None)
+        monkeypatch.setattr(worker, "_shard_for_training", lambda: None)
+        monkeypatch.setattr(worker_mod, "compute_device", lambda: torch.device("meta"))
+        worker._prepare_training()
+        monkeypatch.undo()
+        for key, value in {"WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+            monkeypatch.setenv(key, value)
+        params = {p.device.type for p in worker.adapter.transformer.parameters()}
+        devices[offload] = (worker.adapter.device.type, params)
+    assert devices[False] == ("cpu", {"cpu"})  # without the offload: where the parameters are
+    assert devices[True] == ("meta", {"cpu"})  # with it: the worker's device, shards on the host

@@ -257,8 +257,16 @@ class DiffusionAdapter(abc.ABC):
     def decode(self, latents: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
         """Model-space latents -> pixels ``[B, 3, H, W]`` (``[B, 3, F, H, W]`` for video) in [0, 1]."""
 
+    # Where the transformer computes when that is not where its parameters live: under FSDP2's
+    # host offload (digen.fsdp.param_offload) the shards stay on the host and each unit computes
+    # on the GPU, so inputs, noise and the SDE maths belong there (set by the worker).
+    compute_device: torch.device | None = None
+
     @property
     def device(self) -> torch.device:
+        """The device the transformer computes on: its parameters' unless :attr:`compute_device` says."""
+        if self.compute_device is not None:
+            return self.compute_device
         return next(self.transformer.parameters()).device
 
     def register_modules(self, **modules: object) -> None:

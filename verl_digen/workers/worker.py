@@ -282,6 +282,10 @@ class DiffusionWorker(Worker, WeightSyncMixin):
 
             info["gradient_checkpointing"] = enable_gradient_checkpointing(self.adapter.transformer)
         reference = self._shard_for_training() if self.fsdp else None
+        if self.fsdp and self.cfg.fsdp.param_offload:
+            # The shards now live on the host; the forward, backward and sampling run on this
+            # worker's device (FSDP2 moves the root's inputs there), and so must the rest.
+            self.adapter.compute_device = compute_device()
         self.updater = PolicyUpdater(self.adapter, self._train_settings(), reference=reference)
         info["trainable_params"] = sum(p.numel() for p in self.updater.params)
         if self._stream_every_version:  # the sender's version 0 (open_weight_channel compares digests)
