@@ -391,13 +391,11 @@ def test_under_fsdp2_host_offload_the_adapter_computes_on_the_workers_device(mon
                                       "fsdp": {"enable": True, "param_offload": offload}})
         worker = DiffusionWorker("fused", cfg, tiny_dirs["flux"])
         worker._load_policy(ROLE_CAPABILITIES["fused"])
-        monkeypatch.setattr(worker, "_join_trainer_group", lambda: None)
-        monkeypatch.setattr(worker, "_shard_for_training", lambda: None)
-        monkeypatch.setattr(worker_mod, "compute_device", lambda: torch.device("meta"))
-        worker._prepare_training()
-        monkeypatch.undo()
-        for key, value in {"WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
-            monkeypatch.setenv(key, value)
+        with monkeypatch.context() as m:
+            m.setattr(worker, "_join_trainer_group", lambda: None)
+            m.setattr(worker, "_shard_for_training", lambda: None)
+            m.setattr(worker_mod, "compute_device", lambda: torch.device("meta"))
+            worker._prepare_training()
         params = {p.device.type for p in worker.adapter.transformer.parameters()}
         devices[offload] = (worker.adapter.device.type, params)
     assert devices[False] == ("cpu", {"cpu"})  # without the offload: where the parameters are
