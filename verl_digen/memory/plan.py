@@ -297,14 +297,15 @@ def workload_job(*, family: str, height: int, width: int, num_frames: int, num_s
                  group_size: int, groups_per_task: int, micro_batch_samples: int, pass_samples: int, lora: bool,
                  lora_rank: int, kl_reference: bool, placement: str, rollout_devices: int, trainer_devices: int,
                  reward_devices: int, fsdp: int, reward_bytes: int, trainers_generate: bool, trainers_score: bool,
-                 rollouts_train: bool, vae_decode_chunk: int | None = None) -> JobShape:
+                 rollouts_train: bool, vae_decode_chunk: int | None = None, devices: int | None = None) -> JobShape:
     """The job of a workload on a cluster, for a caller without a composed config (the
     simulator's planner: ``sim.cost_model.CostModel.memory_job``): what the arguments say, every
     other setting at the config's default (:class:`DigenConfig`: weights in bf16, trained state in
     its ``trainable_dtype``, AdamW, the default LoRA targets, no prompt cache, no EMA on the GPU,
     whole-batch VAE decodes, the pipeline's text length, no FSDP host offload), the memory
     decisions left to :func:`decide_job`. ``placement`` colocated: ``rollout_devices`` is every GPU.
-    ``vae_decode_chunk``: ``digen.model.vae_decode_chunk`` (None: the default, the whole call)."""
+    ``vae_decode_chunk``: ``digen.model.vae_decode_chunk`` (None: the default, the whole call);
+    ``devices``: the cluster's GPUs (None: ``rollout_devices``)."""
     d = DigenConfig()
     colocated = placement == "colocated"
     return JobShape(
@@ -312,7 +313,7 @@ def workload_job(*, family: str, height: int, width: int, num_frames: int, num_s
         lora=lora, lora_targets=tuple(d.model.lora.target_modules), lora_rank=lora_rank, height=height, width=width,
         num_frames=num_frames, num_steps=num_steps, cfg_rows=cfg_rows, group_size=group_size,
         groups_per_task=groups_per_task, micro_batch_samples=micro_batch_samples, pass_samples=pass_samples,
-        placement=placement, devices=rollout_devices, rollout_devices=rollout_devices,
+        placement=placement, devices=rollout_devices if devices is None else devices, rollout_devices=rollout_devices,
         trainer_devices=rollout_devices if colocated else trainer_devices, reward_devices=0 if colocated else reward_devices,
         fsdp=fsdp, checkpointing=False, prompt_cache_releases=d.prompt_cache.enable and d.prompt_cache.release_encoders,
         encoders_offloaded=False, warm_batch=d.prompt_cache.encode_batch_size if d.prompt_cache.enable else 0,
@@ -573,8 +574,11 @@ def plan_roles(job: JobShape, gib: float | Mapping[str, float]) -> list[RolePlan
 
     t = _RoleBuilder(job, "trainer", job.trainer_devices, gib)
     reward_on_trainer = reward if job.trainers_score else 0
-    t_resident = dict(weights=train_weights + ema + kl_ref, optimizer=optimizer,
-                      encoders_vae=encoders_resident + vae + reward_on_trainer)
+    # Trainers keep the text encoders and the VAE on CPU between uses (workers/worker.py:
+    # ROLE_CAPABILITIES["trainer"].offloads, moved out after loading); on the GPU only while a TAG
+    # generate call encodes and decodes (both charged there). Validation on a trainer is not planned.
+    t_resident = dict(weights=train_weights + ema + kl_ref, optimizer=optimizer, encoders_vae=reward_on_trainer)
+    t_generating = dict(t_resident, encoders_vae=t_resident["encoders_vae"] + encoders_resident + vae)
     t.add("load", weights=dense_bytes, encoders_vae=encoders + vae + reward_on_trainer, activations=load_encoders)
     # trainer 0 sends the last version from its host snapshot while training goes on, through one
     # reused device buffer of a flat bucket (sync/transport.py: WeightChannel._on_device)
@@ -585,8 +589,8 @@ def plan_roles(job: JobShape, gib: float | Mapping[str, float]) -> list[RolePlan
         t.add("step", gradients=grads, sync_buffers=staging, **dict(t_resident, optimizer=step_optimizer))
     t.add("sync", sync_buffers=sync, **t_resident)
     if job.trainers_generate:
-        t.add("generate", activations=rollout_acts, **t_resident)
-        t.add("decode", activations=decode, **t_resident)
+        t.add("generate", activations=rollout_acts, **t_generating)
+        t.add("decode", activations=decode, **t_generating)
     plans.append(t.plan(train_knobs, rollout_knobs if job.trainers_generate else []))
 
     if job.reward_devices > 0:
