@@ -247,18 +247,23 @@ def test_a_system_that_runs_only_colocated_is_refused_other_placements(catalog):
         search(costs, Inventory({"H800": 8}), mechanisms=["disaggregated+gap"], steps=3, warmup=1)
 
 
-@pytest.mark.parametrize("lora,mechanism,trainers", [
-    (False, "disaggregated+gap+fsdp", 12),  # an uneven FSDP pool: a node and half of the next
-    (False, "disaggregated+gap+fsdp", 2),  # too few trainers for a full fine-tune: refused
-    (True, "disaggregated+gap+gat", 4),  # GAT: the rollout workers train too
+@pytest.mark.parametrize("lora,mechanism,trainers,units", [
+    (False, "disaggregated+gap+fsdp", 12, {}),  # an uneven FSDP pool: a node and half of the next
+    (False, "disaggregated+gap+fsdp", 2, {}),  # too few trainers for a full fine-tune: refused
+    (True, "disaggregated+gap+gat", 4, {}),  # GAT: the rollout workers train too
+    # pulled units with row slices: a trainer's pass is its slice's call rows (24-row micro-batches
+    # in 4 slices: 6-row calls, not 12), as the run's pass_rows counts them
+    (True, "disaggregated+gap", 4, {"pull": True, "train_slices": 4}),
 ])
-def test_the_planners_fit_decision_is_the_memory_planners_peak_of_the_printed_config(catalog, lora, mechanism, trainers):
+def test_the_planners_fit_decision_is_the_memory_planners_peak_of_the_printed_config(catalog, lora, mechanism, trainers,
+                                                                                    units):
     """One memory model: FLUX.1 at real size on 32 H800. For a candidate the planner evaluates,
     the job the cost model asks the memory planner about is the job of the config the planner
     prints (its hydra overrides, composed and validated as a run is), with the same memory
     decisions (checkpointing, parked optimizer state, encoder placement: the run's rules); every
     role's per-GPU peak is the one the run's check computes, and the planner keeps the
-    configuration exactly when every peak fits the H800."""
+    configuration exactly when every peak fits the H800. A spec with work units (which the
+    planner does not search) prints them and is planned with the rows its calls really have."""
     import dataclasses
 
     from omegaconf import OmegaConf
@@ -275,10 +280,15 @@ def test_the_planners_fit_decision_is_the_memory_planners_peak_of_the_printed_co
                if c.spec.trainer_workers == trainers]
     if trainers == 12:
         assert cand.pools["trainer"].on_nodes == (8, 4, 0, 0) and cand.pools["rollout"].on_nodes == (0, 4, 8, 8)
+    if units:
+        whole = costs.for_spec(cand.spec).memory_job(cand.cluster).pass_samples
+        cand = dataclasses.replace(cand, spec=dataclasses.replace(cand.spec, **units))
+        assert whole == 12 and costs.for_spec(cand.spec).memory_job(cand.cluster).pass_samples == 6
     overrides = hydra_overrides(cand, costs, inv) + [
         "digen.model.arch=flux", "digen.memory.device_type=H800", "digen.reward.name=pickscore"]  # the profile's reward
     digen = digen_config_from_dict(OmegaConf.to_container(compose_config(overrides), resolve=True)["digen"])
     spec_costs, cluster = costs.for_spec(cand.spec), cand.cluster
+    assert (digen.units.pull, digen.units.train_slices) == (units.get("pull", False), units.get("train_slices", 1))
     run_job = _decided_job(digen, devices_per_node=8, nnodes=4, model_path=None)
     sim_job = spec_costs.memory_job(cluster)
     if not lora:  # a full fine-tune has no adapters: the rank (the profile's 32, the config's 8) is unused

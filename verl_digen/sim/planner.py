@@ -511,6 +511,13 @@ def hydra_overrides(candidate: Candidate, costs: CostModel, inventory: Inventory
         f"digen.sampling.num_frames={w.frames}",
         f"digen.sampling.num_steps={w.num_steps}",
     ]
+    # work units (the planner does not search them; a spec built with them prints them)
+    if getattr(spec, "pull", False):
+        out.append("digen.units.pull=true")
+    if getattr(spec, "sample_slices", None) is not None:
+        out.append(f"digen.units.sample_slices={spec.sample_slices}")
+    if getattr(spec, "train_slices", 1) != 1:
+        out.append(f"digen.units.train_slices={spec.train_slices}")
     if w.vae_decode_chunk:
         out.append(f"digen.model.vae_decode_chunk={w.vae_decode_chunk}")
     if w.sde_window and w.sde_window < w.num_steps:
