@@ -52,8 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device-type", default="H800")
     p.add_argument("--mechanisms", default=",".join(DEFAULT_SETS))
     p.add_argument("--timeline", default="", help="workers whose tasks of one measured step to print, e.g. trainer0,rollout0")
+    p.add_argument("--vae-decode-chunk", type=int, default=0,
+                   help="samples per VAE decode call (digen.model.vae_decode_chunk; default 0: a generate call's all)")
     args = p.parse_args(argv)
-    costs = CostModel.from_catalog(load_catalog(), args.model, devices=[args.device_type], system="verl-digen")
+    costs = CostModel.from_catalog(load_catalog(), args.model, devices=[args.device_type], system="verl-digen",
+                                   vae_decode_chunk=args.vae_decode_chunk)
     sets = [m.strip() for m in args.mechanisms.split(",") if m.strip()]
     found = search(costs, Inventory({args.device_type: args.devices}, 8), mechanisms=sets)
     colocated = found.colocated_images_per_s

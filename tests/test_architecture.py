@@ -1,6 +1,7 @@
 """The package's layering (docs/architecture.md), checked on the source, and the one step driver.
 
-- ``sim/`` is pure: it imports only ``schedule/`` (and itself, and the device table), never the runtime;
+- ``sim/`` is pure: it imports only ``schedule/`` and the memory planner (``memory/``, which never
+  imports ``sim/``; and itself, and the device table), never the runtime;
 - no import circles: the package's module import graph (function-level imports included) is acyclic;
 - ``workers/`` never import the controller (``trainer/``);
 - a step is driven in one place: only ``schedule/driver.py`` plans steps and runs a plan to a
@@ -59,11 +60,20 @@ def _layer(module: str) -> str:
 DATA_MODULES = {"verl_digen.platform.devices", "verl_digen.platform.nodes"}
 
 
-def test_sim_imports_only_schedule():
+def test_sim_imports_only_schedule_and_the_memory_planner():
     for path, tree in _modules("sim").items():
         data = {m for m in _imports(tree) if m in DATA_MODULES or m.rpartition(".")[0] in DATA_MODULES}
-        layers = {_layer(m) for m in _imports(tree) - data} - {"sim", "schedule"}
-        assert not layers, f"{path} imports verl_digen.{sorted(layers)}: sim/ must stay pure (schedule/ and data only)"
+        layers = {_layer(m) for m in _imports(tree) - data} - {"sim", "schedule", "memory"}
+        assert not layers, (f"{path} imports verl_digen.{sorted(layers)}: sim/ must stay pure (schedule/, the memory "
+                            "planner and data only)")
+
+
+def test_the_memory_planner_does_not_import_the_simulator():
+    """One memory model: the simulator asks the memory planner what fits (sim/cost_model.py:
+    CostModel.memory_job), never the reverse."""
+    for path, tree in _modules("memory").items():
+        bad = sorted(m for m in _imports(tree) if _layer(m) == "sim")
+        assert not bad, f"{path} imports {bad}: memory/ is below sim/"
 
 
 def test_shared_data_modules_import_nothing_of_the_package():

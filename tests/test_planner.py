@@ -9,6 +9,7 @@ import pytest
 from verl_digen.sim.planner import (
     Inventory,
     candidates,
+    evaluate,
     hydra_overrides,
     main,
     parse_mix,
@@ -58,7 +59,9 @@ def test_configurations_that_do_not_fit_in_memory_are_reported_not_evaluated(cat
     # A full fine-tune of Qwen-Image holds 20 bytes per parameter (bf16 weights and gradients,
     # fp32 masters, their gradients, AdamW): no layout of 8 H800s fits it (the shipped preset
     # takes two nodes), 16 do when sharded; the unsharded ones are reported, not evaluated.
-    result = search(_costs(catalog, "qwen-image-20b", groups_per_step=8), Inventory({"H800": 16}), steps=3, warmup=1)
+    # (one sample per VAE decode call: a 1328 x 1328 group of 12 in one call takes 64.6 GiB)
+    result = search(_costs(catalog, "qwen-image-20b", groups_per_step=8, vae_decode_chunk=1), Inventory({"H800": 16}),
+                    steps=3, warmup=1)
     skipped = [e for e in result.evaluations if not e.feasible]
     assert skipped and all(e.problems for e in skipped)
     assert all(e.candidate.spec.trainer_workers >= 2 for e in result.evaluated if e.candidate.spec.placement == "disaggregated")
@@ -244,33 +247,67 @@ def test_a_system_that_runs_only_colocated_is_refused_other_placements(catalog):
         search(costs, Inventory({"H800": 8}), mechanisms=["disaggregated+gap"], steps=3, warmup=1)
 
 
-def test_an_uneven_fsdp_trainer_pool_holds_what_the_memory_planner_plans(catalog):
-    """12 FSDP trainers beside 20 rollout workers on 4 x 8 (the trainers fill a node and half of
-    the next, which they share with rollout workers): the cost model shards the training state
-    over the 12 ranks as the memory planner does for the config the planner prints, and the two
-    agree on the bytes per GPU (weights, gradients, Adam state) within 10%."""
+@pytest.mark.parametrize("lora,mechanism,trainers,units", [
+    (False, "disaggregated+gap+fsdp", 12, {}),  # an uneven FSDP pool: a node and half of the next
+    (False, "disaggregated+gap+fsdp", 2, {}),  # too few trainers for a full fine-tune: refused
+    (True, "disaggregated+gap+gat", 4, {}),  # GAT: the rollout workers train too
+    # pulled units with row slices: a trainer's pass is its slice's call rows (24-row micro-batches
+    # in 4 slices: 6-row calls, not 12), as the run's pass_rows counts them
+    (True, "disaggregated+gap", 4, {"pull": True, "train_slices": 4}),
+])
+def test_the_planners_fit_decision_is_the_memory_planners_peak_of_the_printed_config(catalog, lora, mechanism, trainers,
+                                                                                    units):
+    """One memory model: FLUX.1 at real size on 32 H800. For a candidate the planner evaluates,
+    the job the cost model asks the memory planner about is the job of the config the planner
+    prints (its hydra overrides, composed and validated as a run is), with the same memory
+    decisions (checkpointing, parked optimizer state, encoder placement: the run's rules); every
+    role's per-GPU peak is the one the run's check computes, and the planner keeps the
+    configuration exactly when every peak fits the H800. A spec with work units (which the
+    planner does not search) prints them and is planned with the rows its calls really have."""
+    import dataclasses
+
     from omegaconf import OmegaConf
 
     from verl_digen.config.compose import compose_config
     from verl_digen.config.schema import digen_config_from_dict
-    from verl_digen.memory.plan import job_shape, plan_roles
+    from verl_digen.memory.plan import _decided_job, plan_job
 
-    costs = _costs(catalog, "flux-12b")
+    costs = _costs(catalog, "flux-12b", lora=lora)
     inv = Inventory({"H800": 32})
     w = costs.workload
     (cand,) = [c for c in candidates(inv, groups_per_step=w.groups_per_step, group_size=w.group_size,
-                                     mechanisms=["disaggregated+gap+fsdp"], micro_batches=(2,))
-               if c.spec.trainer_workers == 12]
-    assert cand.pools["trainer"].on_nodes == (8, 4, 0, 0) and cand.pools["rollout"].on_nodes == (0, 4, 8, 8)
-    overrides = hydra_overrides(cand, costs, inv) + ["digen.model.arch=flux", "digen.memory.device_type=H800"]
+                                     mechanisms=[mechanism], micro_batches=(2,))
+               if c.spec.trainer_workers == trainers]
+    if trainers == 12:
+        assert cand.pools["trainer"].on_nodes == (8, 4, 0, 0) and cand.pools["rollout"].on_nodes == (0, 4, 8, 8)
+    if units:
+        whole = costs.for_spec(cand.spec).memory_job(cand.cluster).pass_samples
+        cand = dataclasses.replace(cand, spec=dataclasses.replace(cand.spec, **units))
+        assert whole == 12 and costs.for_spec(cand.spec).memory_job(cand.cluster).pass_samples == 6
+    overrides = hydra_overrides(cand, costs, inv) + [
+        "digen.model.arch=flux", "digen.memory.device_type=H800", "digen.reward.name=pickscore"]  # the profile's reward
     digen = digen_config_from_dict(OmegaConf.to_container(compose_config(overrides), resolve=True)["digen"])
-    job = job_shape(digen, devices_per_node=8, nnodes=4)
-    group = costs.train_group(cand.cluster)
-    assert job.fsdp == group.shard == 12
-    (trainer,) = [p for p in plan_roles(job, 80.0) if p.role == "trainer"]
-    planned = sum(trainer.phases["train"][k] for k in ("weights", "gradients", "optimizer"))
-    assert costs.state_bytes_per_rank(group) == pytest.approx(planned, rel=0.10)
-    assert costs.memory_problems(cand.cluster) == [] and trainer.peak_gib <= trainer.device_gib
+    spec_costs, cluster = costs.for_spec(cand.spec), cand.cluster
+    assert (digen.units.pull, digen.units.train_slices) == (units.get("pull", False), units.get("train_slices", 1))
+    run_job = _decided_job(digen, devices_per_node=8, nnodes=4, model_path=None)
+    sim_job = spec_costs.memory_job(cluster)
+    if not lora:  # a full fine-tune has no adapters: the rank (the profile's 32, the config's 8) is unused
+        sim_job = dataclasses.replace(sim_job, lora_rank=run_job.lora_rank)
+    assert dataclasses.asdict(sim_job) == dataclasses.asdict(run_job)
+    run = {p.role: p for p in plan_job(digen, devices_per_node=8, nnodes=4)}
+    sim = {p.role: p for p in spec_costs.memory_plans(cluster)}
+    assert set(sim) == set(run) == {"rollout", "trainer"}
+    for role in run:
+        assert sim[role].phases == run[role].phases and sim[role].device_gib == run[role].device_gib == 80
+    fits = all(p.peak_gib <= p.device_gib for p in run.values())
+    problems = spec_costs.memory_problems(cluster)
+    assert (problems == []) is fits
+    assert [p.split(":")[0] for p in problems] == [r for r, p in run.items() if p.peak_gib > p.device_gib]
+    assert fits is (trainers != 2)
+    group = spec_costs.train_group(cluster)
+    assert group.checkpointing is run_job.checkpointing and group.optimizer_parked is run_job.optimizer_offload
+    evaluation = evaluate(cand, costs, steps=2, warmup=1)
+    assert evaluation.feasible is fits and evaluation.problems == problems
 
 
 # ---------------------------------------------------------------------------- reward pools
@@ -330,6 +367,7 @@ def test_our_colocated_runs_get_no_reward_pool(catalog):
 
 
 def test_a_reward_pool_device_must_hold_a_replica(catalog):
+    """A reward pool device holds the reward model (the memory planner's reward role)."""
     import dataclasses
 
     from verl_digen.schedule.strategies import StrategySpec
@@ -341,7 +379,9 @@ def test_a_reward_pool_device_must_hold_a_replica(catalog):
     assert not [p for p in costs.memory_problems(cluster) if p.startswith("reward")]
     huge = dataclasses.replace(costs, reward=dataclasses.replace(costs.reward, params=60e9))
     (problem,) = [p for p in huge.memory_problems(cluster) if p.startswith("reward")]
-    assert "a replica of pickscore-clip-h14 per device holds 120 GB" in problem and "H800" in problem
+    # the memory planner's reward role: the model's weights in its dtype (fp32 by default)
+    assert problem.startswith("reward: scoring with pickscore-clip-h14 (223.5 GiB of weights")
+    assert problem.endswith("more than the 80 GiB of one H800")
 
 
 def test_reward_pool_overrides_run_our_pool_or_name_the_served_judge(catalog):

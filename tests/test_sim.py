@@ -141,32 +141,42 @@ def test_training_is_three_forwards_per_trained_step_plus_exposed_collectives(ca
 
 def test_checkpointing_is_decided_per_training_pass_as_the_memory_planner_decides_it(catalog):
     """``gradient_checkpointing`` unset (the profiles' default) is ``auto``: a training pass
-    recomputes its forward exactly when the pass (one transformer call's samples, the runtime's
-    call rows) does not fit without it next to the rank's state and a resident reward model."""
+    recomputes its forward exactly when the memory planner's rule turns it on for this workload's
+    job on this cluster (``memory.plan.decide_job``: some role's training pass, one transformer
+    call's samples, does not fit its GPU without it), which is what the run decides."""
+    from dataclasses import replace as with_fields
+
+    from verl_digen.memory.plan import plan_roles, training_fits
+
     one = Cluster({"trainer": PoolPlacement(1, 1, "H800"), "rollout": PoolPlacement(1, 1, "H800")})
     dev = catalog.devices["H800"]
     lora = _costs(catalog, "flux-12b", lora=True)
-    assert lora.gradient_checkpointing is None  # auto
-    group = lora.train_group(one)
-    cap = dev.hbm_gb * 1e9 * lora.system.memory_headroom
+    assert lora.gradient_checkpointing is None and lora.plans_memory  # auto, the memory planner's
+    decided = []
     for rows in (1, 2, 4, 12):
         c = lora.with_workload(call_rows=rows)
-        assert c.pass_batch(dev, group) == rows
-        fits = c.training_bytes(dev, group, "trainer", False) <= cap
-        assert c.checkpointing(dev, group) is (not fits)
+        group = c.train_group(one)
+        job = c.memory_job(one)
+        assert c.pass_batch(dev, group) == rows == job.pass_samples
+        fits = training_fits(plan_roles(with_fields(job, checkpointing=False), c.role_gib(one)))
+        assert c.checkpointing(dev, group) is job.checkpointing is (not fits)
+        decided.append(not fits)
         flops = c.train_flops(not fits)
         compute = c.train_pass_seconds(rows, dev, group) - dev.train_pass_overhead_s
         assert compute == pytest.approx(rows * flops / (dev.flops * c.efficiency(dev, rows * c.tokens()[1], train=True)
                                                         * c.system.train_efficiency))
-    # FLUX at 720 x 720: one sample's ~15 GB fits beside LoRA's state, twelve do not
-    assert lora.with_workload(call_rows=1).checkpointing(dev, group) is False
-    assert lora.with_workload(call_rows=12).checkpointing(dev, group) is True
-    # a fused worker's resident reward model counts (and a configured value wins)
+    # FLUX at 720 x 720: one sample's ~22 GiB fits beside LoRA's state, twelve do not
+    assert decided[0] is False and decided[-1] is True
+    # a configured value wins
+    off = lora.with_workload(call_rows=12, gradient_checkpointing=False)
+    assert off.checkpointing(dev, off.train_group(one)) is False and off.memory_job(one).checkpointing is False
+    # a fused worker holds the reward model it scores with, in its dtype (fp32: the reward's default)
     fused = Cluster({"fused": PoolPlacement(1, 1, "H800")})
     c = lora.with_workload(call_rows=1)
-    assert c.training_bytes(dev, c.train_group(fused), "fused", False) == pytest.approx(
-        c.training_bytes(dev, group, "trainer", False) + c.reward_weight_bytes())
-    assert lora.with_workload(call_rows=12, gradient_checkpointing=False).checkpointing(dev, group) is False
+    (with_reward,) = c.memory_plans(fused)
+    (without,) = dataclasses.replace(c, reward=None).memory_plans(fused)
+    assert with_reward.role == "colocated" and c.memory_job(fused).reward_bytes == int(4 * c.reward.params)
+    assert with_reward.phases["train"]["encoders_vae"] - without.phases["train"]["encoders_vae"] == int(4 * c.reward.params)
 
 
 def test_the_measured_training_efficiency_is_ours_and_the_calibrated_one_stays_verl_omnis(catalog):
@@ -273,7 +283,11 @@ def test_colocated_workers_pay_a_switch_each_way(catalog):
 
 
 def test_memory_rules_out_too_few_trainers_for_full_fine_tuning(catalog):
-    c = _costs(catalog, "qwen-image-20b")
+    """What fits is the memory planner's per-GPU peak of each pool (the run's own check), and a
+    pool that does not fit is named with its peak phase, what it holds and the device."""
+    # Qwen-Image at 1328 x 1328 decodes a group in one VAE call by default (64.6 GiB); one sample
+    # at a time (digen.model.vae_decode_chunk=1) fits
+    c = _costs(catalog, "qwen-image-20b", vae_decode_chunk=1)
     w = c.workload
 
     def fsdp(r: int, t: int) -> CostModel:  # lockstep FSDP over the t trainers (passes: a rank's call rows)
@@ -282,16 +296,24 @@ def test_memory_rules_out_too_few_trainers_for_full_fine_tuning(catalog):
 
     small = Cluster({"rollout": PoolPlacement(14, 2, "H800"), "trainer": PoolPlacement(2, 1, "H800")})
     big = Cluster({"rollout": PoolPlacement(8, 1, "H800"), "trainer": PoolPlacement(8, 1, "H800")})
-    assert any("trainer" in p for p in fsdp(14, 2).memory_problems(small))
+    (problem,) = fsdp(14, 2).memory_problems(small)
+    assert problem.startswith("trainer: training holds") and "2-way sharded" in problem and "one H800" in problem
+    (trainer,) = [p for p in fsdp(14, 2).memory_plans(small) if p.role == "trainer"]
+    assert f"{trainer.peak_gib:.1f} GiB per GPU" in problem and trainer.peak_gib > trainer.device_gib == 80
     assert fsdp(8, 8).memory_problems(big) == []
+    assert all(p.peak_gib <= p.device_gib for p in fsdp(8, 8).memory_plans(big))
+    # the default decode of a whole group does not fit a rollout worker: named as such
+    whole = _costs(catalog, "qwen-image-20b").for_spec(StrategySpec(
+        "disaggregated", 8, 8, w.groups_per_step, w.group_size, gap=True, fsdp=True, train_micro_batch_groups=2))
+    assert [p for p in whole.memory_problems(big) if p.startswith("rollout: decoding holds")]
     # without FSDP every trainer holds the whole 20B model's training state: never fits
     unsharded = c.for_spec(StrategySpec("disaggregated", 8, 8, w.groups_per_step, w.group_size, gap=True))
     assert unsharded.train_group(big).shard == 1
-    assert any("unsharded" in p for p in unsharded.memory_problems(big))
+    assert any(p.startswith("trainer:") and "unsharded" in p for p in unsharded.memory_problems(big))
     # LoRA's state is small; but a pass is a transformer call (12 samples x 2 CFG rows a rank
-    # here), whose checkpointed activations alone exceed a GPU at 1024 x 1024, and fit at 512
+    # here), whose checkpointed activations alone exceed a GPU at 1328 x 1328, and fit at 512
     lora = fsdp(14, 2).with_workload(lora=True)
-    assert any("activations for a pass of 12" in p for p in lora.memory_problems(small))
+    assert any("activations for a pass of 12 sample(s), checkpointed" in p for p in lora.memory_problems(small))
     assert lora.with_workload(height=512, width=512).memory_problems(small) == []
 
 
@@ -793,32 +815,41 @@ def test_the_optimizer_step_is_charged_the_host_snapshot_the_trainer_copies(cata
 
 
 def test_trainers_park_the_optimizer_state_exactly_when_that_spares_checkpointing(catalog):
-    """The cost model's side of ``digen.model.optimizer_offload=auto`` (the memory planner's:
-    tests/test_memory.py): a disaggregated trainer parks its AdamW state exactly when a pass
-    then fits without checkpointing and does not with the state resident, and pays the host
-    round trip in its optimizer task; forced either way by the workload; fused workers never
-    (their parking is the system's switch)."""
-    split = Cluster({"trainer": PoolPlacement(8, 1, "H800"), "rollout": PoolPlacement(8, 1, "H800")})
+    """``digen.model.optimizer_offload=auto`` as the memory planner decides it for the run
+    (``memory.plan.decide_job``, tests/test_memory.py): a disaggregated trainer parks its AdamW
+    state exactly when a pass then fits without checkpointing and does not with the state
+    resident, and pays the host round trip in its optimizer task; forced either way by the
+    workload; fused workers never (their parking is the system's switch)."""
+    from dataclasses import replace as with_fields
+
+    from verl_digen.memory.plan import plan_roles, training_fits
+
+    split = Cluster({"trainer": PoolPlacement(4, 1, "H800"), "rollout": PoolPlacement(8, 1, "H800")})
     dev = catalog.devices["H800"]
-    full = _costs(catalog, "flux-12b", lora=False).with_workload(call_rows=3)
-    group = full.train_group(split)
-    cap = dev.hbm_gb * 1e9 * full.system.memory_headroom
-    assert full.training_bytes(dev, group, "trainer", False, parked=False) > cap
-    assert full.training_bytes(dev, group, "trainer", False, parked=True) <= cap
+    full = _costs(catalog, "flux-12b", lora=False).with_workload(call_rows=1, fsdp=True)
+    group, job = full.train_group(split), full.memory_job(split)
+    gib = full.role_gib(split)
+    assert not training_fits(plan_roles(with_fields(job, checkpointing=False, optimizer_offload=False), gib))
+    assert training_fits(plan_roles(with_fields(job, checkpointing=False, optimizer_offload=True), gib))
     assert full.optimizer_parked(dev, group) is True and full.checkpointing(dev, group) is False
+    assert job.optimizer_offload is True and job.checkpointing is False
     resident = full.with_workload(optimizer_offload=False)
-    assert resident.checkpointing(dev, group) is True
+    r_group = resident.train_group(split)
+    assert resident.checkpointing(dev, r_group) is True and resident.optimizer_parked(dev, r_group) is False
     trip = 2 * full.optimizer_shard_bytes(group) / (dev.host_link_gbps * 1e9)
-    assert full.optimizer_task_seconds(dev, group) == pytest.approx(resident.optimizer_task_seconds(dev, group) + trip)
-    assert full.optimizer_seconds(dev, group) == pytest.approx(resident.optimizer_seconds(dev, group) + trip)
-    assert full.train_seconds(12, dev, group) < resident.train_seconds(12, dev, group)  # no recomputed forward
-    # small passes fit with the state resident: nothing parked
-    assert full.with_workload(call_rows=1).optimizer_parked(dev, group) is False
-    # where even checkpointed passes fit only parked (Wan 14B, 8 trainers), parking is what fits
-    wan = _costs(catalog, "wan2.1-14b", lora=False).with_workload(call_rows=1)
-    g = wan.train_group(split)
-    assert wan.training_bytes(dev, g, "trainer", True, parked=False) > cap >= wan.training_bytes(dev, g, "trainer", True, parked=True)
-    assert wan.optimizer_parked(dev, g) is True and wan.checkpointing(dev, g) is True
+    assert full.optimizer_task_seconds(dev, group) == pytest.approx(resident.optimizer_task_seconds(dev, r_group) + trip)
+    assert full.optimizer_seconds(dev, group) == pytest.approx(resident.optimizer_seconds(dev, r_group) + trip)
+    assert full.train_seconds(12, dev, group) < resident.train_seconds(12, dev, r_group)  # no recomputed forward
+    # sharded over 8 trainers the pass fits with the state resident: nothing parked
+    eight = Cluster({"trainer": PoolPlacement(8, 1, "H800"), "rollout": PoolPlacement(8, 1, "H800")})
+    assert full.optimizer_parked(dev, full.train_group(eight)) is False
+    # where even checkpointed passes fit only parked (HunyuanVideo 13B, 4 trainers), parking is what fits
+    hy = _costs(catalog, "hunyuanvideo-13b", lora=False).with_workload(call_rows=2, fsdp=True)
+    four = Cluster({"trainer": PoolPlacement(4, 1, "H800"), "rollout": PoolPlacement(8, 1, "H800")})
+    hj = hy.memory_job(four)
+    assert not training_fits(plan_roles(with_fields(hj, checkpointing=True, optimizer_offload=False), hy.role_gib(four)))
+    g = hy.train_group(four)
+    assert hy.optimizer_parked(dev, g) is True and hy.checkpointing(dev, g) is True and hy.memory_problems(four) == []
     fused = Cluster({"fused": PoolPlacement(16, 2, "H800")})
     assert full.optimizer_parked(dev, full.train_group(fused), "fused") is False
 
@@ -842,7 +873,7 @@ def test_a_gat_micro_batch_on_a_rollout_worker_costs_a_trainers_plus_the_gradien
     assert c.workload.gat and not lora.workload.gat
     cluster = Cluster.for_spec(spec, "H800")  # both pools on one node: NVLink
     dev, group = catalog.devices["H800"], c.train_group(cluster)
-    assert group.shard == 1 and group.gat_device == "H800" and group.gat_scores
+    assert group.shard == 1 and group.gat_device == "H800"
     images = spec.train_micro_batch_groups * w.group_size
     task = Task(TaskId.train(0, 0), TaskKind.TRAIN, (WorkerId("rollout", 1),), 0, groups=(0,), images=images)
     roll, trainer = WorkerId("rollout", 1), WorkerId("trainer", 0)
@@ -872,36 +903,33 @@ def test_a_gat_micro_batch_on_a_rollout_worker_costs_a_trainers_plus_the_gradien
 
 
 def test_gat_rollout_training_that_does_not_fit_turns_checkpointing_on_for_the_run(catalog):
-    """The cost model's side of the memory planner's rule (tests/test_memory.py): with
+    """The memory planner's rule (tests/test_memory.py), which the cost model asks: with
     ``gradient_checkpointing`` auto, checkpointing is on when any role that trains does not fit a
-    pass without it; under GAT that includes the rollout workers (bf16 model, fp32 adapters and
-    gradients, the reward model they score with, the trainers' pass). Here FLUX passes of 2
-    samples fit an H800 trainer but not an L40S rollout worker: on for every pass of the run,
-    the trainers' too; a rollout worker that does not fit even checkpointed is a memory problem."""
+    pass without it; under GAT that includes the rollout workers (the memory planner's rollout
+    ``train`` phase: bf16 model, fp32 adapters and gradients, the reward model they score with,
+    the trainers' pass). Here FLUX passes of 2 samples fit an H800 trainer but not an L40S
+    rollout worker: on for every pass of the run, the trainers' too; a rollout worker that does not
+    fit even checkpointed is a memory problem naming GAT's micro-batch and the L40S."""
     lora = CostModel.from_catalog(catalog, "flux-12b", devices=["H800", "L40S"], lora=True)
     w = lora.workload
     spec = _gat_spec(4, 4, w)
     cluster = Cluster({"rollout": PoolPlacement(4, 1, "L40S"), "trainer": PoolPlacement(4, 1, "H800")})
-    h800, l40s = catalog.devices["H800"], catalog.devices["L40S"]
+    h800 = catalog.devices["H800"]
     plain = lora.for_spec(dataclasses.replace(spec, gat=False)).with_workload(call_rows=2)
     gat = lora.for_spec(spec).with_workload(call_rows=2)
     g0, g = plain.train_group(cluster), gat.train_group(cluster)
-    cap_l40s = l40s.hbm_gb * 1e9 * gat.system.memory_headroom
     assert gat.pass_batch(h800, g) == 2
-    expected = (gat.param_bytes + 8.0 * gat.trainable_params + gat.reward_weight_bytes()
-                + 2 * gat.activation_bytes_per_sample(False))
-    assert gat.gat_training_bytes(g, False) == pytest.approx(expected)
-    assert gat.gat_training_bytes(g, False) > cap_l40s >= gat.gat_training_bytes(g, True)
+    (rollout,) = [p for p in gat.memory_plans(cluster) if p.role == "rollout"]
+    assert "train" in rollout.phases and rollout.device_gib == 48  # the L40S's
     assert plain.checkpointing(h800, g0) is False  # the trainers alone fit
     assert gat.checkpointing(h800, g) is True and gat.optimizer_parked(h800, g) is False
     assert gat.train_seconds(24, h800, g) > plain.train_seconds(24, h800, g0)  # the recomputed forward
     assert gat.memory_problems(cluster) == []
-    # passes of 1 sample fit the rollout workers too
-    one = gat.with_workload(call_rows=1)
-    assert one.checkpointing(h800, one.train_group(cluster)) is False
-    # configured off: the rollout workers' pass is a memory problem naming GAT
+    # configured off: the rollout workers' pass is a memory problem naming GAT and the device
     off = gat.with_workload(gradient_checkpointing=False)
-    assert any(p.startswith("rollout: training a GAT micro-batch") for p in off.memory_problems(cluster))
+    (problem,) = off.memory_problems(cluster)
+    assert problem.startswith("rollout: training a GAT micro-batch holds") and "without checkpointing" in problem
+    assert problem.endswith("more than the 48 GiB of one L40S")
     assert plain.with_workload(gradient_checkpointing=False).memory_problems(cluster) == []
 
 

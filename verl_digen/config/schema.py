@@ -95,7 +95,7 @@ class ModelConfig:
     # enable_gradient_checkpointing), with or without FSDP: true | false | auto. auto: on exactly
     # when a training pass (one transformer call's rows, see workers/training.py) would not fit
     # the GPU without it, as the memory planner computes it before Ray starts (memory.plan:
-    # decide_checkpointing); the cost model decides the same way. The built-in tiny models
+    # decide_checkpointing); the simulator's cost model asks the same rule (CostModel.memory_job). The built-in tiny models
     # (no digen.model.path) train without it.
     gradient_checkpointing: str = "auto"
     # Text encoders of the generating workers (fused, rollout) between encode calls: true: on

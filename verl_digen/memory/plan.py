@@ -25,8 +25,8 @@ from __future__ import annotations
 import functools
 import math
 import os
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping
 
 from verl_digen.config.schema import ConfigError, DigenConfig
 from verl_digen.platform.devices import device_memory_gib
@@ -293,6 +293,39 @@ def job_shape(cfg: DigenConfig, *, devices_per_node: int, nnodes: int, model_pat
     )
 
 
+def workload_job(*, family: str, height: int, width: int, num_frames: int, num_steps: int, cfg_rows: int,
+                 group_size: int, groups_per_task: int, micro_batch_samples: int, pass_samples: int, lora: bool,
+                 lora_rank: int, kl_reference: bool, placement: str, rollout_devices: int, trainer_devices: int,
+                 reward_devices: int, fsdp: int, reward_bytes: int, trainers_generate: bool, trainers_score: bool,
+                 rollouts_train: bool, vae_decode_chunk: int | None = None, devices: int | None = None) -> JobShape:
+    """The job of a workload on a cluster, for a caller without a composed config (the
+    simulator's planner: ``sim.cost_model.CostModel.memory_job``): what the arguments say, every
+    other setting at the config's default (:class:`DigenConfig`: weights in bf16, trained state in
+    its ``trainable_dtype``, AdamW, the default LoRA targets, no prompt cache, no EMA on the GPU,
+    whole-batch VAE decodes, the pipeline's text length, no FSDP host offload), the memory
+    decisions left to :func:`decide_job`. ``placement`` colocated: ``rollout_devices`` is every GPU.
+    ``vae_decode_chunk``: ``digen.model.vae_decode_chunk`` (None: the default, the whole call);
+    ``devices``: the cluster's GPUs (None: ``rollout_devices``)."""
+    d = DigenConfig()
+    colocated = placement == "colocated"
+    return JobShape(
+        family=family, config_path=None, dtype=_dtype_name(d.model.dtype), trainable_bytes=_bytes_per(d.model.trainable_dtype),
+        lora=lora, lora_targets=tuple(d.model.lora.target_modules), lora_rank=lora_rank, height=height, width=width,
+        num_frames=num_frames, num_steps=num_steps, cfg_rows=cfg_rows, group_size=group_size,
+        groups_per_task=groups_per_task, micro_batch_samples=micro_batch_samples, pass_samples=pass_samples,
+        placement=placement, devices=rollout_devices if devices is None else devices, rollout_devices=rollout_devices,
+        trainer_devices=rollout_devices if colocated else trainer_devices, reward_devices=0 if colocated else reward_devices,
+        fsdp=fsdp, checkpointing=False, prompt_cache_releases=d.prompt_cache.enable and d.prompt_cache.release_encoders,
+        encoders_offloaded=False, warm_batch=d.prompt_cache.encode_batch_size if d.prompt_cache.enable else 0,
+        optimizer_states=2 if d.algo.optimizer == "adamw" else 0, ema_on_gpu=d.ema.enable and not d.ema.offload,
+        kl_reference=kl_reference and not lora,
+        vae_decode_chunk=d.model.vae_decode_chunk if vae_decode_chunk is None else vae_decode_chunk,
+        trainers_generate=not colocated and trainers_generate, reward_bytes=reward_bytes,
+        trainers_score=not colocated and trainers_score, rollouts_train=not colocated and rollouts_train,
+        max_sequence_length=d.model.max_sequence_length, param_offload=d.fsdp.param_offload,
+    )
+
+
 # ---------------------------------------------------------------------- components of a role
 
 
@@ -393,8 +426,8 @@ def _latent_bytes(job: JobShape) -> int:
 class _RoleBuilder:
     """The phases of one role, as dicts of category -> bytes."""
 
-    def __init__(self, job: JobShape, role: str, devices: int, gib: float) -> None:
-        self.job, self.role, self.devices, self.gib = job, role, devices, gib
+    def __init__(self, job: JobShape, role: str, devices: int, gib: float | Mapping[str, float]) -> None:
+        self.job, self.role, self.devices, self.gib = job, role, devices, role_gib(gib, role)
         self.phases: dict[str, dict[str, int]] = {}
 
     def add(self, phase: str, **parts: int) -> None:
@@ -438,8 +471,15 @@ def trained_state_bytes(job: JobShape, params: int, param_bytes: int, lora_param
                 optimizer=job.optimizer_states * params * tb / f)
 
 
-def plan_roles(job: JobShape, gib: float) -> list[RolePlan]:
-    """Every role's peak per GPU for ``job`` on GPUs of ``gib`` GiB."""
+def role_gib(gib: float | Mapping[str, float], role: str) -> float:
+    """The GiB of one GPU of ``role``: ``gib`` itself, or its entry for the role (a cluster whose
+    pools have different device types; a fused worker is ``colocated``)."""
+    return float(gib) if isinstance(gib, (int, float)) else float(gib[role])
+
+
+def plan_roles(job: JobShape, gib: float | Mapping[str, float]) -> list[RolePlan]:
+    """Every role's peak per GPU for ``job`` on GPUs of ``gib`` GiB (one number for every role,
+    or a GiB per role name: ``colocated``, ``rollout``, ``trainer``, ``reward``)."""
     params, dense_bytes, block_bytes, lora_params, param_bytes = _transformer_facts(
         job.family, job.config_path, job.dtype, job.lora_targets, job.lora_rank
     )
@@ -479,9 +519,14 @@ def plan_roles(job: JobShape, gib: float) -> list[RolePlan]:
 
     # Rollout: one generate call of groups_per_task groups; its trajectory (fp32 latents and
     # log-probs) is recorded on the device and read back once (workers/sampling.py: _DeviceRecord).
+    # Each denoising step runs the transformer in calls of pass_samples samples, the training
+    # passes' calls (workers/sampling.py: velocity_in_chunks), so one call's working set is alive
+    # at a time, next to the fp32 velocities of the calls before it (one latent per sample).
     samples = job.groups_per_task * job.group_size
     trajectory = samples * (job.num_steps + 1) * _latent_bytes(job) + samples * job.num_steps * 4
-    rollout_acts = trace.inference_bytes(samples * job.cfg_rows) + trajectory
+    call = min(job.pass_samples, samples)
+    chunks = samples * _latent_bytes(job) if call < samples else 0
+    rollout_acts = trace.inference_bytes(call * job.cfg_rows) + chunks + trajectory
     decode = _vae_decode_bytes(job, samples)
     rollout_weights = dense_bytes + (lora_params * tb if job.lora else 0)
     sync_state = lora_params * tb if job.lora else dense_bytes
@@ -529,8 +574,11 @@ def plan_roles(job: JobShape, gib: float) -> list[RolePlan]:
 
     t = _RoleBuilder(job, "trainer", job.trainer_devices, gib)
     reward_on_trainer = reward if job.trainers_score else 0
-    t_resident = dict(weights=train_weights + ema + kl_ref, optimizer=optimizer,
-                      encoders_vae=encoders_resident + vae + reward_on_trainer)
+    # Trainers keep the text encoders and the VAE on CPU between uses (workers/worker.py:
+    # ROLE_CAPABILITIES["trainer"].offloads, moved out after loading); on the GPU only while a TAG
+    # generate call encodes and decodes (both charged there). Validation on a trainer is not planned.
+    t_resident = dict(weights=train_weights + ema + kl_ref, optimizer=optimizer, encoders_vae=reward_on_trainer)
+    t_generating = dict(t_resident, encoders_vae=t_resident["encoders_vae"] + encoders_resident + vae)
     t.add("load", weights=dense_bytes, encoders_vae=encoders + vae + reward_on_trainer, activations=load_encoders)
     # trainer 0 sends the last version from its host snapshot while training goes on, through one
     # reused device buffer of a flat bucket (sync/transport.py: WeightChannel._on_device)
@@ -541,8 +589,8 @@ def plan_roles(job: JobShape, gib: float) -> list[RolePlan]:
         t.add("step", gradients=grads, sync_buffers=staging, **dict(t_resident, optimizer=step_optimizer))
     t.add("sync", sync_buffers=sync, **t_resident)
     if job.trainers_generate:
-        t.add("generate", activations=rollout_acts, **t_resident)
-        t.add("decode", activations=decode, **t_resident)
+        t.add("generate", activations=rollout_acts, **t_generating)
+        t.add("decode", activations=decode, **t_generating)
     plans.append(t.plan(train_knobs, rollout_knobs if job.trainers_generate else []))
 
     if job.reward_devices > 0:
@@ -617,41 +665,76 @@ def training_fits(plans: list[RolePlan]) -> bool:
     return all(sum(p.phases["train"].values()) / GIB <= p.device_gib for p in plans if "train" in p.phases)
 
 
+def decide_job(job: JobShape, gib: float | Mapping[str, float], *, checkpointing: bool | None = None,
+               optimizer_offload: bool | None = None, encoders_offloaded: bool | None = None) -> JobShape:
+    """``job`` with its three memory decisions made, each as given or, where None (``auto``), by
+    the run's rules, in the order the run applies them (``trainer/resolve.py``):
+
+    1. ``optimizer_offload`` (:func:`decide_optimizer_offload`): parked for fused workers (they
+       generate between steps); for disaggregated trainers exactly when parking lets training run
+       with less: for each checkpointing choice allowed (``checkpointing`` as given, else without
+       then with), resident if every role's training pass fits so, else parked if it fits parked.
+       A recomputed forward per pass costs far more than a host round trip of the state per step;
+    2. ``checkpointing`` (:func:`decide_checkpointing`): on exactly when some role's training pass
+       (under GAT the rollout workers' too) would not fit without it;
+    3. ``encoders_offloaded`` (:func:`decide_encoder_offload`): resident when the prompt cache
+       releases them, or when every generating role (colocated, rollout) fits with them resident.
+
+    While a later decision is open the earlier ones see the text encoders resident (or as given).
+    The one rule for the run (``plan_job``) and for the simulator's cost model
+    (``sim.cost_model.CostModel.memory_job``), which builds its ``job`` from a workload."""
+    job = replace(job, encoders_offloaded=bool(encoders_offloaded))
+    if optimizer_offload is None:
+        optimizer_offload = job.placement == "colocated" or _parks_to_fit(job, gib, checkpointing)
+    job = replace(job, optimizer_offload=optimizer_offload)
+    if checkpointing is None:
+        checkpointing = not training_fits(plan_roles(replace(job, checkpointing=False), gib))
+    job = replace(job, checkpointing=checkpointing)
+    if encoders_offloaded is None:
+        resident = plan_roles(replace(job, encoders_offloaded=False), gib)
+        encoders_offloaded = not job.prompt_cache_releases and not all(
+            p.peak_gib <= p.device_gib for p in resident if p.role in ("colocated", "rollout"))
+    return replace(job, encoders_offloaded=encoders_offloaded)
+
+
+def _parks_to_fit(job: JobShape, gib: float | Mapping[str, float], checkpointing: bool | None) -> bool:
+    """A disaggregated run's ``optimizer_offload=auto`` (:func:`decide_job`, rule 1)."""
+    for ckpt in ((False, True) if checkpointing is None else (checkpointing,)):
+        if training_fits(plan_roles(replace(job, checkpointing=ckpt, optimizer_offload=False), gib)):
+            return False
+        if training_fits(plan_roles(replace(job, checkpointing=ckpt, optimizer_offload=True), gib)):
+            return True
+    return False
+
+
+def _decided_job(cfg: DigenConfig, *, devices_per_node: int, nnodes: int, model_path: str | None) -> JobShape:
+    """``cfg``'s job on its cluster with the memory decisions its ``auto`` settings leave open made."""
+    job = job_shape(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path)
+    offload = None if cfg.model.optimizer_offload == "auto" else cfg.optimizer_offloaded
+    return decide_job(job, device_gib(cfg), checkpointing=cfg.model.checkpointing, optimizer_offload=offload,
+                      encoders_offloaded=cfg.model.encoders_offloaded)
+
+
 def decide_checkpointing(cfg: DigenConfig, *, devices_per_node: int, nnodes: int = 1,
                          model_path: str | None = None) -> bool:
     """``digen.model.gradient_checkpointing`` as the run applies it: the setting when it is
     ``true`` or ``false``; for ``auto``, on exactly when a training pass would not fit without it
-    (activation checkpointing costs a recomputed forward, so it is only worth it when needed).
-    The cost model decides the same way (``sim.cost_model.CostModel.checkpointing``)."""
+    (activation checkpointing costs a recomputed forward, so it is only worth it when needed;
+    :func:`decide_job`). The cost model asks the same rule (``sim.cost_model.CostModel.memory_job``)."""
     if cfg.model.checkpointing is not None:
         return cfg.model.checkpointing
-    parked = decide_optimizer_offload(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path)
-    job = job_shape(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path, checkpointing=False,
-                    optimizer_offload=parked)
-    return not training_fits(plan_roles(job, device_gib(cfg)))
+    return _decided_job(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path).checkpointing
 
 
 def decide_optimizer_offload(cfg: DigenConfig, *, devices_per_node: int, nnodes: int = 1,
                              model_path: str | None = None) -> bool:
     """``digen.model.optimizer_offload`` as the run applies it: the setting when ``true`` or
     ``false``; for ``auto``, parked for fused workers (they generate between steps), and for
-    disaggregated trainers exactly when parking lets training run with less: for each
-    checkpointing choice allowed (``gradient_checkpointing`` as set, else without then with),
-    resident if a pass fits so, else parked if it fits parked. A recomputed forward per pass costs
-    far more than a host round trip of the optimizer state per step. The cost model decides the
-    same way (``sim.cost_model.CostModel.optimizer_parked``)."""
+    disaggregated trainers exactly when parking lets training run with less (:func:`decide_job`,
+    rule 1). The cost model asks the same rule (``sim.cost_model.CostModel.memory_job``)."""
     if cfg.model.optimizer_offload != "auto" or cfg.placement == "colocated":
         return cfg.optimizer_offloaded
-    gib = device_gib(cfg)
-    configured = cfg.model.checkpointing
-    for checkpointing in ((False, True) if configured is None else (configured,)):
-        shape = dict(devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path,
-                     checkpointing=checkpointing)
-        if training_fits(plan_roles(job_shape(cfg, **shape, optimizer_offload=False), gib)):
-            return False
-        if training_fits(plan_roles(job_shape(cfg, **shape, optimizer_offload=True), gib)):
-            return True
-    return False
+    return _decided_job(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path).optimizer_offload
 
 
 def decide_encoder_offload(cfg: DigenConfig, *, devices_per_node: int, nnodes: int = 1,
@@ -665,23 +748,13 @@ def decide_encoder_offload(cfg: DigenConfig, *, devices_per_node: int, nnodes: i
         return cfg.model.encoders_offloaded
     if cfg.prompt_cache.enable and cfg.prompt_cache.release_encoders:
         return False
-    checkpointing = decide_checkpointing(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path)
-    parked = decide_optimizer_offload(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path)
-    job = job_shape(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path,
-                    checkpointing=checkpointing, encoders_offloaded=False, optimizer_offload=parked)
-    return not all(p.peak_gib <= p.device_gib for p in plan_roles(job, device_gib(cfg))
-                   if p.role in ("colocated", "rollout"))
+    return _decided_job(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path).encoders_offloaded
 
 
 def plan_job(cfg: DigenConfig, *, devices_per_node: int, nnodes: int = 1, model_path: str | None = None) -> list[RolePlan]:
     """Every role's per-GPU peak for the validated config ``cfg`` on its cluster (with the
-    activation checkpointing :func:`decide_checkpointing` and the encoder placement
-    :func:`decide_encoder_offload` apply)."""
-    checkpointing = decide_checkpointing(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path)
-    offloaded = decide_encoder_offload(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path)
-    parked = decide_optimizer_offload(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path)
-    job = job_shape(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path,
-                    checkpointing=checkpointing, encoders_offloaded=offloaded, optimizer_offload=parked)
+    activation checkpointing, optimizer parking and encoder placement :func:`decide_job` makes)."""
+    job = _decided_job(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path)
     return plan_roles(job, device_gib(cfg))
 
 

@@ -101,6 +101,9 @@ class ModelProfile:
     lora_params: float = 0.0  # measured LoRA parameters; overrides the lora_linears estimate
     gradient_checkpointing: bool | None = None  # None: decided per pass by memory (CostModel.checkpointing)
     video: bool = False
+    # The model family whose real configs the memory planner builds (models/real_configs.py:
+    # flux, sd3, qwen_image, wan, hunyuan_video); "": none, so no memory plan (CostModel.plans_memory).
+    family: str = ""
     defaults: Mapping[str, Any] = field(default_factory=dict)  # workload defaults
     sources: Mapping[str, str] = field(default_factory=dict)
 
@@ -197,6 +200,11 @@ class SystemProfile:
     # The placements in which this system can give the reward model devices of its own (a reward
     # pool); "" for none.
     reward_pools: str = "disaggregated"
+    # Whether this system's workers are this runtime's, whose memory the memory planner charges
+    # (memory/plan.py; CostModel.plans_memory). False: another system's, whose fit, activation
+    # checkpointing and memory-sized passes the cost model estimates from profile bytes
+    # (activation_bytes, optimizer_bytes_per_param, memory_headroom).
+    memory_planner: bool = True
     sources: Mapping[str, str] = field(default_factory=dict)
 
     def runs(self, placement: str) -> bool:
@@ -264,6 +272,14 @@ class Workload:
     # micro-batches of the step's first PPO mini-batch and send their LoRA gradients to trainer 0
     # (StrategySpec.gat). Set by for_spec.
     gat: bool = False
+    # Groups per generate task and per training micro-batch, and TAG (trainers generate too): what
+    # the memory planner's roles hold (CostModel.memory_job). Set by for_spec.
+    groups_per_task: int = 1
+    micro_batch_groups: int = 1
+    tag: bool = False
+    # Samples per VAE decode call (digen.model.vae_decode_chunk; 0: the whole generate call, the
+    # config's default): what a rollout worker's decode holds (the memory planner's), not its time.
+    vae_decode_chunk: int = 0
 
     @property
     def cfg_factor(self) -> int:
@@ -488,6 +504,36 @@ def training_pool(cluster: Cluster) -> str:
     return "fused" if "fused" in cluster.pools else "trainer"
 
 
+# The memory planner's roles (memory/plan.py) and the pools that hold them.
+ROLE_POOLS = {"colocated": "fused", "rollout": "rollout", "trainer": "trainer", "reward": "reward"}
+
+# What a role does in each of the memory planner's phases (memory/plan.py), for the planner's messages.
+_PHASE_WORDS = {"load": "loading the model", "warm": "warming the prompt cache", "encode": "encoding prompts",
+                "generate": "generating", "decode": "decoding", "train": "training", "step": "the optimizer step",
+                "sync": "the weight sync", "score": "scoring"}
+
+
+def _memory_problem(plan: Any, job: Any, pool: str, cluster: Cluster, reward: str = "") -> str:
+    """One pool that does not fit, from the memory planner's ``RolePlan`` of its role: the pool,
+    what it does at its peak, the GiB by category, the device."""
+    gib = 1 << 30
+    device = cluster.placement(pool).device
+    what = _PHASE_WORDS.get(plan.phase, plan.phase)
+    if plan.phase == "train" and plan.role == "rollout":
+        what = "training a GAT micro-batch"
+    if plan.role == "reward":
+        what = f"scoring with {reward} ({job.reward_bytes / gib:.1f} GiB of weights in its dtype)"
+    parts = ", ".join(f"{k.replace('_', ' ')} {v / gib:.1f}" for k, v in plan.bytes.items() if v)
+    if plan.phase in ("train", "step"):
+        sharded = 1 if plan.role == "rollout" else job.fsdp
+        parts += f"; training state {f'{sharded}-way sharded' if sharded > 1 else 'unsharded'}"
+    if plan.phase == "train":
+        parts += (f", activations for a pass of {job.pass_samples} sample(s), "
+                  f"{'checkpointed' if job.checkpointing else 'without checkpointing'}")
+    return (f"{pool}: {what} holds {plan.peak_gib:.1f} GiB per GPU ({parts}), more than the "
+            f"{plan.device_gib:g} GiB of one {device}")
+
+
 # ---------------------------------------------------------------------------- the model
 
 
@@ -498,8 +544,8 @@ class TrainGroup:
     replicated ``ranks / shard`` times). ``sends``: the group has a weight-sync sender (a
     disaggregated run's trainer pool), so the runtime streams every version out of the shards.
     ``gat_device``: under GAT, the rollout pool's device (its workers train micro-batches too, with
-    the run's one checkpointing decision); ``gat_scores``: those workers also hold the reward
-    model (no reward pool). Empty / False without GAT."""
+    the run's one checkpointing decision); empty without GAT. ``checkpointing`` and
+    ``optimizer_parked``: the memory planner's decisions for the cluster (:meth:`CostModel.memory_job`)."""
 
     ranks: int
     nodes: int
@@ -507,7 +553,11 @@ class TrainGroup:
     shard_nodes: int
     sends: bool
     gat_device: str = ""
-    gat_scores: bool = False
+    # The run's memory decisions for this cluster, the memory planner's (CostModel.memory_job;
+    # None / False where it plans nothing): activation checkpointing (None: not decided there) and
+    # whether disaggregated trainers park their optimizer state on the host between steps.
+    checkpointing: bool | None = None
+    optimizer_parked: bool = False
 
     @property
     def replicas(self) -> int:
@@ -535,6 +585,7 @@ class CostModel:
     # frozen; ``replace`` starts a new model with empty memos.
     _seconds_memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _group_memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _memory_memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def from_catalog(
@@ -599,6 +650,8 @@ class CostModel:
         # keeps the workload's (a published run's system stepping k times inside one task).
         minis = tasks if tasks > 1 else self.workload.mini_batches
         return self.with_workload(call_rows=rows, fsdp=sharded, mini_batches=minis, optimizer_tasks=tasks,
+                                  groups_per_task=spec.groups_per_task, micro_batch_groups=spec.train_micro_batch_groups,
+                                  tag=bool(getattr(spec, "tag", False)),
                                   gat=bool(getattr(spec, "gat", False)))
 
     def device(self, name: str) -> DeviceProfile:
@@ -703,17 +756,92 @@ class CostModel:
         return held[1]
 
     def _train_group(self, cluster: Cluster) -> TrainGroup:
+        group = self._plain_train_group(cluster)
+        if not self.plans_memory:
+            return group
+        job = self.memory_job(cluster)
+        return replace(group, checkpointing=job.checkpointing, optimizer_parked=group.sends and job.optimizer_offload)
+
+    def _plain_train_group(self, cluster: Cluster) -> TrainGroup:
+        """The training pool's shape, without the memory decisions."""
         p = cluster.placement(training_pool(cluster))
         sends = "rollout" in cluster.pools  # disaggregated: trainer 0 sends every version
         gat = {}
-        if self.workload.gat and sends:  # GAT: rollout workers train too (and score without a reward pool)
-            gat = dict(gat_device=cluster.placement("rollout").device, gat_scores="reward" not in cluster.pools)
+        if self.workload.gat and sends:  # GAT: rollout workers train too
+            gat = dict(gat_device=cluster.placement("rollout").device)
         if self.workload.fsdp is False:  # every trainer holds the whole state and trains alone
             return TrainGroup(ranks=p.size, nodes=p.nodes, shard=1, shard_nodes=1, sends=sends, **gat)
         shard = self.system.hsdp_shard if 0 < self.system.hsdp_shard < p.size else p.size
         # flat FSDP spans the pool's nodes; an HSDP shard group the nodes its ranks sit on
         return TrainGroup(ranks=p.size, nodes=p.nodes, shard=shard, shard_nodes=p.group_nodes(shard), sends=sends,
                           **gat)
+
+    # ------------------------------------------------------------------ memory: the memory planner's
+
+    @property
+    def plans_memory(self) -> bool:
+        """Whether memory (what fits, activation checkpointing, parked optimizer state) is the
+        memory planner's (:mod:`verl_digen.memory.plan`): this runtime's workers
+        (``system.memory_planner``) running a model whose family has real configs
+        (``model.family``). Otherwise another system's memory is estimated from profile bytes
+        (:meth:`estimated_memory_problems`), and a model without a family is not planned."""
+        return self.system.memory_planner and bool(self.model.family)
+
+    def memory_job(self, cluster: Cluster):
+        """This workload on ``cluster`` as the memory planner's job (``memory.plan.JobShape``: the
+        real model's configs at the workload's size, the strategy's generate calls and training
+        passes, every other setting at the config's default), with the run's memory decisions made
+        by the run's own rules (``memory.plan.decide_job``: parked optimizer state, activation
+        checkpointing, text-encoder placement; the workload's or model profile's setting where it
+        has one), each pool's GPUs at its device's memory. One per cluster object."""
+        held = self._memory_memo.get(id(cluster))
+        if held is None:
+            held = self._memory_memo[id(cluster)] = (cluster, self._memory_job(cluster))
+        return held[1]
+
+    def _memory_job(self, cluster: Cluster):
+        from verl_digen.memory.plan import decide_job, reward_gpu_bytes, workload_job
+
+        w, r = self.workload, self.reward
+        pool = training_pool(cluster)
+        colocated = pool == "fused"
+        group = self._plain_train_group(cluster)
+        # a served judge runs in its own inference server: the job's workers hold none of it
+        reward = 0 if r is None or r.served else reward_gpu_bytes({"name": r.name}, params_of=lambda _: r.params)
+        job = workload_job(
+            family=self.model.family, height=w.height, width=w.width, num_frames=w.frames, num_steps=w.num_steps,
+            cfg_rows=w.cfg_factor, group_size=w.group_size, groups_per_task=w.groups_per_task,
+            micro_batch_samples=w.micro_batch_groups * w.group_size,
+            pass_samples=self.pass_batch(self.device(cluster.placement(pool).device), group, pool),
+            lora=w.lora, lora_rank=w.lora_rank, kl_reference=w.kl,
+            placement="colocated" if colocated else "disaggregated",
+            rollout_devices=cluster.placement("fused" if colocated else "rollout").size,
+            trainer_devices=cluster.placement(pool).size,
+            reward_devices=cluster.pools["reward"].size if "reward" in cluster.pools else 0,
+            fsdp=group.shard, reward_bytes=reward, trainers_generate=w.tag,
+            trainers_score=w.tag and "reward" not in cluster.pools, rollouts_train=bool(group.gat_device),
+            vae_decode_chunk=w.vae_decode_chunk, devices=cluster.devices,
+        )
+        # fused workers park as the system does (ours: auto, parked); trainers as the workload says
+        # (None: auto, the planner's rule)
+        parked = self.system.optimizer_offload if colocated else w.optimizer_offload
+        return decide_job(job, self.role_gib(cluster), checkpointing=self.gradient_checkpointing, optimizer_offload=parked)
+
+    def role_gib(self, cluster: Cluster) -> dict[str, float]:
+        """The memory of one GPU of each of the memory planner's roles on ``cluster``: its pool's
+        device's ``hbm_gb``, in GiB as the memory planner (and the run's check) reads the device
+        table (``platform/devices.py``: the datasheets' "80 GB" are 5 stacks of 16 GiB)."""
+        return {role: self.device(cluster.placement(pool).device).hbm_gb
+                for role, pool in ROLE_POOLS.items() if pool in cluster.pools}
+
+    def memory_plans(self, cluster: Cluster):
+        """Every role's per-GPU peak on ``cluster`` (``memory.plan.RolePlan``, the memory
+        planner's), for the decided :meth:`memory_job`; empty when :attr:`plans_memory` is False."""
+        if not self.plans_memory:
+            return []
+        from verl_digen.memory.plan import plan_roles
+
+        return plan_roles(self.memory_job(cluster), self.role_gib(cluster))
 
     def held_grad_bytes_per_param(self) -> float:
         """Gradient bytes a rank holds per trained parameter: a LoRA run trains its adapters in
@@ -731,28 +859,16 @@ class CostModel:
 
     def optimizer_parked(self, dev: DeviceProfile, group: TrainGroup, pool: str = "trainer") -> bool:
         """Whether a disaggregated trainer keeps its optimizer state on the host between optimizer
-        steps (``workers/training.py: park_optimizer``): as the workload says, else (auto) exactly
-        when that lets a training pass run with less: for each checkpointing choice allowed (the
-        configured one, else without then with), resident if a pass fits so, else parked if it
-        fits parked; the rule of ``memory.plan.decide_optimizer_offload``, which asks every role
-        that trains: under GAT a checkpointing choice whose rollout pass does not fit is no choice
-        (:meth:`gat_training_fits`). Fused workers' parking is the system's switch
-        (``optimizer_offload``), charged where they switch."""
-        if pool != "trainer" or not group.sends or self.system.train_micro_batch:
-            return False  # (a system sizing its own passes to memory is not this runtime)
-        w = self.workload
-        if w.optimizer_offload is not None:
-            return w.optimizer_offload
-        cap = dev.hbm_gb * GB * self.system.memory_headroom
-        configured = self.gradient_checkpointing
-        for checkpointing in ((False, True) if configured is None else (configured,)):
-            if not self.gat_training_fits(group, checkpointing):
-                continue  # the rollout workers' pass decides this choice out whatever the trainers park
-            if self.training_bytes(dev, group, pool, checkpointing, parked=False) <= cap:
-                return False
-            if self.training_bytes(dev, group, pool, checkpointing, parked=True) <= cap:
-                return True
-        return False
+        steps (``workers/training.py: park_optimizer``): the memory planner's decision for the
+        cluster (:meth:`memory_job`: the workload's ``optimizer_offload``, else the rule of
+        ``digen.model.optimizer_offload=auto``, which asks every role that trains, GAT's rollout
+        workers included). Without a memory plan: as the workload says, else resident. Fused
+        workers' parking is the system's switch (``optimizer_offload``), charged where they switch."""
+        if pool != "trainer" or not group.sends:
+            return False
+        if self.plans_memory:
+            return group.optimizer_parked
+        return bool(self.workload.optimizer_offload) and not self.system.train_micro_batch
 
     def param_shard_bytes(self, group: TrainGroup) -> float:
         """The training weights one rank holds: bf16 weights, fp32 for the trainable ones."""
@@ -820,36 +936,22 @@ class CostModel:
         return (self.state_bytes_per_rank(group, parked) + self.resident_reward_bytes(pool)
                 + self.pass_batch(dev, group, pool) * self.activation_bytes_per_sample(checkpointing))
 
-    def gat_training_bytes(self, group: TrainGroup, checkpointing: bool) -> float:
-        """Peak bytes of a GAT rollout worker in a training pass (``group.gat_device``): what it
-        holds to generate, the full bf16 model and the fp32 LoRA adapters, plus the LoRA
-        gradients (unsharded), the reward model when it scores (no reward pool), and one pass's
-        activations, the trainers' pass (no optimizer state: trainer 0 steps). 0 without GAT."""
-        if not group.gat_device:
-            return 0.0
-        dev = self.device(group.gat_device)
-        held = 4.0 + self.held_grad_bytes_per_param()  # fp32 adapters + their gradients
-        return (self.param_bytes + held * self.trainable_params
-                + (self.reward_weight_bytes() if group.gat_scores else 0.0)
-                + self.pass_batch(dev, group, "trainer") * self.activation_bytes_per_sample(checkpointing))
-
-    def gat_training_fits(self, group: TrainGroup, checkpointing: bool) -> bool:
-        """Whether a GAT rollout worker's training pass fits its device (True without GAT)."""
-        if not group.gat_device:
-            return True
-        dev = self.device(group.gat_device)
-        return self.gat_training_bytes(group, checkpointing) <= dev.hbm_gb * GB * self.system.memory_headroom
-
     def checkpointing(self, dev: DeviceProfile, group: TrainGroup, pool: str = "trainer") -> bool:
-        """Activation checkpointing of a training pass: as configured, else on exactly when a
-        pass does not fit without it (what ``digen.model.gradient_checkpointing=auto`` does,
-        ``memory.plan.decide_checkpointing``): one decision for the run, so under GAT also when
-        the rollout workers' pass does not fit (:meth:`gat_training_fits`)."""
+        """Activation checkpointing of a training pass: as configured, else the memory planner's
+        decision for the cluster (:meth:`memory_job`: what ``digen.model.gradient_checkpointing=auto``
+        decides, on exactly when some role's pass, under GAT the rollout workers' too, does not fit
+        without it; one decision for the run). Another system's: estimated, on exactly when its
+        pass (:meth:`training_bytes`) exceeds the usable memory without it. A model without a
+        memory plan trains without."""
         configured = self.gradient_checkpointing
         if configured is not None:
             return configured
+        if self.plans_memory:
+            return bool(group.checkpointing)
+        if self.system.memory_planner:
+            return False
         cap = dev.hbm_gb * GB * self.system.memory_headroom
-        return self.training_bytes(dev, group, pool, False) > cap or not self.gat_training_fits(group, False)
+        return self.training_bytes(dev, group, pool, False) > cap
 
     def run_checkpointing(self, cluster: Cluster) -> bool:
         """The run's one checkpointing decision (:meth:`checkpointing` of the training pool),
@@ -1288,7 +1390,7 @@ class CostModel:
         """What the cluster's devices rent for (``usd_per_hour`` of each device profile)."""
         return sum(p.size * self.device(p.device).usd_per_hour for p in cluster.pools.values())
 
-    # ------------------------------------------------------------------ memory
+    # ------------------------------------------------------------------ memory: what fits
 
     def reward_replica_bytes(self) -> float:
         """A whole replica's bf16 weights: a reward pool device holds one (the pool's replicas are
@@ -1299,12 +1401,48 @@ class CostModel:
     def reward_weight_bytes(self) -> float:
         return 2.0 * self.reward.params / max(1, self.reward.tp) if self.reward is not None else 0.0
 
-    def memory_problems(self, cluster: Cluster, *, trainers_generate: bool = False) -> list[str]:
-        """Why this placement does not fit in device memory (empty: it fits).
+    def memory_problems(self, cluster: Cluster, *, trainers_generate: bool | None = None) -> list[str]:
+        """Why this placement does not fit in device memory (empty: it fits): each pool whose
+        role's per-GPU peak, as the memory planner computes it for :meth:`memory_job` (the run's
+        own check, ``memory.plan.check_job_memory``), exceeds its device's memory, naming the pool,
+        the peak phase, what it holds and the device. ``trainers_generate`` (TAG; None: the
+        workload's ``tag``): trainers generate too.
 
-        ``trainers_generate`` (TAG): a trainer also holds the full weights while it generates.
-        A fused (colocated) worker generates with a full copy of the weights next to whatever
-        training state the system does not offload, and a resident reward model."""
+        A served reward's pool is its inference server's devices, one bf16 replica each (not this
+        runtime's workers, so not the memory planner's). Another system (``system.memory_planner``
+        false) is estimated (:meth:`estimated_memory_problems`); a model without a family is not
+        planned (nothing is reported)."""
+        if trainers_generate is not None and trainers_generate != self.workload.tag:
+            return self.with_workload(tag=trainers_generate).memory_problems(cluster)
+        if not self.system.memory_planner:
+            return self.estimated_memory_problems(cluster)
+        problems = []
+        if self.workload.gat and not self.workload.lora and "rollout" in cluster.pools:
+            problems.append("rollout: GAT sends LoRA gradients to the trainers; a full fine-tune does not run it")
+        r = self.reward
+        if r is not None and r.served and "reward" in cluster.pools:
+            p = cluster.placement("reward")
+            dev = self.device(p.device)
+            if self.reward_replica_bytes() > dev.hbm_gb * GIB:
+                problems.append(f"reward: serving {r.name} holds a {self.reward_replica_bytes() / GIB:.1f} GiB bf16 replica "
+                                f"per device, more than the {dev.hbm_gb:g} GiB of {p.device}")
+        if not self.plans_memory:
+            return problems
+        job = self.memory_job(cluster)
+        for plan in self.memory_plans(cluster):
+            if plan.peak_gib > plan.device_gib:
+                problems.append(_memory_problem(plan, job, ROLE_POOLS[plan.role], cluster, r.name if r else ""))
+        return problems
+
+    # ------------------------------------------------------------------ memory: another system's, estimated
+
+    def estimated_memory_problems(self, cluster: Cluster) -> list[str]:
+        """Another system's fit (``system.memory_planner`` false: not this runtime's workers, so
+        not the memory planner's), estimated from profile bytes: a rollout or fused worker
+        generating holds the bf16 weights, a resident reward model's share, and (fused) whatever
+        training state its system does not offload; a reward pool device one replica of the reward
+        model; trainers one pass (:meth:`training_bytes`), all within ``memory_headroom`` of the
+        device."""
         problems = []
         s = self.system
         train_pool = training_pool(cluster)
@@ -1325,25 +1463,12 @@ class CostModel:
                         f"{', training state' if pool == 'fused' else ''}{', reward model' if self.reward_weight_bytes() else ''})"
                         f", more than {cap / GB:.0f} GB on {dev.name}"
                     )
-            if pool == "rollout" and self.workload.gat and not self.workload.lora:
-                problems.append("rollout: GAT sends LoRA gradients to the trainers; a full fine-tune does not run it")
-            elif pool == "rollout" and group.gat_device:
-                ckpt = self.run_checkpointing(cluster)
-                need = self.gat_training_bytes(group, ckpt)
-                if need > cap:
-                    problems.append(
-                        f"rollout: training a GAT micro-batch holds {need / GB:.0f} GB (weights "
-                        f"{self.param_bytes / GB:.0f} GB, LoRA adapters and gradients"
-                        f"{', the reward model' if group.gat_scores and self.reward_weight_bytes() else ''}, "
-                        f"activations of a pass of {self.pass_batch(dev, group, 'trainer')} sample(s)"
-                        f"{'' if ckpt else ' without checkpointing'}), more than {cap / GB:.0f} GB on {dev.name}"
-                    )
             if pool == "reward" and self.reward_replica_bytes() > cap:
                 problems.append(
                     f"reward: a replica of {self.reward.name} per device holds {self.reward_replica_bytes() / GB:.0f} GB "
                     f"of weights, more than {cap / GB:.0f} GB on {dev.name}"
                 )
-            if pool == "trainer" and trainers_generate and self.param_bytes + self.state_bytes_per_rank(group) > cap:
+            if pool == "trainer" and self.workload.tag and self.param_bytes + self.state_bytes_per_rank(group) > cap:
                 problems.append(
                     f"trainer: generating (TAG) needs the full {self.param_bytes / GB:.0f} GB of weights next to "
                     f"{self.state_bytes_per_rank(group) / GB:.0f} GB of training state on {dev.name}"
@@ -1376,14 +1501,18 @@ class CostModel:
             "gradient_checkpointing": self.gradient_checkpointing,
             "trainable_params": self.trainable_params,
             "sync_gb": self.sync_bytes / GB,
-            "activation_gb_per_sample": self.activation_bytes_per_sample() / GB,
         }
+        if not self.plans_memory:  # another system's memory, estimated (the memory planner's: per role below)
+            out["activation_gb_per_sample"] = self.activation_bytes_per_sample() / GB
         if cluster is not None:
             group = self.train_group(cluster)
             dev = self.device(cluster.placement(training_pool(cluster)).device)
             out["train_device_batch"] = self.pass_batch(dev, group)
             out["checkpointing_decided"] = self.checkpointing(dev, group, training_pool(cluster))
-            out["state_gb_per_rank"] = self.state_bytes_per_rank(group) / GB
+            if self.plans_memory:
+                out["peak_gib_per_gpu"] = {ROLE_POOLS[p.role]: round(p.peak_gib, 2) for p in self.memory_plans(cluster)}
+            else:
+                out["state_gb_per_rank"] = self.state_bytes_per_rank(group) / GB
             out["usd_per_hour"] = self.usd_per_hour(cluster)
         return out
 

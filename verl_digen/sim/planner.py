@@ -18,9 +18,11 @@ best configuration::
 ``--system`` predicts another system (a profile in ``profiles/systems.yaml``) on the same
 workload and cluster: ``verl-omni`` is veRL-Omni's colocated FlowGRPO as calibrated on its
 published runs (``python -m verl_digen.sim.calibrate``). Each JSON row has ``step_s`` (seconds per
-training step) and ``usd_per_1000_images`` (the devices' ``usd_per_hour``). The planner's memory filter is
-the cost model's coarse one; the per-GPU peak of a printed configuration is the memory
-planner's (``python -m verl_digen.memory`` on the overrides).
+training step) and ``usd_per_1000_images`` (the devices' ``usd_per_hour``). What fits is the memory
+planner's (``memory/plan.py``, the run's own check before any worker starts): each configuration's
+per-GPU peak of every pool, for the model's real configs, against its device's memory
+(``CostModel.memory_problems``); a dropped configuration's JSON row names the pool, its peak phase,
+the GiB and the device.
 """
 
 from __future__ import annotations
@@ -420,7 +422,7 @@ def reward_pool_sizes(costs: CostModel, inventory: Inventory) -> list[int]:
 def evaluate(candidate: Candidate, costs: CostModel, *, steps: int = 5, warmup: int = 2) -> Evaluation:
     cluster = candidate.cluster
     costs = costs.for_spec(candidate.spec)  # the strategy's transformer calls and sharding
-    problems = costs.memory_problems(cluster, trainers_generate=getattr(candidate.spec, "tag", False))
+    problems = costs.memory_problems(cluster)  # the memory planner's peaks (for_spec carries TAG)
     if problems:
         return Evaluation(candidate, None, problems)
     return Evaluation(candidate, simulate(candidate.spec, costs, cluster, steps=steps, warmup=warmup))
@@ -509,10 +511,21 @@ def hydra_overrides(candidate: Candidate, costs: CostModel, inventory: Inventory
         f"digen.sampling.num_frames={w.frames}",
         f"digen.sampling.num_steps={w.num_steps}",
     ]
+    # work units (the planner does not search them; a spec built with them prints them)
+    if getattr(spec, "pull", False):
+        out.append("digen.units.pull=true")
+    if getattr(spec, "sample_slices", None) is not None:
+        out.append(f"digen.units.sample_slices={spec.sample_slices}")
+    if getattr(spec, "train_slices", 1) != 1:
+        out.append(f"digen.units.train_slices={spec.train_slices}")
+    if w.vae_decode_chunk:
+        out.append(f"digen.model.vae_decode_chunk={w.vae_decode_chunk}")
     if w.sde_window and w.sde_window < w.num_steps:
         out += ["digen.sampling.sde_window.mode=random", f"digen.sampling.sde_window.size={w.sde_window}"]
     out.append(f"digen.sampling.timestep_fraction={w.timestep_fraction}")
     out.append(f"digen.model.lora.enable={'true' if w.lora else 'false'}")
+    if w.lora:
+        out.append(f"digen.model.lora.rank={w.lora_rank}")
     if spec.placement == "disaggregated":  # what the simulation assumed, not left to the run's own auto
         spec_costs = costs.for_spec(spec)
         trainers = candidate.pools["trainer"]
@@ -585,6 +598,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frames", type=int, default=None)
     p.add_argument("--steps", type=int, default=None, help="denoising steps per sample")
     p.add_argument("--sde-window", type=int, default=None, help="trained (SDE) steps per trajectory; 0 = all")
+    p.add_argument("--vae-decode-chunk", type=int, default=None,
+                   help="samples per VAE decode call (digen.model.vae_decode_chunk; default 0: a generate call's all)")
     p.add_argument("--lora", action=argparse.BooleanOptionalAction, default=None, help="LoRA instead of full fine-tuning")
     p.add_argument("--reward", default=None, help="reward profile (see --list; default: the model profile's)")
     p.add_argument("--reward-devices", default=None,
@@ -623,6 +638,7 @@ def main(argv: list[str] | None = None) -> int:
             catalog, args.model, devices=list(inventory.devices), system=args.system, groups_per_step=args.groups_per_step,
             group_size=args.group_size, height=args.height, width=args.width, frames=args.frames,
             num_steps=args.steps, sde_window=args.sde_window, lora=args.lora, reward=args.reward,
+            vae_decode_chunk=args.vae_decode_chunk,
         )
         result = search(
             costs, inventory, mechanisms=[m.strip() for m in args.mechanisms.split(",") if m.strip()],
