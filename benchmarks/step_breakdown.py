@@ -24,10 +24,16 @@ DEFAULT_SETS = ("colocated+fsdp", "colocated", "disaggregated+gap+fsdp+tcss", "d
 
 
 def breakdown(evaluation) -> dict:
-    """Busy device-seconds per step of each (pool, task kind) over the measured window, with
-    tasks cut at the window's edges."""
+    """Busy device-seconds per step of each (pool, task kind) over the measured steps but the
+    run's last, with tasks cut at the window's edges."""
     result = evaluation.result
     t0, t1 = result.window
+    steps = result.measured_steps
+    if steps > 1:
+        # Leave the run's last step out: under TCSS the rollout pool generates the next step's
+        # groups during a step, and the run plans none past its end, so its last step would show
+        # an idle rollout pool that a longer run does not have.
+        t1, steps = result.step_end[-2], steps - 1
     busy: dict[tuple[str, str], float] = collections.defaultdict(float)
     per_device: dict[str, float] = collections.defaultdict(float)
     for rec in result.timeline.records:
@@ -38,10 +44,12 @@ def breakdown(evaluation) -> dict:
             pool = worker.rstrip("0123456789")
             busy[(pool, rec.kind)] += end - start
             per_device[worker] += end - start
-    steps = result.measured_steps
     return {"busy": {k: v / steps for k, v in busy.items()},
-            "busiest": max(per_device.values()) / steps / result.step_time_s if per_device else 0.0,
-            "step_s": result.step_time_s, "images_per_s": result.images_per_s, "bubble": result.bubble_fraction,
+            "busiest": max(per_device.values()) / (t1 - t0) if per_device else 0.0,
+            "step_s": result.step_time_s, "images_per_s": result.images_per_s,
+            # idle share of the devices over the same steps (the simulator's own bubble_fraction
+            # counts the run's last step too)
+            "bubble": 1.0 - sum(per_device.values()) / (len(per_device) * (t1 - t0)) if per_device else 0.0,
             "spec": evaluation.candidate.spec}
 
 
