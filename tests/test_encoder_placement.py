@@ -62,6 +62,7 @@ class _Adapter:
     offloaded: tuple[str, ...] = ()
     offload_to_cpu = DiffusionAdapter.offload_to_cpu
     release_text_encoders = DiffusionAdapter.release_text_encoders
+    compute_device = DiffusionAdapter.compute_device
     device = DiffusionAdapter.device
 
     def __init__(self, offload: bool = True) -> None:
