@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,6 +157,31 @@ def compute_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def init_process_group_retrying(*, attempts: int = 30, wait_s: float = 2.0, **kwargs: Any) -> None:
+    """``dist.init_process_group`` from the environment (``MASTER_ADDR`` / ``MASTER_PORT``), with
+    rank 0 trying again while the port is in use.
+
+    veRL's worker group picks ``MASTER_PORT`` when it creates rank 0 (a port the OS had free then)
+    and every rank reads it at ``init_model``, after loading the model: on a busy machine another
+    process can hold that port meanwhile, most often as the local end of a short-lived connection
+    (a CI run failed so: ``EADDRINUSE``). Rank 0 waits for it for ``attempts x wait_s`` seconds;
+    the other ranks already keep trying to reach the store. A port held longer is an error that
+    names it."""
+    for attempt in range(attempts):
+        try:
+            dist.init_process_group(**kwargs)
+            return
+        except dist.DistNetworkError as e:
+            if "EADDRINUSE" not in str(e) or attempt == attempts - 1:
+                if "EADDRINUSE" in str(e):
+                    raise RuntimeError(
+                        f"the trainer ranks' rendezvous port MASTER_PORT={os.environ.get('MASTER_PORT')} on "
+                        f"{os.environ.get('MASTER_ADDR')} stayed in use by another process for "
+                        f"{attempts * wait_s:.0f} s; start the run again (veRL picks a new port)") from e
+                raise
+            time.sleep(wait_s)
 
 
 def reward_device(setting: str, worker_device: torch.device) -> torch.device:
@@ -323,7 +349,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
                 # FSDP2's host offload keeps gradients on the host: their norm (clipping) is a
                 # collective over host tensors, which NCCL cannot run; gloo takes those.
                 backend = "cpu:gloo,cuda:nccl"
-            dist.init_process_group(backend=backend, rank=self.rank, world_size=self.world_size, **extra)
+            init_process_group_retrying(backend=backend, rank=self.rank, world_size=self.world_size, **extra)
         self._pg = dist.group.WORLD
 
     def _shard_for_training(self) -> torch.nn.Module | None:
