@@ -952,3 +952,28 @@ def test_gat_speeds_up_a_trainer_bound_step_and_stays_out_of_a_rollout_bound_one
     with_gat, without = run(4, 12, True), run(4, 12, False)  # rollout-bound
     assert all(m["gat/micro_batches"] == 0 for m in with_gat.step_metrics)
     assert with_gat.step_time_s == pytest.approx(without.step_time_s)
+
+
+def test_a_pickled_cost_model_brings_its_memory_decisions_to_an_equal_cluster(monkeypatch):
+    """An emulated worker gets the cost model and the cluster pickled apart: it must find the
+    driver's memory decisions (the memory planner traces the real model on the meta device,
+    seconds each; 32 workers doing it at once stalled the emulated runs) and make them only for a
+    cluster it has not seen."""
+    import pickle
+
+    import verl_digen.sim.cost_model as cm
+    from verl_digen.workers.emulated import emulation_costs
+
+    costs = emulation_costs("flux-12b", "H800")
+    cluster = cm.Cluster({"rollout": cm.PoolPlacement.spread([8, 0], "H800"),
+                          "trainer": cm.PoolPlacement.spread([0, 8], "H800")})
+    group = costs.train_group(cluster)
+    copy, cluster_copy = pickle.loads(pickle.dumps(costs)), pickle.loads(pickle.dumps(cluster))
+    made = []
+    real = cm.CostModel._memory_job
+    monkeypatch.setattr(cm.CostModel, "_memory_job", lambda self, c: made.append(c) or real(self, c))
+    assert copy.train_group(cluster_copy) == group and made == []
+    other = cm.Cluster({"rollout": cm.PoolPlacement.spread([4, 0], "H800"),
+                        "trainer": cm.PoolPlacement.spread([0, 8], "H800")})
+    copy.train_group(other)
+    assert made == [other]

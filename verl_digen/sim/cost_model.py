@@ -50,7 +50,7 @@ import os
 import typing
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from verl_digen.schedule.plan import Task, TaskKind, WorkerId
 from verl_digen.platform.devices import DEVICES_FILE
@@ -504,6 +504,18 @@ def training_pool(cluster: Cluster) -> str:
     return "fused" if "fused" in cluster.pools else "trainer"
 
 
+def _memoised(memo: dict, cluster: Cluster, make: Callable[[Cluster], Any]) -> Any:
+    """``make(cluster)`` once per cluster: by the cluster object (the memo holds it, so its id is
+    not reused while the model lives), else by an equal cluster's entry. The second finds what a
+    pickled copy of the model computed before it was sent: an emulated worker gets the driver's
+    memory decisions (seconds of meta-device tracing each) instead of making them again."""
+    held = memo.get(id(cluster))
+    if held is None or held[0] is not cluster:
+        equal = [v for c, v in memo.values() if c == cluster]
+        held = memo[id(cluster)] = (cluster, equal[0] if equal else make(cluster))
+    return held[1]
+
+
 # The memory planner's roles (memory/plan.py) and the pools that hold them.
 ROLE_POOLS = {"colocated": "fused", "rollout": "rollout", "trainer": "trainer", "reward": "reward"}
 
@@ -749,11 +761,7 @@ class CostModel:
     # ------------------------------------------------------------------ the training pool
 
     def train_group(self, cluster: Cluster) -> TrainGroup:
-        # by the cluster object, which the memo holds: its id is not reused while the model lives
-        held = self._group_memo.get(id(cluster))
-        if held is None:
-            held = self._group_memo[id(cluster)] = (cluster, self._train_group(cluster))
-        return held[1]
+        return _memoised(self._group_memo, cluster, self._train_group)
 
     def _train_group(self, cluster: Cluster) -> TrainGroup:
         group = self._plain_train_group(cluster)
@@ -794,10 +802,7 @@ class CostModel:
         by the run's own rules (``memory.plan.decide_job``: parked optimizer state, activation
         checkpointing, text-encoder placement; the workload's or model profile's setting where it
         has one), each pool's GPUs at its device's memory. One per cluster object."""
-        held = self._memory_memo.get(id(cluster))
-        if held is None:
-            held = self._memory_memo[id(cluster)] = (cluster, self._memory_job(cluster))
-        return held[1]
+        return _memoised(self._memory_memo, cluster, self._memory_job)
 
     def _memory_job(self, cluster: Cluster):
         from verl_digen.memory.plan import decide_job, reward_gpu_bytes, workload_job

@@ -274,6 +274,10 @@ def emulated_worker_groups(
         import ray
 
         cluster = cluster_for_layout(layout, device)
+        # the training pool's memory decisions made once, here: each worker gets them with its
+        # copy of the cost model (CostModel.train_group finds an equal cluster's) instead of
+        # tracing the real model on the meta device itself, all at once on the driver's CPUs
+        costs.train_group(cluster)
         remote = ray.remote(num_cpus=0)(EmulatedWorker)
         groups, actors = {}, {}
         for pool, (process_on_nodes, _accel) in layout.pools.items():
