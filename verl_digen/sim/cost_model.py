@@ -511,8 +511,11 @@ def _memoised(memo: dict, cluster: Cluster, make: Callable[[Cluster], Any]) -> A
     memory decisions (seconds of meta-device tracing each) instead of making them again."""
     held = memo.get(id(cluster))
     if held is None or held[0] is not cluster:
-        equal = [v for c, v in memo.values() if c == cluster]
-        held = memo[id(cluster)] = (cluster, equal[0] if equal else make(cluster))
+        # by value: one dict lookup (a scan of every entry would grow with the planner's search)
+        key = ("equal", tuple(sorted(cluster.pools.items())))
+        if key not in memo:
+            memo[key] = (cluster, make(cluster))
+        held = memo[id(cluster)] = (cluster, memo[key][1])
     return held[1]
 
 

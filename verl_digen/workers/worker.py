@@ -174,13 +174,13 @@ def init_process_group_retrying(*, attempts: int = 30, wait_s: float = 2.0, **kw
             dist.init_process_group(**kwargs)
             return
         except dist.DistNetworkError as e:
-            if "EADDRINUSE" not in str(e) or attempt == attempts - 1:
-                if "EADDRINUSE" in str(e):
-                    raise RuntimeError(
-                        f"the trainer ranks' rendezvous port MASTER_PORT={os.environ.get('MASTER_PORT')} on "
-                        f"{os.environ.get('MASTER_ADDR')} stayed in use by another process for "
-                        f"{attempts * wait_s:.0f} s; start the run again (veRL picks a new port)") from e
+            if "EADDRINUSE" not in str(e):
                 raise
+            if attempt == attempts - 1:
+                raise RuntimeError(
+                    f"the trainer ranks' rendezvous port MASTER_PORT={os.environ.get('MASTER_PORT')} on "
+                    f"{os.environ.get('MASTER_ADDR')} stayed in use by another process for "
+                    f"{attempts * wait_s:.0f} s; start the run again (veRL picks a new port)") from e
             time.sleep(wait_s)
 
 
