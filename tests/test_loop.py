@@ -75,6 +75,11 @@ def test_gap_over_two_trainer_ranks_matches_one_trainer_rank(tmp_path):
     a, b = load_file(one.extra["final_weights"]), load_file(two.extra["final_weights"])
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-7, rtol=1e-5)
+    # the two trainer ranks met on the port rank 0's store was given by the OS, not veRL's MASTER_PORT
+    with open(os.path.join(two.output_dir, "workers.json")) as f:
+        trainers = [w for w in json.load(f) if w["role"] == "trainer"]
+    ports = {w["rendezvous"] for w in trainers}
+    assert len(trainers) == 2 and len(ports) == 1 and next(iter(ports)).startswith("port "), trainers
 
 
 @pytest.mark.parametrize("lora", [True, False], ids=["lora_only", "full"])

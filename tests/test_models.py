@@ -444,3 +444,18 @@ def test_rank_0_waits_for_a_rendezvous_port_in_use_and_names_one_held_too_long(t
     lines = result.stdout.strip().splitlines()
     assert lines[0] == "joined 1 True", result.stdout
     assert lines[1].startswith("refused: the trainer ranks' rendezvous port MASTER_PORT=") and "stayed in use" in lines[1], lines
+
+
+def test_the_trainer_rendezvous_listens_on_a_port_the_os_assigned_and_the_other_ranks_meet_there(monkeypatch):
+    """Rank 0's store binds a port the OS assigns (so nothing can take it between choosing and
+    binding, as with veRL's MASTER_PORT); a rank given that port reaches it over real TCP; a rank
+    given none falls back to MASTER_PORT (None)."""
+    from verl_digen.workers.worker import rendezvous_store
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    master = rendezvous_store(rank=0, world_size=2, port=None, timeout_s=30)
+    assert master.port > 0
+    other = rendezvous_store(rank=1, world_size=2, port=master.port, timeout_s=30)
+    other.set("from_rank_1", "hello")
+    assert master.get("from_rank_1") == b"hello"
+    assert rendezvous_store(rank=1, world_size=2, port=None, timeout_s=30) is None

@@ -130,7 +130,7 @@ def protocol_mismatches(cls: type) -> list[str]:
 
 def test_the_protocol_names_the_controllers_calls():
     assert _task_methods() == sorted([
-        "init_model", "generate", "compute_reward", "train_micro_batch", "optimizer_step", "sync_join", "sync_recv",
+        "open_rendezvous", "init_model", "generate", "compute_reward", "train_micro_batch", "optimizer_step", "sync_join", "sync_recv",
         "profile_step_costs", "refresh_full_state", "weights_digest", "get_policy_version", "ping",
     ])
 

@@ -132,7 +132,7 @@ class DigenTrainer:
 
         job, cfg = self.job, self.job.cfg
         self._groups, actors = (self.worker_groups or self._default_worker_groups(use_gpu))(job.layout)
-        infos = ray.get([a.init_model.remote() for a in actors.values()], timeout=cfg.task_timeout_s)
+        infos = runtime.init_models(actors, cfg.task_timeout_s)
         with open(os.path.join(job.output_dir, "workers.json"), "w") as f:
             json.dump([{**i, "worker": str(w)} for w, i in zip(actors, infos)], f, indent=2)
         if cfg.prompt_cache.enable and not job.emulated:  # each prompt encoded once per cache directory

@@ -505,6 +505,16 @@ def real_worker_groups(
     return build
 
 
+def init_models(actors: dict[WorkerId, Any], timeout_s: float) -> list[dict[str, Any]]:
+    """Every worker's ``init_model``, after rank 0 of each training group opened the group's
+    rendezvous on a port the OS assigned (``open_rendezvous``), handed to every rank of its pool."""
+    import ray
+
+    ports = ray.get([a.open_rendezvous.remote() for a in actors.values()], timeout=timeout_s)
+    by_pool = {w.pool: port for w, port in zip(actors, ports) if port is not None}
+    return ray.get([a.init_model.remote(by_pool.get(w.pool)) for w, a in actors.items()], timeout=timeout_s)
+
+
 def open_weight_channel(spec: Any, actors: dict[WorkerId, Any], cfg: DigenConfig, use_gpu: bool) -> None:
     """Connect trainer rank 0 to every rollout worker (gloo or NCCL) and check they agree."""
     import ray

@@ -118,7 +118,10 @@ class EmulatedWorker:
 
     # ------------------------------------------------------------------ set-up (the loop's calls)
 
-    def init_model(self) -> dict[str, Any]:
+    def open_rendezvous(self) -> int | None:
+        return None  # emulated trainers form no process group
+
+    def init_model(self, rendezvous_port: int | None = None) -> dict[str, Any]:
         self.warm_up()
         return {"role": self.worker.pool, "rank": self.worker.rank, "emulated": True}
 

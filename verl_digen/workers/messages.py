@@ -172,7 +172,12 @@ class WorkerTasks(Protocol):
     signatures). Trajectories are whatever the worker's ``generate`` returns (a ``DataProto``,
     a TSP stage's ``GroupsInFlight``, an emulated record): the controller only passes them on."""
 
-    def init_model(self) -> dict[str, Any]:
+    def open_rendezvous(self) -> int | None:
+        """Rank 0 of a training group: the port its process group's store listens on (the OS's
+        choice), which the driver hands to every rank's ``init_model``; None elsewhere."""
+        ...
+
+    def init_model(self, rendezvous_port: int | None = None) -> dict[str, Any]:
         """Build what the worker's role needs; a record of it for the run's ``workers.json``."""
         ...
 

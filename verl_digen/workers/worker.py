@@ -184,6 +184,26 @@ def init_process_group_retrying(*, attempts: int = 30, wait_s: float = 2.0, **kw
             time.sleep(wait_s)
 
 
+def rendezvous_store(*, rank: int, world_size: int, port: int | None, timeout_s: float) -> dist.TCPStore | None:
+    """The store of a trainer group's process group on a port handed out by the driver: rank 0's
+    listens on a port the OS assigns at bind time (``port`` None; its ``.port`` is what the driver
+    hands the other ranks), every other rank connects to ``port``. None for a rank given no port
+    (then the group meets at veRL's ``MASTER_PORT``, :func:`init_process_group_retrying`).
+
+    Why not veRL's ``MASTER_PORT``: veRL picks it when it creates the group, as a port free at that
+    moment, and the ranks bind it only at ``init_model``, after loading the model; a port the OS
+    assigns when rank 0 binds it cannot be taken in between (a CI run failed with ``EADDRINUSE``)."""
+    from datetime import timedelta
+
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    timeout = timedelta(seconds=timeout_s)
+    if rank == 0:
+        return dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False, timeout=timeout)
+    if port is None:
+        return None
+    return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+
+
 def reward_device(setting: str, worker_device: torch.device) -> torch.device:
     """Where the reward model of a worker on ``worker_device`` runs (``digen.reward.device``):
     ``auto`` there (a GPU worker scores on its GPU, so a reward pool's GPUs are used), ``cpu``
@@ -224,6 +244,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         self.updater: PolicyUpdater | None = None
         self.reward_fn = None
         self._pg: dist.ProcessGroup | None = None
+        self._store: dist.TCPStore | None = None  # the trainer group's rendezvous (open_rendezvous)
         self.fsdp = ROLE_CAPABILITIES[role].trains and config.fsdp.enable
         self._snapshot: HostSnapshot | None = None  # FSDP rank 0 / the sender: this version on the host
         self._sync_digest: str | None = None  # FSDP ranks other than 0, after a checkpoint load
@@ -235,13 +256,29 @@ class DiffusionWorker(Worker, WeightSyncMixin):
 
     # ------------------------------------------------------------------ set-up
 
+    def open_rendezvous(self) -> int | None:
+        """Rank 0 of a group that will join a process group (:meth:`_join_trainer_group`): open
+        the group's store now, on a port the OS assigns, and return it for the driver to hand to
+        every rank's :meth:`init_model`; None on every other worker."""
+        if self.rank != 0 or not self._joins_trainer_group() or dist.is_initialized():
+            return None
+        if self._store is None:
+            self._store = rendezvous_store(rank=0, world_size=self.world_size, port=None,
+                                           timeout_s=self.cfg.task_timeout_s)
+        return self._store.port
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def init_model(self) -> dict[str, Any]:
+    def init_model(self, rendezvous_port: int | None = None) -> dict[str, Any]:
         """Build what this worker's role needs (:data:`ROLE_CAPABILITIES`), in this order: the
         policy, then the training state, then the reward. Returns a record of what was built
-        (the run's ``workers.json``)."""
+        (the run's ``workers.json``). ``rendezvous_port``: the port rank 0's
+        :meth:`open_rendezvous` returned, for a rank of its group (None: veRL's ``MASTER_PORT``)."""
         torch.set_num_threads(self.num_threads)
         import ray
+
+        if rendezvous_port is not None and self.rank != 0:
+            self._store = rendezvous_store(rank=self.rank, world_size=self.world_size, port=rendezvous_port,
+                                           timeout_s=self.cfg.task_timeout_s)
 
         caps = ROLE_CAPABILITIES[self.role]
         info: dict[str, Any] = {"role": self.role, "rank": self.rank, "pid": os.getpid(),
@@ -302,7 +339,9 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         full fine-tune's KL reference, built from the shards), then the :class:`PolicyUpdater`
         (its optimizer is built after sharding)."""
         info: dict[str, Any] = {}
-        self._join_trainer_group()
+        joined = self._join_trainer_group()
+        if joined is not None:
+            info["rendezvous"] = joined
         if self.cfg.model.checkpointing:  # decided before Ray starts when it was auto (trainer/resolve.py)
             from verl_digen.workers.fsdp import enable_gradient_checkpointing
 
@@ -334,14 +373,15 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         info["assists_training"] = sum(p.numel() for p in self.updater.params)
         return info
 
-    def _join_trainer_group(self) -> None:
+    def _join_trainer_group(self) -> str | None:
         """The trainer ranks' default process group, when there is more than one rank or FSDP
         (FSDP2 shards over the default group's mesh, so one sharded rank needs a group of one).
         On CUDA the group is bound to this worker's GPU (device_id: NCCL's communicator is
         created eagerly, on the right device, instead of at the first collective)."""
-        if not (self.world_size > 1 or self.fsdp):
-            return
+        if not self._joins_trainer_group():
+            return None
         cuda = torch.cuda.is_available()
+        how = "joined before"
         if not dist.is_initialized():
             extra = {"device_id": compute_device()} if cuda else {}
             backend = "nccl" if cuda else "gloo"
@@ -349,8 +389,18 @@ class DiffusionWorker(Worker, WeightSyncMixin):
                 # FSDP2's host offload keeps gradients on the host: their norm (clipping) is a
                 # collective over host tensors, which NCCL cannot run; gloo takes those.
                 backend = "cpu:gloo,cuda:nccl"
-            init_process_group_retrying(backend=backend, rank=self.rank, world_size=self.world_size, **extra)
+            if self._store is not None:  # the driver's rendezvous (open_rendezvous)
+                dist.init_process_group(backend=backend, store=self._store, rank=self.rank,
+                                        world_size=self.world_size, **extra)
+                how = f"port {self._store.port} (the OS's choice, from rank 0)"
+            else:
+                init_process_group_retrying(backend=backend, rank=self.rank, world_size=self.world_size, **extra)
+                how = f"MASTER_PORT {os.environ.get('MASTER_PORT')}"
         self._pg = dist.group.WORLD
+        return how
+
+    def _joins_trainer_group(self) -> bool:
+        return ROLE_CAPABILITIES[self.role].trains and (self.world_size > 1 or self.fsdp)
 
     def _shard_for_training(self) -> torch.nn.Module | None:
         """FSDP2: shard the denoiser (parallelism applied in one place) and return a full
