@@ -784,6 +784,41 @@ def test_the_fsdp_state_stream_is_charged_to_every_rank_after_the_optimizer_step
     assert unsharded.state_stream_seconds(dev, unsharded.train_group(cluster)) == 0.0
 
 
+def test_a_worker_generating_with_its_sharded_module_pays_each_forwards_all_gather_beyond_its_compute(catalog):
+    """Under FSDP a fused worker (or a TAG trainer) generates with its own sharded module: every
+    transformer call all-gathers the blocks and frees them after it (workers/fsdp.py), its
+    compute hiding part of it (comm_overlap), and there is no generation copy to refresh when it
+    switches. A rollout worker holds the whole model: nothing to gather. veRL-Omni's separate
+    engine is given a gathered copy at the switch (reload) instead."""
+    c = _costs(catalog, "flux-12b")
+    w = c.workload
+    spec = StrategySpec("colocated", rollout_workers=32, trainer_workers=32, groups_per_step=w.groups_per_step,
+                        group_size=w.group_size, fsdp=True, train_micro_batch_groups=8)
+    cluster = Cluster.for_spec(spec, "H800")
+    cs, dev = c.for_spec(spec), catalog.devices["H800"]
+    group = cs.train_group(cluster)
+    gather = cs.generation_gather_seconds(dev, cluster, "fused")
+    assert group.shard == 32 and gather == cs.fsdp_gather_seconds(dev, group) > 0
+    assert cs.generation_gather_seconds(dev, cluster, "rollout") == 0.0
+    assert c.for_spec(dataclasses.replace(spec, fsdp=False)).generation_gather_seconds(dev, cluster, "fused") == 0.0
+    # each call pays what its compute does not hide: 2 calls of 2 rows and 1 of 1 for 5 samples
+    # (every row at the efficiency of the 2-row call, as the compute itself is charged)
+    big, overhead = 10.0, dev.forward_overhead_s
+    row = (cs.denoise_seconds(2, dev, 2) - overhead) / 2
+    hidden = {n: cs.system.comm_overlap * (overhead + n * row) for n in (1, 2)}
+    assert cs.denoise_seconds(5, dev, 2, big) - cs.denoise_seconds(5, dev, 2) == pytest.approx(
+        2 * (big - hidden[2]) + (big - hidden[1]))
+    assert cs.denoise_seconds(5, dev, 2, 1e-6) == cs.denoise_seconds(5, dev, 2)  # a small gather is hidden
+    # a generate task on the fused worker is charged it; no reload at the switch for an in-place generator
+    fused = WorkerId("fused", 0)
+    gen = Task(TaskId.generate((0,)), TaskKind.GENERATE, (fused,), 0, groups=(0,), images=w.group_size)
+    assert cs.task_seconds(gen, fused, cluster) == pytest.approx(cs.generate_seconds(
+        w.group_size, dev, batch=cs.rollout_batch(cluster, "fused"), gather_s=gather) + cs.system.task_overhead_s)
+    assert cs.reload_seconds(dev, group) == 0.0
+    omni = cs.with_system(catalog.systems["verl-omni"])
+    assert omni.reload_seconds(dev, group) > 0 and omni.generation_gather_seconds(dev, cluster, "fused") == 0.0
+
+
 def test_the_optimizer_step_is_charged_the_host_snapshot_the_trainer_copies(catalog):
     """Trainer 0 copies each version into its pinned host snapshot (sync/snapshot.py) after the
     optimizer step when it is the weight-sync sender: under FSDP overlapping the state stream's

@@ -999,14 +999,24 @@ class CostModel:
         flops = 2.0 * m.text_encoder_params * m.text_encoder_tokens * prompts * self.workload.cfg_factor
         return flops / (dev.flops * (dev.encode_mfu or dev.mfu_forward))
 
-    def denoise_seconds(self, samples: int, dev: DeviceProfile, batch: int | None = None) -> float:
+    def denoise_seconds(self, samples: int, dev: DeviceProfile, batch: int | None = None,
+                        gather_s: float = 0.0) -> float:
         """One denoising step of ``samples`` samples (both CFG branches), run as forwards of at
-        most ``batch`` samples (default: one forward over all of them)."""
+        most ``batch`` samples (default: one forward over all of them). ``gather_s``: the FSDP
+        all-gather each forward makes when the module generating is sharded
+        (:meth:`generation_gather_seconds`), hidden behind the forward's compute as a training
+        pass's collectives are (:meth:`_pass_seconds`)."""
         b = max(1, min(samples, batch or samples))
         calls = math.ceil(samples / b)
         eff = self.efficiency(dev, b * self.workload.cfg_factor * self.tokens()[1])
         flops = samples * self.workload.cfg_factor * self.forward_flops()
-        return calls * dev.forward_overhead_s + flops / (dev.flops * eff)
+        t = calls * dev.forward_overhead_s + flops / (dev.flops * eff)
+        if gather_s:
+            row = self.workload.cfg_factor * self.forward_flops() / (dev.flops * eff)
+            full, rest = divmod(samples, b)
+            for n, times in ((b, full), (rest, 1 if rest else 0)):  # the part of each call's gather its compute does not hide
+                t += times * max(0.0, gather_s - self.system.comm_overlap * (dev.forward_overhead_s + n * row))
+        return t
 
     def forward_seconds(self, samples: int, dev: DeviceProfile) -> float:
         """One denoiser call on ``samples`` samples (both CFG branches)."""
@@ -1025,15 +1035,17 @@ class CostModel:
         *,
         final: bool = True,
         batch: int | None = None,
+        gather_s: float = 0.0,
     ) -> float:
         """Denoising steps ``[start, end)`` (all by default) of ``images`` samples in forwards of
-        at most ``batch`` samples; prompts are encoded by the stage that starts at step 0,
-        latents decoded by the ``final`` one."""
+        at most ``batch`` samples (each paying ``gather_s`` of FSDP all-gather beyond what its
+        compute hides: :meth:`denoise_seconds`); prompts are encoded by the stage that starts at
+        step 0, latents decoded by the ``final`` one."""
         w = self.workload
         start, end = steps if steps is not None else (0, w.num_steps)
         if not 0 <= start < end <= w.num_steps:
             raise ValueError(f"denoise steps {(start, end)} outside [0, {w.num_steps}] (workload num_steps)")
-        t = dev.generate_overhead_s + (end - start) * self.denoise_seconds(images, dev, batch)
+        t = dev.generate_overhead_s + (end - start) * self.denoise_seconds(images, dev, batch, gather_s)
         if start == 0:
             t += self.encode_seconds(math.ceil(images / w.group_size), dev)
         if final:
@@ -1203,11 +1215,27 @@ class CostModel:
         # receivers; the sender is one device, so one NIC
         return self.system.sync_fixed_s + gather + self.sync_bytes / (link * GB * self.system.nccl_efficiency)
 
+    def generation_gather_seconds(self, dev: DeviceProfile, cluster: Cluster, pool: str) -> float:
+        """The FSDP all-gather of one generate forward on a worker of ``pool``: a worker that
+        generates with its own sharded training module (a fused worker, or a TAG trainer, under
+        FSDP; this runtime generates in place, ``engine_load_gbps`` 0) gathers every block's
+        parameters for each transformer call and frees them after it (``workers/fsdp.py``: the
+        frozen base of a LoRA run too), as the log-prob recomputation's forward does. A rollout
+        worker holds the whole model; a separate rollout engine was given a gathered copy at
+        reload (:meth:`reload_seconds`)."""
+        if self.system.engine_load_gbps or pool not in ("fused", "trainer"):
+            return 0.0
+        return self.fsdp_gather_seconds(dev, self.train_group(cluster))
+
     def reload_seconds(self, dev: DeviceProfile, group: TrainGroup) -> float:
         """Bringing the new weights to a worker's generation copy: gather the changed weights
         (the full model, or LoRA's factors: a frozen base does not change) from the FSDP shards,
-        then copy them into the rollout engine when it is a separate one."""
+        then copy them into the rollout engine when it is a separate one. A worker that generates
+        in place with its sharded module (``engine_load_gbps`` 0) has no copy to refresh: it
+        gathers at every forward instead (:meth:`generation_gather_seconds`)."""
         s = self.system
+        if not s.engine_load_gbps:
+            return 0.0
         changed = self.trainable_params
         k = group.shard
         gather = s.reload_bytes_per_param * changed * (k - 1) / k / self.collective_bw(dev, group.shard_nodes) if k > 1 else 0.0
@@ -1325,6 +1353,7 @@ class CostModel:
             t = self.generate_seconds(
                 images, dev, getattr(task, "denoise", None), final=getattr(task, "final", True),
                 batch=self.rollout_batch(cluster, worker.pool),
+                gather_s=self.generation_gather_seconds(dev, cluster, worker.pool),
             )
         elif task.kind == TaskKind.REWARD:
             t = self.reward_seconds(images, dev, residency=self.reward_residency(worker),
@@ -1360,7 +1389,8 @@ class CostModel:
         group = self.train_group(cluster)
         return StepCosts(
             generate_per_group=self.generate_seconds(
-                G * spec.groups_per_task, gen_dev, batch=self.rollout_batch(cluster, gen_worker.pool)
+                G * spec.groups_per_task, gen_dev, batch=self.rollout_batch(cluster, gen_worker.pool),
+                gather_s=self.generation_gather_seconds(gen_dev, cluster, gen_worker.pool),
             ) / spec.groups_per_task,
             reward_per_group=self.reward_seconds(G, gen_dev, residency=self.reward_residency(gen_worker),
                                                  per_worker=self.images_per_worker(cluster, gen_worker.pool)),
