@@ -108,7 +108,7 @@ def start_server(
         if time.monotonic() > deadline:
             stop_server(proc, log)
             raise RuntimeError(f"server did not answer /health within {timeout_s:g} s")
-        time.sleep(0.2)
+        time.sleep(0.05)
 
 
 def stop_server(proc: subprocess.Popen, log: Any = None) -> None:

@@ -192,7 +192,7 @@ def test_client_caps_the_response_size(declared: bool) -> None:
 
 
 class _Drip(JsonHandler):
-    """Sends a valid header, then one byte of the body every 0.2 s for ~30 s."""
+    """Sends a valid header, then one byte of the body every 0.1 s for ~15 s."""
 
     state: dict
 
@@ -207,21 +207,21 @@ class _Drip(JsonHandler):
             for byte in body:
                 self.wfile.write(bytes([byte]))
                 self.wfile.flush()
-                time.sleep(0.2)
+                time.sleep(0.1)
         except (BrokenPipeError, ConnectionResetError):
             pass
 
 
 def test_client_deadline_is_total_not_per_read() -> None:
     with serve(_Drip, {}) as url:
-        # Each byte arrives well within 1 s (a per-read timeout would never fire), the whole
-        # answer would take 30 s: the 1 s deadline per attempt must cut both attempts short.
-        reward = HttpReward(url, timeout_s=1.0, max_retries=2, backoff_s=0.01)
+        # Each byte arrives well within 0.5 s (a per-read timeout would never fire), the whole
+        # answer would take 15 s: the 0.5 s deadline per attempt must cut both attempts short.
+        reward = HttpReward(url, timeout_s=0.5, max_retries=2, backoff_s=0.01)
         start = time.monotonic()
-        with pytest.raises(RewardServerError, match=r"unreachable after 2 attempts: timed out.*timeout_s=1 s"):
+        with pytest.raises(RewardServerError, match=r"unreachable after 2 attempts: timed out.*timeout_s=0.5 s"):
             reward(quantised_rand(1, 3, 4, 4), ["a"])
         elapsed = time.monotonic() - start
-    assert elapsed < 20.0, elapsed  # 2 x 1 s (+ slack on a loaded machine), never 30 s
+    assert elapsed < 10.0, elapsed  # 2 x 0.5 s (+ slack on a loaded machine), never 15 s
 
 
 class _EvilPickle(JsonHandler):
@@ -390,7 +390,7 @@ def test_server_global_decode_budget_makes_concurrent_requests_wait_then_503() -
 
 
 def test_server_slow_client_does_not_block_another_and_is_cut_at_the_deadline() -> None:
-    with RewardServer("brightness", port=0, read_timeout_s=6.0, decode_threads=1) as srv:
+    with RewardServer("brightness", port=0, read_timeout_s=3.0, decode_threads=1) as srv:
         host, port = srv.url.removeprefix("http://").rsplit(":", 1)
         body = _score_body()
         with socket.create_connection((host, int(port)), timeout=TIMEOUT) as slow:
@@ -400,7 +400,7 @@ def test_server_slow_client_does_not_block_another_and_is_cut_at_the_deadline() 
             images = quantised_rand(2, 3, 8, 8)
             torch.testing.assert_close(HttpReward(srv.url, timeout_s=TIMEOUT)(images, ["a", "b"]),
                                        images.mean(dim=(1, 2, 3)))
-            assert time.monotonic() - start < 5.0  # before the slow request's 6 s deadline
+            assert time.monotonic() - start < 2.5  # before the slow request's 3 s deadline
             response = http.client.HTTPResponse(slow)
             status = None
             for byte in body[10:60]:
@@ -415,12 +415,12 @@ def test_server_slow_client_does_not_block_another_and_is_cut_at_the_deadline() 
             response.begin()
             status, data = response.status, json.loads(response.read())
             held = time.monotonic() - start
-        assert status == 408 and "did not arrive within 6 s" in data["error"]
-        assert held < 12.0  # a total deadline, although every byte came within 0.3 s (50 bytes: 15 s)
+        assert status == 408 and "did not arrive within 3 s" in data["error"]
+        assert held < 9.0  # a total deadline, although every byte came within 0.3 s (50 bytes: 15 s)
 
 
 def test_server_dripping_head_is_cut_at_the_deadline() -> None:
-    with RewardServer("brightness", port=0, read_timeout_s=1.0) as srv:
+    with RewardServer("brightness", port=0, read_timeout_s=0.5) as srv:
         host, port = srv.url.removeprefix("http://").rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=TIMEOUT) as sock:
             start = time.monotonic()
@@ -430,12 +430,12 @@ def test_server_dripping_head_is_cut_at_the_deadline() -> None:
                     sock.sendall(bytes([byte]))
                 except OSError:
                     break
-                time.sleep(0.1)
+                time.sleep(0.05)  # every byte well within the deadline; the whole head: 6.5 s
                 if __import__("select").select([sock], [], [], 0)[0]:
                     answer = sock.recv(4096)
                     break
             held = time.monotonic() - start
-        assert answer.startswith(b"HTTP/1.1 408") and b"request head did not arrive within 1 s" in answer
+        assert answer.startswith(b"HTTP/1.1 408") and b"request head did not arrive within 0.5 s" in answer
         assert held < 3.0
 
 

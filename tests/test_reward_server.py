@@ -473,7 +473,7 @@ def test_cli_serves_and_terminates_cleanly(cli_server: tuple[subprocess.Popen, s
         except OSError:
             if time.monotonic() > deadline:
                 raise
-            time.sleep(0.2)
+            time.sleep(0.05)
     assert (status, data) == (200, {"status": "ok", "reward": "brightness", "latency_s": 0.0})
 
     images = quantised_rand(3, 3, 8, 8, seed=5)

@@ -319,8 +319,11 @@ def test_read_timeout_is_a_cli_option_and_is_honoured() -> None:
     proc, url, log = start_server(["--read-timeout-s", "1"], token=TOKEN)
     try:
         host, port = url.removeprefix("http://").rsplit(":", 1)
-        # a body that stops arriving: cut after 1 s (the default, 60 s, would outlast this socket's 20 s)
-        with socket.create_connection((host, int(port)), timeout=20) as sock:
+        # Two stalled connections at once, each on its own deadline: a body that stops arriving
+        # and a head that never comes. Both cut after 1 s (the default, 60 s, would outlast
+        # these sockets' 20 s).
+        with socket.create_connection((host, int(port)), timeout=20) as sock, \
+                socket.create_connection((host, int(port)), timeout=20) as silent:
             start = time.monotonic()
             sock.sendall(
                 f"POST /score HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
@@ -331,10 +334,8 @@ def test_read_timeout_is_a_cli_option_and_is_honoured() -> None:
             held = time.monotonic() - start
             assert response.status == 408
             assert "did not arrive within 1 s (--read-timeout-s)" in json.loads(response.read())["error"]
+            answer = silent.recv(4096)  # a head that never comes: the same deadline
         assert held < 15  # bounded generously: cut at the option's deadline, far before the default's
-        # a head that never comes: the same deadline
-        with socket.create_connection((host, int(port)), timeout=20) as sock:
-            answer = sock.recv(4096)
         assert answer.startswith(b"HTTP/1.1 408") and b"request head did not arrive within 1 s" in answer
         assert post(url, black_png_request(1, 8), token=TOKEN, timeout_s=TIMEOUT) == (200, {"rewards": [0.0]})
     finally:

@@ -260,7 +260,9 @@ def test_mixin_loads_a_streamed_sync_bucket_by_bucket() -> None:
 def test_a_background_send_waits_for_late_receivers_and_returns_at_once() -> None:
     """The sender's optimizer step hands the new version to a side thread and goes on: the
     thread waits on the host until every receiver has reached its receive (here: one receiver
-    arrives 1.5 s late, as a rollout worker finishing a step's generation does), then sends.
+    arrives only after the sender's call has returned, as a rollout worker finishing a step's
+    generation does; were the call blocking, that receiver would give up waiting for it after
+    10 s and arrive anyway, and the test would fail), then sends.
     Two versions in a row arrive in order and bitwise; a send that no receiver joins fails on
     its timeout, and the sender's next join raises that, naming the version."""
     from verl_digen.sync.transport import WeightSyncMixin
@@ -278,6 +280,7 @@ def test_a_background_send_waits_for_late_receivers_and_returns_at_once() -> Non
 
     sender = Endpoint(src)
     late_arrived = threading.Event()
+    returned = {v: threading.Event() for v in (1, 2)}
     arrived_before_return: list[bool] = []
 
     def endpoint(rank: int):
@@ -286,6 +289,7 @@ def test_a_background_send_waits_for_late_receivers_and_returns_at_once() -> Non
             for v in (1, 2):
                 sender.sync_send_in_background(snapshots[v], v, timeout_s=30)
                 arrived_before_return.append(late_arrived.is_set())
+                returned[v].set()
             return sender.sync_join(30)
         receiver = Endpoint(dsts[rank - 1])
         receiver._weight_channel = WeightChannel("gloo", rank, 3, "127.0.0.1", port, timeout_s=30)
@@ -293,7 +297,10 @@ def test_a_background_send_waits_for_late_receivers_and_returns_at_once() -> Non
             got = []
             for v in (1, 2):
                 if rank == 2:
-                    time.sleep(1.5)  # still generating with the old version
+                    # still generating with the old version: arrives once the sender's call has
+                    # returned (a blocking send never returns without it: this gives up after 10 s)
+                    returned[v].wait(10)
+                    time.sleep(0.2)  # the send thread meanwhile waits on the host
                     late_arrived.set()
                 got.append((receiver.sync_recv()["version"], state_digest(trainable_state(receiver.sync_module, lora_only=False))))
             return got
@@ -313,16 +320,21 @@ def test_a_background_send_waits_for_late_receivers_and_returns_at_once() -> Non
     # no receiver comes: the send times out on the host, and the next join says so
     port = find_free_port()
     lonely = Endpoint(src)
+    joined = threading.Event()
 
     def pair(rank: int):
         if rank == 0:
             lonely._weight_channel = WeightChannel("gloo", 0, 2, "127.0.0.1", port, timeout_s=30)
-            lonely.sync_send_in_background(snapshots[1], 1, timeout_s=1.0)
-            with pytest.raises(RuntimeError, match=r"digen-weight-sync-v1 failed on the sender: TimeoutError.*transfer 0"):
-                lonely.sync_join(30)
+            try:
+                lonely.sync_send_in_background(snapshots[1], 1, timeout_s=0.5)
+                with pytest.raises(RuntimeError,
+                                   match=r"digen-weight-sync-v1 failed on the sender: TimeoutError.*transfer 0"):
+                    lonely.sync_join(30)
+            finally:
+                joined.set()
             return None
         ch = WeightChannel("gloo", 1, 2, "127.0.0.1", port, timeout_s=30)  # joins the channel, never receives
-        time.sleep(2.0)
+        joined.wait(30)  # stays in the channel until the sender's send has timed out
         ch.close()
 
     try:
