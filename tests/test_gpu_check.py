@@ -40,8 +40,24 @@ def test_flux_phases_on_the_tiny_model_measure_every_phase_and_stay_on_policy(ti
     assert out["sync_bytes"] > 0 and out["text_encoder_bytes_freed"] > 0
 
 
-def test_fsdp2_dcp_round_trip_on_one_rank_is_bitwise(tiny_cache):
+def test_fsdp2_dcp_round_trip_on_one_rank_is_bitwise(tiny_cache, monkeypatch):
+    """The part as the command runs it, its child's command line through the same ``main()`` in
+    this process (a real gloo group of one, FSDP2, DCP save and load): the interpreter start and
+    the imports of a child cost seconds of the fast lane, and ``python -m verl_digen.gpu_check``
+    and its exit status are checked below."""
+    children = []
+
+    def in_process(cmd, timeout, env=None, log_path=None):
+        assert cmd[:3] == [sys.executable, "-m", "verl_digen.gpu_check"] and env is None, cmd
+        children.append(cmd[3:])
+        return {"rc": gpu_check.main(cmd[3:]), "tail": ""}
+
+    monkeypatch.setattr(gpu_check, "_run", in_process)
+    for key in ("MASTER_ADDR", "MASTER_PORT"):  # the child sets them: restored afterwards
+        monkeypatch.setenv(key, os.environ.get(key, ""))
     out = gpu_check.part_fsdp_dcp("cpu")
+    assert len(children) == 1 and children[0][0] == "--child-fsdp-dcp" and children[0][-2:] == ["--device", "cpu"]
+    assert not torch.distributed.is_initialized()  # the group of one is destroyed again
     assert out["backend"] == "gloo" and out["world_size"] == 1 and out["sharded"]
     assert out["weights_equal"] and out["optimizer_equal"] and out["lora_tensors"] > 0
 

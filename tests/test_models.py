@@ -402,48 +402,56 @@ def test_under_fsdp2_host_offload_the_adapter_computes_on_the_workers_device(mon
     assert devices[True] == ("meta", {"cpu"})  # with it: the worker's device, shards on the host
 
 
-_RENDEZVOUS_SCRIPT = r"""
-import os, socket, threading, time
-import torch.distributed as dist
-from verl_digen.workers.worker import init_process_group_retrying
-
-def hold(seconds):
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen()
-    port = sock.getsockname()[1]
-    if seconds is not None:
-        threading.Timer(seconds, sock.close).start()
-    return sock, port
-
-os.environ["MASTER_ADDR"] = "127.0.0.1"
-sock, port = hold(1.5)  # in use when rank 0 first tries, free a moment later
-os.environ["MASTER_PORT"] = str(port)
-t0 = time.monotonic()
-init_process_group_retrying(attempts=20, wait_s=0.25, backend="gloo", rank=0, world_size=1)
-print("joined", dist.get_world_size(), round(time.monotonic() - t0, 1) >= 1.0)
-dist.destroy_process_group()
-sock, port = hold(None)  # held throughout
-os.environ["MASTER_PORT"] = str(port)
-try:
-    init_process_group_retrying(attempts=3, wait_s=0.1, backend="gloo", rank=0, world_size=1)
-except RuntimeError as e:
-    print("refused:", e)
-"""
-
-
-def test_rank_0_waits_for_a_rendezvous_port_in_use_and_names_one_held_too_long(tmp_path):
+def test_rank_0_waits_for_a_rendezvous_port_in_use_and_names_one_held_too_long(monkeypatch):
     """veRL picks MASTER_PORT when it creates rank 0 and the ranks bind it only at init_model: on
     a busy machine the port can be taken meanwhile (a CI run failed with EADDRINUSE). Rank 0 waits
     for a port held for a moment and joins; a port held throughout is an error naming it. A real
-    gloo process group of one in a fresh interpreter (a default group cannot be made twice in the
-    test process), a real socket holding the port."""
-    result = subprocess.run([sys.executable, "-c", _RENDEZVOUS_SCRIPT], capture_output=True, text=True, timeout=300,
-                            cwd=str(tmp_path))
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = result.stdout.strip().splitlines()
-    assert lines[0] == "joined 1 True", result.stdout
-    assert lines[1].startswith("refused: the trainer ranks' rendezvous port MASTER_PORT=") and "stayed in use" in lines[1], lines
+    gloo process group of one in this process (destroyed again: the default group can be made
+    anew after that; a fresh interpreter cost seconds of the fast lane), a real socket holding the
+    port."""
+    import socket
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from verl_digen.workers.worker import init_process_group_retrying
+
+    assert not dist.is_initialized()
+    held, timers = [], []
+
+    def hold(seconds):
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        held.append(sock)
+        if seconds is not None:
+            timers.append(threading.Timer(seconds, sock.close))
+            timers[-1].start()
+        return sock.getsockname()[1]
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    try:
+        monkeypatch.setenv("MASTER_PORT", str(hold(1.5)))  # in use when rank 0 first tries, free a moment later
+        t0 = time.monotonic()
+        init_process_group_retrying(attempts=20, wait_s=0.25, backend="gloo", rank=0, world_size=1)
+        try:
+            joined = (dist.get_world_size(), round(time.monotonic() - t0, 1) >= 1.0)
+        finally:
+            dist.destroy_process_group()
+        assert joined == (1, True), joined
+        port = hold(None)  # held throughout
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        with pytest.raises(RuntimeError) as refused:
+            init_process_group_retrying(attempts=3, wait_s=0.1, backend="gloo", rank=0, world_size=1)
+        assert not dist.is_initialized()
+    finally:
+        for timer in timers:
+            timer.join()
+        for sock in held:
+            sock.close()
+    message = str(refused.value)
+    assert message.startswith(f"the trainer ranks' rendezvous port MASTER_PORT={port} ") and "stayed in use" in message, message
 
 
 def test_the_trainer_rendezvous_listens_on_a_port_the_os_assigned_and_the_other_ranks_meet_there(monkeypatch):

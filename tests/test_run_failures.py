@@ -147,52 +147,68 @@ def test_wandb_without_an_api_key_stops_before_ray_naming_the_key(tmp_path, tiny
     assert took < 120, took
 
 
-_ASK_WANDB = "from verl_digen.trainer.resolve import wandb_key_problem; print(repr(wandb_key_problem()))"
+@pytest.fixture
+def fresh_wandb(tmp_path, monkeypatch):
+    """This process as a fresh one looks to wandb: the job's environment as ``_env`` makes it (no
+    W&B setting or credential of this machine; ``NETRC`` and ``WANDB_CONFIG_DIR`` under
+    ``tmp_path``), the working directory ``tmp_path``, and no wandb settings singleton or session
+    credentials yet (wandb builds its settings once per process and keeps them: a new one is what
+    a fresh interpreter, and ``wandb.init`` in it, would build). In process: an interpreter start
+    and wandb's import per case cost seconds of the fast lane, and the subprocess is not what is
+    tested. Yields the environment to update (through ``monkeypatch``)."""
+    from wandb.sdk import wandb_setup
+    from wandb.sdk.lib.wbauth import authenticate
+
+    for key in list(os.environ):
+        if key == "RAY_ADDRESS" or key.startswith("WANDB_"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_settings"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(wandb_setup, "_singleton", None)
+    monkeypatch.setattr(authenticate, "_session_auth", None)
+    try:
+        yield monkeypatch
+    finally:
+        wandb_setup.teardown()  # the singleton this test built (its asyncio thread); the old one comes back
 
 
 @pytest.mark.parametrize("setting", ["none", "offline", "disabled", "api_key", "netrc"])
-def test_wandb_key_sources_that_let_a_run_start(tmp_path, setting):
-    """What wandb itself accepts (asked as ``wandb.init`` will, in a fresh process: wandb caches
-    its settings per process)."""
-    extra = {"NETRC": str(tmp_path / "netrc"), "WANDB_CONFIG_DIR": str(tmp_path / "wandb_settings")}
-    if setting in ("offline", "disabled"):
-        extra["WANDB_MODE"] = setting
-    elif setting == "api_key":
-        extra["WANDB_API_KEY"] = "k" * 40
-    elif setting == "netrc":
-        from wandb.sdk import wandb_setup
+def test_wandb_key_sources_that_let_a_run_start(tmp_path, fresh_wandb, setting):
+    """What wandb itself accepts (asked as ``wandb.init`` will, with the settings a fresh process
+    builds: wandb caches its settings per process)."""
+    from wandb.sdk import wandb_setup
 
+    from verl_digen.trainer.resolve import wandb_key_problem
+
+    if setting in ("offline", "disabled"):
+        fresh_wandb.setenv("WANDB_MODE", setting)
+    elif setting == "api_key":
+        fresh_wandb.setenv("WANDB_API_KEY", "k" * 40)
+    elif setting == "netrc":
         host = wandb_setup.singleton().settings.base_url.split("://")[-1]
         (tmp_path / "netrc").write_text(f"machine {host}\n  login user\n  password {'k' * 40}\n")
         (tmp_path / "netrc").chmod(0o600)
-    out = subprocess.run([sys.executable, "-c", _ASK_WANDB], cwd=tmp_path, env=_env(**extra), capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    answer = out.stdout.strip().splitlines()[-1]
+        wandb_setup.teardown()  # asked below with settings built afresh, as by another process
+    answer = repr(wandb_key_problem())
     if setting == "none":
         assert answer.startswith("'no W&B API key is configured"), answer
     else:
         assert answer == "None", answer
 
 
-def test_wandb_mode_set_after_wandb_read_its_settings_is_honoured(tmp_path):
+def test_wandb_mode_set_after_wandb_read_its_settings_is_honoured(tmp_path, fresh_wandb):
     """wandb builds its settings once per process; a WANDB_MODE set later (a test's monkeypatch, a
     driver that sets it before main) is what ``wandb.init`` reads, so the check reads it too."""
-    script = (
-        "import os\n"
-        "from verl_digen.trainer.resolve import wandb_key_problem\n"
-        "before = wandb_key_problem()\n"
-        "os.environ['WANDB_MODE'] = 'disabled'\n"
-        "print(repr(before)); print(repr(wandb_key_problem()))\n"
-    )
-    env = _env(NETRC=str(tmp_path / "no_netrc"), WANDB_CONFIG_DIR=str(tmp_path / "wandb_settings"),
-               WANDB_BASE_URL="https://api.example.invalid")
-    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    before, after = out.stdout.strip().splitlines()[-2:]
-    assert before.startswith("'no W&B API key is configured for https://api.example.invalid"), before
-    assert after == "None", after
+    from verl_digen.trainer.resolve import wandb_key_problem
+
+    fresh_wandb.setenv("NETRC", str(tmp_path / "no_netrc"))
+    fresh_wandb.setenv("WANDB_BASE_URL", "https://api.example.invalid")
+    before = wandb_key_problem()  # builds this process's settings, without WANDB_MODE
+    fresh_wandb.setenv("WANDB_MODE", "disabled")
+    after = wandb_key_problem()
+    assert repr(before).startswith("'no W&B API key is configured for https://api.example.invalid"), before
+    assert after is None, after
 
 
 def test_a_logger_whose_package_or_variables_are_missing_is_named(monkeypatch):
