@@ -162,20 +162,21 @@ class _Same:
 
 
 # (the sources, their state (_sources_state), config path) -> Hydra's ConfigResult of loading
-# that config from those sources, a pristine copy (each load hands out a copy of it).
-_LOADS: dict[tuple, object] = {}
+# that config from those sources, pickled (each load hands out a fresh copy of it).
+_LOADS: dict[tuple, bytes] = {}
 _LOADS_MAX = 4096  # entries (about 35 per set of sources); past it the cache starts over
 
 
 class _SharedLoads:
     """Hydra's ``ConfigRepository`` (``delegate``) whose ``load_config`` results are shared by
     every composition of the process that reads the same sources in the same state: a hit is a
-    deep copy of the first load's result (what Hydra built from the file: config, header,
+    copy (unpickled) of the first load's result (what Hydra built from the file: config, header,
     defaults list), so no composition sees another's changes (Hydra merges loaded nodes into
     its composed config without copying them). The key is the search path's sources (class,
     provider, path, in order) and :func:`_sources_state` (every file's path, mtime and size; the
     ConfigStore's nodes by identity), taken when the sources are set: an edited, added or
-    removed file, or a new ConfigStore node, is loaded afresh. A load that raises is not kept.
+    removed file, or a new ConfigStore node, is loaded afresh. A load that raises (or a result
+    pickle cannot copy) is not kept.
 
     Hydra's ``CachingConfigRepository`` deep-copies its delegate once per composition; the copy
     keeps sharing the process-wide cache (``_LOADS``), and computes the state at its first load."""
@@ -194,7 +195,7 @@ class _SharedLoads:
         self._key = None
 
     def load_config(self, config_path: str):
-        import copy
+        import pickle
 
         if self._key is None:
             state = _sources_state(self.delegate)
@@ -204,11 +205,15 @@ class _SharedLoads:
             return self.delegate.load_config(config_path)
         key = (self._key, config_path)
         if key in _LOADS:
-            return copy.deepcopy(_LOADS[key])
+            return pickle.loads(_LOADS[key])
         result = self.delegate.load_config(config_path)
+        try:
+            blob = pickle.dumps(result)
+        except Exception:  # noqa: BLE001 - a config pickle cannot copy is simply not shared
+            return result
         if len(_LOADS) >= _LOADS_MAX:
             _LOADS.clear()
-        _LOADS[key] = copy.deepcopy(result)
+        _LOADS[key] = blob
         return result
 
     def get_schema_source(self):
