@@ -232,6 +232,31 @@ def test_composing_from_the_cached_defaults_is_hydras_composition(config_name, o
     _same_config(compose_config(overrides, config_name=config_name, config_dir=config_dir), expected)
 
 
+def test_a_composition_from_files_an_earlier_one_loaded_is_hydras_composition(monkeypatch):
+    """Compositions share their YAML loads (compose._SharedLoads): a preset composed after another
+    reads veRL's files from the first one's loads, not the disk, and is Hydra's own composition,
+    though the first one (Hydra's whole composition: a ``hydra.*`` override) set keys in place on
+    the nodes it merged from those loads."""
+    from hydra._internal.config_repository import ConfigRepository
+
+    from verl_digen.config import compose
+
+    monkeypatch.setattr(compose, "_LOADS", {})
+    monkeypatch.setattr(compose, "_BASES", {})  # compose the defaults lists, no cached bases
+    first = compose_config(["+smoke=tiny", "hydra.job.name=first", "trainer.nnodes=99",
+                            "actor_rollout_ref.actor.optim.lr=7.0"], config_name="flux_colocated", config_dir=PACKAGED)
+    assert compose._LOADS and first.trainer.nnodes == 99 and first.actor_rollout_ref.actor.optim.lr == 7.0
+    read = []
+    load = ConfigRepository.load_config
+    monkeypatch.setattr(ConfigRepository, "load_config", lambda self, config_path: read.append(config_path) or load(self, config_path))
+    second = compose_config(["+smoke=tiny"], config_name="sd3_disaggregated", config_dir=PACKAGED)
+    assert "sd3_disaggregated" in read and "ppo_trainer" not in read and "digen_base" not in read  # shared loads
+    monkeypatch.setattr(ConfigRepository, "load_config", load)
+    _same_config(second, _hydra_compose(["+smoke=tiny"], "sd3_disaggregated", PACKAGED))
+    _same_config(compose_config(["+smoke=tiny"], config_name="flux_colocated", config_dir=PACKAGED),
+                 _hydra_compose(["+smoke=tiny"], "flux_colocated", PACKAGED))
+
+
 @pytest.mark.parametrize("overrides", [
     ["digen.batch.group_szie=4"],  # a typo under struct mode
     ["+digen.batch.group_size=4"],  # + on a key that exists

@@ -53,7 +53,21 @@ def test_there_is_a_script_per_family_and_the_tasks_are_covered():
 @pytest.fixture
 def workspace(tmp_path):
     """Flow-GRPO's dataset folder and veRL-Omni's OCR-service parquet, a few prompts each."""
-    root = tmp_path / "workspace"
+    return _make_workspace(tmp_path / "workspace")
+
+
+@pytest.fixture(scope="module")
+def checked_workspace(tmp_path_factory):
+    """The same workspace, made once for the module's checks: they only read it (each check
+    asserts it left the workspace as it found it)."""
+    return _make_workspace(tmp_path_factory.mktemp("examples") / "workspace")
+
+
+def _workspace_files(root) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))}
+
+
+def _make_workspace(root):
     for task, lines in (("ocr", OCR), ("pickscore", PICKSCORE)):
         (root / "flow_grpo" / "dataset" / task).mkdir(parents=True)
         for split in ("train", "test"):
@@ -85,7 +99,7 @@ def script_argv(script: str, env: dict[str, str], tmp_path) -> list[str]:
 
 @pytest.mark.usefixtures("loopback_no_proxy")
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: os.path.relpath(p, os.path.join(REPO, "examples")))
-def test_each_example_passes_main_ppos_checks_at_its_real_size(script, workspace, tmp_path, monkeypatch):
+def test_each_example_passes_main_ppos_checks_at_its_real_size(script, checked_workspace, tmp_path, monkeypatch):
     from verl_digen.config.omni_keys import plain_overrides
     from verl_digen.config.verl_keys import MAIN_PPO
     from verl_digen.rewards.serve import RewardServer
@@ -95,6 +109,8 @@ def test_each_example_passes_main_ppos_checks_at_its_real_size(script, workspace
     monkeypatch.setenv("RAY_OVERRIDE_RESOURCES", json.dumps({"CPU": 64}))
     monkeypatch.setenv("RAY_ADDRESS", "local")
     monkeypatch.setenv("WANDB_MODE", "offline")  # the scripts log to W&B; a user has a key, this machine none
+    workspace = checked_workspace
+    files = _workspace_files(workspace)
     with RewardServer("brightness", port=0) as server:  # stands in for the OCR and GenEval scorer servers
         argv = script_argv(script, {"WORKSPACE": str(workspace), "OCR_REWARD_SERVER_URL": server.url,
                                     "GENEVAL_SERVER_URL": server.url,
@@ -102,13 +118,14 @@ def test_each_example_passes_main_ppos_checks_at_its_real_size(script, workspace
         assert argv[:3] == ["-m", "verl.trainer.main_ppo", "trainer.v1.trainer_mode=digen"]
         config = _verl_config(plain_overrides(argv[2:]))
         checked = check_run_config(config, entry=MAIN_PPO, without_weights=True)
-    container = OmegaConf.to_container(config, resolve=True)
-    assert checked.cluster.devices == container["trainer"]["n_gpus_per_node"] * container["trainer"]["nnodes"]
+    trainer = OmegaConf.to_container(config.trainer, resolve=True)  # the script's, not the check's (the whole config: 1/3 s)
+    assert checked.cluster.devices == trainer["n_gpus_per_node"] * trainer["nnodes"]
     assert checked.model_path.endswith(os.path.join("models", "configs", checked.cfg.model.arch))  # real size
     assert checked.memory_plan, "every role's memory is planned at the real size"
     assert all(plan.peak_bytes < plan.device_gib * 2**30 for plan in checked.memory_plan)
     used = sum(sum(counts) for counts, _accel in checked.layout.pools.values())
     assert used == checked.cluster.devices, f"the script leaves GPUs idle: {checked.layout.pools}"
+    assert _workspace_files(workspace) == files  # the check wrote nothing there (the next script's check reads it)
 
 
 @pytest.mark.e2e

@@ -198,6 +198,37 @@ def test_two_kept_blocks_extrapolate_to_the_full_stack_exactly(family):
     assert kept_peak == full_peak
 
 
+def test_lora_on_the_kept_blocks_only_measures_what_lora_on_every_block_measures():
+    """The LoRA trace puts adapters only into the blocks it runs (``_measure_as_trained`` cuts the
+    stacks first: peft's injection is the slow part): the same accounting and peak as adapters on
+    every block of the stack (5 per stack here, real width), and the rest of each stack is
+    extrapolated as before."""
+    from verl_digen.config.schema import DigenConfig
+    from verl_digen.memory.trace import TraceShape, _add_lora_on_meta, _inputs, _measure_as_trained
+    from verl_digen.models.real_configs import build_on_meta, component_config
+
+    targets = tuple(DigenConfig().model.lora.target_modules)
+
+    def five_blocks():
+        model = build_on_meta("flux", "transformer")
+        for name, child in list(model.named_children()):
+            if isinstance(child, torch.nn.ModuleList):
+                setattr(model, name, torch.nn.ModuleList(list(child)[:5]))
+        return model
+
+    inputs = lambda: _inputs(TraceShape("flux", None, "bf16", 128, 192, 1), component_config("flux", "transformer"),  # noqa: E731
+                             torch.bfloat16)
+    every = five_blocks()
+    every.requires_grad_(False)
+    _add_lora_on_meta(every, 32, targets)
+    assert sum("lora_" in n for n, _ in every.named_parameters()) > 0
+    expected = _measure(every, inputs())
+    cut = five_blocks()
+    measured = _measure_as_trained(cut, inputs(), lora_rank=32, lora_targets=targets)
+    assert [len(c) for c in cut.children() if isinstance(c, torch.nn.ModuleList)] == [2, 2]  # adapters on 2 + 2 blocks
+    assert measured == expected and measured[0]["saved_bytes"] > 0
+
+
 def test_training_activations_are_one_pass_and_auto_checkpointing_is_on_only_when_a_pass_does_not_fit(tmp_path, tiny_flux):
     """A micro-batch trains pass by pass (one transformer call's samples, workers/training.py):
     the planner charges one pass's activations, whatever the micro-batch, and

@@ -39,7 +39,11 @@ def compose_config(
     and applies the key overrides (``a.b=1``, ``+a.c=2``, ``~a.d``) to a copy of that with
     Hydra's own step for them, which is what Hydra's composition does after merging the defaults
     list. Overrides of ``hydra.*``, sweeps and anything that fails go through Hydra's whole
-    composition, so its errors read as they always did."""
+    composition, so its errors read as they always did. A composition that has to run (another
+    preset, other config groups) reads each YAML file through :class:`_SharedLoads`: a file
+    loaded by an earlier composition from the same sources, unchanged, is a copy of that load
+    (the presets share veRL's ~30 files, parsed by PyYAML's pure-Python loader: most of a
+    composition's time)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -47,6 +51,8 @@ def compose_config(
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base=None):
+        loader = GlobalHydra.instance().hydra.config_loader
+        loader.repository = _SharedLoads(loader.repository)
         try:
             composed = _compose_from_base(os.path.abspath(config_dir), config_name, overrides)
         except Exception:  # noqa: BLE001 - Hydra's whole composition below raises its own error
@@ -153,3 +159,79 @@ class _Same:
 
     def __hash__(self) -> int:
         return hash((self.path, id(self.node)))
+
+
+# (the sources, their state (_sources_state), config path) -> Hydra's ConfigResult of loading
+# that config from those sources, pickled (each load hands out a fresh copy of it).
+_LOADS: dict[tuple, bytes] = {}
+_LOADS_MAX = 4096  # entries (about 35 per set of sources); past it the cache starts over
+
+
+class _SharedLoads:
+    """Hydra's ``ConfigRepository`` (``delegate``) whose ``load_config`` results are shared by
+    every composition of the process that reads the same sources in the same state: a hit is a
+    copy (unpickled) of the first load's result (what Hydra built from the file: config, header,
+    defaults list), so no composition sees another's changes (Hydra merges loaded nodes into
+    its composed config without copying them). The key is the search path's sources (class,
+    provider, path, in order) and :func:`_sources_state` (every file's path, mtime and size; the
+    ConfigStore's nodes by identity), taken when the sources are set: an edited, added or
+    removed file, or a new ConfigStore node, is loaded afresh. A load that raises (or a result
+    pickle cannot copy) is not kept.
+
+    Hydra's ``CachingConfigRepository`` deep-copies its delegate once per composition; the copy
+    keeps sharing the process-wide cache (``_LOADS``), and computes the state at its first load."""
+
+    def __init__(self, delegate) -> None:
+        self.delegate = delegate
+        self._key: tuple | None = None  # (sources, state) once computed; () where not cacheable
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        return _SharedLoads(copy.deepcopy(self.delegate, memo))
+
+    def initialize_sources(self, config_search_path) -> None:
+        self.delegate.initialize_sources(config_search_path)
+        self._key = None
+
+    def load_config(self, config_path: str):
+        import pickle
+
+        if self._key is None:
+            state = _sources_state(self.delegate)
+            sources = tuple((type(s).__name__, s.provider, s.path) for s in self.delegate.get_sources())
+            self._key = () if state is None else (sources, state)
+        if not self._key:
+            return self.delegate.load_config(config_path)
+        key = (self._key, config_path)
+        if key in _LOADS:
+            return pickle.loads(_LOADS[key])
+        result = self.delegate.load_config(config_path)
+        try:
+            blob = pickle.dumps(result)
+        except Exception:  # noqa: BLE001 - a config pickle cannot copy is simply not shared
+            return result
+        if len(_LOADS) >= _LOADS_MAX:
+            _LOADS.clear()
+        _LOADS[key] = blob
+        return result
+
+    def get_schema_source(self):
+        return self.delegate.get_schema_source()
+
+    def group_exists(self, config_path: str) -> bool:
+        return self.delegate.group_exists(config_path)
+
+    def config_exists(self, config_path: str) -> bool:
+        return self.delegate.config_exists(config_path)
+
+    def get_group_options(self, group_name: str, *args, **kwargs):
+        return self.delegate.get_group_options(group_name, *args, **kwargs)
+
+    def get_sources(self):
+        return self.delegate.get_sources()
+
+    def __getattr__(self, name: str):  # anything else Hydra may ask of its repository
+        if name == "delegate":  # not set yet (copy/pickle protocols probe before __init__)
+            raise AttributeError(name)
+        return getattr(self.delegate, name)

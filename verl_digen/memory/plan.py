@@ -97,6 +97,22 @@ def _component_bytes(family: str, config_path: str | None, name: str, dtype: str
 def _transformer_facts(family: str, config_path: str | None, dtype: str, lora_targets: tuple[str, ...], rank: int):
     """(parameters, bytes at ``dtype``, largest block's bytes, LoRA parameters, parameter bytes at
     ``dtype``: the parameters alone, without buffers; a diffusers model keeps some in fp32)."""
+    params, dense, block, param_bytes, linears = _transformer_sizes(family, config_path, dtype)
+    lora = 0
+    for name, in_features, out_features in linears:
+        # peft's matching: a target names the module or the tail of its dotted name
+        if any(name == t or name.endswith("." + t) for t in lora_targets):
+            lora += rank * (in_features + out_features)
+    return params, dense, block, lora, param_bytes
+
+
+@functools.lru_cache(maxsize=16)
+def _transformer_sizes(family: str, config_path: str | None, dtype: str):
+    """What :func:`_transformer_facts` reads of the model built on the meta device: (parameters,
+    bytes at ``dtype``, largest block's bytes, parameter bytes at ``dtype``, (name, in, out) of
+    every ``torch.nn.Linear`` in ``named_modules`` order). Apart from the LoRA settings, which only
+    select among the linears: one build per model and dtype, whatever the LoRA targets and rank
+    (jobs of one model differ in them), the same figures as building it for each."""
     import torch
 
     from verl_digen.memory.trace import largest_block_bytes, module_bytes, torch_dtype
@@ -104,13 +120,10 @@ def _transformer_facts(family: str, config_path: str | None, dtype: str, lora_ta
 
     model = build_on_meta(family, "transformer", path=config_path, dtype=torch_dtype(dtype))
     params = sum(p.numel() for p in model.parameters())
-    lora = 0
-    for name, module in model.named_modules():
-        # peft's matching: a target names the module or the tail of its dotted name
-        if isinstance(module, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in lora_targets):
-            lora += rank * (module.in_features + module.out_features)
+    linears = tuple((name, module.in_features, module.out_features) for name, module in model.named_modules()
+                    if isinstance(module, torch.nn.Linear))
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return params, module_bytes(model), largest_block_bytes(model), lora, param_bytes
+    return params, module_bytes(model), largest_block_bytes(model), param_bytes, linears
 
 
 def reward_gpu_bytes(spec: dict[str, Any], device: str = "auto", params_of: Any = None) -> int:

@@ -176,17 +176,21 @@ def _block_lists(model: torch.nn.Module) -> list[tuple[str, torch.nn.ModuleList]
     return [(name, child) for name, child in model.named_children() if isinstance(child, torch.nn.ModuleList)]
 
 
-def _measure(model: torch.nn.Module, inputs: dict[str, Any], *, keep_blocks: int | None = 2) -> tuple[dict[str, int], int]:
+def _measure(model: torch.nn.Module, inputs: dict[str, Any], *, keep_blocks: int | None = 2,
+             depth: dict[str, int] | None = None) -> tuple[dict[str, int], int]:
     """(saved-for-backward accounting, no-grad live peak) of ``model(**inputs)``.
 
     ``keep_blocks``: run only the first blocks of each stack (the rest are identical: same
     config, same input shapes) and extrapolate each stack's sums to its full depth with its
     largest kept block; None runs every block. Meta-device ops are slow (tens of ms each in
-    Python), and a 40-60 block forward twice would take a minute per model."""
+    Python), and a 40-60 block forward twice would take a minute per model. ``depth``: each
+    stack's full depth when the caller already cut the stacks (:func:`_cut_stacks`; None: the
+    model's own)."""
     frozen = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
     trainable = [p for p in model.parameters() if p.requires_grad]
     stacks = _block_lists(model)
-    depth = {name: len(blocks) for name, blocks in stacks}
+    if depth is None:
+        depth = _stack_depths(model)
     if keep_blocks is not None:
         for name, blocks in stacks:
             setattr(model, name, torch.nn.ModuleList(list(blocks)[:keep_blocks]))
@@ -195,6 +199,38 @@ def _measure(model: torch.nn.Module, inputs: dict[str, Any], *, keep_blocks: int
     finally:
         for name, blocks in stacks:
             setattr(model, name, blocks)
+
+
+def _stack_depths(model: torch.nn.Module) -> dict[str, int]:
+    return {name: len(blocks) for name, blocks in _block_lists(model)}
+
+
+def _cut_stacks(model: torch.nn.Module, keep_blocks: int) -> None:
+    """Keep only the first ``keep_blocks`` blocks of each stack of ``model`` (for good)."""
+    for name, blocks in _block_lists(model):
+        setattr(model, name, torch.nn.ModuleList(list(blocks)[:keep_blocks]))
+
+
+def _measure_as_trained(model: torch.nn.Module, inputs: dict[str, Any], *, lora_rank: int = 0,
+                        lora_targets: tuple[str, ...] = (), keep_blocks: int | None = 2) -> tuple[dict[str, int], int]:
+    """:func:`_measure` of ``model`` as the job trains it: every parameter trainable (a full
+    fine-tune, ``lora_rank`` 0), or frozen with fp32 LoRA adapters of ``lora_rank`` on
+    ``lora_targets`` (:func:`_add_lora_on_meta`). ``model`` is changed (and, with
+    ``keep_blocks``, cut to the blocks the trace runs).
+
+    With LoRA the stacks are cut to their first ``keep_blocks`` blocks before the adapters go
+    in: peft's injection costs about a millisecond per layer and the blocks past the kept ones
+    never run in the trace, so their adapters are never seen (the targets are still matched
+    against the whole model, and the extrapolation uses the uncut depths): the same measurement
+    as adapters on every block (tests/test_memory.py), in a fraction of the time."""
+    model.requires_grad_(not lora_rank)
+    depth = _stack_depths(model)
+    if lora_rank:
+        present = _lora_targets_present(model, lora_targets)
+        if keep_blocks is not None:
+            _cut_stacks(model, keep_blocks)
+        _add_lora_on_meta(model, lora_rank, present)
+    return _measure(model, inputs, keep_blocks=keep_blocks, depth=depth)
 
 
 def _measure_kept(model, inputs, frozen: set[int], depth: dict[str, int],
@@ -354,12 +390,9 @@ def trace_transformer(shape: TraceShape) -> TransformerTrace:
     """Measure one row of the family's transformer at ``shape`` on the meta device (cached)."""
     dtype = torch_dtype(shape.dtype)
     model = build_on_meta(shape.family, "transformer", path=shape.config_path, dtype=dtype)
-    model.requires_grad_(not shape.lora_rank)
-    if shape.lora_rank:
-        _add_lora_on_meta(model, shape.lora_rank, shape.lora_targets)
     config = component_config(shape.family, "transformer", shape.config_path)
     inputs = _inputs(shape, config, dtype)
-    saved, inference_peak = _measure(model, inputs)
+    saved, inference_peak = _measure_as_trained(model, inputs, lora_rank=shape.lora_rank, lora_targets=shape.lora_targets)
     input_bytes = sum(_storage_bytes(t) for t in _tensors(inputs))
     return TransformerTrace(
         **saved,
@@ -375,16 +408,22 @@ def _add_lora_on_meta(model: torch.nn.Module, rank: int, targets: tuple[str, ...
     parameters."""
     from peft import LoraConfig
 
-    names = {n.split(".")[-1] for n, _ in model.named_modules()} | {".".join(n.split(".")[-2:]) for n, _ in model.named_modules()}
-    present = [t for t in targets if t in names]
-    if not present:
-        raise ValueError(f"LoRA targets {list(targets)} match no module of {type(model).__name__}")
+    present = _lora_targets_present(model, targets)
     with torch.device("meta"):
         model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian", target_modules=present))
     for name, p in model.named_parameters():
         if "lora_" in name:
             p.data = p.data.float()
             p.requires_grad_(True)
+
+
+def _lora_targets_present(model: torch.nn.Module, targets: tuple[str, ...]) -> list[str]:
+    """The entries of ``targets`` that name a module of ``model`` (its last or last two dotted parts)."""
+    names = {n.split(".")[-1] for n, _ in model.named_modules()} | {".".join(n.split(".")[-2:]) for n, _ in model.named_modules()}
+    present = [t for t in targets if t in names]
+    if not present:
+        raise ValueError(f"LoRA targets {list(targets)} match no module of {type(model).__name__}")
+    return present
 
 
 def module_bytes(module: torch.nn.Module) -> int:
