@@ -51,8 +51,9 @@ def compose_config(
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base=None):
-        loader = GlobalHydra.instance().hydra.config_loader
-        loader.repository = _SharedLoads(loader.repository)
+        loader = getattr(GlobalHydra.instance().hydra, "config_loader", None)
+        if hasattr(loader, "repository"):  # Hydra's internals as of 1.3; another layout composes unshared
+            loader.repository = _SharedLoads(loader.repository)
         try:
             composed = _compose_from_base(os.path.abspath(config_dir), config_name, overrides)
         except Exception:  # noqa: BLE001 - Hydra's whole composition below raises its own error
