@@ -377,7 +377,8 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         """The trainer ranks' default process group, when there is more than one rank or FSDP
         (FSDP2 shards over the default group's mesh, so one sharded rank needs a group of one).
         On CUDA the group is bound to this worker's GPU (device_id: NCCL's communicator is
-        created eagerly, on the right device, instead of at the first collective)."""
+        created eagerly, on the right device, instead of at the first collective). Returns where
+        the group met (``workers.json``), None for a worker that joins none."""
         if not self._joins_trainer_group():
             return None
         cuda = torch.cuda.is_available()
