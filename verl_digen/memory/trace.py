@@ -192,8 +192,7 @@ def _measure(model: torch.nn.Module, inputs: dict[str, Any], *, keep_blocks: int
     if depth is None:
         depth = _stack_depths(model)
     if keep_blocks is not None:
-        for name, blocks in stacks:
-            setattr(model, name, torch.nn.ModuleList(list(blocks)[:keep_blocks]))
+        _cut_stacks(model, keep_blocks)
     try:
         return _measure_kept(model, inputs, frozen, depth, trainable)
     finally:
@@ -206,7 +205,8 @@ def _stack_depths(model: torch.nn.Module) -> dict[str, int]:
 
 
 def _cut_stacks(model: torch.nn.Module, keep_blocks: int) -> None:
-    """Keep only the first ``keep_blocks`` blocks of each stack of ``model`` (for good)."""
+    """Keep only the first ``keep_blocks`` blocks of each stack of ``model`` (:func:`_measure`
+    puts the stacks back after its trace; :func:`_measure_as_trained` cuts for good)."""
     for name, blocks in _block_lists(model):
         setattr(model, name, torch.nn.ModuleList(list(blocks)[:keep_blocks]))
 

@@ -1014,8 +1014,8 @@ class CostModel:
         if gather_s:
             row = self.workload.cfg_factor * self.forward_flops() / (dev.flops * eff)
             full, rest = divmod(samples, b)
-            for n, times in ((b, full), (rest, 1 if rest else 0)):  # the part of each call's gather its compute does not hide
-                t += times * max(0.0, gather_s - self.system.comm_overlap * (dev.forward_overhead_s + n * row))
+            for n, times in ((b, full), (rest, 1 if rest else 0)):
+                t += times * self._exposed_comm(dev.forward_overhead_s + n * row, gather_s)
         return t
 
     def forward_seconds(self, samples: int, dev: DeviceProfile) -> float:
@@ -1077,7 +1077,11 @@ class CostModel:
         return 2.0 * self.system.engine_wake_s + 2.0 * weights / (dev.host_link_gbps * GB)
 
     def _pass_seconds(self, compute: float, comm: float) -> float:
-        return compute + max(0.0, comm - self.system.comm_overlap * compute)
+        return compute + self._exposed_comm(compute, comm)
+
+    def _exposed_comm(self, compute: float, comm: float) -> float:
+        """The part of a call's collectives ``comm`` that its ``compute`` does not hide."""
+        return max(0.0, comm - self.system.comm_overlap * compute)
 
     def train_pass_seconds(self, samples: int, dev: DeviceProfile, group: TrainGroup, pool: str = "trainer",
                            checkpointing: bool | None = None) -> float:
