@@ -410,3 +410,42 @@ def test_gat_rollout_workers_train_a_pass_and_auto_checkpointing_counts_it():
     tight = roles("digen.gat.enable=true", off, f"digen.memory.device_gib={gib}")["rollout"]
     assert tight.phase == "train" and "digen.gat.enable=false (rollout workers then do not train)" in tight.knobs
     assert not any(k.startswith("digen.fsdp") for k in tight.knobs)
+
+
+def test_a_jobs_plan_is_computed_once_and_every_caller_gets_its_own_copy():
+    """``plan_roles`` is a pure function of the job and the GPU sizes, computed once per pair
+    (a planner search asks for each about six times): the copy a caller gets is equal to a fresh
+    computation, with a GPU size given as one number or per role, and changing it changes no later
+    answer."""
+    from dataclasses import replace
+
+    from verl_digen.memory.plan import _plan_roles, _planned, job_shape, plan_roles
+
+    job = job_shape(_digen("flux_full_disaggregated")[0], devices_per_node=8, nnodes=1)
+    for gib in (80.0, {"rollout": 80.0, "trainer": 140.0}):
+        first = plan_roles(job, gib)
+        hits = _planned.cache_info().hits
+        assert first == _plan_roles(job, gib)
+        first[0].bytes["weights"] = -1
+        first[0].knobs.append("changed by a caller")
+        first[0].phases.clear()
+        second = plan_roles(job, gib)
+        assert second == _plan_roles(job, gib) and second[0].bytes["weights"] > 0
+        assert _planned.cache_info().hits == hits + 1  # the second answer was the first one's, copied
+    other = replace(job, checkpointing=not job.checkpointing)
+    assert plan_roles(other, 80.0) == _plan_roles(other, 80.0) != plan_roles(job, 80.0)
+
+
+def test_a_config_file_is_read_once_per_version_and_parsed_afresh_for_each_caller(tmp_path):
+    from verl_digen.models.base import _file_text, read_json
+
+    file = tmp_path / "config.json"
+    file.write_text('{"num_layers": 19, "axes": [16, 56, 56]}')
+    first = read_json(str(file))
+    first["axes"].append(0)  # a caller's own copy
+    reads = _file_text.cache_info().misses
+    assert read_json(str(file)) == {"num_layers": 19, "axes": [16, 56, 56]}
+    assert _file_text.cache_info().misses == reads  # not read again
+    file.write_text('{"num_layers": 57, "axes": [16, 56, 56]}')  # edited, the same size
+    os.utime(file, ns=(1, 1))  # another mtime, even on a coarse clock
+    assert read_json(str(file))["num_layers"] == 57

@@ -22,6 +22,7 @@ workers keep is stated where it is computed; docs/memory.md collects them with t
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import os
@@ -492,7 +493,26 @@ def role_gib(gib: float | Mapping[str, float], role: str) -> float:
 
 def plan_roles(job: JobShape, gib: float | Mapping[str, float]) -> list[RolePlan]:
     """Every role's peak per GPU for ``job`` on GPUs of ``gib`` GiB (one number for every role,
-    or a GiB per role name: ``colocated``, ``rollout``, ``trainer``, ``reward``)."""
+    or a GiB per role name: ``colocated``, ``rollout``, ``trainer``, ``reward``). The caller's own
+    copies: it may change them."""
+    return copy.deepcopy(list(_planned(job, _gib_key(gib))))
+
+
+def _gib_key(gib: float | Mapping[str, float]) -> float | tuple[tuple[str, float], ...]:
+    return float(gib) if isinstance(gib, (int, float)) else tuple(sorted((k, float(v)) for k, v in gib.items()))
+
+
+@functools.lru_cache(maxsize=4096)
+def _planned(job: JobShape, gib: float | tuple[tuple[str, float], ...]) -> tuple[RolePlan, ...]:
+    """:func:`plan_roles`, computed once per (job, GPU sizes) and shared read-only: a planner search
+    plans the same few thousand jobs about six times each (``decide_job`` tries each decision
+    first), and a plan is a pure function of the job, its model's configs (read once per model:
+    :func:`_transformer_facts`) and the GPU sizes. Callers here only read; :func:`plan_roles`
+    hands out copies."""
+    return tuple(_plan_roles(job, gib if isinstance(gib, float) else dict(gib)))
+
+
+def _plan_roles(job: JobShape, gib: float | Mapping[str, float]) -> list[RolePlan]:
     params, dense_bytes, block_bytes, lora_params, param_bytes = _transformer_facts(
         job.family, job.config_path, job.dtype, job.lora_targets, job.lora_rank
     )
@@ -701,10 +721,10 @@ def decide_job(job: JobShape, gib: float | Mapping[str, float], *, checkpointing
         optimizer_offload = job.placement == "colocated" or _parks_to_fit(job, gib, checkpointing)
     job = replace(job, optimizer_offload=optimizer_offload)
     if checkpointing is None:
-        checkpointing = not training_fits(plan_roles(replace(job, checkpointing=False), gib))
+        checkpointing = not training_fits(_planned(replace(job, checkpointing=False), _gib_key(gib)))
     job = replace(job, checkpointing=checkpointing)
     if encoders_offloaded is None:
-        resident = plan_roles(replace(job, encoders_offloaded=False), gib)
+        resident = _planned(replace(job, encoders_offloaded=False), _gib_key(gib))
         encoders_offloaded = not job.prompt_cache_releases and not all(
             p.peak_gib <= p.device_gib for p in resident if p.role in ("colocated", "rollout"))
     return replace(job, encoders_offloaded=encoders_offloaded)
@@ -713,9 +733,9 @@ def decide_job(job: JobShape, gib: float | Mapping[str, float], *, checkpointing
 def _parks_to_fit(job: JobShape, gib: float | Mapping[str, float], checkpointing: bool | None) -> bool:
     """A disaggregated run's ``optimizer_offload=auto`` (:func:`decide_job`, rule 1)."""
     for ckpt in ((False, True) if checkpointing is None else (checkpointing,)):
-        if training_fits(plan_roles(replace(job, checkpointing=ckpt, optimizer_offload=False), gib)):
+        if training_fits(_planned(replace(job, checkpointing=ckpt, optimizer_offload=False), _gib_key(gib))):
             return False
-        if training_fits(plan_roles(replace(job, checkpointing=ckpt, optimizer_offload=True), gib)):
+        if training_fits(_planned(replace(job, checkpointing=ckpt, optimizer_offload=True), _gib_key(gib))):
             return True
     return False
 

@@ -19,6 +19,8 @@ decoding. This module imports torch only; diffusers is imported where a helper n
 from __future__ import annotations
 
 import abc
+import functools
+import json
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
@@ -412,8 +414,23 @@ def read_model_index(path: str) -> dict:
             f"no model_index.json in model path '{path}': expected a diffusers-format directory "
             "(e.g. written by DiffusionPipeline.save_pretrained or downloaded from the Hub)"
         )
-    with open(index_file, encoding="utf-8") as f:
-        return json.load(f)
+    return read_json(index_file)
+
+
+def read_json(file: str) -> Any:
+    """The JSON value of ``file``, parsed afresh on every call (callers may change what they get),
+    from text read once per version of the file (its path, mtime and size): the memory planner
+    reads the same few config files tens of thousands of times in one planner search."""
+    import os
+
+    st = os.stat(file)
+    return json.loads(_file_text(os.path.abspath(file), st.st_mtime_ns, st.st_size))
+
+
+@functools.lru_cache(maxsize=256)
+def _file_text(file: str, mtime_ns: int, size: int) -> str:
+    with open(file, encoding="utf-8") as f:
+        return f.read()
 
 
 def has_component(model_index: dict, name: str) -> bool:

@@ -18,7 +18,6 @@ trace activations without any weight.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from typing import Any
@@ -79,8 +78,9 @@ def component_config(family: str, name: str, path: str | None = None) -> dict[st
     file = os.path.join(root, name, "config.json")
     if not os.path.isfile(file):
         raise FileNotFoundError(f"no config for component '{name}' at {file}")
-    with open(file, encoding="utf-8") as f:
-        return json.load(f)
+    from verl_digen.models.base import read_json
+
+    return read_json(file)
 
 
 def instantiate(family: str, name: str, *, path: str | None = None) -> torch.nn.Module:
