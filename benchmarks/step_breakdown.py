@@ -1,6 +1,8 @@
 """Where a simulated step's time goes: the best configuration of each mechanism set the planner
 finds, and for each its pools' busy device-seconds per step by task kind, the busiest device's
-share of the step and the bubble.
+share of the step and the bubble; and the work of one step (device-seconds of all its tasks,
+wherever and whenever they ran) spread evenly over every device: the step no split of the
+devices between pools can beat with these tasks.
 
     python benchmarks/step_breakdown.py --model qwen-image-20b --devices 32
     python benchmarks/step_breakdown.py --model hunyuanvideo-13b --devices 32 --timeline trainer0,rollout0
@@ -44,7 +46,10 @@ def breakdown(evaluation) -> dict:
             pool = worker.rstrip("0123456789")
             busy[(pool, rec.kind)] += end - start
             per_device[worker] += end - start
-    return {"busy": {k: v / steps for k, v in busy.items()},
+    # One measured step's own tasks, by their step (under TCSS some ran during the step before).
+    step = result.warmup_steps
+    work = sum((rec.end - rec.start) * len(rec.workers) for rec in result.timeline.records if rec.step == step)
+    return {"busy": {k: v / steps for k, v in busy.items()}, "work": work, "devices": len(per_device),
             "busiest": max(per_device.values()) / (t1 - t0) if per_device else 0.0,
             "step_s": result.step_time_s, "images_per_s": result.images_per_s,
             # idle share of the devices over the same steps (the simulator's own bubble_fraction
@@ -84,6 +89,11 @@ def main(argv: list[str] | None = None) -> int:
             n = {"rollout": spec.rollout_workers, "trainer": spec.trainer_workers, "fused": spec.rollout_workers,
                  "reward": spec.reward_workers}.get(pool, 1)
             print(f"  {pool:8s} {kind:15s} {seconds:10.1f} device-s/step  ({seconds / max(n, 1):7.1f} s per device)")
+        even = b["work"] / b["devices"]
+        images = b["images_per_s"] * b["step_s"]
+        ratio = f", {images / even / colocated:.3f}x colocated" if colocated else ""
+        print(f"  one step's work {b['work']:.0f} device-s spread evenly over the {b['devices']} devices: "
+              f"{even:.1f} s per step, {images / even:.4g} images/s{ratio}")
         if args.timeline:
             ev_result = ev.result
             t0 = ev_result.step_end[ev_result.warmup_steps - 1] if ev_result.warmup_steps else 0.0
