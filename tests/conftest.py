@@ -55,8 +55,9 @@ def group_what_shares_a_worker(items: list[pytest.Item]) -> None:
 def heaviest_files_first(items: list[pytest.Item]) -> None:
     """Order whole files by their weight, heaviest first, keeping each file's own order.
 
-    ``--dist loadfile --no-loadscope-reorder`` (pyproject.toml; without the second flag xdist
-    re-sorts files by their number of tests) hands files to the workers in this order, so a heavy file met
+    ``--dist loadgroup --no-loadscope-reorder`` (pyproject.toml; without the second flag xdist
+    re-sorts the groups by their number of tests) hands the files grouped by
+    :func:`group_what_shares_a_worker` to the workers in this order, so a heavy file met
     last keeps one worker busy for minutes while the other has nothing left (seen: 7 minutes
     of one idle core at the end of the suite). Weights are rough: an e2e test 1, a slow one
     4 more. Every worker sorts the same collection the same way, as xdist requires."""

@@ -780,8 +780,10 @@ def _check_kl_reference(r: dict, world: int) -> None:
     assert r["sharded"] and r["frozen"]
     # New storage beyond what sharding the policy alone allocates: the reference's shards only
     # (a dense model over the ranks); a dense copy first (deepcopy, then sharding it too) adds a
-    # whole model and its sharding on top (measured: 1.4 dense models more on 2 ranks).
-    assert r["new_bytes"] - r["policy_alone_bytes"] <= 1.2 * r["dense"] / world, r
+    # whole model and its sharding on top (measured: 1.4 dense models more on 2 ranks, i.e. 2.8
+    # times the bound's dense / world). The count skips storages at an address seen before, so
+    # it moves a little with the allocator's reuse of addresses (seen once under load: 1.23 x dense / world).
+    assert r["new_bytes"] - r["policy_alone_bytes"] <= 1.5 * r["dense"] / world, r
     assert r["ref_vs_initial"] == 0.0 and r["buffers_equal"]
     assert r["policy_moved"] and r["forward_diff"] == 0.0
 
