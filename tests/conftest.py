@@ -24,40 +24,19 @@ from e2e_guard import (  # noqa: F401
 )
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the xdist_group marks added here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The e2e guard's marks and gpu deselection; then, under pytest-xdist, the heaviest test
-    files first (``heaviest_files_first``) and the tests that must share a worker grouped
-    (``group_what_shares_a_worker``)."""
+    files first (``heaviest_files_first``)."""
     e2e_guard.pytest_collection_modifyitems(config, items)
     if os.environ.get("PYTEST_XDIST_WORKER"):
         heaviest_files_first(items)
-        group_what_shares_a_worker(items)
-
-
-SHARED_SCOPES = ("module", "class", "package")
-
-
-def group_what_shares_a_worker(items: list[pytest.Item]) -> None:
-    """``--dist loadgroup`` (pyproject.toml) hands each test to whichever worker is free, except
-    the tests marked ``xdist_group`` here, which go together to one worker: an e2e test's file
-    (its runs, Ray clusters and orderings were written for one process), and a test that uses a
-    fixture built once per module or class (built once, not once per worker). Every other test
-    is dealt singly, so the long tail of quick tests evens out the two workers' ends."""
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        defs = info.name2fixturedefs.values() if info is not None else ()
-        shared = any(d and d[-1].scope in SHARED_SCOPES for d in defs)
-        if shared or item.get_closest_marker("e2e") is not None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
 def heaviest_files_first(items: list[pytest.Item]) -> None:
     """Order whole files by their weight, heaviest first, keeping each file's own order.
 
-    ``--dist loadgroup --no-loadscope-reorder`` (pyproject.toml; without the second flag xdist
-    re-sorts the groups by their number of tests) hands the files grouped by
-    :func:`group_what_shares_a_worker` to the workers in this order, so a heavy file met
+    ``--dist loadfile --no-loadscope-reorder`` (pyproject.toml; without the second flag xdist
+    re-sorts files by their number of tests) hands files to the workers in this order, so a heavy file met
     last keeps one worker busy for minutes while the other has nothing left (seen: 7 minutes
     of one idle core at the end of the suite). Weights are rough: an e2e test 1, a slow one
     4 more. Every worker sorts the same collection the same way, as xdist requires."""
