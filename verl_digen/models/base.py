@@ -403,7 +403,6 @@ def read_model_index(path: str) -> dict:
     Raises ``FileNotFoundError`` naming the path when the directory or the file is missing, so
     a typo in a config fails here rather than deep inside ``from_pretrained``.
     """
-    import json
     import os
 
     if not os.path.isdir(path):
