@@ -49,7 +49,8 @@ def breakdown(evaluation) -> dict:
     # One measured step's own tasks, by their step (under TCSS some ran during the step before).
     step = result.warmup_steps
     work = sum((rec.end - rec.start) * len(rec.workers) for rec in result.timeline.records if rec.step == step)
-    return {"busy": {k: v / steps for k, v in busy.items()}, "work": work, "devices": len(per_device),
+    return {"busy": {k: v / steps for k, v in busy.items()}, "work": work,
+            "devices": evaluation.candidate.cluster.devices,  # every device, busy in the window or not
             "busiest": max(per_device.values()) / (t1 - t0) if per_device else 0.0,
             "step_s": result.step_time_s, "images_per_s": result.images_per_s,
             # idle share of the devices over the same steps (the simulator's own bubble_fraction

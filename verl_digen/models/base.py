@@ -106,12 +106,10 @@ class DiffusionAdapter(abc.ABC):
     @classmethod
     def check_sample_size(cls, path: str, spec: "SampleSpec") -> None:
         """Check that the model at ``path`` can sample ``spec``, reading only its config files."""
-        import json
         import os
 
         def config(sub: str) -> dict[str, Any]:
-            with open(os.path.join(path, sub, "config.json")) as f:
-                return json.load(f)
+            return read_json(os.path.join(path, sub, "config.json"))
 
         rules = cls.size_rules(config("vae"), config("transformer"))
         if rules is not None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from verl_digen.models.base import read_json
 from verl_digen.models.families import FAMILY_NAMES
 
 FAMILIES = FAMILY_NAMES  # every registered family ships its configs (tests/test_families.py)
@@ -78,8 +79,6 @@ def component_config(family: str, name: str, path: str | None = None) -> dict[st
     file = os.path.join(root, name, "config.json")
     if not os.path.isfile(file):
         raise FileNotFoundError(f"no config for component '{name}' at {file}")
-    from verl_digen.models.base import read_json
-
     return read_json(file)
 
 
