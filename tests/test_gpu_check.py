@@ -76,6 +76,19 @@ def test_a_failing_part_is_reported_and_the_next_one_runs(tmp_path):
     assert data["parts"]["second"] == {"ok": True, "value": 1, "seconds": data["parts"]["second"]["seconds"]}
 
 
+def test_a_doctor_that_finds_problems_fails_the_versions_part_and_keeps_the_versions(tmp_path, monkeypatch):
+    """The doctor runs as a subprocess (a fresh ``import verl`` loads the plugins); its exit status
+    is what this part reads, so the subprocess is replaced by its result here (the doctor's own
+    findings are tested in tests/test_verl_hooks.py)."""
+    tail = "plugin: loaded by veRL (entry point verl.plugins:digen)\nmain_ppo trainer.v1: its import failed: x\ndoctor: PROBLEMS FOUND\n"
+    monkeypatch.setattr(gpu_check, "_run", lambda cmd, timeout, **kw: {"rc": 1, "tail": tail})
+    report = gpu_check.Report(str(tmp_path / "r.json"))
+    report.run("versions", gpu_check.part_versions)
+    part = json.loads((tmp_path / "r.json").read_text())["parts"]["versions"]
+    assert part["ok"] is False and part["error"].endswith("doctor exited 1: doctor: PROBLEMS FOUND")
+    assert part["torch"] == torch.__version__ and part["doctor_rc"] == 1 and part["doctor"] == tail
+
+
 def test_the_command_refuses_an_unknown_part_and_cuda_without_a_gpu(tmp_path, capsys):
     bad = subprocess.run([sys.executable, "-m", "verl_digen.gpu_check", "--parts", "versions,nope",
                           "--out", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=120)

@@ -86,3 +86,43 @@ def test_doctor_accepts_verl_omnis_veRL_as_untested(monkeypatch):
 def test_doctor_refuses_a_veRL_outside_the_supported_range(monkeypatch):
     ok, line = _doctor_verl_line(monkeypatch, "0.8.3")
     assert not ok and line.endswith("<-- UNSUPPORTED")
+
+
+def test_doctor_names_a_missing_dependency_of_veRLs_trainer_and_reports_the_rest(monkeypatch):
+    """On a GPU machine whose fastapi lacked its `opentelemetry` dependency, the doctor died in a
+    traceback at main_ppo's import and reported nothing else. Python's own "halted" import stands
+    in for that failure here: the doctor names it and still lists the versions and devices."""
+    import sys
+
+    import verl_digen.doctor as doctor
+
+    monkeypatch.setitem(sys.modules, "verl.trainer.ppo.v1.trainer_base", None)
+    ok, lines = doctor.report()
+    assert not ok
+    (line,) = [x for x in lines if x.startswith("main_ppo trainer.v1")]
+    assert "its import failed: ModuleNotFoundError" in line and "verl.trainer.ppo.v1.trainer_base" in line
+    assert any(x.startswith("verl-digen ") for x in lines) and any(x.startswith("torch ") for x in lines)
+    assert any(x.startswith("CPU cores: ") for x in lines)
+
+
+def test_an_import_failure_names_the_file_that_needs_what_is_missing(tmp_path, monkeypatch):
+    import sys
+
+    from verl_digen.doctor import import_failure
+
+    pkg = tmp_path / "needs_a_dependency"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from . import api\n")
+    (pkg / "api.py").write_text("import a_dependency_nobody_installed\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        import needs_a_dependency  # noqa: F401
+    except ImportError as e:
+        text = import_failure(e)
+    else:
+        raise AssertionError("the import should fail")
+    finally:
+        sys.modules.pop("needs_a_dependency", None)
+        sys.modules.pop("needs_a_dependency.api", None)
+    assert text == ("ModuleNotFoundError: No module named 'a_dependency_nobody_installed' "
+                    f"(imported by {os.path.join('needs_a_dependency', 'api.py')})")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import os
 import sys
+import traceback
 
 
 def report() -> tuple[bool, list[str]]:
@@ -31,18 +32,23 @@ def report() -> tuple[bool, list[str]]:
         lines.append(f"plugin: NOT loaded by veRL: {why}")
 
     if loaded:  # the digen trainer mode of main_ppo, and the one runtime patch (verl_digen/verl_hooks.py)
-        from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY  # importing v1 registers the mode
-        from verl.utils.config import validate_config
+        try:
+            from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY  # importing v1 registers the mode
+        except ImportError as e:  # a dependency of veRL's trainer is missing: say which, and go on
+            ok = False
+            lines.append(f"main_ppo trainer.v1: its import failed: {import_failure(e)}")
+        else:
+            from verl.utils.config import validate_config
 
-        from verl_digen import verl_hooks
+            from verl_digen import verl_hooks
 
-        registered = "digen" in TRAINER_REGISTRY
-        wrapped = getattr(validate_config, "_digen_wrapped", False)
-        ok &= registered and wrapped
-        lines.append("main_ppo trainer.v1.trainer_mode=digen: " + ("registered" if registered else "NOT registered"))
-        lines.append("main_ppo validate_config: " + ("digen checks in the digen mode" if wrapped else "NOT wrapped"))
-        for module, error in verl_hooks.HOOK_ERRORS.items():
-            lines.append(f"  hook on {module} failed: {error}")
+            registered = "digen" in TRAINER_REGISTRY
+            wrapped = getattr(validate_config, "_digen_wrapped", False)
+            ok &= registered and wrapped
+            lines.append("main_ppo trainer.v1.trainer_mode=digen: " + ("registered" if registered else "NOT registered"))
+            lines.append("main_ppo validate_config: " + ("digen checks in the digen mode" if wrapped else "NOT wrapped"))
+            for module, error in verl_hooks.HOOK_ERRORS.items():
+                lines.append(f"  hook on {module} failed: {error}")
 
     import ray
     import torch
@@ -77,6 +83,20 @@ def report() -> tuple[bool, list[str]]:
             lines.append(f"  cuda:{i} {torch.cuda.get_device_name(i)}")
     lines.append(f"CPU cores: {os.cpu_count()}  (ray {ray.__version__})")
     return ok, lines
+
+
+def import_failure(error: ImportError) -> str:
+    """``error`` and the file whose import statement raised it, relative to its ``sys.path``
+    entry (``fastapi/telemetry/_api.py``: the package that needs what is missing)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    text = f"{type(error).__name__}: {error}"
+    outside = [f.filename for f in frames if "importlib" not in f.filename and not f.filename.startswith("<")]
+    if not outside:
+        return text
+    where = os.path.abspath(outside[-1])
+    roots = sorted((os.path.abspath(p) for p in sys.path if p), key=len, reverse=True)
+    root = next((r for r in roots if where.startswith(r + os.sep)), None)
+    return f"{text} (imported by {os.path.relpath(where, root) if root else where})"
 
 
 def main() -> int:

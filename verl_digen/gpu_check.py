@@ -122,6 +122,9 @@ def part_versions() -> dict[str, Any]:
             out[dist_name] = None
     doctor = _run([sys.executable, "-m", "verl_digen.doctor"], timeout=120)
     out["doctor_rc"], out["doctor"] = doctor["rc"], doctor["tail"]
+    if doctor["rc"] != 0:  # the versions stay in the report; the part says the install has a problem
+        lines = [ln for ln in doctor["tail"].splitlines() if ln.strip()]
+        raise _PartFailed(f"python -m verl_digen.doctor exited {doctor['rc']}: {lines[-1] if lines else 'no output'}", out)
     return out
 
 
