@@ -89,6 +89,14 @@ def test_a_doctor_that_finds_problems_fails_the_versions_part_and_keeps_the_vers
     assert part["torch"] == torch.__version__ and part["doctor_rc"] == 1 and part["doctor"] == tail
 
 
+@pytest.mark.e2e  # starts `python -m verl_digen.main` (stopped after a second)
+def test_a_run_stopped_by_its_time_limit_says_so_and_which_limit(tmp_path):
+    """On the H100 a tiny run given too short a limit was reported as "first run exited None"."""
+    with pytest.raises(RuntimeError, match=r"^first run timed out after 1 s \(each of the two runs gets half of "
+                                           r"--tiny-run-timeout\)"):
+        gpu_check.part_tiny_run(2.0, "fp32")
+
+
 def test_the_command_refuses_an_unknown_part_and_cuda_without_a_gpu(tmp_path, capsys):
     bad = subprocess.run([sys.executable, "-m", "verl_digen.gpu_check", "--parts", "versions,nope",
                           "--out", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=120)

@@ -99,6 +99,11 @@ def _run(cmd: list[str], timeout: float, env: dict[str, str] | None = None,
     return {**result, "tail": out[-4000:]}
 
 
+def _ended(res: dict[str, Any]) -> str:
+    """How a :func:`_run` ended, in words: its exit status, or the time limit that stopped it."""
+    return f"timed out after {res['timed_out']:g} s" if res["rc"] is None else f"exited {res['rc']}"
+
+
 # ---------------------------------------------------------------------- versions, pytest
 
 
@@ -124,7 +129,7 @@ def part_versions() -> dict[str, Any]:
     out["doctor_rc"], out["doctor"] = doctor["rc"], doctor["tail"]
     if doctor["rc"] != 0:  # the versions stay in the report; the part says the install has a problem
         lines = [ln for ln in doctor["tail"].splitlines() if ln.strip()]
-        raise _PartFailed(f"python -m verl_digen.doctor exited {doctor['rc']}: {lines[-1] if lines else 'no output'}", out)
+        raise _PartFailed(f"python -m verl_digen.doctor {_ended(doctor)}: {lines[-1] if lines else 'no output'}", out)
     return out
 
 
@@ -141,7 +146,7 @@ def part_pytest_gpu(timeout: float, log_path: str | None = None, workers: int = 
     lines = [ln for ln in res["tail"].splitlines() if ln.strip()]
     summary = next((ln for ln in reversed(lines) if " passed" in ln or " failed" in ln or " error" in ln), None)
     if res["rc"] not in (0,):
-        raise RuntimeError(f"pytest -m gpu exited {res['rc']}: {summary}\n{res['tail']}")
+        raise RuntimeError(f"pytest -m gpu {_ended(res)}: {summary}\n{res['tail']}")
     return {"summary": summary, "tail": res["tail"][-1500:]}
 
 
@@ -490,7 +495,7 @@ def part_flux_phases_child(args: argparse.Namespace, device: str, group_size: in
                 result = json.load(f)
         if res["rc"] != 0:
             result["child_rc"], result["child_tail"] = res["rc"], res["tail"]
-            error = result.get("error") or f"child exited {res['rc']}"
+            error = result.get("error") or f"child {_ended(res)}"
             raise _PartFailed(error, result)
         return result
 
@@ -555,7 +560,7 @@ def part_fsdp_dcp(device_name: str) -> dict[str, Any]:
         res = _run([sys.executable, "-m", "verl_digen.gpu_check", "--child-fsdp-dcp", out_file, "--device", device_name],
                    timeout=300)
         if res["rc"] != 0 or not os.path.isfile(out_file):
-            raise RuntimeError(f"fsdp_dcp child exited {res['rc']}:\n{res['tail']}")
+            raise RuntimeError(f"fsdp_dcp child {_ended(res)}:\n{res['tail']}")
         with open(out_file, encoding="utf-8") as f:
             return json.load(f)
 
@@ -648,7 +653,8 @@ def part_tiny_run(timeout: float, dtype: str = "bf16") -> dict[str, Any]:
             res = _run([sys.executable, "-m", "verl_digen.main", *common, f"trainer.total_training_steps={steps}",
                         f"digen.output_dir={out_dir}"], timeout=timeout / 2)
             if res["rc"] != 0:
-                raise RuntimeError(f"{name} run exited {res['rc']}:\n{res['tail']}")
+                limit = " (each of the two runs gets half of --tiny-run-timeout)" if res["rc"] is None else ""
+                raise RuntimeError(f"{name} run {_ended(res)}{limit}:\n{res['tail']}")
             with open(os.path.join(out_dir, "metrics.jsonl"), encoding="utf-8") as f:
                 rows_of[name] = [json.loads(line) for line in f if line.strip()]
             results[name] = {"steps": [r.get("step") for r in rows_of[name]],
