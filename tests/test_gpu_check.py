@@ -33,6 +33,9 @@ def test_flux_phases_on_the_tiny_model_measure_every_phase_and_stay_on_policy(ti
     assert out["gradient_checkpointing_on"] is True
     rv = out["rollout_vs_pipeline"]
     assert rv["ours_images_per_s"] > 0 and rv["pipeline_images_per_s"] > 0
+    # every rollout and the pipeline took their embeddings from the cache, as a run's rollout
+    # does: the two prompts warmed are all that was encoded after the timing of the encoders
+    assert out["prompt_cache"]["encoded_prompts"] == 2 and out["prompt_cache"]["hits"] >= 4
     # predictions for the same shape from both models, compared phase by phase
     # (a fused worker parks its optimizer state between steps: the step has a phase of its own)
     assert set(out["memory_plan"]) == {"load", "warm", "generate", "decode", "train", "step"}

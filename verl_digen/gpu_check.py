@@ -410,6 +410,13 @@ def part_flux_phases(size: str, device_name: str, *, group_size: int, pipeline_r
         adapter.encode_prompts([PROMPT])
     out["text_encoders"] = _encoder_seconds(adapter, device, prompts=8) if encoder_cpu else None
 
+    # The run's set-up: the prompt cache warmed and routing adapter.encode_prompts, so that the
+    # rollouts below take their embeddings from it, as a run's do (and as FluxPipeline is given them).
+    from verl_digen.models.prompt_cache import PromptEmbeddingCache
+
+    cache = PromptEmbeddingCache(adapter, model_key="gpu-check", cache_dir=None)
+    cache.warm([PROMPT, settings.negative_prompt])
+    cache.install()
     if compare_pipeline:
         # Our rollout against FluxPipeline on the same (base) weights, before LoRA is injected.
         _rollout(adapter, settings, group_size, seed=1)  # warm-up
@@ -423,12 +430,7 @@ def part_flux_phases(size: str, device_name: str, *, group_size: int, pipeline_r
                                       "pipeline_seconds": pipe["seconds"], "pipeline_images_per_s": pipe["images_per_s"],
                                       "ours_over_pipeline": pipe["seconds"] / ours}
 
-    # The run's set-up: prompt cache warmed, text encoders released, LoRA, checkpointing.
-    from verl_digen.models.prompt_cache import PromptEmbeddingCache
-
-    cache = PromptEmbeddingCache(adapter, model_key="gpu-check", cache_dir=None)
-    cache.warm([PROMPT, settings.negative_prompt])
-    cache.install()
+    # The rest of the run's set-up: text encoders released, LoRA, checkpointing.
     out["text_encoder_bytes_freed"] = cache.release_encoders()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -474,6 +476,7 @@ def part_flux_phases(size: str, device_name: str, *, group_size: int, pipeline_r
     state_digest(state)
     out["sync_digest_seconds"] = time.perf_counter() - t0
     del buffers
+    out["prompt_cache"] = {k: v for k, v in cache.stats().items() if k in ("hits", "misses", "encoded_prompts")}
     out["comparison"] = _compare(out)
     return out
 
