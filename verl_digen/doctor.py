@@ -7,6 +7,7 @@ entry point ran, and says what to do when it did not.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata as md
 import os
 import sys
@@ -90,7 +91,8 @@ def import_failure(error: ImportError) -> str:
     entry (``fastapi/telemetry/_api.py``: the package that needs what is missing)."""
     frames = traceback.extract_tb(error.__traceback__)
     text = f"{type(error).__name__}: {error}"
-    outside = [f.filename for f in frames if "importlib" not in f.filename and not f.filename.startswith("<")]
+    machinery = os.path.dirname(importlib.__file__) + os.sep  # the import system's own frames
+    outside = [f.filename for f in frames if not f.filename.startswith(("<", machinery))]
     if not outside:
         return text
     where = os.path.abspath(outside[-1])
