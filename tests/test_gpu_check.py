@@ -128,10 +128,23 @@ def test_workers_keep_cudnn_fused_attention_out_of_sdpa():
 # ---------------------------------------------------------------------- the H100 report
 
 
+def _report(name: str) -> dict:
+    """A report of docs/measured/ (beside the H100 one), whole."""
+    with open(os.path.join(os.path.dirname(REPORT), name), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _predicted(fp: dict, device: str, *overrides: str, steps: int | None = None) -> dict:
+    """The cost model's and the memory planner's figures for the shape of ``fp`` (a report's
+    flux_phases) on ``device``; ``steps``: trained steps (default: the report's train passes)."""
+    _, dcfg = gpu_check._preset_config("real", fp["group_size"], ["digen.model.dtype=bf16", *overrides])
+    steps = int(fp["phases"]["train"]["passes"]) if steps is None else steps
+    return gpu_check._predictions(dcfg, device, fp["group_size"], fp["num_steps"], steps, fp["forward_rows"])
+
+
 @pytest.fixture(scope="module")
 def measured():
-    with open(REPORT, encoding="utf-8") as f:
-        report = json.load(f)
+    report = _report(os.path.basename(REPORT))
     assert report["parts"]["flux_phases"]["ok"], "the shipped report is a successful run"
     return report
 
@@ -148,9 +161,7 @@ def test_the_report_is_a_real_size_flux_run_on_an_h100(measured):
 def test_the_shipped_cost_model_predicts_each_measured_phase_within_25_percent(measured):
     """Time: the cost model with the shipped profiles, for the report's shape, against the H100."""
     fp = measured["parts"]["flux_phases"]
-    _, dcfg = gpu_check._preset_config("real", fp["group_size"], ["digen.model.dtype=bf16"])
-    steps = int(fp["phases"]["train"]["passes"])
-    pred = gpu_check._predictions(dcfg, "H100", fp["group_size"], fp["num_steps"], steps, fp["forward_rows"])
+    pred = _predicted(fp, "H100")
     seconds = pred["cost_model_seconds"]
     ratios = {name: fp["phases"][name]["seconds"] / seconds[name]
               for name in ("generate", "decode", "recompute", "train", "optimizer")}
@@ -164,9 +175,7 @@ def test_the_memory_planner_predicts_each_measured_phase_within_15_percent(measu
     """Memory: the planner's phases (CUDA/NCCL allowance left out: the allocator does not see it)
     against ``torch.cuda.max_memory_allocated`` of the same phase."""
     fp = measured["parts"]["flux_phases"]
-    _, dcfg = gpu_check._preset_config("real", fp["group_size"], ["digen.model.dtype=bf16"])
-    steps = int(fp["phases"]["train"]["passes"])
-    plan = gpu_check._predictions(dcfg, "H100", fp["group_size"], fp["num_steps"], steps, fp["forward_rows"])["memory_plan"]
+    plan = _predicted(fp, "H100")["memory_plan"]
     pairs = {"encode": "load", "generate": "generate", "decode": "decode", "train": "train"}
     ratios = {m: fp["phases"][m]["max_allocated_gib"] / plan[p]["without_overhead_gib"] for m, p in pairs.items()}
     off = {k: round(v, 3) for k, v in ratios.items() if not 0.85 <= v <= 1.15}
@@ -205,8 +214,7 @@ H200_REPORT = os.path.join(os.path.dirname(REPORT), "gpu_check_h200.json")
 
 @pytest.fixture(scope="module")
 def measured_h200():
-    with open(H200_REPORT, encoding="utf-8") as f:
-        return json.load(f)
+    return _report(os.path.basename(H200_REPORT))
 
 
 def test_the_h200_report_is_the_whole_check_on_an_h200(measured_h200):
@@ -224,9 +232,7 @@ def test_the_models_predict_the_h200_phases(measured_h200):
     the memory planner within +-15% on every phase, against the H200. The decode ran 1.5x faster
     than predicted: the H200's decode_mfu is the H100's figure (devices.yaml), not measured on it."""
     fp = measured_h200["parts"]["flux_phases"]
-    _, dcfg = gpu_check._preset_config("real", fp["group_size"], ["digen.model.dtype=bf16"])
-    steps = int(fp["phases"]["train"]["passes"])
-    pred = gpu_check._predictions(dcfg, "H200", fp["group_size"], fp["num_steps"], steps, fp["forward_rows"])
+    pred = _predicted(fp, "H200")
     seconds = pred["cost_model_seconds"]
     ratios = {n: fp["phases"][n]["seconds"] / seconds[n] for n in ("generate", "recompute", "train", "optimizer")}
     ratios["encode"] = fp["text_encoders"]["device_seconds_per_prompt"] / seconds["encode"]
@@ -243,22 +249,15 @@ def test_the_models_predict_the_h200_phases(measured_h200):
 # ---------------------------------------------------------------------- training without checkpointing (H100)
 
 
-def _h100_report(name: str) -> dict:
-    with open(os.path.join(os.path.dirname(REPORT), name), encoding="utf-8") as f:
-        return json.load(f)["parts"]["flux_phases"]
-
-
-def _plain_plan(fp: dict) -> dict:
-    _, dcfg = gpu_check._preset_config("real", fp["group_size"], ["digen.model.dtype=bf16",
-                                                                  "digen.model.gradient_checkpointing=false"])
-    return gpu_check._predictions(dcfg, "H100", fp["group_size"], fp["num_steps"], 2, fp["forward_rows"])["memory_plan"]
+def _plain_plan(fp: dict, steps: int | None = None) -> dict:
+    return _predicted(fp, "H100", "digen.model.gradient_checkpointing=false", steps=steps)["memory_plan"]
 
 
 def test_training_without_checkpointing_at_real_size_takes_what_the_planner_plans():
     """The planner's other branch, measured on an H100 (`gpu_check --parts flux_phases
     --no-checkpointing --group-size 2`): one pass of 2 rows at 512 x 512 within 15% of the
     planned train phase (41.2 GiB measured)."""
-    fp = _h100_report("gpu_check_h100_1127b_plain_group2.json")
+    fp = _report("gpu_check_h100_1127b_plain_group2.json")["parts"]["flux_phases"]
     assert fp["ok"] is not False and not fp["gradient_checkpointing"] and fp["group_size"] == 2
     plan = _plain_plan(fp)
     ratio = fp["phases"]["train"]["max_allocated_gib"] / plan["train"]["without_overhead_gib"]
@@ -270,10 +269,10 @@ def test_a_plain_pass_of_eight_rows_is_planned_beyond_an_h100_and_ran_out_of_mem
     the check, which forces it, ran out of memory in the train phase on the H100."""
     import re
 
-    fp = _h100_report("gpu_check_h100_1127b_plain_group8.json")
+    fp = _report("gpu_check_h100_1127b_plain_group8.json")["parts"]["flux_phases"]
     assert fp["ok"] is False and "OutOfMemoryError: CUDA out of memory" in fp["error"] and fp["group_size"] == 8
     assert "train" not in fp["phases"] and "recompute" in fp["phases"]  # it failed in the train phase
     capacity = float(re.search(r"total capacity of ([\d.]+) GiB", fp["error"]).group(1))
-    plan = _plain_plan(fp)
+    plan = _plain_plan(fp, steps=fp["phases"]["recompute"]["steps"])  # no train phase to read them from
     assert plan["train"]["without_overhead_gib"] > capacity  # even what the allocator sees
     assert all(plan[p]["total_gib"] < capacity for p in ("load", "generate", "decode"))  # the phases that ran fit
