@@ -18,6 +18,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+import pytest
+
 from verl_digen.schedule.plan import TaskKind
 from verl_digen.schedule.strategies import StrategySpec
 from verl_digen.sim.cost_model import Cluster, TableCostModel
@@ -199,11 +201,15 @@ def test_simulated_steps_report_the_loops_timing_and_tag_metrics():
         gap=True, tag=True,
     )
     costs = TableCostModel(seconds={"generate": 2.0, "reward": 0.1, "train": 0.5, "optimizer_step": 0.1, "sync": 0.1})
-    r = simulate(spec, costs, Cluster.for_spec(spec, "any"), steps=4, warmup=1, tag_switch_s=0.0)
+    r = simulate(spec, costs, Cluster.for_spec(spec, "any"), steps=4, warmup=1, tag_switch_s=0.0, mirror_loop=True)
     first, later = r.step_metrics[0], r.step_metrics[1:]
-    assert first["tag/groups"] == 0.0  # nothing measured yet
+    assert first["tag/groups"] == 0.0  # nothing measured yet, as in the loop
     # Trainers wait for groups: from step 2 on they generate part of the batch themselves.
     assert all(m["tag/groups"] > 0 for m in later)
+    # the steady state decides from the model's costs until a step is measured, then as the loop
+    steady = simulate(spec, costs, Cluster.for_spec(spec, "any"), steps=4, warmup=1, tag_switch_s=0.0)
+    assert steady.step_metrics[0]["tag/groups"] == later[0]["tag/groups"] > 0
+    assert steady.step_metrics[0]["tag/train_per_group"] == pytest.approx(later[0]["tag/train_per_group"])
     for key in ("images_per_s", "step_time_s", "bubble_fraction", "bubble/head_trainer", "bubble/drain_rollout",
                 "weight_sync_s", "strategy", "devices"):
         assert key in first

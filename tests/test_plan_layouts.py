@@ -2,7 +2,8 @@
 
 The planner composes one mechanism per question (``strategies.layout_of``). Here each plan of
 every valid combination (colocated / disaggregated, GAP, TCSS, TSP, the time-step split, TAG,
-FSDP; several pool sizes, batch shapes, resumed starts and look-ahead costs) is
+FSDP; several pool sizes, batch shapes, resumed starts, and measured costs, which no plan
+depends on since the TCSS look-ahead takes the whole next step) is
 
 - checked against its invariants (``Plan.check``, typed ids naming their task), and
 - compared, task by task in plan order (id, kind, workers, step, dependencies in order,
@@ -19,7 +20,7 @@ from collections import Counter
 import pytest
 
 from verl_digen.schedule.plan import Plan, TaskId, TaskKind, WorkerId, chunk, group_ids, sample_slices
-from verl_digen.schedule.strategies import StepCosts, StepPlanner, StrategySpec
+from verl_digen.schedule.strategies import StepCosts, StepPlanner, StrategySpec, call_rows
 
 MECHANISMS = list(itertools.product(("colocated", "disaggregated"), (False, True), (0, 1), (1, 2),
                                     ("sample", "timestep"), (False, True), (False, True)))
@@ -50,8 +51,9 @@ def _specs(placement, gap, staleness, tsp, split, tag, fsdp) -> list[StrategySpe
 
 
 def _tag_shares(spec: StrategySpec) -> list[int]:
-    """None, all, a share that is not a whole number of tasks, none: every TAG branch."""
-    return [0, spec.groups_per_step, spec.groups_per_task + 1, 0] if spec.tag else [0] * STEPS
+    """None, all, a share that is not a whole unit (whole tasks; FSDP: per trainer rank), none:
+    every TAG branch."""
+    return [0, spec.groups_per_step, spec.tag_unit + 1, 0] if spec.tag else [0] * STEPS
 
 
 def _rows(tasks) -> list[tuple]:
@@ -62,8 +64,10 @@ def _rows(tasks) -> list[tuple]:
 
 def _planned(spec: StrategySpec, start: int, costs: StepCosts | None) -> Plan:
     planner = StepPlanner(spec, start_step=start)
-    for i, (s, share) in enumerate(zip(range(start, start + STEPS), _tag_shares(spec))):
-        planner.plan_step(s, costs, has_next=i + 1 < STEPS, tag_groups=share)
+    shares = _tag_shares(spec)
+    for i, (s, share) in enumerate(zip(range(start, start + STEPS), shares)):
+        nxt = shares[i + 1] if i + 1 < STEPS and spec.max_staleness else 0  # as the step driver passes it
+        planner.plan_step(s, costs, has_next=i + 1 < STEPS, tag_groups=share, next_tag_groups=nxt)
     return planner.plan
 
 
@@ -88,7 +92,7 @@ def reference_plan(spec: StrategySpec, start: int, costs: StepCosts | None) -> l
         return (turn[rotation] - 1) % lanes
 
     def generate(step: int, groups: list[int], on_trainers: bool, deps: tuple[str, ...]) -> None:
-        split = 1 if on_trainers else spec.sample_split
+        split = tag_split if on_trainers else spec.sample_split
         for tg in chunk(groups, spec.groups_per_task):
             tag = "-".join(map(str, tg))
             finals = []
@@ -146,30 +150,32 @@ def reference_plan(spec: StrategySpec, start: int, costs: StepCosts | None) -> l
         for w in trainers:
             held[w] = step + 1
 
-    def lookahead_groups(step: int) -> list[int]:
-        if not spec.tag:  # the one-step-off pipeline: the whole next step on the previous weights
-            return group_ids(step, spec.groups_per_step)
-        n_tasks = spec.groups_per_step // spec.groups_per_task
-        gen_task = costs.generate_per_group * spec.groups_per_task
-        gen_total = costs.generate_per_group * spec.groups_per_step / spec.rollout_workers
-        train_total = costs.train_per_group * spec.groups_per_step / spec.trainer_workers
-        drain = (max(train_total - gen_total, 0.0) + costs.train_per_group * spec.train_micro_batch_groups
-                 + costs.optimizer_step + costs.sync)
-        k = max(1, min(math.ceil(n_tasks / spec.rollout_workers), int(drain // max(gen_task, 1e-9))))
-        return group_ids(step, spec.groups_per_step)[: k * spec.rollout_workers * spec.groups_per_task]
+    # TAG's share: whole generate tasks; FSDP trainers take equal sample slices of whole calls
+    # (gcd(ranks, calls per group) per task's groups), as many on every rank
+    tag_split = 1
+    if spec.fsdp and spec.tag:
+        per_call = call_rows(spec.group_size, spec.train_micro_batch_groups, spec.trainer_workers, spec.sample_split)
+        tag_split = math.gcd(spec.trainer_workers, spec.group_size // per_call)
+    unit = spec.groups_per_task * (spec.trainer_workers // tag_split if spec.fsdp else 1)
 
-    for i, (step, share) in enumerate(zip(range(start, start + STEPS), _tag_shares(spec))):
+    def lookahead_groups(step: int, share: int) -> list[int]:
+        """The one-step-off pipeline: the whole next step on the previous weights but the
+        trainers' TAG share (its last groups)."""
+        return group_ids(step, spec.groups_per_step)[: spec.groups_per_step - min(share, spec.groups_per_step) // unit * unit]
+
+    shares = _tag_shares(spec)
+    for i, (step, share) in enumerate(zip(range(start, start + STEPS), shares)):
         groups = group_ids(step, spec.groups_per_step)
         planned_ahead = set(ahead.pop(step, []))
         rest = [g for g in groups if g not in planned_ahead]
-        n = min(share, len(rest)) // spec.groups_per_task * spec.groups_per_task
-        generate(step, rest[:n], True, ())
+        keep = len(rest) - min(share, len(rest)) // unit * unit  # the trainers take the last groups
+        generate(step, rest[keep:], True, ())
         synced = any(r[0] == f"sync:{step}" for r in rows)
-        generate(step, rest[n:], False, (f"sync:{step}",) if synced else ())
+        generate(step, rest[:keep], False, (f"sync:{step}",) if synced else ())
         train(step, groups)
         if spec.placement == "disaggregated":
             if spec.max_staleness and i + 1 < STEPS:
-                ahead[step + 1] = lookahead_groups(step + 1)
+                ahead[step + 1] = lookahead_groups(step + 1, shares[i + 1])
                 generate(step + 1, ahead[step + 1], False, ())
             rollouts = tuple(f"rollout{r}" for r in range(spec.rollout_workers))
             rows.append((f"sync:{step + 1}", "sync", rollouts, step, (f"opt:{step}",), (), step + 1, 0,
@@ -193,7 +199,7 @@ def test_every_combination_plans_what_the_rules_say(mechanism):
                          train_split=mechanism[4], tag=mechanism[5], fsdp=mechanism[6])
         return
     for spec, start in itertools.product(specs, (0, 2)):
-        for costs in COSTS if spec.max_staleness else COSTS[:1]:  # costs only steer the TCSS look-ahead
+        for costs in COSTS if spec.max_staleness else COSTS[:1]:  # the look-ahead once depended on them
             plan = _planned(spec, start, costs)
             plan.check(complete_steps=range(start, start + STEPS))
             assert _rows(plan.tasks) == reference_plan(spec, start, costs), (spec, start, costs)

@@ -149,3 +149,60 @@ def test_fsdp_trainer_pool_gives_the_data_parallel_update(shared_ray, tiny_flux,
     assert_same_final_weights(dp, fsdp, atol=1e-6, rtol=1e-5)
     gangs = [r for r in timeline_records(fsdp.output_dir) if r["kind"] == "train"]
     assert all(r["worker"] == "trainer0,trainer1" for r in gangs)
+
+
+@pytest.mark.e2e
+def test_tag_on_fsdp_trainers_generates_in_lockstep_and_gives_the_same_update(shared_ray, tiny_flux, tmp_path):
+    """TAG on an FSDP trainer pool (gloo, 2 ranks): each rank generates as many sample slices (its
+    forwards all-gather the sharded blocks, in lockstep with the other rank) with the weights it
+    trains, and the run ends with the weights of the same run without TAG: the groups are the
+    same samples wherever, and in whatever slices, they are generated."""
+    common = [
+        "digen.placement=disaggregated", "trainer.n_gpus_per_node=3", "digen.pools.rollout.devices=1",
+        "digen.pools.trainer.devices=2", "trainer.total_training_steps=3", "digen.save_final_weights=true",
+        "digen.gap.enable=true", "digen.algo.optimizer=sgd", "digen.fsdp.enable=true",
+        "digen.batch.groups_per_step=6",
+    ]
+    plain = run(tmp_path, "plain", *common)
+    tag = run(tmp_path, "tag", *common, "digen.tag.enable=true", "digen.tag.groups=4")
+    assert tag.extra["weights_in_sync"] is True
+    assert_same_final_weights(plain, tag, atol=1e-6, rtol=1e-5)
+    recs = timeline_records(tag.output_dir)
+    on_trainer = [r for r in recs if r["kind"] == "generate" and r["worker"].startswith("trainer")]
+    # every group of the share is cut into one equal sample slice per rank (whole calls)
+    per_rank = {(s, w): sorted((g, *r["extra"]["samples"]) for r in on_trainer if r["step"] == s and r["worker"] == w
+                               for g in r["groups"]) for s in range(3) for w in ("trainer0", "trainer1")}
+    for s in range(3):
+        last = range(6 * s + 2, 6 * s + 6)  # the step's last 4 groups
+        assert per_rank[(s, "trainer0")] == [(g, 0, 2) for g in last], per_rank
+        assert per_rank[(s, "trainer1")] == [(g, 2, 4) for g in last], per_rank
+    assert all(r["version"] == r["step"] for r in on_trainer)
+    assert [m["tag/groups"] for m in tag.metrics] == [4, 4, 4]
+    trained = sorted(g for r in recs if r["kind"] == "train" for g in r["groups"])
+    assert trained == list(range(18))
+
+
+@pytest.mark.e2e
+def test_tcss_with_tag_generates_the_next_step_ahead_but_the_trainers_share(shared_ray, tiny_flux, tmp_path):
+    """The one-step-off pipeline with TAG on FSDP trainers: rollout generates every group of
+    step k+1 but the trainers' share with version k while step k trains; the trainers generate
+    their share with version k+1 after their optimizer step; every group trains once."""
+    result = run(
+        tmp_path, "tcss_tag", "digen.placement=disaggregated", "trainer.n_gpus_per_node=3",
+        "digen.pools.rollout.devices=1", "digen.pools.trainer.devices=2", "trainer.total_training_steps=3",
+        "digen.gap.enable=true", "digen.fsdp.enable=true", "digen.batch.groups_per_step=6",
+        "digen.async.max_staleness=1", "digen.tag.enable=true", "digen.tag.groups=2",
+    )
+    recs = timeline_records(result.output_dir)
+    gens = [r for r in recs if r["kind"] == "generate"]
+    for step in range(3):
+        on_trainer = sorted({g for r in gens if r["step"] == step and r["worker"].startswith("trainer") for g in r["groups"]})
+        on_rollout = sorted(g for r in gens if r["step"] == step and r["worker"] == "rollout0" for g in r["groups"])
+        assert on_trainer == [6 * step + 4, 6 * step + 5]  # the step's last groups, a slice of each per rank
+        assert on_rollout == list(range(6 * step, 6 * step + 4))
+        # step 0 has no step before it to be generated during; later steps were, on the old weights
+        assert {r["version"] for r in gens if r["step"] == step and r["worker"] == "rollout0"} == {max(step - 1, 0)}
+    assert all(r["version"] == r["step"] for r in gens if r["worker"].startswith("trainer"))
+    assert max(m["max_staleness_seen"] for m in result.metrics) == 1
+    trained = sorted(g for r in recs if r["kind"] == "train" for g in r["groups"])
+    assert trained == list(range(18))

@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     job = trainer.job
     sim = simulate(spec, costs, cluster, steps=job.total_steps, warmup=min(1, job.total_steps - 1),
                    mirror_loop=True, tag_switch_s=job.cfg.tag.switch_cost_s, tsp_balance=job.cfg.tsp.balance,
-                   gat_micro_batches=job.cfg.gat.fixed)
+                   gat_micro_batches=job.cfg.gat.fixed, tag_groups=job.cfg.tag.fixed)
     print(f"[verl-digen] emulated {spec.name} on {spec.devices} x {args.device_type} ({args.model}), "
           f"time scale {args.time_scale:.3g} real s per modelled s")
     for line in _step_table(result.metrics, sim.step_metrics, args.time_scale):

@@ -383,9 +383,20 @@ class TspConfig:
 class TagConfig:
     enable: bool = False  # trainers generate part of each step's groups (share decided per step)
     switch_cost_s: float = 0.0  # a trainer's generate->train switch (e.g. freeing activations)
+    # "auto": decided every step from the rates measured before (0 when it does not pay); an
+    # integer: that many groups every step (whole generate tasks; under FSDP as many per rank).
+    groups: Any = "auto"
+
+    @property
+    def fixed(self) -> int | None:
+        """The fixed share (None: decided per step)."""
+        return None if self.groups == "auto" else int(self.groups)
 
     def validate(self, key: str) -> None:
         _non_negative(f"{key}.switch_cost_s", self.switch_cost_s)
+        g = self.groups
+        if g != "auto" and (isinstance(g, bool) or not isinstance(g, int) or g < 0):
+            _fail(f"{key}.groups", g, "valid: auto (decided per step) or an integer >= 0")
 
 
 @dataclass
@@ -680,6 +691,17 @@ class DigenConfig:
             return 1
         return self.pools.trainer.world_size if self.placement == "disaggregated" else devices
 
+    @property
+    def tag_slices(self) -> int:
+        """TAG's generate tasks per chunk of groups on the trainers (1: TAG off, or whole groups;
+        :func:`verl_digen.schedule.strategies.tag_split`)."""
+        from verl_digen.schedule.strategies import tag_split
+
+        if not (self.tag.enable and self.fsdp.enable and self.placement == "disaggregated"):
+            return 1
+        rows = self.pass_rows(self.pools.trainer.world_size)  # devices: only a colocated run reads them
+        return tag_split(self.batch.group_size, self.pools.trainer.world_size, True, rows)
+
     def rollout_lanes(self, devices: int) -> int:
         """The rollout lanes the planner spreads a step's groups over (StrategySpec.sample_split):
         the rollout workers (colocated: the cluster's ``devices``), or with TSP their pipelines."""
@@ -738,8 +760,6 @@ class DigenConfig:
             _fail("digen.fsdp.param_offload", True, "it is FSDP2's host offload: set digen.fsdp.enable=true too "
                                                     "(veRL's fsdp_config.param_offload=true does)")
         if self.fsdp.enable:
-            if self.tag.enable:
-                _fail("digen.tag.enable", True, "TAG with FSDP would make generation a trainer collective; not supported")
             if self.tsp.train_split != "sample":
                 _fail("digen.tsp.train_split", self.tsp.train_split, "FSDP splits each micro-batch by sample")
             if self.placement == "disaggregated" and not fsdp_rows_split(
@@ -756,6 +776,7 @@ class DigenConfig:
             _fail("digen.pools.reward.devices", self.pools.reward.devices,
                   "a reward pool needs digen.placement=disaggregated (colocated workers score what they generate)")
         self._check_gat()
+        self._check_tag()
         if self.algo.std_mode == "global" and self.gap.enable:
             _fail("digen.algo.std_mode", "global", "GAP streams groups before the batch is complete; use group or none")
         _positive("digen.task_timeout_s", self.task_timeout_s)
@@ -779,6 +800,26 @@ class DigenConfig:
             _fail("digen.gat.micro_batches", self.gat.micro_batches,
                   f"at most the {first} micro-batches of a step's first PPO mini-batch (the rollout workers' "
                   "weights are the trainers' only until its optimizer step)")
+
+    def _check_tag(self) -> None:
+        """A fixed TAG share: whole generate tasks, under FSDP as many on every trainer rank."""
+        g = self.tag.groups
+        if g == "auto":
+            return
+        if not self.tag.enable:
+            _fail("digen.tag.groups", g, "is TAG's share; set digen.tag.enable=true too")
+        b = self.batch
+        from verl_digen.schedule.strategies import tag_unit
+
+        ranks = self.pools.trainer.world_size
+        fsdp = self.fsdp.enable and self.placement == "disaggregated"
+        unit = tag_unit(b.groups_per_task, ranks, fsdp, self.tag_slices)
+        if g > b.groups_per_step or g % unit:
+            why = (f" (whole generate tasks of digen.batch.groups_per_task={b.groups_per_task} groups, in "
+                   f"{self.tag_slices} sample slices, as many on each of the {ranks} FSDP trainer ranks: their "
+                   "generate calls are collectives)") if fsdp else f" (digen.batch.groups_per_task: whole generate tasks)"
+            _fail("digen.tag.groups", g, f"must be a multiple of {unit}{why}, at most "
+                                         f"digen.batch.groups_per_step={b.groups_per_step}")
 
     def _check_rollout_data_dir(self) -> None:
         """A dump directory is a path, and needs real workers: emulated ones make no images."""

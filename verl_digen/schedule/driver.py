@@ -33,7 +33,14 @@ class StepDriver:
       measured on the step before);
     - ``tag_switch_s``: what a trainer pays to switch from generating to training (TAG);
     - ``tsp_rebalance``: move TSP stage boundaries from the stage times measured each step;
-    - ``gat_micro_batches``: GAT's micro-batches every step (None: decided per step).
+    - ``gat_micro_batches``: GAT's micro-batches every step (None: decided per step);
+    - ``tag_groups``: TAG's groups every step (None: decided per step);
+    - ``decide_from_costs``: decide TAG from ``costs`` while nothing is measured (the
+      steady-state simulator, whose ``costs`` are the model's; the loop's are placeholders).
+
+    Under TCSS with TAG, a step's TAG share is decided when the step before is planned (from
+    the step before that): the look-ahead generates the rest of the step ahead and leaves the
+    share to the trainers.
     """
 
     def __init__(
@@ -47,6 +54,8 @@ class StepDriver:
         tag_switch_s: float = 0.0,
         tsp_rebalance: bool = False,
         gat_micro_batches: int | None = None,
+        tag_groups: int | None = None,
+        decide_from_costs: bool = False,
     ) -> None:
         self.spec = spec
         self.planner = StepPlanner(spec, start_step=start_step)
@@ -57,6 +66,9 @@ class StepDriver:
         self.tag_switch_s = tag_switch_s
         self.tsp_rebalance = tsp_rebalance
         self.gat_micro_batches = gat_micro_batches
+        self.tag_groups = tag_groups
+        self.decide_from_costs = decide_from_costs
+        self._tag_ahead: dict[int, tuple[dict[str, float], int]] = {}  # step -> its TAG decision (TCSS)
         self.stage_changes: list[dict[str, Any]] = []  # TSP boundaries moved: {"step", "bounds"}
         self.step_end: dict[int, float] = {}  # executor time at each step's optimizer step
 
@@ -68,7 +80,7 @@ class StepDriver:
         """Decide, plan and run ``step`` to its optimizer step; return its metrics."""
         ex = self.executor
         t0 = ex.now()
-        tag_metrics, tag_groups = tag_decision(self.spec, ex.timeline, step, self.tag_switch_s)
+        tag_metrics, tag_groups = self._tag_ahead.pop(step, None) or self._tag(step, step - 1)
         gat_metrics, gat_mbs = gat_decision(self.spec, ex.timeline, step, self.gat_micro_batches)
         if self.tsp_rebalance and self.spec.tsp_stages > 1 and step > self.first_step:
             spec = rebalanced_spec(self.spec, ex.timeline, step - 1)
@@ -76,8 +88,14 @@ class StepDriver:
                 self.stage_changes.append({"step": step, "bounds": list(spec.bounds)})
                 self.spec = self.planner.spec = spec
         has_next = self.total_steps is None or step + 1 < self.total_steps
+        next_tag = 0
+        if has_next and self.spec.tag and self.spec.max_staleness:
+            # the look-ahead planned with this step generates the next one: decide its TAG share
+            # now, from the last step measured in full
+            self._tag_ahead[step + 1] = self._tag(step + 1, step - 1)
+            next_tag = self._tag_ahead[step + 1][1]
         self.planner.plan_step(step, self.costs, has_next=has_next, tag_groups=tag_groups,
-                               gat_micro_batches=gat_mbs)
+                               gat_micro_batches=gat_mbs, next_tag_groups=next_tag)
         ex.run_until([TaskId.optimizer_step(step)])
         t1 = ex.now()
         self.step_end[step] = t1
@@ -87,6 +105,11 @@ class StepDriver:
         metrics.update(gat_metrics)
         self.costs = measure_costs(ex.timeline.of_step(step), step, self.spec, self.costs)
         return metrics
+
+    def _tag(self, step: int, measured: int) -> tuple[dict[str, float], int]:
+        """TAG's metrics and share of ``step`` from the rates measured in step ``measured``."""
+        return tag_decision(self.spec, self.executor.timeline, step, self.tag_switch_s, self.tag_groups,
+                            measured=measured, prior=self.costs if self.decide_from_costs else None)
 
     def finish(self) -> None:
         """Run what is still planned (the final weight sync); check the executed plan."""

@@ -24,8 +24,24 @@ class TagInputs:
     trainer_workers: int
     rollout_generate_per_group: float  # one rollout worker
     trainer_generate_per_group: float  # one trainer worker
-    train_per_group: float  # one trainer rank
+    train_per_group: float  # one trainer rank (FSDP: the gang's seconds per group)
     switch_s: float  # a trainer switching from generating to training (once per step)
+    # FSDP trainers: every micro-batch trains on all of them at once, and every rank generates
+    # as many TAG tasks as the others (their forwards are collectives, in lockstep)
+    gang: bool = False
+    # the share comes in multiples of this many groups (StrategySpec.tag_unit; 0: groups_per_task)
+    share_unit: int = 0
+    # How the work is cut: generate tasks per chunk of groups_per_task groups on the rollout
+    # workers (StrategySpec.sample_split) and on the trainers (tag_split); the rollout lanes the
+    # tasks are dealt over (TSP: its pipelines; 0: every rollout worker). A worker's share is
+    # whole tasks, so the busiest one sets the pool's time.
+    rollout_split: int = 1
+    tag_split: int = 1
+    rollout_lanes: int = 0
+
+    @property
+    def unit(self) -> int:
+        return self.share_unit or self.groups_per_task
 
 
 @dataclass(frozen=True)
@@ -93,6 +109,10 @@ def tag_inputs_from_timeline(spec, timeline, step: int, switch_s: float) -> TagI
         return None
     roll, train = rates
     trainer_gen = latest_seconds_per_group(timeline, "generate", step, "trainer", default=roll)
+    return dataclasses.replace(_tag_inputs(spec, roll, trainer_gen, switch_s), train_per_group=train)
+
+
+def _tag_inputs(spec, roll: float, trainer_gen: float, switch_s: float) -> TagInputs:
     return TagInputs(
         groups_per_step=spec.groups_per_step,
         groups_per_task=spec.groups_per_task,
@@ -100,8 +120,25 @@ def tag_inputs_from_timeline(spec, timeline, step: int, switch_s: float) -> TagI
         trainer_workers=spec.trainer_workers,
         rollout_generate_per_group=roll,
         trainer_generate_per_group=trainer_gen,
-        train_per_group=train,
+        train_per_group=0.0,
         switch_s=switch_s,
+        gang=bool(getattr(spec, "fsdp", False)),
+        share_unit=spec.tag_unit,
+        rollout_split=spec.sample_split,
+        tag_split=spec.tag_split,
+        rollout_lanes=spec.pipelines,
+    )
+
+
+def tag_inputs_from_costs(spec, costs, switch_s: float) -> TagInputs:
+    """TAG's inputs from per-unit costs (a :class:`~verl_digen.schedule.mechanisms.StepCosts`
+    the cost model predicts) instead of a step's records: the steady-state simulator decides
+    with them before anything is measured. A group's training seconds there are one worker's;
+    a gang's records measure its wall time, which is that over its ranks."""
+    ranks = spec.trainer_workers if getattr(spec, "fsdp", False) else 1
+    return dataclasses.replace(
+        _tag_inputs(spec, costs.generate_per_group, costs.generate_per_group, switch_s),
+        train_per_group=costs.train_per_group / ranks,
     )
 
 
@@ -109,17 +146,24 @@ def _phase_time(inp: TagInputs, n: int) -> float:
     """Time until both pools are done with the step's generation-and-training work.
 
     Rollout generates ``G - n`` groups; trainers generate ``n`` (plus one switch) and train
-    all ``G``. The step cannot end before the slower of the two pools.
+    all ``G``. The step cannot end before the slower of the two pools, nor a pool before its
+    busiest worker (whole tasks each).
     """
-    g = inp.groups_per_step
-    rollout = (g - n) * inp.rollout_generate_per_group / inp.rollout_workers
-    trainer = n * inp.trainer_generate_per_group / inp.trainer_workers + (inp.switch_s if n else 0.0)
-    trainer += g * inp.train_per_group / inp.trainer_workers
+    g, per_task = inp.groups_per_step, inp.groups_per_task
+    lanes = inp.rollout_lanes or inp.rollout_workers
+    # the busiest lane's tasks; a task of a TSP pipeline takes its lane 1 / stages of its work
+    tasks = (g - n) // per_task * inp.rollout_split
+    rollout = math.ceil(tasks / lanes) * per_task * inp.rollout_generate_per_group * lanes / (
+        inp.rollout_split * inp.rollout_workers)
+    tag_tasks = n // per_task * inp.tag_split
+    trainer = math.ceil(tag_tasks / inp.trainer_workers) * per_task * inp.trainer_generate_per_group / inp.tag_split
+    trainer += (inp.switch_s if n else 0.0) + g * inp.train_per_group / (1 if inp.gang else inp.trainer_workers)
     return max(rollout, trainer)
 
 
 def decide_tag_share(inp: TagInputs) -> TagDecision:
-    """How many of the step's groups the trainers should generate (whole tasks only).
+    """How many of the step's groups the trainers should generate (whole tasks only; FSDP
+    trainers: a whole number of tasks per rank, :attr:`TagInputs.unit`).
 
     Chooses the share that minimises the step's predicted time, i.e. that makes both pools
     finish together; assigns nothing unless that strictly beats not assisting (e.g. when the
@@ -127,7 +171,7 @@ def decide_tag_share(inp: TagInputs) -> TagDecision:
     """
     without = _phase_time(inp, 0)
     best_n, best_t = 0, without
-    for n in range(inp.groups_per_task, inp.groups_per_step + 1, inp.groups_per_task):
+    for n in range(inp.unit, inp.groups_per_step + 1, inp.unit):
         t = _phase_time(inp, n)
         if t < best_t - 1e-12:
             best_n, best_t = n, t
@@ -138,12 +182,22 @@ def decide_tag_share(inp: TagInputs) -> TagDecision:
     return TagDecision(groups=best_n, predicted_step_s=best_t, predicted_step_s_without=without, reason=reason)
 
 
-def tag_decision(spec: Any, timeline: Any, step: int, switch_s: float) -> tuple[dict[str, float], int]:
+def tag_decision(spec: Any, timeline: Any, step: int, switch_s: float, fixed: int | None = None, *,
+                 measured: int | None = None, prior: Any = None) -> tuple[dict[str, float], int]:
     """TAG's share of step ``step`` (groups the trainers generate) from the rates measured in
-    step ``step - 1``, and the decision's metrics. ``({}, 0)`` when TAG is off."""
+    step ``measured`` (default ``step - 1``; or ``fixed``, ``digen.tag.groups``), and the
+    decision's metrics. ``prior``: predicted per-unit costs to decide with while nothing is
+    measured (:func:`tag_inputs_from_costs`; None: assign nothing then). ``({}, 0)`` when TAG
+    is off."""
     if not spec.tag:
         return {}, 0
-    inputs = tag_inputs_from_timeline(spec, timeline, step - 1, switch_s)
+    inputs = tag_inputs_from_timeline(spec, timeline, step - 1 if measured is None else measured, switch_s)
+    if inputs is None and prior is not None:
+        inputs = tag_inputs_from_costs(spec, prior, switch_s)
+    if fixed is not None:
+        t = _phase_time(inputs, fixed) if inputs else 0.0
+        without = _phase_time(inputs, 0) if inputs else 0.0
+        return TagDecision(fixed, t, without, "fixed by digen.tag.groups").as_metrics(inputs), fixed
     if inputs is None:
         return TagDecision(0, 0.0, 0.0, "no measurements yet").as_metrics(None), 0
     d = decide_tag_share(inputs)

@@ -26,7 +26,6 @@ class here and one line there, not a branch in every method of the planner.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -287,6 +286,11 @@ class StepBuilder(Protocol):
 
     def generate_ahead(self, step: int, groups: list[int]) -> None: ...
 
+    @property
+    def next_tag_groups(self) -> int:
+        """TAG's share of the next step (0: none, or not decided yet)."""
+        ...
+
 
 class AfterStep(Protocol):
     def after_step(self, plan: StepBuilder, step: int, costs: StepCosts, has_next: bool) -> None:
@@ -296,39 +300,24 @@ class AfterStep(Protocol):
 
 @dataclass(frozen=True)
 class Lookahead:
-    """TCSS: the next step's groups on the previous weights while the trainers train this one.
-
-    ``whole_step`` (the one-step-off pipeline): every group of step k+1 is generated with
-    version k while the trainers train step k; version k+1 reaches the rollout workers after
-    that (the sync waits only for them, :class:`WeightSync`). Otherwise (TAG on: the trainers
-    generate part of each step, so those groups must be left to them) as many tasks per rollout
-    worker as fit in the predicted drain."""
+    """TCSS, the one-step-off pipeline: every group of step k+1 is generated with version k
+    while the trainers train step k; version k+1 reaches the rollout workers after that (the
+    sync waits only for them, :class:`WeightSync`). With TAG, the trainers' share of step k+1
+    (decided when step k is planned, :class:`~verl_digen.schedule.driver.StepDriver`) is left
+    out: they generate it with version k+1 after their optimizer step, while the rollout
+    workers finish their share."""
 
     groups_per_step: int
-    groups_per_task: int
-    rollout_workers: int
-    trainer_workers: int
-    train_micro_batch_groups: int
-    whole_step: bool = True
 
     def after_step(self, plan: StepBuilder, step: int, costs: StepCosts, has_next: bool) -> None:
         if has_next:
-            plan.generate_ahead(step + 1, self.groups(step + 1, costs))
+            plan.generate_ahead(step + 1, self.groups(step + 1, plan.next_tag_groups))
 
-    def groups(self, next_step: int, costs: StepCosts) -> list[int]:
-        """The whole next step, or as many tasks per rollout worker as fit in the predicted
-        drain (at least one)."""
-        if self.whole_step:
-            return group_ids(next_step, self.groups_per_step)
-        n_tasks = self.groups_per_step // self.groups_per_task
-        per_worker = math.ceil(n_tasks / self.rollout_workers)
-        gen_task = costs.generate_per_group * self.groups_per_task
-        gen_total = costs.generate_per_group * self.groups_per_step / self.rollout_workers
-        train_total = costs.train_per_group * self.groups_per_step / self.trainer_workers
-        last_mb = costs.train_per_group * self.train_micro_batch_groups
-        drain = max(train_total - gen_total, 0.0) + last_mb + costs.optimizer_step + costs.sync
-        k = max(1, min(per_worker, int(drain // max(gen_task, 1e-9))))
-        return group_ids(next_step, self.groups_per_step)[: k * self.rollout_workers * self.groups_per_task]
+    def groups(self, next_step: int, tag_groups: int = 0) -> list[int]:
+        """The next step's groups but its last ``tag_groups`` (the trainers')."""
+        if not 0 <= tag_groups <= self.groups_per_step:
+            raise ValueError(f"TAG share {tag_groups} of a step of {self.groups_per_step} groups")
+        return group_ids(next_step, self.groups_per_step)[: self.groups_per_step - tag_groups]
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ spec by :func:`layout_of`: a new mechanism is a class there and a line here.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -186,6 +187,22 @@ def sample_split(groups_per_step: int, groups_per_task: int, group_size: int, la
     return max(d for d in range(1, group_size + 1) if group_size % d == 0 and d <= lanes // units)
 
 
+def tag_split(group_size: int, trainer_workers: int, fsdp: bool, rows: int) -> int:
+    """TAG's generate tasks per chunk of ``groups_per_task`` groups: whole groups on trainers that
+    hold the whole model. On FSDP trainers every rank must generate as many equal tasks (its
+    forwards are collectives, in lockstep with the other ranks), so a group is cut into equal
+    sample slices, as many as divide the ranks, each a whole number of the run's transformer
+    calls (``rows`` samples each: :func:`call_rows` stays what it is without TAG, so rollout and
+    training keep their calls): ``gcd(ranks, group_size // rows)``."""
+    return math.gcd(trainer_workers, group_size // rows) if fsdp else 1
+
+
+def tag_unit(groups_per_task: int, trainer_workers: int, fsdp: bool, split: int) -> int:
+    """TAG's share of a step comes in multiples of this many groups: whole generate tasks; on
+    FSDP trainers, as many of them (``split`` per chunk of groups) on every rank."""
+    return groups_per_task * trainer_workers // split if fsdp else groups_per_task
+
+
 def call_rows(group_size: int, micro_batch_groups: int, ranks: int, split: int = 1) -> int:
     """Rows per transformer call for rollout and training alike: the largest divisor ``m`` of a
     sample slice (``group_size // split`` rows; the whole group when not split) such that a
@@ -212,8 +229,9 @@ def pass_rows(group_size: int, micro_batch_groups: int, fsdp_ranks: int, groups_
     """Samples per transformer call of a run, in rollout and in a training pass alike: the
     :func:`call_rows` of its sample split (:func:`sample_split` over ``rollout_lanes``, or
     ``sample_slices``), its micro-batch's rows dealt over the FSDP ranks or the training row
-    slices. A training micro-batch runs one forward + backward per call (``workers/training.py``),
-    so this is what bounds training activations, in the code, the memory planner and the cost model."""
+    slices (TAG's slices are whole calls: :func:`tag_split`). A training micro-batch runs one
+    forward + backward per call (``workers/training.py``), so this is what bounds training
+    activations, in the code, the memory planner and the cost model."""
     split = sample_split(groups_per_step, groups_per_task, group_size, rollout_lanes, sample_slices)
     return call_rows(group_size, micro_batch_groups, fsdp_ranks * train_slices, split)
 
@@ -268,6 +286,12 @@ class StrategySpec:
             mini_batches=self.mini_batches, gat=self.gat, pull=self.pull, sample_slices=self.sample_slices,
             train_slices=self.train_slices, group_size=self.group_size,
         )
+        if self.tag and self.fsdp and self.placement == "disaggregated" and not fsdp_rows_split(
+                self.train_micro_batch_groups, self.group_size, self.trainer_workers):
+            # TAG's slices are whole calls of the gang's rows (tag_split); the config reports it
+            # against digen.batch.train_micro_batch_groups (DigenConfig.validate)
+            problems.append(("train_micro_batch_groups", f"x group_size={self.group_size} rows must split evenly "
+                                                         f"over the {self.trainer_workers} FSDP trainer ranks"))
         if problems:
             raise ValueError("; ".join(f"{name}={getattr(self, name)!r}: {valid}" for name, valid in problems))
 
@@ -277,6 +301,19 @@ class StrategySpec:
             return tuple(self.stage_bounds)
         k, n = self.tsp_stages, self.num_steps
         return tuple(round(i * n / k) for i in range(k + 1))
+
+    @property
+    def tag_split(self) -> int:
+        """TAG's generate tasks per chunk of ``groups_per_task`` groups (:func:`tag_split`)."""
+        if not (self.tag and self.fsdp):
+            return 1
+        rows = call_rows(self.group_size, self.train_micro_batch_groups, self.trainer_workers, self.sample_split)
+        return tag_split(self.group_size, self.trainer_workers, True, rows)
+
+    @property
+    def tag_unit(self) -> int:
+        """TAG's share of a step comes in multiples of this many groups (:func:`tag_unit`)."""
+        return tag_unit(self.groups_per_task, self.trainer_workers, self.fsdp, self.tag_split)
 
     @property
     def micro_batches_per_mini_batch(self) -> int:
@@ -372,7 +409,7 @@ def layout_of(spec: StrategySpec) -> StepLayout:
     return StepLayout(
         generation=generation,
         # TAG tasks take whole groups: trainers are few, and they train right after.
-        assist=RoundRobinGeneration(trainers, 1, "tag") if spec.tag else None,
+        assist=RoundRobinGeneration(trainers, spec.tag_split, "tag") if spec.tag else None,
         reward=RewardPool(spec.reward_workers, spec.pull) if spec.reward_workers else RewardInPlace(),
         waits=OwnGroups() if spec.gap else WholeStep(),
         training=_training_of(spec, trainers),
@@ -401,9 +438,8 @@ def _after_step_of(spec: StrategySpec) -> tuple[AfterStep, ...]:
         return ()
     lookahead: tuple[AfterStep, ...] = ()
     if spec.max_staleness >= 1:
-        # the whole next step (one-step-off), unless TAG's trainers generate part of each step
-        lookahead = (Lookahead(spec.groups_per_step, spec.groups_per_task, spec.rollout_workers,
-                               spec.trainer_workers, spec.train_micro_batch_groups, whole_step=not spec.tag),)
+        # the whole next step (one-step-off) but TAG's share of it
+        lookahead = (Lookahead(spec.groups_per_step),)
     return (*lookahead, WeightSync(spec.rollout_workers))
 
 
@@ -422,6 +458,7 @@ class StepPlanner:
         self._reward_of: dict[int, Task] = {}  # group -> its reward task
         self._gen_of: dict[int, Task] = {}  # first group of a generate task -> its first final task
         self._position: dict[TaskId, int] = {}  # reward task id -> index in the plan
+        self.next_tag_groups = 0  # TAG's share of the step after the one being planned (TCSS)
 
     @property
     def spec(self) -> StrategySpec:
@@ -437,16 +474,20 @@ class StepPlanner:
 
     def plan_step(
         self, step: int, costs: StepCosts | None = None, *, has_next: bool = True, tag_groups: int = 0,
-        gat_micro_batches: int = 0,
+        gat_micro_batches: int = 0, next_tag_groups: int = 0,
     ) -> list[Task]:
         """Append step ``step``; ``has_next=False`` for the last step (no look-ahead).
 
         ``tag_groups``: how many of the step's groups the trainers generate (TAG), decided by
         the caller's elastic policy; they are taken from the groups not generated ahead.
+        ``next_tag_groups``: TAG's share of the next step, which the TCSS look-ahead leaves to
+        the trainers (its last groups; the caller passes the same as ``tag_groups`` then).
         ``gat_micro_batches``: how many micro-batches the rollout workers train (GAT), the last
         ones of the step's first PPO mini-batch (those whose groups come last).
         """
         costs = costs or StepCosts()
+        unit = self.spec.tag_unit  # the share as _assist will take it
+        self.next_tag_groups = min(next_tag_groups, self.spec.groups_per_step) // unit * unit
         start = len(self.plan.tasks)
         groups = group_ids(step, self.spec.groups_per_step)
         ahead = set(self._planned_ahead.pop(step, []))
@@ -480,13 +521,15 @@ class StepPlanner:
     # ----------------------------------------------------------------- pieces
 
     def _assist(self, step: int, remaining: list[int], tag_groups: int) -> list[int]:
-        """TAG: the trainers generate the first ``tag_groups`` (whole tasks); the rest remain."""
+        """TAG: the trainers generate the last ``tag_groups`` (whole tasks; FSDP trainers as many
+        per rank, their forwards being collectives in lockstep: the groups the TCSS look-ahead
+        leaves them); the rest remain."""
         if self.layout.assist is None:
             raise ValueError("tag_groups > 0 needs a StrategySpec with tag=True")
-        per_task = self.spec.groups_per_task
-        n = min(tag_groups, len(remaining)) // per_task * per_task
-        self._add_generation(step, remaining[:n], self.layout.assist)
-        return remaining[n:]
+        unit = self.spec.tag_unit
+        keep = len(remaining) - min(tag_groups, len(remaining)) // unit * unit
+        self._add_generation(step, remaining[keep:], self.layout.assist)
+        return remaining[:keep]
 
     def _add_generation(
         self, step: int, groups: list[int], generation: Generation, *, deps: tuple[TaskId, ...] = ()

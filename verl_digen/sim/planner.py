@@ -34,7 +34,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from verl_digen.schedule.strategies import StrategySpec, fsdp_rows_split, strategy_violations
+from verl_digen.schedule.strategies import StrategySpec, call_rows, fsdp_rows_split, strategy_violations, tag_split
 from verl_digen.sim.cost_model import Catalog, Cluster, CostModel, PoolPlacement, ProfileError, load_catalog
 from verl_digen.sim.simulator import SimResult, simulate
 
@@ -55,6 +55,16 @@ MECHANISMS: dict[str, dict[str, Any]] = {
     # FSDP in lockstep (digen.fsdp.enable): every micro-batch runs on all trainer ranks at once
     "disaggregated+gap+fsdp": {"placement": "disaggregated", "gap": True, "fsdp": True},
     "disaggregated+gap+fsdp+tcss": {"placement": "disaggregated", "gap": True, "fsdp": True, "max_staleness": 1},
+    # TAG on FSDP trainers: every rank generates as many sample slices, its forwards in lockstep;
+    # the rollout workers generate in slices of the same size, so that the groups the trainers
+    # take shorten every rollout worker's queue (``"sample_slices": "tag"``)
+    "disaggregated+gap+tag+fsdp": {
+        "placement": "disaggregated", "gap": True, "tag": True, "fsdp": True, "sample_slices": "tag",
+    },
+    "disaggregated+gap+tag+fsdp+tcss": {
+        "placement": "disaggregated", "gap": True, "tag": True, "fsdp": True, "max_staleness": 1,
+        "sample_slices": "tag",
+    },
     "disaggregated+gap+gat+fsdp+tcss": {
         "placement": "disaggregated", "gap": True, "gat": True, "fsdp": True, "max_staleness": 1,
     },
@@ -391,6 +401,9 @@ def _candidates_without_reward(
                         if not fsdp_rows_split(mb, group_size, pools["trainer"].size):
                             continue  # the runtime refuses it (DigenConfig.validate): ranks would take unequal shares
                         common["fsdp"] = True
+                    if switches.get("sample_slices") == "tag" and common.get("fsdp"):
+                        ranks = pools["trainer"].size  # TAG's slices, of the calls a whole group's task makes
+                        common["sample_slices"] = tag_split(group_size, ranks, True, call_rows(group_size, mb, ranks, 1))
                     stages = [1]
                     if "tsp_stages" in switches:
                         common["num_steps"] = num_steps

@@ -196,6 +196,7 @@ def simulate(
     tag_switch_s: float | None = None,
     tsp_balance: bool = False,
     gat_micro_batches: int | None = None,
+    tag_groups: int | None = None,
 ) -> SimResult:
     """Run ``steps`` training steps of ``spec`` with the training loop's own step driver.
 
@@ -204,11 +205,12 @@ def simulate(
     the same object the Ray loop drives). The first ``warmup`` steps are excluded from the
     metrics. ``mirror_loop=True`` reproduces the loop's edges (default :class:`StepCosts` for
     step 0, no look-ahead after the last step); otherwise step 0 is planned with the model's
-    own costs and every step, the last included, plans its look-ahead (a steady state).
+    own costs, TAG is decided from them until a step is measured, and every step, the last
+    included, plans its look-ahead (a steady state).
     ``tag_switch_s``: TAG's switch cost (default: the cost model's); ``tsp_balance``: balance
     TSP stages from the model's per-step costs and re-balance them every step, as the loop
     does with ``digen.tsp.balance``; ``gat_micro_batches``: GAT's fixed share (None: decided
-    every step from the step before, as the loop does).
+    every step from the step before, as the loop does); ``tag_groups``: TAG's fixed share (likewise).
     """
     if not 0 <= warmup < steps:
         raise ValueError(f"need 0 <= warmup ({warmup}) < steps ({steps})")
@@ -225,6 +227,8 @@ def simulate(
         tag_switch_s=tag_switch_seconds(spec, costs, cluster) if tag_switch_s is None else tag_switch_s,
         tsp_rebalance=tsp_balance,
         gat_micro_batches=gat_micro_batches,
+        tag_groups=tag_groups,
+        decide_from_costs=not mirror_loop,
     )
     metrics = [driver.run_step(s) for s in range(steps)]
     if mirror_loop:

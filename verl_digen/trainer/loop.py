@@ -172,6 +172,7 @@ class DigenTrainer:
                                          chunk_rows=gang_chunk_rows(self.spec), sharded_trainers=self.spec.fsdp),
             start_step=first, total_steps=last, tag_switch_s=cfg.tag.switch_cost_s,
             tsp_rebalance=self.spec.tsp_stages > 1 and cfg.tsp.balance, gat_micro_batches=cfg.gat.fixed,
+            tag_groups=cfg.tag.fixed,
         )
         executor: RayPlanExecutor = driver.executor  # type: ignore[assignment]
         lookahead = 1 if self.spec.max_staleness else 0
