@@ -55,6 +55,7 @@ LADDER = (
     ("+TAG", ["disaggregated+gap+tag"]),
     ("+TCSS", ["disaggregated+gap+tcss"]),
     ("+FSDP lockstep", ["disaggregated+gap+fsdp", "disaggregated+gap+fsdp+tcss"]),
+    ("+TAG on FSDP", ["disaggregated+gap+tag+fsdp", "disaggregated+gap+tag+fsdp+tcss"]),
 )
 MIXES = ({"H800": 8, "L40S": 16}, {"H800": 16, "L40S": 16})
 JUDGE_SIZES = (4, 8, 16, 32)
@@ -100,9 +101,10 @@ def summary(ev: Evaluation | None, costs: CostModel) -> dict[str, Any] | None:
     }
 
 
-def best(costs: CostModel, inventory: Inventory, mechanisms: list[str], *, micro=(1, 2), steps=4, warmup=1,
+def best(costs: CostModel, inventory: Inventory, mechanisms: list[str], *, micro=(1, 2), steps=5, warmup=2,
          reward_devices: list[int] | None = None) -> Evaluation | None:
-    """The best configuration; ``reward_devices`` as the planner's (None: its default sizes)."""
+    """The best configuration; ``reward_devices`` as the planner's (None: its default sizes).
+    Two warm-up steps, as the planner's default: TAG under TCSS fills its pipeline in two."""
     try:
         result = search(costs, inventory, mechanisms=mechanisms, micro_batches=micro, steps=steps, warmup=warmup,
                         reward_devices=reward_devices)
