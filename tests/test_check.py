@@ -61,6 +61,20 @@ def test_the_wan_colocated_split_that_crashed_on_8_gpus_exits_2_naming_the_key(c
     assert "the run would NOT start" in err
 
 
+def test_tag_on_fsdp_trainers_at_real_size_would_start_and_says_how_its_share_is_cut(capsys):
+    # HunyuanVideo full fine-tune, 6 FSDP trainer ranks: calls of 2 videos, 4 per group -> 2 slices
+    # of 2 per group (gcd(6, 4 / 2)), 3 groups give each rank one slice
+    status, out, _ = _run(capsys, "--config-name", "hunyuan_video_full_disaggregated", "digen.tag.enable=true",
+                          "digen.tag.groups=6")
+    assert status == 0, out
+    assert ("TAG: the trainers' share (6 group(s) every step) in multiples of 3 group(s), each group in 2 sample "
+            "slice(s), as many on each of the 6 FSDP ranks") in out
+    assert "memory: trainer peaks" in out  # the trainers' generate phase planned too
+    status, _, err = _run(capsys, "--config-name", "hunyuan_video_full_disaggregated", "digen.tag.enable=true",
+                          "digen.tag.groups=4")
+    assert status == 2 and "digen.tag.groups=4; must be a multiple of 3" in err
+
+
 def test_a_job_that_does_not_fit_exits_2_naming_the_memory_key(capsys):
     status, _, err = _run(capsys, "--config-name", "qwen_image_full_disaggregated", "digen.memory.device_gib=48")
     assert status == 2

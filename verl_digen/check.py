@@ -42,6 +42,8 @@ def summary(checked: Any) -> list[str]:
         f"prompts: {len(checked.prompt_records)}",
         f"model: {checked.model_path}",
     ]
+    if cfg.tag.enable and cfg.placement == "disaggregated":
+        lines.append(_tag_line(cfg))
     if checked.model_note:
         lines.append(f"note: {checked.model_note}")
     if checked.memory_plan is None:
@@ -51,6 +53,18 @@ def summary(checked: Any) -> list[str]:
         lines.append(f"memory: {plan.role} peaks at {plan.peak_bytes / GIB:.1f} GiB of {plan.device_gib:g} GiB per GPU "
                      f"({100 * plan.headroom:.0f}% free) in its {plan.phase} phase, {plan.devices} GPU(s)")
     return lines
+
+
+def _tag_line(cfg: Any) -> str:
+    """How TAG's share is cut: whole tasks, and on FSDP trainers equal slices per rank."""
+    from verl_digen.schedule.strategies import tag_unit
+
+    ranks, fsdp = cfg.pools.trainer.world_size, cfg.fsdp.enable
+    unit = tag_unit(cfg.batch.groups_per_task, ranks, fsdp, cfg.tag_slices)
+    share = "decided every step" if cfg.tag.fixed is None else f"{cfg.tag.fixed} group(s) every step"
+    how = (f", each group in {cfg.tag_slices} sample slice(s), as many on each of the {ranks} FSDP ranks"
+           if fsdp else "")
+    return f"TAG: the trainers' share ({share}) in multiples of {unit} group(s){how}"
 
 
 def check(config_name: str, overrides: list[str], config_dir: str = CONFIG_DIR) -> tuple[int, list[str]]:

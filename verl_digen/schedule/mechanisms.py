@@ -35,7 +35,9 @@ from verl_digen.schedule.plan import Task, TaskId, TaskKind, WorkerId, group_ids
 
 @dataclass
 class StepCosts:
-    """Seconds per unit of work, measured or modelled; only used for look-ahead decisions."""
+    """Seconds per unit of work, measured or modelled. No plan depends on them (the TCSS
+    look-ahead takes the whole next step); the steady-state simulator decides TAG with the
+    modelled ones before a step is measured (``StepDriver(decide_from_costs=True)``)."""
 
     generate_per_group: float = 1.0
     reward_per_group: float = 0.05
