@@ -217,9 +217,8 @@ def emulate(
                 spec, cluster = ev.candidate.spec, ev.candidate.cluster
                 costs_s = costs.for_spec(spec)  # the strategy's calls and sharding, as search costed it
                 planner = StepPlanner(spec)
-                sc = costs_s.step_costs(spec, cluster)
                 for s in range(steps):
-                    planner.plan_step(s, sc, has_next=s + 1 < steps)
+                    planner.plan_step(s, has_next=s + 1 < steps)
                 sim = simulate_plan(planner.plan, costs_s, cluster)
                 sim_opt = max(r.end for r in sim.timeline.records if r.kind == "optimizer_step")
                 gens = [r.end - r.start for r in sim.timeline.records if r.kind == "generate"]

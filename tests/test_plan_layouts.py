@@ -2,8 +2,7 @@
 
 The planner composes one mechanism per question (``strategies.layout_of``). Here each plan of
 every valid combination (colocated / disaggregated, GAP, TCSS, TSP, the time-step split, TAG,
-FSDP; several pool sizes, batch shapes, resumed starts, and measured costs, which no plan
-depends on since the TCSS look-ahead takes the whole next step) is
+FSDP; several pool sizes, batch shapes and resumed starts) is
 
 - checked against its invariants (``Plan.check``, typed ids naming their task), and
 - compared, task by task in plan order (id, kind, workers, step, dependencies in order,
@@ -20,7 +19,7 @@ from collections import Counter
 import pytest
 
 from verl_digen.schedule.plan import Plan, TaskId, TaskKind, WorkerId, chunk, group_ids, sample_slices
-from verl_digen.schedule.strategies import StepCosts, StepPlanner, StrategySpec, call_rows
+from verl_digen.schedule.strategies import StepPlanner, StrategySpec, call_rows
 
 MECHANISMS = list(itertools.product(("colocated", "disaggregated"), (False, True), (0, 1), (1, 2),
                                     ("sample", "timestep"), (False, True), (False, True)))
@@ -29,8 +28,6 @@ MECHANISMS = list(itertools.product(("colocated", "disaggregated"), (False, True
 SHAPES = [(1, 1, 0, 2, 2, 1, 1, 1), (2, 1, 0, 4, 2, 1, 1, 1), (2, 2, 1, 4, 4, 2, 2, 1), (4, 2, 2, 8, 2, 1, 2, 1),
           (4, 3, 0, 4, 4, 2, 1, 1), (2, 3, 2, 2, 4, 1, 2, 1), (4, 1, 1, 12, 2, 2, 3, 1),
           (2, 2, 1, 4, 2, 1, 1, 2), (4, 2, 0, 8, 2, 2, 2, 2), (2, 1, 1, 12, 2, 1, 1, 3)]
-COSTS = [None, StepCosts(generate_per_group=0.3, train_per_group=5.0),
-         StepCosts(generate_per_group=4.0, train_per_group=0.5)]
 STEPS = 4
 
 
@@ -62,21 +59,20 @@ def _rows(tasks) -> list[tuple]:
             for t in tasks]
 
 
-def _planned(spec: StrategySpec, start: int, costs: StepCosts | None) -> Plan:
+def _planned(spec: StrategySpec, start: int) -> Plan:
     planner = StepPlanner(spec, start_step=start)
     shares = _tag_shares(spec)
     for i, (s, share) in enumerate(zip(range(start, start + STEPS), shares)):
         nxt = shares[i + 1] if i + 1 < STEPS and spec.max_staleness else 0  # as the step driver passes it
-        planner.plan_step(s, costs, has_next=i + 1 < STEPS, tag_groups=share, next_tag_groups=nxt)
+        planner.plan_step(s, has_next=i + 1 < STEPS, tag_groups=share, next_tag_groups=nxt)
     return planner.plan
 
 
 # ----------------------------------------------------------------------------- the reference
 
 
-def reference_plan(spec: StrategySpec, start: int, costs: StepCosts | None) -> list[tuple]:
+def reference_plan(spec: StrategySpec, start: int) -> list[tuple]:
     """The plan's rows as the strategy's rules state them (see ``strategies`` and ``mechanisms``)."""
-    costs = costs or StepCosts()
     rows: list[tuple] = []
     held = Counter({str(w): start for w in spec.workers()})  # weights version per worker
     turn: Counter[str] = Counter()  # round-robin positions: generators, TAG trainers, reward pool
@@ -199,10 +195,9 @@ def test_every_combination_plans_what_the_rules_say(mechanism):
                          train_split=mechanism[4], tag=mechanism[5], fsdp=mechanism[6])
         return
     for spec, start in itertools.product(specs, (0, 2)):
-        for costs in COSTS if spec.max_staleness else COSTS[:1]:  # the look-ahead once depended on them
-            plan = _planned(spec, start, costs)
-            plan.check(complete_steps=range(start, start + STEPS))
-            assert _rows(plan.tasks) == reference_plan(spec, start, costs), (spec, start, costs)
+        plan = _planned(spec, start)
+        plan.check(complete_steps=range(start, start + STEPS))
+        assert _rows(plan.tasks) == reference_plan(spec, start), (spec, start)
 
 
 def test_the_grid_covers_every_mechanism():
@@ -216,7 +211,7 @@ def test_the_grid_covers_every_mechanism():
 @pytest.mark.parametrize("mechanism", [m for m in MECHANISMS if _specs(*m)][::5], ids=lambda m: "-".join(map(str, m)))
 def test_task_ids_name_their_task_and_plans_look_tasks_up_by_them(mechanism):
     for spec in _specs(*mechanism):
-        plan = _planned(spec, 0, None)
+        plan = _planned(spec, 0)
         texts = [str(t.id) for t in plan.tasks]
         assert len(set(texts)) == len(texts) == len({t.id for t in plan.tasks})  # one text per id
         for t in plan.tasks:

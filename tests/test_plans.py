@@ -8,7 +8,7 @@ import pytest
 
 from verl_digen.schedule.plan import Plan, PlanError, Task, TaskId, TaskKind, WorkerId
 from verl_digen.schedule.runner import PlanRunner
-from verl_digen.schedule.strategies import StepCosts, StepPlanner, StrategySpec
+from verl_digen.schedule.strategies import StepPlanner, StrategySpec
 from timelines import assert_exclusive
 
 
@@ -58,10 +58,10 @@ SPECS = [
 ]
 
 
-def _planned(spec: StrategySpec, steps: int = 4, costs: StepCosts | None = None) -> StepPlanner:
+def _planned(spec: StrategySpec, steps: int = 4) -> StepPlanner:
     planner = StepPlanner(spec)
     for s in range(steps):
-        planner.plan_step(s, costs, has_next=s + 1 < steps)
+        planner.plan_step(s, has_next=s + 1 < steps)
     return planner
 
 

@@ -13,8 +13,9 @@ import random
 import pytest
 
 from verl_digen.config.schema import ConfigError, digen_config_from_dict
+from verl_digen.schedule.elastic import seconds_per_group
 from verl_digen.schedule.plan import Plan, PlanError, Task, TaskId, TaskKind, WorkerId
-from verl_digen.schedule.strategies import StepCosts, StepPlanner, StrategySpec, measure_costs
+from verl_digen.schedule.strategies import StepPlanner, StrategySpec
 from verl_digen.sim.cost_model import TableCostModel
 from verl_digen.sim.simulator import SimulatedExecutor
 from timelines import assert_exclusive
@@ -43,7 +44,7 @@ class UnevenCosts(TableCostModel):
 def plan_of(spec: StrategySpec, steps: int = 3, *, gat: int = 0) -> Plan:
     planner = StepPlanner(spec)
     for s in range(steps):
-        planner.plan_step(s, StepCosts(), has_next=s < steps - 1, gat_micro_batches=gat)
+        planner.plan_step(s, has_next=s < steps - 1, gat_micro_batches=gat)
     planner.plan.check()
     return planner.plan
 
@@ -231,9 +232,8 @@ def test_pulled_plans_finish_under_random_durations(spec, seed):
 def test_measured_training_rate_counts_a_row_slice_as_its_share_of_a_group():
     spec = StrategySpec("disaggregated", 2, 2, 4, 4, gap=True, pull=True, train_slices=2)
     sim = run_plan(plan_of(spec, steps=1), UnevenCosts())
-    costs = measure_costs(sim.timeline.records, 0, spec, StepCosts())
-    # every row slice is 0.5 s of half a group: 1 s per group
-    assert costs.train_per_group == pytest.approx(1.0)
+    # every row slice is 0.5 s of half a group: 1 s per group, as TAG and GAT read the rates
+    assert seconds_per_group(sim.timeline, "train", 0) == pytest.approx(1.0)
 
 
 def test_gat_models_pulled_training_as_slices_spread_over_the_trainers():
@@ -347,7 +347,7 @@ def test_a_pulled_plan_on_emulated_workers_charges_each_task_what_the_simulator_
     c = costs.for_spec(spec)
     planner = StepPlanner(spec)
     for s in range(2):
-        planner.plan_step(s, c.step_costs(spec, cluster), has_next=s == 0)
+        planner.plan_step(s, has_next=s == 0)
     sim = simulate_plan(planner.plan, c, cluster)
     # a gang task is charged by each of its workers; a pulled one by the worker that took it
     simulated = sorted((r.kind, tuple(r.groups), r.end - r.start) for r in sim.timeline.records for _ in r.workers)

@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 
 from runs import PROMPTS, metrics_lines, run, timeline_records
 from verl_digen.schedule.plan import PlanError, Task, TaskKind, WorkerId
-from verl_digen.schedule.strategies import StepCosts, StepPlanner, StrategySpec, measure_costs
+from verl_digen.schedule.elastic import seconds_per_group
+from verl_digen.schedule.strategies import StepPlanner, StrategySpec
 from verl_digen.sim.cost_model import Cluster, TableCostModel
 from verl_digen.sim.simulator import simulate
 
@@ -66,8 +67,8 @@ def test_the_simulator_runs_the_split_plan_on_both_rollout_workers():
         gens = [r for r in result.timeline.records if r.kind == "generate" and r.step == step]
         assert sorted(w for r in gens for w in r.workers) == ["rollout0", "rollout1"]
         assert all(r.end - r.start == pytest.approx(2.0) for r in gens)  # half a group each, in parallel
-    assert result.timeline.of_step(2)  # measured costs count a slice as its share of a group:
-    assert measure_costs(result.timeline.records, 2, spec, StepCosts()).generate_per_group == pytest.approx(4.0)
+    assert result.timeline.of_step(2)  # measured rates count a group once across its slices:
+    assert seconds_per_group(result.timeline, "generate", 2, "rollout") == pytest.approx(4.0)
     unsplit = StrategySpec(**{**ONE_GROUP_TWO_ROLLOUTS, "rollout_workers": 1})
     alone = simulate(unsplit, costs, Cluster.for_spec(unsplit, "any"), steps=3, warmup=1)
     assert result.step_time_s < alone.step_time_s

@@ -320,13 +320,12 @@ def test_memory_rules_out_too_few_trainers_for_full_fine_tuning(catalog):
 # ---------------------------------------------------------------------------- hand-computed timelines
 
 TABLE = TableCostModel(seconds={"generate": 3.0, "reward": 1.0, "train": 2.0, "optimizer_step": 0.5, "sync": 0.25})
-PLAN_COSTS = StepCosts(generate_per_group=3.0, reward_per_group=1.0, train_per_group=2.0, optimizer_step=0.5, sync=0.25)
 
 
 def _run(spec: StrategySpec, steps: int, costs=TABLE) -> dict[str, tuple[float, float]]:
     planner = StepPlanner(spec)
     for s in range(steps):
-        planner.plan_step(s, PLAN_COSTS, has_next=s + 1 < steps)
+        planner.plan_step(s, has_next=s + 1 < steps)
     sim = simulate_plan(planner.plan, costs, Cluster.for_spec(spec, "any"))
     assert_exclusive(sim.timeline)
     return {r.task: (r.start, r.end) for r in sim.timeline.records}
@@ -369,7 +368,7 @@ def test_the_sync_occupies_only_the_rollout_workers():
     spec = StrategySpec("disaggregated", 2, 2, groups_per_step=4, group_size=2, gap=True, max_staleness=1)
     planner = StepPlanner(spec)
     for s in range(3):
-        planner.plan_step(s, PLAN_COSTS, has_next=s + 1 < 3)
+        planner.plan_step(s, has_next=s + 1 < 3)
     syncs = planner.plan.of_kind(TaskKind.SYNC)
     assert len(syncs) == 3 and all({w.pool for w in t.workers} == {"rollout"} and len(t.workers) == 2 for t in syncs)
     # one-step-off: every generate task of step s+1 uses version s and is planned before sync(s+1)
@@ -430,7 +429,7 @@ def test_simulator_runs_plans_with_the_runners_semantics():
     for spec in specs:
         planner = StepPlanner(spec)
         for s in range(3):
-            planner.plan_step(s, None, has_next=s + 1 < 3)
+            planner.plan_step(s, has_next=s + 1 < 3)
         ref = _ReferenceRunner(planner.plan, durations)
         ref.run_until(None)
         sim = SimulatedExecutor(planner.plan, TableCostModel(seconds=durations), Cluster.for_spec(spec, "any"))
@@ -466,7 +465,7 @@ def test_the_runner_launches_what_a_scan_of_every_queue_head_would():
         spec = _random_spec(rng, rng.randint(2, 6), rng.choice([2, 4, 8]), 2)
         planner = StepPlanner(spec)
         for s in range(3):
-            planner.plan_step(s, None, has_next=s + 1 < 3)
+            planner.plan_step(s, has_next=s + 1 < 3)
         # durations drawn per kind, some equal: ties make several tasks launchable at once
         durations = {k.value: rng.choice([0.5, 1.0, 1.0, 2.0]) for k in TaskKind}
         runner = _ScanCheckingRunner(planner.plan, durations)
@@ -611,7 +610,7 @@ def _emulated_charges_are_simulated(spec, c, cluster, **plan_kw):
 
     planner = StepPlanner(spec)
     for s in range(2):
-        planner.plan_step(s, c.step_costs(spec, cluster), has_next=s + 1 < 2, **plan_kw)
+        planner.plan_step(s, has_next=s + 1 < 2, **plan_kw)
     sim = simulate_plan(planner.plan, c, cluster)
     simulated = {(r.task, tuple(map(str, r.workers))): r.end - r.start for r in sim.timeline.records}
     gens = [r.end - r.start for r in sim.timeline.records if r.kind == "generate"]
@@ -719,7 +718,7 @@ def test_emulated_runtime_matches_the_simulator_on_the_same_plan():
     )
     planner = StepPlanner(spec)
     for s in range(3):
-        planner.plan_step(s, costs.step_costs(spec), has_next=s + 1 < 3)
+        planner.plan_step(s, has_next=s + 1 < 3)
     cluster = Cluster.for_spec(spec, "cpu")
     sim = simulate_plan(planner.plan, costs, cluster)
     opt_sim = {r.step: r.end for r in sim.timeline.records if r.kind == "optimizer_step"}

@@ -2,9 +2,9 @@
 
 A step is: decide the elastic shares from what the previous step measured (TAG's share of
 generation on the trainers, GAT's share of training on the rollout workers, TSP's stage
-boundaries), append the step to the plan, run the plan
-until the step's optimizer step, read the step's metrics off the timeline, and re-measure the
-per-unit costs that the next step's look-ahead is planned with.
+boundaries), append the step to the plan (under TCSS with TAG, deciding the next step's TAG
+share for its look-ahead too), run the plan until the step's optimizer step, and read the
+step's metrics off the timeline.
 
 :class:`StepDriver` does exactly that and nothing else. The Ray training loop
 (:mod:`verl_digen.trainer.loop`) wraps it with Ray, prompts, checkpoints, validation and
@@ -20,7 +20,7 @@ from verl_digen.schedule.elastic import gat_decision, rebalanced_spec, tag_decis
 from verl_digen.schedule.metrics import step_timing_metrics
 from verl_digen.schedule.plan import Plan, TaskId
 from verl_digen.schedule.runner import PlanRunner
-from verl_digen.schedule.strategies import StepCosts, StepPlanner, StrategySpec, measure_costs
+from verl_digen.schedule.strategies import StepCosts, StepPlanner, StrategySpec
 
 
 class StepDriver:
@@ -29,14 +29,12 @@ class StepDriver:
     - ``start_step``: the first step (a resumed run continues from its checkpoint's step);
     - ``total_steps``: the step after the last one (no look-ahead is planned past it); None
       plans a look-ahead after every step (a steady state, for the simulator);
-    - ``costs``: the per-unit costs the first step is planned with (later steps use the costs
-      measured on the step before);
+    - ``prior``: predicted per-unit costs TAG decides with while no step is measured yet (the
+      steady-state simulator's model); None: TAG assigns nothing until then, as in the loop;
     - ``tag_switch_s``: what a trainer pays to switch from generating to training (TAG);
     - ``tsp_rebalance``: move TSP stage boundaries from the stage times measured each step;
     - ``gat_micro_batches``: GAT's micro-batches every step (None: decided per step);
-    - ``tag_groups``: TAG's groups every step (None: decided per step);
-    - ``decide_from_costs``: decide TAG from ``costs`` while nothing is measured (the
-      steady-state simulator, whose ``costs`` are the model's; the loop's are placeholders).
+    - ``tag_groups``: TAG's groups every step (None: decided per step).
 
     Under TCSS with TAG, a step's TAG share is decided when the step before is planned (from
     the step before that): the look-ahead generates the rest of the step ahead and leaves the
@@ -50,24 +48,22 @@ class StepDriver:
         *,
         start_step: int = 0,
         total_steps: int | None = None,
-        costs: StepCosts | None = None,
+        prior: StepCosts | None = None,
         tag_switch_s: float = 0.0,
         tsp_rebalance: bool = False,
         gat_micro_batches: int | None = None,
         tag_groups: int | None = None,
-        decide_from_costs: bool = False,
     ) -> None:
         self.spec = spec
         self.planner = StepPlanner(spec, start_step=start_step)
         self.executor = make_executor(self.planner.plan)
         self.first_step = start_step
         self.total_steps = total_steps
-        self.costs = costs or StepCosts()
+        self.prior = prior
         self.tag_switch_s = tag_switch_s
         self.tsp_rebalance = tsp_rebalance
         self.gat_micro_batches = gat_micro_batches
         self.tag_groups = tag_groups
-        self.decide_from_costs = decide_from_costs
         self._tag_ahead: dict[int, tuple[dict[str, float], int]] = {}  # step -> its TAG decision (TCSS)
         self.stage_changes: list[dict[str, Any]] = []  # TSP boundaries moved: {"step", "bounds"}
         self.step_end: dict[int, float] = {}  # executor time at each step's optimizer step
@@ -94,7 +90,7 @@ class StepDriver:
             # now, from the last step measured in full
             self._tag_ahead[step + 1] = self._tag(step + 1, step - 1)
             next_tag = self._tag_ahead[step + 1][1]
-        self.planner.plan_step(step, self.costs, has_next=has_next, tag_groups=tag_groups,
+        self.planner.plan_step(step, has_next=has_next, tag_groups=tag_groups,
                                gat_micro_batches=gat_mbs, next_tag_groups=next_tag)
         ex.run_until([TaskId.optimizer_step(step)])
         t1 = ex.now()
@@ -103,13 +99,12 @@ class StepDriver:
         metrics.update(ex.step_metrics(step))
         metrics.update(tag_metrics)
         metrics.update(gat_metrics)
-        self.costs = measure_costs(ex.timeline.of_step(step), step, self.spec, self.costs)
         return metrics
 
     def _tag(self, step: int, measured: int) -> tuple[dict[str, float], int]:
         """TAG's metrics and share of ``step`` from the rates measured in step ``measured``."""
         return tag_decision(self.spec, self.executor.timeline, step, self.tag_switch_s, self.tag_groups,
-                            measured=measured, prior=self.costs if self.decide_from_costs else None)
+                            measured=measured, prior=self.prior)
 
     def finish(self) -> None:
         """Run what is still planned (the final weight sync); check the executed plan."""

@@ -295,7 +295,7 @@ class StepBuilder(Protocol):
 
 
 class AfterStep(Protocol):
-    def after_step(self, plan: StepBuilder, step: int, costs: StepCosts, has_next: bool) -> None:
+    def after_step(self, plan: StepBuilder, step: int, has_next: bool) -> None:
         """Add what follows step ``step``'s optimizer step (``has_next``: another step follows)."""
         ...
 
@@ -311,7 +311,7 @@ class Lookahead:
 
     groups_per_step: int
 
-    def after_step(self, plan: StepBuilder, step: int, costs: StepCosts, has_next: bool) -> None:
+    def after_step(self, plan: StepBuilder, step: int, has_next: bool) -> None:
         if has_next:
             plan.generate_ahead(step + 1, self.groups(step + 1, plan.next_tag_groups))
 
@@ -332,7 +332,7 @@ class WeightSync:
 
     rollout_workers: int
 
-    def after_step(self, plan: StepBuilder, step: int, costs: StepCosts, has_next: bool) -> None:
+    def after_step(self, plan: StepBuilder, step: int, has_next: bool) -> None:
         version = step + 1
         workers = tuple(WorkerId("rollout", r) for r in range(self.rollout_workers))
         plan.add(Task(id=TaskId.sync(version), kind=TaskKind.SYNC, workers=workers, step=step,

@@ -36,7 +36,7 @@ from verl_digen.schedule.mechanisms import (
     RoundRobinRollout,
     RoundRobinTrainers,
     Stage,
-    StepCosts,
+    StepCosts,  # noqa: F401  (re-exported: the schedule package's public names)
     TimestepSplit,
     TrainPlacement,
     TrainWaits,
@@ -473,8 +473,8 @@ class StepPlanner:
     # ----------------------------------------------------------------- public
 
     def plan_step(
-        self, step: int, costs: StepCosts | None = None, *, has_next: bool = True, tag_groups: int = 0,
-        gat_micro_batches: int = 0, next_tag_groups: int = 0,
+        self, step: int, *, has_next: bool = True, tag_groups: int = 0, gat_micro_batches: int = 0,
+        next_tag_groups: int = 0,
     ) -> list[Task]:
         """Append step ``step``; ``has_next=False`` for the last step (no look-ahead).
 
@@ -485,7 +485,6 @@ class StepPlanner:
         ``gat_micro_batches``: how many micro-batches the rollout workers train (GAT), the last
         ones of the step's first PPO mini-batch (those whose groups come last).
         """
-        costs = costs or StepCosts()
         unit = self.spec.tag_unit  # the share as _assist will take it
         self.next_tag_groups = min(next_tag_groups, self.spec.groups_per_step) // unit * unit
         start = len(self.plan.tasks)
@@ -498,7 +497,7 @@ class StepPlanner:
         self._add_generation(step, remaining, self.layout.generation, deps=(sync,) if sync in self.plan else ())
         self._add_training(step, groups, gat_micro_batches)
         for mechanism in self.layout.after_step:
-            mechanism.after_step(self, step, costs, has_next)
+            mechanism.after_step(self, step, has_next)
         return self.plan.tasks[start:]
 
     def add(self, task: Task) -> Task:
@@ -635,32 +634,3 @@ class StepPlanner:
         if stale:
             raise ValueError(f"GAT in step {step}: rollout workers {stale} do not hold version {step}")
         return min(assisted, per_mini)
-
-
-def measure_costs(records: list, step: int, spec: StrategySpec, fallback: StepCosts) -> StepCosts:
-    """Per-unit costs of ``step`` from timeline records (driver-observed durations).
-
-    ``records`` may be the whole timeline or just ``Timeline.of_step(step)``.
-    """
-
-    def groups_of(r) -> float:
-        samples = r.extra.get("samples")  # a slice of each group's samples: that fraction of a group
-        rows = r.extra.get("rows")  # a row slice k of n of a micro-batch: 1/n of its groups
-        return (len(r.groups) * ((samples[1] - samples[0]) / spec.group_size if samples else 1.0)
-                / (rows[1] if rows else 1))
-
-    def mean(kind: str, per_group: bool) -> float | None:
-        rs = [r for r in records if r.kind == kind and r.step == step]
-        if not rs:
-            return None
-        total = sum(r.end - r.start for r in rs)
-        units = sum(groups_of(r) for r in rs) if per_group else len(rs)
-        return total / max(units, 1e-9)
-
-    return StepCosts(
-        generate_per_group=mean("generate", True) or fallback.generate_per_group,
-        reward_per_group=mean("reward", True) or fallback.reward_per_group,
-        train_per_group=mean("train", True) or fallback.train_per_group,
-        optimizer_step=mean("optimizer_step", False) or fallback.optimizer_step,
-        sync=mean("sync", False) or fallback.sync,
-    )

@@ -1385,7 +1385,8 @@ class CostModel:
     # ------------------------------------------------------------------ planning and bounds
 
     def step_costs(self, spec: StrategySpec, cluster: Cluster) -> StepCosts:
-        """Per-group costs for the planner's look-ahead decisions (no switches)."""
+        """Per-group costs the steady-state simulator decides TAG with before a step is measured
+        (no switches; ``StepDriver(prior=...)``)."""
         G = spec.group_size
         gen_worker = spec.generators[0]
         gen_dev = self.device(cluster.device_of(gen_worker))

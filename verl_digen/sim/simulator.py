@@ -200,13 +200,13 @@ def simulate(
 ) -> SimResult:
     """Run ``steps`` training steps of ``spec`` with the training loop's own step driver.
 
-    Each step is planned with the costs measured on the previous step's timeline, run until
-    its optimizer step, then the next one is planned (:class:`~verl_digen.schedule.driver.StepDriver`,
-    the same object the Ray loop drives). The first ``warmup`` steps are excluded from the
-    metrics. ``mirror_loop=True`` reproduces the loop's edges (default :class:`StepCosts` for
-    step 0, no look-ahead after the last step); otherwise step 0 is planned with the model's
-    own costs, TAG is decided from them until a step is measured, and every step, the last
-    included, plans its look-ahead (a steady state).
+    Each step's elastic shares are decided from the rates measured on the steps before, it is
+    planned and run until its optimizer step, then the next one is
+    (:class:`~verl_digen.schedule.driver.StepDriver`, the same object the Ray loop drives). The
+    first ``warmup`` steps are excluded from the metrics. ``mirror_loop=True`` reproduces the
+    loop's edges (nothing to decide TAG with before a step is measured, no look-ahead after the
+    last step); otherwise TAG is decided from the model's own costs until a step is measured,
+    and every step, the last included, plans its look-ahead (a steady state).
     ``tag_switch_s``: TAG's switch cost (default: the cost model's); ``tsp_balance``: balance
     TSP stages from the model's per-step costs and re-balance them every step, as the loop
     does with ``digen.tsp.balance``; ``gat_micro_batches``: GAT's fixed share (None: decided
@@ -223,12 +223,11 @@ def simulate(
         spec,
         lambda plan: SimulatedExecutor(plan, costs, cluster),
         total_steps=steps if mirror_loop else None,
-        costs=StepCosts() if mirror_loop else costs.step_costs(spec, cluster),
+        prior=None if mirror_loop else costs.step_costs(spec, cluster),
         tag_switch_s=tag_switch_seconds(spec, costs, cluster) if tag_switch_s is None else tag_switch_s,
         tsp_rebalance=tsp_balance,
         gat_micro_batches=gat_micro_batches,
         tag_groups=tag_groups,
-        decide_from_costs=not mirror_loop,
     )
     metrics = [driver.run_step(s) for s in range(steps)]
     if mirror_loop:
