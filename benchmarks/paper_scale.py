@@ -428,7 +428,8 @@ def write_doc(args, catalog, cases, ladders, judge, hetero, sens, emu, tiny, ela
         L.append(f"- {c['model']} @ {c['devices']}: {deciding_term(c)}")
     L += ["", "## Our mechanisms, rung by rung", "",
           "Each row is the best configuration within that rung (rungs are cumulative: +TCSS is disaggregated +",
-          "GAP + TCSS; +FSDP lockstep runs every micro-batch on all trainer ranks at once, with or without TCSS).", ""]
+          "GAP + TCSS; +FSDP lockstep runs every micro-batch on all trainer ranks at once, with or without TCSS;",
+          "+TAG on FSDP adds TAG to that, with the rollout generating in TAG's sample slices).", ""]
     L += ladder_md(ladders)
     L += ["", "## Where disaggregation wins", "",
           "### A reward that takes time: veRL-Omni's own OCR recipe", "",
