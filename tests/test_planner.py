@@ -491,3 +491,33 @@ def test_this_runtimes_plans_step_once_per_ppo_mini_batch_and_say_so(catalog):
     omni = costs.with_system(catalog.system("verl-omni"))
     whole = search(omni, inv, mechanisms=["colocated"], steps=3, warmup=1)
     assert all(e.candidate.spec.mini_batches == 1 for e in whole.evaluated)
+
+
+def test_tag_on_fsdp_trainers_fills_their_idle_time_and_its_overrides_run_it(catalog):
+    """HunyuanVideo at 16 H800 (8 rollout + 8 FSDP trainers): the trainers idle while the rollout
+    pool generates. With TAG each rank generates an equal slice of a few groups and the rollout
+    workers generate in slices of that size, so the step is shorter than the same split's
+    without TAG; the overrides build that strategy, its rollout slices included."""
+    from omegaconf import OmegaConf
+
+    from verl_digen.config.compose import compose_config
+    from verl_digen.config.schema import digen_config_from_dict
+    from verl_digen.config.verl_keys import VerlTrainerKeys
+    from verl_digen.placement.pools import cluster_from_trainer_keys, pool_layout
+
+    costs = _costs(catalog, "hunyuanvideo-13b")
+    inv = Inventory({"H800": 16})
+    kw = dict(micro_batches=(1,), steps=5, warmup=2, reward_devices=[0])
+    tag = search(costs, inv, mechanisms=["disaggregated+gap+tag+fsdp+tcss"], **kw).best
+    plain = search(costs, inv, mechanisms=["disaggregated+gap+fsdp+tcss"], **kw).best
+    spec = tag.candidate.spec
+    assert spec.tag and spec.fsdp and spec.sample_slices == spec.tag_split > 1
+    assert all(m["tag/groups"] > 0 for m in tag.result.step_metrics[2:])
+    assert tag.images_per_s > plain.images_per_s * 1.02
+    container = OmegaConf.to_container(compose_config(hydra_overrides(tag.candidate, costs, inv)), resolve=True)
+    digen = digen_config_from_dict(container["digen"])
+    digen.validate()
+    layout = pool_layout(digen, cluster_from_trainer_keys(VerlTrainerKeys.of(container)))
+    for field in ("placement", "rollout_workers", "trainer_workers", "tag", "fsdp", "max_staleness", "sample_slices",
+                  "tag_split", "tag_unit"):
+        assert getattr(layout.spec, field) == getattr(spec, field), field
