@@ -57,10 +57,7 @@ def summary(checked: Any) -> list[str]:
 
 def _tag_line(cfg: Any) -> str:
     """How TAG's share is cut: whole tasks, and on FSDP trainers equal slices per rank."""
-    from verl_digen.schedule.strategies import tag_unit
-
-    ranks, fsdp = cfg.pools.trainer.world_size, cfg.fsdp.enable
-    unit = tag_unit(cfg.batch.groups_per_task, ranks, fsdp, cfg.tag_slices)
+    ranks, fsdp, unit = cfg.pools.trainer.world_size, cfg.fsdp.enable, cfg.tag_unit
     share = "decided every step" if cfg.tag.fixed is None else f"{cfg.tag.fixed} group(s) every step"
     how = (f", each group in {cfg.tag_slices} sample slice(s), as many on each of the {ranks} FSDP ranks"
            if fsdp else "")

@@ -700,7 +700,16 @@ class DigenConfig:
         if not (self.tag.enable and self.fsdp.enable and self.placement == "disaggregated"):
             return 1
         rows = self.pass_rows(self.pools.trainer.world_size)  # devices: only a colocated run reads them
-        return tag_split(self.batch.group_size, self.pools.trainer.world_size, True, rows)
+        return tag_split(self.batch.group_size, self.pools.trainer.world_size, rows)
+
+    @property
+    def tag_unit(self) -> int:
+        """TAG's share comes in multiples of this many groups
+        (:func:`verl_digen.schedule.strategies.tag_unit`)."""
+        from verl_digen.schedule.strategies import tag_unit
+
+        fsdp = self.fsdp.enable and self.placement == "disaggregated"
+        return tag_unit(self.batch.groups_per_task, self.pools.trainer.world_size, fsdp, self.tag_slices)
 
     def rollout_lanes(self, devices: int) -> int:
         """The rollout lanes the planner spreads a step's groups over (StrategySpec.sample_split):
@@ -808,12 +817,8 @@ class DigenConfig:
             return
         if not self.tag.enable:
             _fail("digen.tag.groups", g, "is TAG's share; set digen.tag.enable=true too")
-        b = self.batch
-        from verl_digen.schedule.strategies import tag_unit
-
-        ranks = self.pools.trainer.world_size
+        b, unit, ranks = self.batch, self.tag_unit, self.pools.trainer.world_size
         fsdp = self.fsdp.enable and self.placement == "disaggregated"
-        unit = tag_unit(b.groups_per_task, ranks, fsdp, self.tag_slices)
         if g > b.groups_per_step or g % unit:
             why = (f" (whole generate tasks of digen.batch.groups_per_task={b.groups_per_task} groups, in "
                    f"{self.tag_slices} sample slices, as many on each of the {ranks} FSDP trainer ranks: their "

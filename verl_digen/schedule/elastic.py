@@ -109,10 +109,10 @@ def tag_inputs_from_timeline(spec, timeline, step: int, switch_s: float) -> TagI
         return None
     roll, train = rates
     trainer_gen = latest_seconds_per_group(timeline, "generate", step, "trainer", default=roll)
-    return dataclasses.replace(_tag_inputs(spec, roll, trainer_gen, switch_s), train_per_group=train)
+    return _tag_inputs(spec, roll, trainer_gen, train, switch_s)
 
 
-def _tag_inputs(spec, roll: float, trainer_gen: float, switch_s: float) -> TagInputs:
+def _tag_inputs(spec, roll: float, trainer_gen: float, train: float, switch_s: float) -> TagInputs:
     return TagInputs(
         groups_per_step=spec.groups_per_step,
         groups_per_task=spec.groups_per_task,
@@ -120,7 +120,7 @@ def _tag_inputs(spec, roll: float, trainer_gen: float, switch_s: float) -> TagIn
         trainer_workers=spec.trainer_workers,
         rollout_generate_per_group=roll,
         trainer_generate_per_group=trainer_gen,
-        train_per_group=0.0,
+        train_per_group=train,
         switch_s=switch_s,
         gang=bool(getattr(spec, "fsdp", False)),
         share_unit=spec.tag_unit,
@@ -136,10 +136,8 @@ def tag_inputs_from_costs(spec, costs, switch_s: float) -> TagInputs:
     with them before anything is measured. A group's training seconds there are one worker's;
     a gang's records measure its wall time, which is that over its ranks."""
     ranks = spec.trainer_workers if getattr(spec, "fsdp", False) else 1
-    return dataclasses.replace(
-        _tag_inputs(spec, costs.generate_per_group, costs.generate_per_group, switch_s),
-        train_per_group=costs.train_per_group / ranks,
-    )
+    return _tag_inputs(spec, costs.generate_per_group, costs.generate_per_group, costs.train_per_group / ranks,
+                       switch_s)
 
 
 def _phase_time(inp: TagInputs, n: int) -> float:

@@ -37,7 +37,7 @@ from verl_digen.schedule.plan import Task, TaskId, TaskKind, WorkerId, group_ids
 class StepCosts:
     """Seconds per unit of work, measured or modelled. No plan depends on them (the TCSS
     look-ahead takes the whole next step); the steady-state simulator decides TAG with the
-    modelled ones before a step is measured (``StepDriver(decide_from_costs=True)``)."""
+    modelled ones before a step is measured (``StepDriver(prior=...)``)."""
 
     generate_per_group: float = 1.0
     reward_per_group: float = 0.05

@@ -187,14 +187,14 @@ def sample_split(groups_per_step: int, groups_per_task: int, group_size: int, la
     return max(d for d in range(1, group_size + 1) if group_size % d == 0 and d <= lanes // units)
 
 
-def tag_split(group_size: int, trainer_workers: int, fsdp: bool, rows: int) -> int:
-    """TAG's generate tasks per chunk of ``groups_per_task`` groups: whole groups on trainers that
-    hold the whole model. On FSDP trainers every rank must generate as many equal tasks (its
-    forwards are collectives, in lockstep with the other ranks), so a group is cut into equal
-    sample slices, as many as divide the ranks, each a whole number of the run's transformer
-    calls (``rows`` samples each: :func:`call_rows` stays what it is without TAG, so rollout and
-    training keep their calls): ``gcd(ranks, group_size // rows)``."""
-    return math.gcd(trainer_workers, group_size // rows) if fsdp else 1
+def tag_split(group_size: int, trainer_workers: int, rows: int) -> int:
+    """TAG's generate tasks per chunk of ``groups_per_task`` groups on FSDP trainers (trainers
+    that hold the whole model take whole groups). Every rank must generate as many equal tasks
+    (its forwards are collectives, in lockstep with the other ranks), so a group is cut into
+    equal sample slices, as many as divide the ranks, each a whole number of the run's
+    transformer calls (``rows`` samples each: :func:`call_rows` stays what it is without TAG, so
+    rollout and training keep their calls): ``gcd(ranks, group_size // rows)``."""
+    return math.gcd(trainer_workers, group_size // rows)
 
 
 def tag_unit(groups_per_task: int, trainer_workers: int, fsdp: bool, split: int) -> int:
@@ -308,7 +308,7 @@ class StrategySpec:
         if not (self.tag and self.fsdp):
             return 1
         rows = call_rows(self.group_size, self.train_micro_batch_groups, self.trainer_workers, self.sample_split)
-        return tag_split(self.group_size, self.trainer_workers, True, rows)
+        return tag_split(self.group_size, self.trainer_workers, rows)
 
     @property
     def tag_unit(self) -> int:
@@ -408,7 +408,8 @@ def layout_of(spec: StrategySpec) -> StepLayout:
         generation = RoundRobinGeneration(tuple(spec.generators), spec.sample_split, "generate")
     return StepLayout(
         generation=generation,
-        # TAG tasks take whole groups: trainers are few, and they train right after.
+        # TAG tasks take whole groups (trainers are few, and they train right after); FSDP
+        # trainers equal sample slices of them, as many per rank (StrategySpec.tag_split)
         assist=RoundRobinGeneration(trainers, spec.tag_split, "tag") if spec.tag else None,
         reward=RewardPool(spec.reward_workers, spec.pull) if spec.reward_workers else RewardInPlace(),
         waits=OwnGroups() if spec.gap else WholeStep(),
@@ -485,8 +486,7 @@ class StepPlanner:
         ``gat_micro_batches``: how many micro-batches the rollout workers train (GAT), the last
         ones of the step's first PPO mini-batch (those whose groups come last).
         """
-        unit = self.spec.tag_unit  # the share as _assist will take it
-        self.next_tag_groups = min(next_tag_groups, self.spec.groups_per_step) // unit * unit
+        self.next_tag_groups = self._whole_tag_units(next_tag_groups, self.spec.groups_per_step)
         start = len(self.plan.tasks)
         groups = group_ids(step, self.spec.groups_per_step)
         ahead = set(self._planned_ahead.pop(step, []))
@@ -525,10 +525,15 @@ class StepPlanner:
         leaves them); the rest remain."""
         if self.layout.assist is None:
             raise ValueError("tag_groups > 0 needs a StrategySpec with tag=True")
-        unit = self.spec.tag_unit
-        keep = len(remaining) - min(tag_groups, len(remaining)) // unit * unit
+        keep = len(remaining) - self._whole_tag_units(tag_groups, len(remaining))
         self._add_generation(step, remaining[keep:], self.layout.assist)
         return remaining[:keep]
+
+    def _whole_tag_units(self, groups: int, at_most: int) -> int:
+        """``groups`` of TAG's share as the plan takes it: at most ``at_most``, in whole units
+        (:attr:`StrategySpec.tag_unit`); the look-ahead and :meth:`_assist` agree through it."""
+        unit = self.spec.tag_unit
+        return min(groups, at_most) // unit * unit
 
     def _add_generation(
         self, step: int, groups: list[int], generation: Generation, *, deps: tuple[TaskId, ...] = ()

@@ -403,7 +403,7 @@ def _candidates_without_reward(
                         common["fsdp"] = True
                     if switches.get("sample_slices") == "tag" and common.get("fsdp"):
                         ranks = pools["trainer"].size  # TAG's slices, of the calls a whole group's task makes
-                        common["sample_slices"] = tag_split(group_size, ranks, True, call_rows(group_size, mb, ranks, 1))
+                        common["sample_slices"] = tag_split(group_size, ranks, call_rows(group_size, mb, ranks, 1))
                     stages = [1]
                     if "tsp_stages" in switches:
                         common["num_steps"] = num_steps
