@@ -1,4 +1,4 @@
-"""Real raylets on this machine for the cluster tests: ``ray start --block`` on private ports
+"""Real raylets on this machine for the cluster tests: ``ray start --block`` with self-bound ports
 (the caller adds its own temp dir and GCS port), each node stopped with everything it started,
 by PID (never ``ray stop``, which would stop every other Ray on the machine)."""
 
@@ -26,13 +26,16 @@ def free_ports(n: int) -> list[int]:
 
 
 def ray_start(*args: str, env: dict[str, str], log: str | None = None) -> subprocess.Popen:
-    """``ray start --block *args`` on this machine's loopback with its own free ports (``log``:
-    the file its output goes to; none kept otherwise)."""
-    ports = free_ports(6)
+    """``ray start --block *args`` on this machine's loopback (``log``: the file its output goes
+    to; none kept otherwise). The node's own servers (raylet, object manager, runtime-env and
+    dashboard agents, metrics) bind port 0 and report what they got: a port picked here and
+    bound seconds later by a slow agent could meanwhile be taken by another Ray instance of this
+    machine (a test of the other xdist worker), and this node's raylet would then send its
+    requests to that instance's agent (a CI failure: "HTTP request returns non-ok status code
+    401 ... Missing authentication token" from a token-mode agent not of this cluster). Ray's
+    one fixed default among them, the dashboard agent's 52365, is set to 0 for the same reason."""
     cmd = [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--block", "--node-ip-address=127.0.0.1",
-           "--disable-usage-stats", f"--node-manager-port={ports[0]}", f"--object-manager-port={ports[1]}",
-           f"--dashboard-agent-listen-port={ports[2]}", f"--dashboard-agent-grpc-port={ports[3]}",
-           f"--runtime-env-agent-port={ports[4]}", f"--metrics-export-port={ports[5]}", *args]
+           "--disable-usage-stats", "--dashboard-agent-listen-port=0", *args]
     out = open(log, "ab") if log else subprocess.DEVNULL
     try:
         return subprocess.Popen(cmd, env=env, start_new_session=True, stdout=out, stderr=subprocess.STDOUT)
