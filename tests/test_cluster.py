@@ -172,12 +172,29 @@ def typed_cluster(tiny_flux):
     yield from _two_raylets(['--resources={"accelerator_type:L40S": 1}'], ['--resources={"accelerator_type:H100": 1}'])
 
 
+def _head_address(temp: str, head, within_s: float) -> str:
+    """The loopback address of the GCS whose port ``ray start --head --temp-dir=temp`` wrote
+    (``temp/ray_current_cluster``), once it accepts connections."""
+    path = os.path.join(temp, "ray_current_cluster")
+    deadline = time.time() + within_s
+    while time.time() < deadline:
+        assert head.poll() is None, f"ray start --head exited with {head.returncode}"
+        if os.path.exists(path):
+            # its port; the host there is the machine's own address, the loopback is what the nodes use
+            port = open(path).read().strip().rsplit(":", 1)[-1]
+            with socket.socket() as s:
+                if port.isdigit() and s.connect_ex(("127.0.0.1", int(port))) == 0:
+                    return f"127.0.0.1:{port}"
+        time.sleep(0.5)
+    raise AssertionError(f"the head wrote no reachable GCS address into {path} within {within_s} s")
+
+
 def _two_raylets(head_args: list[str], other_args: list[str]):
     """Start a head and a second raylet (extra ``ray start`` arguments each), yield the address,
     then stop both by PID."""
     assert not ray.is_initialized()
     temp = tempfile.mkdtemp(prefix="digen-ray-")  # short: Ray's unix sockets live under it
-    port, client_port = _free_ports(2)
+    (client_port,) = _free_ports(1)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     # Ray's token auth (on by default once ~/.ray/auth_token exists) would need RAY_AUTH_MODE=token
     # in the driver, and Ray caches that mode per process; this private loopback cluster goes without.
@@ -190,16 +207,12 @@ def _two_raylets(head_args: list[str], other_args: list[str]):
     # Workers of an existing cluster inherit the raylet's environment, not the driver's.
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join([root, os.path.join(root, "tests"), env.get("PYTHONPATH", "")])
-    procs = [_ray_start("--head", f"--port={port}", f"--ray-client-server-port={client_port}", f"--temp-dir={temp}",
+    # --port=0: the GCS binds a port of its own and `ray start` writes the address into the temp
+    # dir (a port picked here could be taken by another Ray of this machine before the GCS binds it)
+    procs = [_ray_start("--head", "--port=0", f"--ray-client-server-port={client_port}", f"--temp-dir={temp}",
                         "--num-cpus=4", "--include-dashboard=false", *head_args, env=env)]
-    address = f"127.0.0.1:{port}"
     try:
-        deadline = time.time() + 180
-        while time.time() < deadline:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.5)
+        address = _head_address(temp, procs[0], within_s=180)
         procs.append(_ray_start(f"--address={address}", "--num-cpus=4", *other_args, env=env))
         deadline = time.time() + 180
         while _alive_nodes(address) < 2:
