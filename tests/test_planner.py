@@ -38,10 +38,9 @@ def flux_16(catalog):
     "model,devices,workload",
     [
         ("flux-12b", 16, {"groups_per_step": 16}),
-        ("sd3.5-medium", 8, {"groups_per_step": 16}),
         ("hunyuanvideo-13b", 16, {"groups_per_step": 16}),
     ],
-)
+)  # sd3.5-medium on 8: the CLI test below checks the same of its whole search
 def test_planner_choice_is_never_worse_than_any_configuration_it_evaluated(catalog, flux_16, model, devices, workload):
     if (model, devices, workload) == ("flux-12b", 16, {"groups_per_step": 16}):
         result = flux_16  # the same search
@@ -202,8 +201,9 @@ def test_cli_prints_a_ranked_table_and_writes_json_rows(tmp_path, capsys):
     rows = json.loads(out.read_text())["rows"]
     keys = {"strategy", "rollout_devices", "trainer_devices", "images_per_s", "bubble_fraction",
             "bound_images_per_s", "speedup_vs_colocated"}
-    assert rows and all(keys <= set(r) for r in rows)
-    assert rows[0]["images_per_s"] == max(r["images_per_s"] for r in rows)
+    assert len(rows) > 5 and all(keys <= set(r) for r in rows)
+    # the planner's choice is never worse than any configuration it evaluated, and rows are ranked
+    assert [r["images_per_s"] for r in rows] == sorted((r["images_per_s"] for r in rows), reverse=True)
 
 
 def test_cli_names_a_bad_argument(capsys):
