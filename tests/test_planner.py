@@ -10,6 +10,7 @@ from verl_digen.sim.planner import (
     Inventory,
     candidates,
     evaluate,
+    fsdp_micro_batches,
     hydra_overrides,
     main,
     parse_mix,
@@ -52,6 +53,26 @@ def test_planner_choice_is_never_worse_than_any_configuration_it_evaluated(catal
     rows = result.rows()
     assert rows[0]["images_per_s"] == best.images_per_s
     assert [r["images_per_s"] for r in rows] == sorted((r["images_per_s"] for r in rows), reverse=True)
+
+
+def test_fsdp_micro_batches_reach_every_call_size_with_the_smallest_micro_batch(catalog):
+    """Under FSDP the micro-batch sets the rows of every rollout and training call: the planner
+    offers, besides the asked sizes that split over the ranks, the smallest micro-batch of each
+    call size (12-sample groups: 3, 6 and 12 rows over 16 or 32 ranks), within a PPO mini-batch."""
+    from verl_digen.schedule.strategies import call_rows
+
+    assert fsdp_micro_batches([1, 2], 64, 12, 16) == [4, 8, 16]
+    assert [call_rows(12, m, 16) for m in (4, 8, 16)] == [3, 6, 12]
+    assert fsdp_micro_batches([1, 2], 64, 12, 32) == [8, 16, 32]
+    assert fsdp_micro_batches([1, 2], 64, 12, 32, mini_batch_groups=16) == [8, 16]  # 32 groups exceed a mini-batch
+    assert fsdp_micro_batches([1, 2], 16, 12, 4) == [1, 2, 4]  # the asked sizes split (3 and 6 rows); 12 rows take 4
+    # and the search uses them: the candidates of colocated + FSDP on 16 H800 span the three sizes
+    costs = _costs(catalog, "flux-12b")
+    w = costs.workload
+    found = {c.spec.train_micro_batch_groups for c in candidates(
+        Inventory({"H800": 16}), groups_per_step=w.groups_per_step, group_size=w.group_size,
+        mechanisms=["colocated+fsdp"])}
+    assert found == {4, 8, 16}
 
 
 def test_configurations_that_do_not_fit_in_memory_are_reported_not_evaluated(catalog):
@@ -277,7 +298,7 @@ def test_the_planners_fit_decision_is_the_memory_planners_peak_of_the_printed_co
     w = costs.workload
     (cand,) = [c for c in candidates(inv, groups_per_step=w.groups_per_step, group_size=w.group_size,
                                      mechanisms=[mechanism], micro_batches=(2,))
-               if c.spec.trainer_workers == trainers]
+               if c.spec.trainer_workers == trainers and c.spec.train_micro_batch_groups == 2]
     if trainers == 12:
         assert cand.pools["trainer"].on_nodes == (8, 4, 0, 0) and cand.pools["rollout"].on_nodes == (0, 4, 8, 8)
     if units:

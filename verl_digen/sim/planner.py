@@ -245,15 +245,25 @@ def _divisors(n: int, options: Iterable[int]) -> list[int]:
     return [k for k in options if k <= n and n % k == 0]
 
 
-def fsdp_micro_batches(micro: list[int], groups_per_step: int, group_size: int, ranks: int) -> list[int]:
+def fsdp_micro_batches(micro: list[int], groups_per_step: int, group_size: int, ranks: int,
+                       mini_batch_groups: int | None = None) -> list[int]:
     """Micro-batch sizes (groups) for FSDP over ``ranks``: those of ``micro`` whose rows deal
-    evenly over the ranks (the runtime refuses the others), plus the smallest size that does
-    when none of them does (e.g. 12-sample groups over 32 ranks: 8 groups, 3 rows a rank)."""
+    evenly over the ranks (the runtime refuses the others), plus, for every transformer-call size
+    (:func:`call_rows`) some micro-batch of the step reaches, the smallest micro-batch that reaches
+    it (e.g. 12-sample groups over 32 ranks: 8 groups give 3 rows a call, 16 give 6, 32 give 12).
+
+    Why the larger ones: under FSDP a micro-batch's rows are dealt over the ranks, so the micro-batch
+    sets the rows of every rollout and training call (one number for both, for exact log-probs), and
+    fuller calls run nearer the device's peak; the smallest micro-batch of each call size keeps
+    GAP's pipeline as fine as that size allows. ``mini_batch_groups``: a micro-batch must divide a
+    PPO mini-batch (default: the step)."""
+    limit = mini_batch_groups or groups_per_step
     ok = [m for m in micro if fsdp_rows_split(m, group_size, ranks)]
-    if not ok:
-        ok = [m for m in range(1, groups_per_step + 1) if groups_per_step % m == 0
-              and fsdp_rows_split(m, group_size, ranks)][:1]
-    return ok
+    by_rows: dict[int, int] = {}
+    for m in range(1, limit + 1):
+        if limit % m == 0 and fsdp_rows_split(m, group_size, ranks):
+            by_rows.setdefault(call_rows(group_size, m, ranks), m)
+    return sorted(set(ok) | set(by_rows.values()))
 
 
 def candidates(
@@ -373,7 +383,8 @@ def _candidates_without_reward(
                 fused = "fused" in pools
                 mbs = sizes
                 if "fsdp" in switches:
-                    mbs = fsdp_micro_batches(sizes, groups_per_step, group_size, pools["fused" if fused else "trainer"].size)
+                    mbs = fsdp_micro_batches(sizes, groups_per_step, group_size, pools["fused" if fused else "trainer"].size,
+                                             groups_per_step // ppo_mini_batches)
                 for mb in mbs:
                     if fused:
                         fsdp = bool(switches.get("fsdp"))
@@ -620,7 +631,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "devices up to a quarter of the cluster, for a reward model with weights)")
     p.add_argument("--mechanisms", default=",".join(MECHANISMS),
                    help=f"comma list of: {', '.join(MECHANISMS)}")
-    p.add_argument("--micro-batches", default="1,2", help="groups per generate call / per train micro-batch to try")
+    p.add_argument("--micro-batches", default="1,2",
+                   help="groups per generate call / per train micro-batch to try (under FSDP also the smallest "
+                        "micro-batch of each transformer-call size the ranks allow)")
     p.add_argument("--sim-steps", type=int, default=5, help="simulated training steps per configuration")
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--json", default=None, help="write every evaluated row as JSON to this file")
