@@ -692,12 +692,18 @@ class DigenConfig:
         return self.pools.trainer.world_size if self.placement == "disaggregated" else devices
 
     @property
+    def fsdp_trainers(self) -> bool:
+        """Whether the trainer pool is a lockstep FSDP gang of a disaggregated run (TAG then cuts
+        its share into equal slices per rank)."""
+        return self.fsdp.enable and self.placement == "disaggregated"
+
+    @property
     def tag_slices(self) -> int:
         """TAG's generate tasks per chunk of groups on the trainers (1: TAG off, or whole groups;
         :func:`verl_digen.schedule.strategies.tag_split`)."""
         from verl_digen.schedule.strategies import tag_split
 
-        if not (self.tag.enable and self.fsdp.enable and self.placement == "disaggregated"):
+        if not (self.tag.enable and self.fsdp_trainers):
             return 1
         rows = self.pass_rows(self.pools.trainer.world_size)  # devices: only a colocated run reads them
         return tag_split(self.batch.group_size, self.pools.trainer.world_size, rows)
@@ -708,8 +714,7 @@ class DigenConfig:
         (:func:`verl_digen.schedule.strategies.tag_unit`)."""
         from verl_digen.schedule.strategies import tag_unit
 
-        fsdp = self.fsdp.enable and self.placement == "disaggregated"
-        return tag_unit(self.batch.groups_per_task, self.pools.trainer.world_size, fsdp, self.tag_slices)
+        return tag_unit(self.batch.groups_per_task, self.pools.trainer.world_size, self.fsdp_trainers, self.tag_slices)
 
     def rollout_lanes(self, devices: int) -> int:
         """The rollout lanes the planner spreads a step's groups over (StrategySpec.sample_split):
@@ -818,11 +823,10 @@ class DigenConfig:
         if not self.tag.enable:
             _fail("digen.tag.groups", g, "is TAG's share; set digen.tag.enable=true too")
         b, unit, ranks = self.batch, self.tag_unit, self.pools.trainer.world_size
-        fsdp = self.fsdp.enable and self.placement == "disaggregated"
         if g > b.groups_per_step or g % unit:
             why = (f" (whole generate tasks of digen.batch.groups_per_task={b.groups_per_task} groups, in "
                    f"{self.tag_slices} sample slices, as many on each of the {ranks} FSDP trainer ranks: their "
-                   "generate calls are collectives)") if fsdp else f" (digen.batch.groups_per_task: whole generate tasks)"
+                   "generate calls are collectives)") if self.fsdp_trainers else f" (digen.batch.groups_per_task: whole generate tasks)"
             _fail("digen.tag.groups", g, f"must be a multiple of {unit}{why}, at most "
                                          f"digen.batch.groups_per_step={b.groups_per_step}")
 
