@@ -268,16 +268,18 @@ def test_a_system_that_runs_only_colocated_is_refused_other_placements(catalog):
         search(costs, Inventory({"H800": 8}), mechanisms=["disaggregated+gap"], steps=3, warmup=1)
 
 
-@pytest.mark.parametrize("lora,mechanism,trainers,units", [
-    (False, "disaggregated+gap+fsdp", 12, {}),  # an uneven FSDP pool: a node and half of the next
-    (False, "disaggregated+gap+fsdp", 2, {}),  # too few trainers for a full fine-tune: refused
-    (True, "disaggregated+gap+gat", 4, {}),  # GAT: the rollout workers train too
+@pytest.mark.parametrize("lora,mechanism,trainers,units,micro", [
+    (False, "disaggregated+gap+fsdp", 12, {}, 2),  # an uneven FSDP pool: a node and half of the next
+    (False, "disaggregated+gap+fsdp", 2, {}, 2),  # too few trainers for a full fine-tune: refused
+    # a micro-batch the planner adds under FSDP for its call size: 16 groups over 16 ranks, 12-row calls
+    (False, "disaggregated+gap+fsdp", 16, {}, 16),
+    (True, "disaggregated+gap+gat", 4, {}, 2),  # GAT: the rollout workers train too
     # pulled units with row slices: a trainer's pass is its slice's call rows (24-row micro-batches
     # in 4 slices: 6-row calls, not 12), as the run's pass_rows counts them
-    (True, "disaggregated+gap", 4, {"pull": True, "train_slices": 4}),
+    (True, "disaggregated+gap", 4, {"pull": True, "train_slices": 4}, 2),
 ])
 def test_the_planners_fit_decision_is_the_memory_planners_peak_of_the_printed_config(catalog, lora, mechanism, trainers,
-                                                                                    units):
+                                                                                    units, micro):
     """One memory model: FLUX.1 at real size on 32 H800. For a candidate the planner evaluates,
     the job the cost model asks the memory planner about is the job of the config the planner
     prints (its hydra overrides, composed and validated as a run is), with the same memory
@@ -298,7 +300,9 @@ def test_the_planners_fit_decision_is_the_memory_planners_peak_of_the_printed_co
     w = costs.workload
     (cand,) = [c for c in candidates(inv, groups_per_step=w.groups_per_step, group_size=w.group_size,
                                      mechanisms=[mechanism], micro_batches=(2,))
-               if c.spec.trainer_workers == trainers and c.spec.train_micro_batch_groups == 2]
+               if c.spec.trainer_workers == trainers and c.spec.train_micro_batch_groups == micro]
+    if micro == 16:
+        assert costs.for_spec(cand.spec).memory_job(cand.cluster).pass_samples == 12
     if trainers == 12:
         assert cand.pools["trainer"].on_nodes == (8, 4, 0, 0) and cand.pools["rollout"].on_nodes == (0, 4, 8, 8)
     if units:
