@@ -272,3 +272,33 @@ def test_edge_idle_counts_waiting_not_other_work():
     _, drain = tl.edge_idle(["rollout0"], 0.0, 10.0, drain_kind="generate")
     assert head == pytest.approx(0.4)  # waited 1..5 for the first group; the sync was work
     assert drain == pytest.approx(0.5)  # idle 5..10 while the trainer drained
+
+
+def test_ids_sent_to_another_process_find_the_ids_built_there():
+    """A task id caches its hash (the runner looks ids up millions of times in a planner search),
+    and a string's hash differs between processes: an id unpickled in another process (a Ray
+    worker, an emulated device) must hash as an id built there, and worker ids alike."""
+    import os
+    import pickle
+    import subprocess
+    import sys
+
+    ids = [TaskId.generate((3, 4), sample_slice=1, stage=0), TaskId.reward((3, 4)), TaskId.train(2, 1, part=0),
+           TaskId.optimizer_step(2, 0), TaskId.sync(3), WorkerId("trainer", 1)]
+    code = (
+        "import pickle, sys\n"
+        "from verl_digen.schedule.plan import TaskId, WorkerId\n"
+        "sent = pickle.loads(sys.stdin.buffer.read())\n"
+        "here = [TaskId.generate((3, 4), sample_slice=1, stage=0), TaskId.reward((3, 4)), TaskId.train(2, 1, part=0),\n"
+        "        TaskId.optimizer_step(2, 0), TaskId.sync(3), WorkerId('trainer', 1)]\n"
+        "assert sent['ids'] == here, (sent['ids'], here)\n"
+        "assert [sent['by_id'][i] for i in here] == list(range(len(here)))\n"
+        "assert all(hash(a) == hash(b) for a, b in zip(sent['ids'], here))\n"
+        "print([str(i) for i in sent['ids']])\n"
+    )
+    payload = pickle.dumps({"ids": ids, "by_id": {i: n for n, i in enumerate(ids)}})
+    # another hash seed than this process's: strings (and the enum of a task's kind) hash differently there
+    env = dict(os.environ, PYTHONHASHSEED=str(1 + int(os.environ.get("PYTHONHASHSEED", "0") or 0)))
+    out = subprocess.run([sys.executable, "-c", code], input=payload, capture_output=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    assert out.stdout.decode().strip() == str([str(i) for i in ids])

@@ -1011,3 +1011,33 @@ def test_a_pickled_cost_model_brings_its_memory_decisions_to_an_equal_cluster(mo
                         "trainer": cm.PoolPlacement.spread([0, 8], "H800")})
     copy.train_group(other)
     assert made == [other]
+
+
+def test_a_gang_costed_once_per_pool_device_and_mode_is_the_gang_costed_per_worker(catalog):
+    """The simulator costs a gang's members of one pool, device type and mode once when the cost
+    model says its seconds depend on nothing else of a worker (``alike_by_pool_and_device``): the
+    same timeline, to the bit, as costing every member, on a colocated FSDP gang that switches
+    modes and a disaggregated run of two device types with TAG trainers generating."""
+
+    class PerWorker(CostModel):
+        alike_by_pool_and_device = False
+
+    def per_worker(costs: CostModel) -> CostModel:
+        return PerWorker(**{f.name: getattr(costs, f.name) for f in dataclasses.fields(costs) if f.init})
+
+    flux = _costs(catalog, "flux-12b", groups_per_step=8)
+    coloc = StrategySpec("colocated", 4, 4, 8, flux.workload.group_size, groups_per_task=2,
+                         train_micro_batch_groups=2, fsdp=True)
+    mixed = CostModel.from_catalog(catalog, "flux-12b", devices=["H800", "L40S"], lora=True, groups_per_step=8)
+    disagg = StrategySpec("disaggregated", 2, 4, 8, mixed.workload.group_size, gap=True, tag=True, max_staleness=1)
+    hetero = Cluster({"rollout": PoolPlacement(2, 1, "L40S"), "trainer": PoolPlacement(4, 1, "H800")})
+    for spec, costs, cluster in ((coloc, flux, Cluster.for_spec(coloc, "H800")), (disagg, mixed, hetero)):
+        costs = costs.for_spec(spec)
+        once = simulate(spec, costs, cluster, steps=3, warmup=1)
+        each = simulate(spec, per_worker(costs), cluster, steps=3, warmup=1)
+        assert [dataclasses.astuple(r) for r in once.timeline.records] == [
+            dataclasses.astuple(r) for r in each.timeline.records]
+        assert once.step_end == each.step_end
+        assert any(len(r.workers) > 1 for r in once.timeline.records)  # gangs were costed
+        assert any("switch" in r.extra for r in once.timeline.records)  # workers changed modes
+    assert any(r.kind == "generate" and r.workers[0].startswith("trainer") for r in once.timeline.records)  # TAG

@@ -20,7 +20,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import total_ordering
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 
 class PlanError(ValueError):
@@ -35,8 +35,11 @@ class TaskKind(str, Enum):
     SYNC = "sync"  # push trained weights trainer -> rollout (one version)
 
 
-@dataclass(frozen=True, order=True)
-class WorkerId:
+class WorkerId(NamedTuple):
+    """A worker: its pool and its rank there. A named tuple rather than a dataclass: the
+    runner and simulator hash and compare worker ids tens of millions of times in a planner
+    search, and a tuple's hash and equality run in C (frozen, ordered and hashable alike)."""
+
     pool: str  # "fused" (colocated), "rollout", "trainer", "reward"
     rank: int
 
@@ -66,10 +69,19 @@ class TaskId:
     stage: int | None = None  # GENERATE under TSP: the stage index
     mini_batch: int | None = None  # OPTIMIZER_STEP before a step's last PPO mini-batch: its index
     _text: str = field(default="", init=False, repr=False, compare=False)
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        # Formatted once: ids are hashed and compared by their text on every plan lookup.
-        object.__setattr__(self, "_text", format_task_id(self))
+        # Hashed once (ids are dict keys of every plan lookup); the text is formatted when asked.
+        object.__setattr__(self, "_hash", hash(self._fields()))
+
+    def _fields(self) -> tuple:
+        return (self.kind, self.groups, self.step, self.version, self.micro_batch, self.part, self.rows,
+                self.sample_slice, self.stage, self.mini_batch)
+
+    def __reduce__(self):
+        # rebuilt from its fields where it is unpickled: a string's hash differs between processes
+        return _task_id_from_fields, self._fields()
 
     @classmethod
     def generate(cls, groups: tuple[int, ...], *, sample_slice: int | None = None,
@@ -95,18 +107,25 @@ class TaskId:
         return cls(TaskKind.SYNC, version=version)
 
     def __str__(self) -> str:
+        if not self._text:
+            object.__setattr__(self, "_text", format_task_id(self))
         return self._text
 
     def __repr__(self) -> str:
-        return f"TaskId({self._text!r})"
+        return f"TaskId({str(self)!r})"
 
     def __hash__(self) -> int:
-        return hash(self._text)  # the text is one-to-one with the fields
+        return self._hash
 
     def __lt__(self, other: "TaskId") -> bool:
         if not isinstance(other, TaskId):
             return NotImplemented
-        return self._text < other._text
+        return str(self) < str(other)
+
+
+def _task_id_from_fields(kind, groups, step, version, micro_batch, part, rows, sample_slice, stage, mini_batch) -> TaskId:
+    return TaskId(kind, groups=groups, step=step, version=version, micro_batch=micro_batch, part=part, rows=rows,
+                  sample_slice=sample_slice, stage=stage, mini_batch=mini_batch)
 
 
 def format_task_id(tid: TaskId) -> str:

@@ -37,6 +37,9 @@ class PlanRunner(abc.ABC):
         # after every event (the simulator of a 32-device plan handles ~200k events per search).
         self._order = {w: i for i, w in enumerate(plan.workers)}
         self._dependents: dict[TaskId, list[Task]] = {}
+        # Dependencies not done yet, per task: readiness is a lookup, not a scan of the deps (a
+        # step's training waits on every reward task of it; such tasks are looked at often).
+        self._missing: dict[TaskId, int] = {}
         self._check: dict[TaskId, Task] = {}
         # Pulled tasks: one shared queue per candidate set, taken from its head at launch.
         self._position: dict[TaskId, int] = {}
@@ -85,8 +88,12 @@ class PlanRunner(abc.ABC):
             else:
                 for w in t.workers:
                     self._queues[w].append(t)
+            missing = 0
             for d in t.deps:
-                self._dependents.setdefault(d, []).append(t)
+                if d not in self.done:
+                    self._dependents.setdefault(d, []).append(t)
+                    missing += 1
+            self._missing[t.id] = missing
             self._check[t.id] = t
             self._seen += 1
 
@@ -108,7 +115,7 @@ class PlanRunner(abc.ABC):
                 pos = self._position[t.id]
                 if pos >= limit:
                     break
-                if all(d in self.done for d in t.deps):
+                if not self._missing[t.id]:
                     pulled, limit = t, pos  # the earliest ready one over all pools
                     break
                 blocked = True
@@ -127,16 +134,19 @@ class PlanRunner(abc.ABC):
     def _takers(self, t: Task) -> list[WorkerId]:
         """The idle workers that would run ``t`` now: every worker of a gang, or one candidate of
         a pulled task (the first in ``plan.workers`` order); empty if it cannot start."""
-        idle = [x for x in t.workers if x not in self._busy and self._head_task(x) is t]
+        busy, head = self._busy, self._head_task
         if t.pulled:
-            return idle[:1]
-        return idle if len(idle) == len(t.workers) else []
+            return next(([x] for x in t.workers if x not in busy and head(x) is t), [])
+        for x in t.workers:  # a gang: every worker, or none (stop at the first that is not free)
+            if x in busy or head(x) is not t:
+                return []
+        return list(t.workers)
 
     def _ready(self, t: Task) -> bool:
         """At the head of every queue it occupies (a pulled task: of its shared queue, with a
         candidate idle), those workers idle, its dependencies done."""
-        return (t.id not in self.running and t.id not in self.done
-                and all(d in self.done for d in t.deps) and bool(self._takers(t)))
+        return (not self._missing[t.id] and t.id not in self.running and t.id not in self.done
+                and bool(self._takers(t)))
 
     def launchable(self) -> list[Task]:
         """The tasks that can start now, in the order of the first of their workers in
@@ -186,6 +196,7 @@ class PlanRunner(abc.ABC):
         self.finished_order.append(task.id)
         self._look_at_heads(workers)
         for t in self._dependents.pop(task.id, []):
+            self._missing[t.id] -= 1
             self._check[t.id] = t
             if t.pulled:  # ready now: an idle candidate may take it before its own head
                 self._look_at_heads(t.workers)

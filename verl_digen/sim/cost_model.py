@@ -50,7 +50,7 @@ import os
 import typing
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, ClassVar, Iterable, Mapping
 
 from verl_digen.schedule.plan import Task, TaskKind, WorkerId
 from verl_digen.platform.devices import DEVICES_FILE
@@ -601,6 +601,9 @@ class CostModel:
     _seconds_memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _group_memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _memory_memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # task_seconds and contention_factor read a worker's pool and device type, nothing else of it
+    # (the simulator costs a gang's alike members once: SimulatedExecutor._start)
+    alike_by_pool_and_device: ClassVar[bool] = True
 
     @classmethod
     def from_catalog(

@@ -40,6 +40,10 @@ class TaskCoster(Protocol):
         self, task: Task, worker: WorkerId, cluster: Cluster, *, switch_from: str | None = None
     ) -> float: ...
 
+    # Optional: True when task_seconds (and contention_factor) depend on a worker only through
+    # its pool and device type, so the simulator costs a gang's alike members once.
+    # alike_by_pool_and_device: bool
+
     def mode_of(self, task: Task, worker: WorkerId) -> str | None: ...
 
     def initial_mode(self, worker: WorkerId) -> str: ...
@@ -73,12 +77,22 @@ class SimulatedExecutor(PlanRunner):
 
     def _start(self, task: Task) -> None:
         contention = getattr(self.costs, "contention_factor", None)
+        busy_others = len(self._busy) - len(task.workers)
+        # A gang's members of one pool, device type and mode take the same time under a cost
+        # model that says so (a colocated FSDP gang: every device of the cluster): cost it once.
+        alike = getattr(self.costs, "alike_by_pool_and_device", False) and self.cluster is not None
+        seconds: dict[tuple[str, str, str], float] = {}
         duration = 0.0
         for w in task.workers:
             before = self.mode[w]
-            d = self.costs.task_seconds(task, w, self.cluster, switch_from=before)
-            if contention is not None:
-                d *= contention(w, self.cluster, len(self._busy) - len(task.workers))
+            key = (w.pool, self.cluster.device_of(w), before) if alike else None
+            d = seconds.get(key) if key is not None else None
+            if d is None:
+                d = self.costs.task_seconds(task, w, self.cluster, switch_from=before)
+                if contention is not None:
+                    d *= contention(w, self.cluster, busy_others)
+                if key is not None:
+                    seconds[key] = d
             duration = max(duration, d)
             after = self.costs.mode_of(task, w)
             if after is not None and after != before:
