@@ -76,12 +76,13 @@ class TaskId:
         object.__setattr__(self, "_hash", hash(self._fields()))
 
     def _fields(self) -> tuple:
+        """The fields, in declaration order: the constructor's positional arguments."""
         return (self.kind, self.groups, self.step, self.version, self.micro_batch, self.part, self.rows,
                 self.sample_slice, self.stage, self.mini_batch)
 
     def __reduce__(self):
         # rebuilt from its fields where it is unpickled: a string's hash differs between processes
-        return _task_id_from_fields, self._fields()
+        return TaskId, self._fields()
 
     @classmethod
     def generate(cls, groups: tuple[int, ...], *, sample_slice: int | None = None,
@@ -121,11 +122,6 @@ class TaskId:
         if not isinstance(other, TaskId):
             return NotImplemented
         return str(self) < str(other)
-
-
-def _task_id_from_fields(kind, groups, step, version, micro_batch, part, rows, sample_slice, stage, mini_batch) -> TaskId:
-    return TaskId(kind, groups=groups, step=step, version=version, micro_batch=micro_batch, part=part, rows=rows,
-                  sample_slice=sample_slice, stage=stage, mini_batch=mini_batch)
 
 
 def format_task_id(tid: TaskId) -> str:

@@ -81,18 +81,17 @@ class SimulatedExecutor(PlanRunner):
         # A gang's members of one pool, device type and mode take the same time under a cost
         # model that says so (a colocated FSDP gang: every device of the cluster): cost it once.
         alike = getattr(self.costs, "alike_by_pool_and_device", False) and self.cluster is not None
-        seconds: dict[tuple[str, str, str], float] = {}
+        seconds: dict = {}  # by (pool, device type, mode) when alike, else by worker
         duration = 0.0
         for w in task.workers:
             before = self.mode[w]
-            key = (w.pool, self.cluster.device_of(w), before) if alike else None
-            d = seconds.get(key) if key is not None else None
+            key = (w.pool, self.cluster.device_of(w), before) if alike else w
+            d = seconds.get(key)
             if d is None:
                 d = self.costs.task_seconds(task, w, self.cluster, switch_from=before)
                 if contention is not None:
                     d *= contention(w, self.cluster, busy_others)
-                if key is not None:
-                    seconds[key] = d
+                seconds[key] = d
             duration = max(duration, d)
             after = self.costs.mode_of(task, w)
             if after is not None and after != before:
