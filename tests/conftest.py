@@ -14,6 +14,14 @@ from collections.abc import Callable
 
 import pytest
 
+# Python's bytecode cache for the suite and the processes it starts (Ray workers, CLI runs), also
+# where PYTHONDONTWRITEBYTECODE is set (it is on this project's build machines): without it every
+# xdist worker rewrites every test module's asserts and compiles the package from source on every
+# run (the fast lane's collection: 13 s per worker -> 6 s on a second run). The caches are
+# __pycache__ folders, which git ignores.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
 # The e2e guard's hooks (tests/e2e_guard.py), registered by being names of this module;
 # its pytest_runtest_setup is called by this module's own.
 import e2e_guard

@@ -64,7 +64,10 @@ def checked_workspace(tmp_path_factory):
 
 
 def _workspace_files(root) -> dict[str, tuple[int, int]]:
-    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))}
+    """Every file and folder under ``root`` with its size and time, but Python's own bytecode cache
+    (importing the reward file writes ``__pycache__`` beside it, as any import does)."""
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))
+            if "__pycache__" not in p.parts}
 
 
 def _make_workspace(root):
