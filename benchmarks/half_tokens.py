@@ -16,6 +16,7 @@ efficiency factor and veRL-Omni's profile keep their fitted values.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -47,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
             ours = ps.costs_of(catalog, model, [args.device_type], ps.OURS)
             base = ours.devices[args.device_type].mfu_half_tokens
             if half is not None:
-                ours = ps.scaled(ours, "device", "mfu_half_tokens", half / base if base else 0.0, None)
+                devices = {n: dataclasses.replace(d, mfu_half_tokens=half) for n, d in ours.devices.items()}
+                ours = dataclasses.replace(ours, devices=devices)
             col = ps.summary(ps.best(ours, inv, ps.COLOCATED), ours)
             dis = ps.summary(ps.best(ours, inv, ps.DISAGGREGATED), ours)
             if col is None or dis is None:
