@@ -76,6 +76,7 @@ def cost_model(device_type: str, height: int, width: int, samples: int, cfg: boo
 
 
 def measure(size: str, device_name: str, rows_list: list[int], samples: int, repeats: int) -> dict:
+    from verl_digen.workers.fsdp import enable_gradient_checkpointing
     from verl_digen.workers.worker import sampling_settings
 
     device = gpu_check._device(device_name)
@@ -83,8 +84,6 @@ def measure(size: str, device_name: str, rows_list: list[int], samples: int, rep
     _cfg, dcfg = gpu_check._preset_config(size, samples, ["digen.model.dtype=" + ("bf16" if dtype == torch.bfloat16 else "fp32")])
     spec = sampling_settings(dcfg).spec
     adapter = gpu_check._load_flux(size, device, dtype)
-    from verl_digen.workers.fsdp import enable_gradient_checkpointing
-
     # The training forward: a graph (as with LoRA on) and activation checkpointing, as training runs it.
     adapter.transformer.requires_grad_(True)
     checkpointing = enable_gradient_checkpointing(adapter.transformer)

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
             ours = ps.costs_of(catalog, model, [args.device_type], ps.OURS)
             base = ours.devices[args.device_type].mfu_half_tokens
             if half is not None:
-                devices = {n: dataclasses.replace(d, mfu_half_tokens=half) for n, d in ours.devices.items()}
+                devices = {name: dataclasses.replace(d, mfu_half_tokens=half) for name, d in ours.devices.items()}
                 ours = dataclasses.replace(ours, devices=devices)
             col = ps.summary(ps.best(ours, inv, ps.COLOCATED), ours)
             dis = ps.summary(ps.best(ours, inv, ps.DISAGGREGATED), ours)

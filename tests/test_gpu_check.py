@@ -19,6 +19,8 @@ import torch
 
 from verl_digen import gpu_check
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))  # call_rows
+
 REPORT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "measured",
                       "gpu_check_h100.json")
 
@@ -279,8 +281,6 @@ def test_a_plain_pass_of_eight_rows_is_planned_beyond_an_h100_and_ran_out_of_mem
 
 
 # ---------------------------------------------------------------------- transformer calls of 1..24 rows (H200)
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
 
 def test_call_rows_on_the_tiny_flux_the_training_call_repeats_the_rollout_call_bitwise(tiny_cache):
