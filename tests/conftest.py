@@ -211,3 +211,42 @@ def loopback_no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
     """Requests to the tests' local servers go straight to 127.0.0.1, whatever proxy is set."""
     for var in ("NO_PROXY", "no_proxy"):
         monkeypatch.setenv(var, "127.0.0.1,localhost")
+
+
+@pytest.fixture
+def run_as_main(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> Callable:
+    """``python -m MODULE ARGS...`` in this process: ``run_as_main(module, *args, env=None)``
+    returns ``(exit status, stdout, stderr)``.
+
+    ``runpy.run_module(run_name="__main__")`` is what ``python -m`` itself runs (``runpy.
+    _run_module_as_main``): the module's ``if __name__ == "__main__":`` block with ``sys.argv``
+    set, and the status is what the interpreter makes of the ``SystemExit`` it raises (None 0,
+    an int itself, anything else printed and 1). A fresh interpreter would import torch and veRL
+    again: seconds of the fast lane per command. Tests of what only a fresh process shows (its
+    imports, its environment, a server's lifetime) still start one."""
+    import runpy
+    import warnings
+
+    def run(module: str, *args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+        for name, value in (env or {}).items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setattr(sys, "argv", [module, *args])
+        capsys.readouterr()
+        status = 0
+        try:
+            with warnings.catch_warnings():
+                # runpy warns that the module was imported before it ran as __main__ (the test's
+                # own imports): the module runs again either way, as python -m would run it
+                warnings.filterwarnings("ignore", message=".*found in sys.modules.*", category=RuntimeWarning)
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
+        except SystemExit as exit_:
+            code = exit_.code
+            if code is None or isinstance(code, int):
+                status = code or 0
+            else:
+                print(code, file=sys.stderr)
+                status = 1
+        out = capsys.readouterr()
+        return status, out.out, out.err
+
+    return run

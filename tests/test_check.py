@@ -8,8 +8,6 @@ that does not fit its GPUs, exits 2 naming the key; the command writes nothing a
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -98,18 +96,13 @@ def test_a_model_path_not_on_this_machine_is_said_and_planned_with_the_shipped_c
     assert "shipped configs of flux" in out
 
 
-def test_cli_exit_status_in_a_subprocess(tmp_path, capsys, monkeypatch):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                        os.environ.get("PYTHONPATH", "")]))
-    bad = subprocess.run([sys.executable, "-m", "verl_digen.check", "--config-name", "wan_colocated",
-                          "digen.batch.train_micro_batch_groups=1"], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert bad.returncode == 2, bad.stderr
-    assert "digen.batch.train_micro_batch_groups" in bad.stderr
-    # the passing check through the same main() in process (`python -m` and its exit status are
-    # checked above; a second interpreter start costs seconds of the fast lane)
+def test_cli_exit_status(tmp_path, capsys, monkeypatch, run_as_main):
     monkeypatch.chdir(tmp_path)
-    status, out, err = _run(capsys, "--config-name", "digits")
+    status, _, err = run_as_main("verl_digen.check", "--config-name", "wan_colocated",
+                                 "digen.batch.train_micro_batch_groups=1")
+    assert status == 2, err
+    assert "digen.batch.train_micro_batch_groups" in err
+    status, out, err = run_as_main("verl_digen.check", "--config-name", "digits")
     assert status == 0, err
     assert "placement: colocated" in out and "check: OK" in out and os.listdir(tmp_path) == []
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
@@ -102,16 +101,12 @@ def test_a_run_stopped_by_its_time_limit_says_so_and_which_limit(tmp_path):
         gpu_check.part_tiny_run(2.0, "fp32")
 
 
-def test_the_command_refuses_an_unknown_part_and_cuda_without_a_gpu(tmp_path, capsys):
-    bad = subprocess.run([sys.executable, "-m", "verl_digen.gpu_check", "--parts", "versions,nope",
-                          "--out", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "unknown parts ['nope']" in bad.stderr
+def test_the_command_refuses_an_unknown_part_and_cuda_without_a_gpu(tmp_path, run_as_main):
+    status, _, err = run_as_main("verl_digen.gpu_check", "--parts", "versions,nope", "--out", str(tmp_path / "x.json"))
+    assert status == 2 and "unknown parts ['nope']" in err
     if not torch.cuda.is_available():
-        # the same main() in process (`python -m` and its exit status are checked above; a second
-        # interpreter start costs seconds of the fast lane)
-        with pytest.raises(SystemExit) as no_gpu:
-            gpu_check.main(["--device", "cuda", "--out", str(tmp_path / "y.json")])
-        assert no_gpu.value.code == 2 and "torch sees no CUDA device" in capsys.readouterr().err
+        status, _, err = run_as_main("verl_digen.gpu_check", "--device", "cuda", "--out", str(tmp_path / "y.json"))
+        assert status == 2 and "torch sees no CUDA device" in err
 
 
 def test_workers_keep_cudnn_fused_attention_out_of_sdpa():

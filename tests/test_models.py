@@ -303,22 +303,16 @@ def test_ensure_tiny_builds_once(tmp_path, monkeypatch):
         ensure_tiny("unet")
 
 
-def test_cli_writes_loadable_dir(tmp_path):
+def test_cli_writes_loadable_dir(tmp_path, run_as_main):
     out = tmp_path / "cli_flux"
-    result = subprocess.run(
-        [sys.executable, "-m", "verl_digen.models.tiny", "--arch", "flux", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().splitlines()[-1] == str(out)
+    status, stdout, stderr = run_as_main("verl_digen.models.tiny", "--arch", "flux", "--out", str(out))
+    assert status == 0, stderr
+    assert stdout.strip().splitlines()[-1] == str(out)
     assert load_adapter(str(out)).arch == "flux"
 
 
 def test_cli_main_writes_a_loadable_qwen_image_dir(tmp_path, capsys):
-    """The same command in process for a second family (``python -m`` is checked above; a second
-    interpreter start costs seconds of the fast lane)."""
+    """The same command's main() for a second family."""
     from verl_digen.models.tiny import main
 
     out = tmp_path / "cli_qwen_image"

@@ -8,8 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -111,19 +109,13 @@ def test_ensure_toy_builds_once_into_the_cache_when_none_is_shipped(tmp_path, mo
         ensure_toy("mnist")
 
 
-def test_cli_prints_the_cached_model(toy_digits, capsys):
-    env = {**os.environ, "VERL_DIGEN_CACHE": os.path.dirname(os.path.dirname(toy_digits))}
-    result = subprocess.run([sys.executable, "-m", "verl_digen.models.toy"], capture_output=True, text=True,
-                            timeout=300, env=env)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().splitlines()[-1] == toy_digits
-    # the same main() in process (`python -m` and its exit status are checked above; a second
-    # interpreter start costs seconds of the fast lane)
-    from verl_digen.models.toy import main
-
-    with pytest.raises(SystemExit) as bad:
-        main(["--seed", "1"])
-    assert bad.value.code == 2 and "--seed needs --out" in capsys.readouterr().err
+def test_cli_prints_the_cached_model(toy_digits, run_as_main):
+    status, out, err = run_as_main("verl_digen.models.toy",
+                                   env={"VERL_DIGEN_CACHE": os.path.dirname(os.path.dirname(toy_digits))})
+    assert status == 0, err
+    assert out.strip().splitlines()[-1] == toy_digits
+    status, _, err = run_as_main("verl_digen.models.toy", "--seed", "1")
+    assert status == 2 and "--seed needs --out" in err
 
 
 @pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
