@@ -158,6 +158,32 @@ def test_importing_the_loop_changes_no_environment_variable():
     assert ours == [], f"importing the loop set {ours}"
 
 
+def test_reading_a_config_planning_and_emulating_import_no_torch():
+    """An emulated worker (``digen.emulate``: one process per emulated device) reads the run's
+    config and the cost model and sleeps; importing torch for that cost each of them about a
+    second of CPU (``algos/`` and ``sync/`` re-export their submodules lazily, ``lazy.py``)."""
+    code = ("import sys, verl_digen.config.schema, verl_digen.memory.plan, verl_digen.sim.cost_model, "
+            "verl_digen.workers.emulated, verl_digen.algos, verl_digen.sync; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'diffusers', 'verl')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-500:]
+
+
+def test_lazily_exported_names_are_the_submodules_own_and_an_unknown_one_is_named():
+    import verl_digen.algos as algos
+    import verl_digen.sync as sync
+    from verl_digen.algos.loss import flow_grpo_loss
+    from verl_digen.sync.transport import find_free_port
+
+    assert algos.flow_grpo_loss is flow_grpo_loss and sync.find_free_port is find_free_port
+    assert set(algos.__all__) <= set(dir(algos)) and "WeightChannel" in dir(sync)
+    for name in algos.__all__:
+        assert name.isupper() or getattr(algos, name).__module__.startswith("verl_digen.algos."), name
+    with pytest.raises(AttributeError, match="module 'verl_digen.algos' has no attribute 'nope'"):
+        algos.nope  # noqa: B018
+
+
 # ---------------------------------------------------------------------------- the simulator mirrors the loop
 
 

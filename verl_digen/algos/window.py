@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["WINDOW_MODES", "SdeWindowConfig", "select_sde_window", "subsample_timesteps"]
 
@@ -139,6 +141,8 @@ def select_sde_window(
     end = cfg._range_end(num_steps)
     positions = end - cfg.size - cfg.start + 2  # window starts in [start, end - size + 1]
     if cfg.mode == "random":
+        import torch  # here, not at the top: the config schema imports this module (see algos/__init__)
+
         g = torch.Generator().manual_seed(_mix_seed(seed, training_step))
         first = cfg.start + int(torch.randint(positions, (1,), generator=g).item())
     else:  # sliding
@@ -162,5 +166,7 @@ def subsample_timesteps(
         raise ValueError("window is empty: there are no SDE steps to subsample")
     n = len(window)
     k = max(1, math.floor(n * fraction + 1e-9))
+    import torch
+
     perm = torch.randperm(n, generator=generator)[:k].tolist()
     return sorted(window[i] for i in perm)

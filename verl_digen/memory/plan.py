@@ -31,7 +31,7 @@ from typing import Any, Mapping
 
 from verl_digen.config.schema import ConfigError, DigenConfig
 from verl_digen.platform.devices import device_memory_gib
-from verl_digen.sync.transport import DEFAULT_BUCKET_BYTES
+from verl_digen.sync.buckets import DEFAULT_BUCKET_BYTES
 
 GIB = 1 << 30
 OVERHEAD_BYTES = int(1.5 * GIB)  # CUDA context (~0.5), cuBLAS workspaces, NCCL buffers (~1): an allowance

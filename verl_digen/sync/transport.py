@@ -35,6 +35,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from verl_digen.sync.buckets import DEFAULT_BUCKET_BYTES
 from verl_digen.sync.snapshot import HostSnapshot
 from verl_digen.sync.state import (
     FlatMetadata,
@@ -52,7 +53,6 @@ Backend = Literal["gloo", "nccl"]
 _PROTOCOL = "digen-weight-sync/1"
 _STORE_PREFIX = "digen_weight_sync"
 _READY_PREFIX = "digen_weight_sync_ready"
-DEFAULT_BUCKET_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)

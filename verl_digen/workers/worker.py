@@ -33,7 +33,8 @@ from verl.single_controller.base.decorator import Dispatch, register
 from verl_digen.config.schema import ConfigError, DigenConfig
 from verl_digen.sync.snapshot import HostSnapshot, WeightsDigest, weights_digest
 from verl_digen.sync.state import trainable_state
-from verl_digen.sync.transport import DEFAULT_BUCKET_BYTES, WeightSyncMixin
+from verl_digen.sync.buckets import DEFAULT_BUCKET_BYTES
+from verl_digen.sync.transport import WeightSyncMixin
 from verl_digen.workers.messages import (
     GenerateRequest,
     Gradients,
