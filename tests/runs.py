@@ -2,7 +2,8 @@
 
 - end-to-end runs: run the real job quietly, read what it wrote; the Ray instance tests share;
 - tiny models: the sample spec each tiny arch is tested at, and the reference Euler sampler;
-- process groups: :func:`run_ranks` runs a function on N spawned ranks of a gloo (or NCCL) group;
+- process groups: :func:`run_ranks` runs a function on N ranks of a gloo (or NCCL) group, forked
+  from a forkserver that imported torch and veRL once (NCCL ranks are spawned);
 - local fake servers: random PNG-exact images, a quiet JSON request handler and a context
   manager that serves it on 127.0.0.1 (a free port for a client to fail on:
   ``verl_digen.sync.find_free_port("127.0.0.1")``).
@@ -222,12 +223,24 @@ def serve(handler_cls: type[JsonHandler], state: Any) -> Iterator[str]:
 # ---------------------------------------------------------------------- process groups
 
 
-def _rank_entry(rank: int, world: int, port: int, backend: str, fn: Callable[[int, int], Any], out) -> None:
+# What every rank imports, imported once per pytest process by the forkserver the ranks are forked
+# from (run_ranks): a spawned rank imported torch, veRL, peft and diffusers again, seconds of CPU
+# per rank on a 2-core machine. Importing them starts no thread, so the fork is clean.
+RANK_PRELOAD = ["torch", "torch.distributed.fsdp", "peft", "diffusers", "verl_digen.workers.worker"]
+
+
+def _rank_entry(rank: int, world: int, port: int, backend: str, fn: Callable[[int, int], Any], out,
+                env: dict[str, str], cwd: str) -> None:
     import datetime
     import traceback
 
     import torch.distributed as dist
 
+    # the caller's environment and directory of now, as a spawned rank would start with (the
+    # forkserver keeps those of its own start)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
     try:
         from verl_digen.workers.worker import configure_attention_kernels
 
@@ -257,9 +270,12 @@ def _rank_entry(rank: int, world: int, port: int, backend: str, fn: Callable[[in
 def run_ranks(
     fn: Callable[[int, int], Any], world: int = 2, backend: str = "gloo", timeout_s: float = 240.0
 ) -> dict[int, Any]:
-    """``{rank: fn(rank, world)}`` from ``world`` spawned processes in one process group (127.0.0.1,
-    a free port). ``fn`` must be a module-level function (spawn pickles it by name). Any rank's
-    exception fails the caller with its traceback; the processes are joined (or terminated)."""
+    """``{rank: fn(rank, world)}`` from ``world`` processes in one process group (127.0.0.1, a free
+    port), forked by multiprocessing's forkserver with :data:`RANK_PRELOAD` imported (each rank
+    gets the caller's environment and working directory of now, as a spawned one would; NCCL
+    ranks are spawned). ``fn``
+    must be a module-level function (it is pickled by name). Any rank's exception fails the caller
+    with its traceback; the processes are joined (or terminated)."""
     import queue as queue_mod
     import time
 
@@ -270,11 +286,16 @@ def run_ranks(
 
     note_start(f"a process group of {world} spawned ranks (runs.run_ranks)")
 
-    ctx = mp.get_context("spawn")
+    if backend == "nccl":  # CUDA ranks start from a fresh interpreter, as CUDA requires of a child
+        ctx = mp.get_context("spawn")
+    else:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(RANK_PRELOAD)  # read when the forkserver starts: the first call
     out = ctx.Queue()
     port = find_free_port("127.0.0.1")
     name = getattr(fn, "__name__", repr(fn))
-    procs = [ctx.Process(target=_rank_entry, args=(r, world, port, backend, fn, out)) for r in range(world)]
+    env, cwd = dict(os.environ), os.getcwd()
+    procs = [ctx.Process(target=_rank_entry, args=(r, world, port, backend, fn, out, env, cwd)) for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
