@@ -16,10 +16,11 @@ from verl_digen.trainer.checkpoint import checkpoint_at, find_latest
 
 FSDP2 = ["digen.placement=disaggregated", "trainer.n_gpus_per_node=3", "digen.pools.rollout.devices=1",
          "digen.pools.trainer.devices=2", "digen.fsdp.enable=true", "digen.gap.enable=true",
-         "digen.batch.groups_per_step=2", "trainer.save_freq=1", "digen.save_final_weights=true",
-         "digen.ray_num_cpus=4"]
+         "digen.batch.groups_per_step=2", "trainer.save_freq=1", "digen.save_final_weights=true"]
 ONE_RANK = [c for c in FSDP2 if c not in ("digen.pools.trainer.devices=2", "digen.fsdp.enable=true")]
 REWARD_KEYS = {"group_id", "rewards", "policy_version"}  # the per-sample reward vectors the driver normalises
+
+pytestmark = pytest.mark.usefixtures("shared_ray")  # the runs share the suite's Ray instance (tests/runs.py)
 
 
 def _tensors(value, path=""):
@@ -50,7 +51,6 @@ def straight(tmp_path_factory, tiny_flux):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ray, "get", recording_get)
         result = run(tmp, "straight", *FSDP2, "trainer.total_training_steps=3", f"trainer.default_local_dir={tmp}/ck")
-    assert not ray.is_initialized()
     return result, str(tmp / "ck"), received
 
 
