@@ -170,7 +170,7 @@ def test_reading_a_config_planning_and_emulating_import_no_torch():
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-500:]
 
 
-def test_lazily_exported_names_are_the_submodules_own_and_an_unknown_one_is_named():
+def test_lazily_exported_names_are_the_submodules_own_and_an_unknown_one_is_named(monkeypatch):
     import verl_digen.algos as algos
     import verl_digen.sync as sync
     from verl_digen.algos.loss import flow_grpo_loss
@@ -182,6 +182,12 @@ def test_lazily_exported_names_are_the_submodules_own_and_an_unknown_one_is_name
         assert name.isupper() or getattr(algos, name).__module__.startswith("verl_digen.algos."), name
     with pytest.raises(AttributeError, match="module 'verl_digen.algos' has no attribute 'nope'"):
         algos.nope  # noqa: B018
+    # a submodule is an attribute of its package, as when the package imported it eagerly (the
+    # import system sets it when the submodule is first imported; here it is taken away first)
+    import verl_digen.algos.sde
+
+    monkeypatch.delattr(algos, "sde")
+    assert algos.sde is verl_digen.algos.sde and sync.buckets.DEFAULT_BUCKET_BYTES > 0
 
 
 # ---------------------------------------------------------------------------- the simulator mirrors the loop

@@ -11,20 +11,25 @@ this (``importlib.util.LazyLoader`` defers a whole module, not a package's re-ex
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 from typing import Any, Callable
 
 
 def lazy_exports(package: str, where: dict[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """``(__getattr__, __dir__)`` for ``package``'s ``__init__``: ``where`` maps each public name
-    to the submodule (relative to the package) that defines it. A name is imported on first
-    access and then kept in the package's namespace."""
+    to the submodule (relative to the package) that defines it. A name, or a submodule of the
+    package, is imported on first access and then kept in the package's namespace."""
 
     def __getattr__(name: str) -> Any:
         module = where.get(name)
-        if module is None:
+        if module is not None:
+            value = getattr(importlib.import_module(f"{package}.{module}"), name)
+        elif not name.startswith("__") and importlib.util.find_spec(f"{package}.{name}") is not None:
+            # a submodule, as an eager __init__ left it on the package (``algos.sde``)
+            value = importlib.import_module(f"{package}.{name}")
+        else:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(f"{package}.{module}"), name)
         setattr(sys.modules[package], name, value)
         return value
 
