@@ -4,8 +4,8 @@ fast lane (``pytest -m "not e2e"``, what a developer runs first) cannot quietly 
 Seen through Python's audit hook on ``subprocess.Popen``: ``ray.init`` starting a local instance
 spawns ``gcs_server`` and ``raylet``; ``ray start`` and the entry points that run a job are
 commands. A test that only joins a Ray instance another test started is caught by the fast lane
-itself, where no e2e test started one. A process group of spawned ranks (``runs.run_ranks``,
-seconds of imports per rank) counts too, through :func:`note_start`. Asking for the shared Ray
+itself, where no e2e test started one. A process group of ranks (``runs.run_ranks``: processes that
+run a job's FSDP code) counts too, through :func:`note_start`. Asking for the shared Ray
 instance needs the marker too. The ``gpu`` tests are left out unless ``-m`` names them.
 tests/conftest.py registers the hooks; they are plain (no fixtures) so that
 tests/test_fast_lane.py can load this file alone in a pytester session."""
@@ -53,7 +53,7 @@ _starts: list[str] = []  # what the running test started (its setup, call and te
 
 def note_start(what: str) -> None:
     """Say that the running test starts ``what``, an e2e thing the audit hook cannot see (the
-    spawned ranks of ``runs.run_ranks``: multiprocessing starts them without ``subprocess``)."""
+    ranks of ``runs.run_ranks``: multiprocessing starts them without ``subprocess``)."""
     _starts.append(what)
 
 

@@ -273,9 +273,8 @@ def run_ranks(
     """``{rank: fn(rank, world)}`` from ``world`` processes in one process group (127.0.0.1, a free
     port), forked by multiprocessing's forkserver with :data:`RANK_PRELOAD` imported (each rank
     gets the caller's environment and working directory of now, as a spawned one would; NCCL
-    ranks are spawned). ``fn``
-    must be a module-level function (it is pickled by name). Any rank's exception fails the caller
-    with its traceback; the processes are joined (or terminated)."""
+    ranks are spawned). ``fn`` must be a module-level function (it is pickled by name). Any rank's
+    exception fails the caller with its traceback; the processes are joined (or terminated)."""
     import queue as queue_mod
     import time
 
@@ -284,7 +283,7 @@ def run_ranks(
     from e2e_guard import note_start
     from verl_digen.sync import find_free_port
 
-    note_start(f"a process group of {world} spawned ranks (runs.run_ranks)")
+    note_start(f"a process group of {world} ranks (runs.run_ranks)")
 
     if backend == "nccl":  # CUDA ranks start from a fresh interpreter, as CUDA requires of a child
         ctx = mp.get_context("spawn")

@@ -96,7 +96,7 @@ def test_a_model_path_not_on_this_machine_is_said_and_planned_with_the_shipped_c
     assert "shipped configs of flux" in out
 
 
-def test_cli_exit_status(tmp_path, capsys, monkeypatch, run_as_main):
+def test_cli_exit_status(tmp_path, monkeypatch, run_as_main):
     monkeypatch.chdir(tmp_path)
     status, _, err = run_as_main("verl_digen.check", "--config-name", "wan_colocated",
                                  "digen.batch.train_micro_batch_groups=1")
