@@ -79,9 +79,52 @@ def shared_ray_up() -> None:
     assert not ray.is_initialized(), "a test left its own Ray instance running"
     here = os.path.dirname(os.path.abspath(__file__))
     pythonpath = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
-    ray.init(num_cpus=SHARED_RAY_CPUS, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
+    runtime_env = {"env_vars": {"PYTHONPATH": pythonpath}}
+    zygote = _zygote_env(pythonpath)
+    if zygote:
+        runtime_env = {**zygote, "env_vars": {**runtime_env["env_vars"], **zygote["env_vars"]}}
+    ray.init(num_cpus=SHARED_RAY_CPUS, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
     _shared_ray = True
+
+
+_zygote: tuple[Any, dict, dict] | None = None  # (the zygote's Popen, its runtime-env fields, its environment)
+
+
+def _zygote_env(pythonpath: str) -> dict | None:
+    """The runtime-env fields that start the shared instance's workers from the suite's zygote
+    (``ray_zygote``: forked from an interpreter that imported torch, diffusers and peft once),
+    starting it on first use with the workers' ``PYTHONPATH``; None with ``DIGEN_TEST_ZYGOTE=0``
+    or off Linux."""
+    global _zygote
+    if os.environ.get("DIGEN_TEST_ZYGOTE", "1") == "0" or not sys.platform.startswith("linux"):
+        return None
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if _zygote is not None and (_zygote[0].poll() is not None or _zygote[2] != env):
+        ray_zygote_stop(_zygote[0])  # gone, or started with another environment (imports read it)
+        _zygote = None
+    if _zygote is None:
+        import atexit
+        import tempfile
+
+        import ray_zygote
+
+        saved = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = pythonpath  # the zygote's path is the workers' path
+        try:
+            _zygote = (*ray_zygote.start(tempfile.mkdtemp(prefix="digen_zygote_")), env)
+        finally:
+            if saved is None:
+                os.environ.pop("PYTHONPATH")
+            else:
+                os.environ["PYTHONPATH"] = saved
+        atexit.register(ray_zygote_stop, _zygote[0])
+    return _zygote[1]
+
+
+def ray_zygote_stop(proc) -> None:
+    import ray_zygote
+
+    ray_zygote.stop(proc)
 
 
 def shared_ray_down() -> None:

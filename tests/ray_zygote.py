@@ -1,0 +1,284 @@
+"""Ray worker processes of the suite's shared Ray instance, forked from an interpreter that
+imported torch, transformers, diffusers and peft once.
+
+Why hand-written: a Ray actor gets a new process, and a worker of a tiny run spends ~4.5 of its
+~5.3 CPU seconds importing those libraries (``PYTHONPROFILEIMPORTTIME=1`` on a worker: torch with
+its compiler stack, diffusers' models, peft, transformers with scikit-learn and pandas). The
+suite's runs start hundreds of such workers on 2 cores. Ray has no fork server of its own, but it
+lets a runtime environment name the command that starts a worker (``py_executable``): this
+module's client is that command. It hands its argv, environment, directory and standard streams
+to the zygote, which forks a child that runs Ray's own ``default_worker.py`` as ``python`` would
+have. The worker is a real Ray worker of the real cluster (it registers itself with the raylet
+by its startup token), with the same environment; only the imports above were done before it
+started, in a process that never imported Ray or veRL (checked at its start).
+
+    python tests/ray_zygote.py serve SOCKET          # the zygote (the suite starts it)
+    python -I -S tests/ray_zygote.py client ARGV...  # what Ray runs for a worker
+
+Lifetimes: the zygote exits when its parent (the pytest process) is gone or on SIGTERM; a child
+exits when its client is gone (Ray stops a worker by its client's pid when it never registered);
+a client exits with its child's exit status and passes on the signals Ray sends it.
+``DIGEN_TEST_ZYGOTE=0`` turns it off (plain Ray workers).
+
+Linux only (``SCM_RIGHTS``, ``os.pidfd_open`` with a polling fallback).
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+
+# Imported once by the zygote: the libraries a DiffusionWorker imports that do not import Ray
+# (veRL does, through verl.protocol: Ray reads its environment when imported, so it is imported
+# fresh by each child). The diffusers and transformers submodules are the ones the tiny models use.
+PRELOAD = [
+    "torch",
+    "torch.distributed.fsdp",
+    "tensordict",
+    "transformers",
+    "peft",
+    "diffusers",
+    "diffusers.models.autoencoders",
+    "diffusers.models.transformers",
+    "diffusers.schedulers",
+    "transformers.models.clip.modeling_clip",
+    "transformers.models.t5.modeling_t5",
+    "safetensors.torch",
+    "PIL.Image",
+]
+ENV = "DIGEN_ZYGOTE"  # the socket path, in the workers' environment
+
+
+def _send(sock: socket.socket, payload: bytes, fds: list[int] = ()) -> None:
+    sock.sendall(struct.pack("!I", len(payload)))
+    if fds:
+        sock.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+    else:
+        sock.sendall(payload)
+
+
+def _recv(sock: socket.socket) -> tuple[bytes, list[int]]:
+    head = sock.recv(4, socket.MSG_WAITALL)
+    if len(head) < 4:
+        raise EOFError
+    (size,) = struct.unpack("!I", head)
+    fds = array.array("i")
+    data, ancillary, _, _ = sock.recvmsg(size, socket.CMSG_LEN(3 * fds.itemsize))
+    for level, kind, raw in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(raw[: len(raw) - len(raw) % fds.itemsize])
+    while len(data) < size:
+        more = sock.recv(size - len(data))
+        if not more:
+            raise EOFError
+        data += more
+    return data, list(fds)
+
+
+# ---------------------------------------------------------------------------------- the client
+
+
+def client(argv: list[str]) -> int:
+    """Run ``python ARGV`` (Ray's worker command) as a child of the zygote; return its status."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(os.environ[ENV])
+        request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "client": os.getpid()}
+        _send(sock, json.dumps(request).encode(), [0, 1, 2])
+        (child,) = struct.unpack("!i", sock.recv(4, socket.MSG_WAITALL))
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, lambda number, _frame: os.kill(child, number))
+        status = sock.recv(4, socket.MSG_WAITALL)
+    if len(status) < 4:
+        return 1  # the zygote went away
+    (code,) = struct.unpack("!i", status)
+    return code if code >= 0 else 128 - code
+
+
+# ----------------------------------------------------------------------------------- the zygote
+
+
+def _watch_client(pid: int) -> None:
+    """In a child: exit when its client process is gone (Ray killed it)."""
+    import threading
+
+    def watch() -> None:
+        try:
+            import select
+
+            fd = os.pidfd_open(pid)
+            select.select([fd], [], [])
+        except OSError:  # no pidfd (old kernel, sandbox): poll
+            import time
+
+            while True:
+                time.sleep(1.0)
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+        os._exit(1)
+
+    threading.Thread(target=watch, name="zygote-client-watch", daemon=True).start()
+
+
+def _child(request: dict, fds: list[int], import_env: dict[str, str]) -> None:
+    """In the forked child: become ``python ARGV`` with the client's environment and streams (and
+    what the preloaded imports added to the environment, unless the client's sets it)."""
+    for sig in (signal.SIGCHLD, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update({**import_env, **request["env"]})
+    for entry in reversed(request["env"].get("PYTHONPATH", "").split(os.pathsep)):
+        if entry and entry not in sys.path:  # what a new interpreter puts on its path
+            sys.path.insert(0, entry)
+    os.chdir(request["cwd"])
+    _watch_client(request["client"])
+    sys.argv = list(request["argv"])
+    code = 0
+    try:
+        import runpy
+
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 - a worker that raised: its traceback, then status 1
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    os._exit(code)
+
+
+def serve(path: str) -> None:
+    """Import :data:`PRELOAD`, then fork a child per client on ``path`` until the parent is gone.
+    Single-threaded (a select loop and a SIGCHLD pipe), so that every fork is of one thread."""
+    import select
+
+    # OpenMP and OpenBLAS size their thread pools when loaded, from OMP_NUM_THREADS. A fresh worker
+    # loads them after Ray set it to the actor's CPUs (1 for every actor here, Ray's default for
+    # one without num_cpus too): load them as that worker would.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    before = dict(os.environ)
+    for name in PRELOAD:
+        __import__(name)
+    # what the imports set in the environment (scikit-learn: KMP_DUPLICATE_LIB_OK), as they
+    # would have in a fresh worker
+    import_env = {k: v for k, v in os.environ.items() if before.get(k) != v}
+    leaked = [m for m in ("ray", "verl") if m in sys.modules]
+    if leaked:
+        raise SystemExit(f"ray_zygote: the preloaded modules imported {leaked}; the children must import them fresh")
+    parent = os.getppid()
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    print("ready", flush=True)
+    clients: dict[int, socket.socket] = {}  # child pid -> its client's connection
+    while os.getppid() == parent:
+        ready, _, _ = select.select([listener, wake_r], [], [], 1.0)
+        if wake_r in ready:
+            os.read(wake_r, 4096)
+        if listener in ready:
+            conn, _ = listener.accept()
+            try:
+                data, fds = _recv(conn)
+            except (EOFError, OSError):
+                conn.close()
+                continue
+            pid = os.fork()
+            if pid == 0:
+                listener.close()
+                conn.close()
+                os.close(wake_r)
+                os.close(wake_w)
+                signal.set_wakeup_fd(-1)
+                _child(json.loads(data), fds, import_env)
+            for fd in fds:
+                os.close(fd)
+            clients[pid] = conn
+            try:
+                conn.sendall(struct.pack("!i", pid))
+            except OSError:
+                pass
+        while clients:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            conn = clients.pop(pid, None)
+            if conn is not None:
+                try:
+                    conn.sendall(struct.pack("!i", os.waitstatus_to_exitcode(status)))
+                except OSError:
+                    pass
+                conn.close()
+
+
+# ------------------------------------------------------------------------ the suite's side
+
+
+def start(tmp_dir: str):
+    """Start a zygote (a ``subprocess.Popen``) listening in ``tmp_dir``; return it and the runtime
+    environment fields that make Ray start its workers through it. Raises RuntimeError if it does
+    not come up within two minutes."""
+    import subprocess
+    import time
+
+    path = os.path.join(tmp_dir, "zygote.sock")
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "serve", path], stdout=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 120
+    line = ""
+    while time.monotonic() < deadline and proc.poll() is None:
+        ready, _, _ = __import__("select").select([proc.stdout], [], [], 1.0)
+        if ready:
+            line = proc.stdout.readline().strip()
+            break
+    if line != "ready":
+        proc.kill()
+        raise RuntimeError(f"the Ray worker zygote did not start (exit status {proc.poll()}, said {line!r})")
+    command = f"{sys.executable} -I -S {os.path.abspath(__file__)} client"
+    return proc, {"py_executable": command, "env_vars": {ENV: path}}
+
+
+def stop(proc) -> None:
+    """Stop a zygote started by :func:`start` (its children live on as the workers they are)."""
+    import subprocess
+
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=15)
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "serve":
+        serve(sys.argv[2])
+    elif sys.argv[1] == "client":
+        sys.exit(client(sys.argv[2:]))
+    else:
+        raise SystemExit(f"usage: {sys.argv[0]} serve SOCKET | client ARGV...")
