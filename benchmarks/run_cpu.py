@@ -8,7 +8,8 @@ It starts the Ray instance the suite shares (``tests/runs.py: shared_ray_up``) w
 models in a temporary cache, makes one run to warm this process up (imports, the tiny model
 built), then snapshots the CPU times of every process on the machine (psutil) before and after a
 second run and prints the wall time, the total, and the processes that used the most. The worker
-processes of the measured run are new, so their whole start is in it, as in a test.
+processes of the measured run are new, so their whole start is in it, as in a test: forked from the
+suite's zygote (``tests/ray_zygote.py``), or started plain by Ray with ``DIGEN_TEST_ZYGOTE=0``.
 """
 
 from __future__ import annotations

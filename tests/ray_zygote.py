@@ -237,7 +237,8 @@ def serve(path: str) -> None:
 
 
 def start(tmp_dir: str):
-    """Start a zygote (a ``subprocess.Popen``) listening in ``tmp_dir``; return it and the runtime
+    """Start a zygote (a ``subprocess.Popen``) listening in ``tmp_dir`` (its own: :func:`stop`
+    removes it); return it and the runtime
     environment fields that make Ray start its workers through it. Raises RuntimeError if it does
     not come up within two minutes."""
     import subprocess
@@ -256,6 +257,7 @@ def start(tmp_dir: str):
     if line != "ready":
         proc.kill()
         raise RuntimeError(f"the Ray worker zygote did not start (exit status {proc.poll()}, said {line!r})")
+    proc.socket_dir = tmp_dir  # removed by stop()
     command = f"{sys.executable} -I -S {os.path.abspath(__file__)} client"
     return proc, {"py_executable": command, "env_vars": {ENV: path}}
 
@@ -273,6 +275,9 @@ def stop(proc) -> None:
             proc.wait(timeout=15)
     if proc.stdout is not None:
         proc.stdout.close()
+    import shutil
+
+    shutil.rmtree(getattr(proc, "socket_dir", ""), ignore_errors=True)
 
 
 if __name__ == "__main__":
