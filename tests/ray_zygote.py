@@ -12,7 +12,7 @@ have. The worker is a real Ray worker of the real cluster (it registers itself w
 by its startup token), with the same environment; only the imports above were done before it
 started, in a process that never imported Ray or veRL (checked at its start).
 
-    python tests/ray_zygote.py serve SOCKET          # the zygote (the suite starts it)
+    python tests/ray_zygote.py serve SOCKET MODULES  # the zygote (the suite starts it)
     python -I -S tests/ray_zygote.py client ARGV...  # what Ray runs for a worker
 
 Lifetimes: the zygote exits when its parent (the pytest process) is gone or on SIGTERM; a child
@@ -54,12 +54,10 @@ PRELOAD = [
 ENV = "DIGEN_ZYGOTE"  # the socket path, in the workers' environment
 
 
-def _send(sock: socket.socket, payload: bytes, fds: list[int] = ()) -> None:
+def _send(sock: socket.socket, payload: bytes, fds: list[int]) -> None:
     sock.sendall(struct.pack("!I", len(payload)))
-    if fds:
-        sock.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
-    else:
-        sock.sendall(payload)
+    sent = sock.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+    sock.sendall(payload[sent:])
 
 
 def _recv(sock: socket.socket) -> tuple[bytes, list[int]]:
@@ -83,20 +81,51 @@ def _recv(sock: socket.socket) -> tuple[bytes, list[int]]:
 # ---------------------------------------------------------------------------------- the client
 
 
+def _plain(argv: list[str], why: str) -> None:
+    """Become ``python ARGV`` (a plain worker), saying why on the worker's stderr."""
+    print(f"ray_zygote: {why}; starting a plain worker", file=sys.stderr, flush=True)
+    os.execv(sys.executable, [sys.executable, *argv])
+
+
+def _forward(child: int):
+    def handler(number: int, _frame) -> None:
+        try:
+            os.kill(child, number)
+        except ProcessLookupError:
+            pass
+
+    return handler
+
+
 def client(argv: list[str]) -> int:
-    """Run ``python ARGV`` (Ray's worker command) as a child of the zygote; return its status."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+    """Run ``python ARGV`` (Ray's worker command) as a child of the zygote; return its exit status
+    (or end by its signal). A zygote that cannot be reached or does not answer: a plain worker."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
         sock.connect(os.environ[ENV])
-        request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "client": os.getpid()}
+        request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "client": os.getpid(),
+                   "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, ()))}
         _send(sock, json.dumps(request).encode(), [0, 1, 2])
-        (child,) = struct.unpack("!i", sock.recv(4, socket.MSG_WAITALL))
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
-            signal.signal(sig, lambda number, _frame: os.kill(child, number))
-        status = sock.recv(4, socket.MSG_WAITALL)
+        answer = sock.recv(4, socket.MSG_WAITALL)
+    except OSError as e:
+        sock.close()
+        _plain(argv, f"no zygote ({e})")
+    if len(answer) < 4:
+        sock.close()
+        _plain(argv, "the zygote did not start the worker")
+    (child,) = struct.unpack("!i", answer)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, _forward(child))
+    status = sock.recv(4, socket.MSG_WAITALL)
+    sock.close()
     if len(status) < 4:
-        return 1  # the zygote went away
+        return 1  # the zygote went away: its child exits with its client (this process)
     (code,) = struct.unpack("!i", status)
-    return code if code >= 0 else 128 - code
+    if code < 0:  # the worker died of a signal: so does this process
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+        return 128 - code
+    return code
 
 
 # ----------------------------------------------------------------------------------- the zygote
@@ -127,10 +156,17 @@ def _watch_client(pid: int) -> None:
 
 
 def _child(request: dict, fds: list[int], import_env: dict[str, str]) -> None:
-    """In the forked child: become ``python ARGV`` with the client's environment and streams (and
-    what the preloaded imports added to the environment, unless the client's sets it)."""
+    """In the forked child: become ``python ARGV`` with the client's environment, streams and
+    blocked signals (Ray starts its workers with SIGINT blocked), and what the preloaded imports
+    added to the environment unless the client's sets it. Returns only by raising: SystemExit
+    when the worker ends, which ends this process as it ends a fresh interpreter (atexit
+    handlers, thread shutdown, flushed streams)."""
     for sig in (signal.SIGCHLD, signal.SIGTERM):
         signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, request["blocked"])
+    # a process group of its own, as Ray gives each worker: the raylet kills a stopped worker's
+    # group (its subprocesses), which must not be the zygote's
+    os.setpgid(0, 0)
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
@@ -142,28 +178,23 @@ def _child(request: dict, fds: list[int], import_env: dict[str, str]) -> None:
     os.chdir(request["cwd"])
     _watch_client(request["client"])
     sys.argv = list(request["argv"])
-    code = 0
+    sys.path[0] = os.path.dirname(os.path.realpath(sys.argv[0]))  # the script's folder, as python puts it
+    import runpy
+
+    runpy.run_path(sys.argv[0], run_name="__main__")
+    sys.exit(0)
+
+
+def _thread_name(tid: str) -> str:
     try:
-        import runpy
-
-        runpy.run_path(sys.argv[0], run_name="__main__")
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:  # noqa: BLE001 - a worker that raised: its traceback, then status 1
-        import traceback
-
-        traceback.print_exc()
-        code = 1
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001
-            pass
-    os._exit(code)
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
 
 
-def serve(path: str) -> None:
-    """Import :data:`PRELOAD`, then fork a child per client on ``path`` until the parent is gone.
+def serve(path: str, preload: list[str]) -> None:
+    """Import ``preload``, then fork a child per client on ``path`` until the parent is gone.
     Single-threaded (a select loop and a SIGCHLD pipe), so that every fork is of one thread."""
     import select
 
@@ -172,7 +203,7 @@ def serve(path: str) -> None:
     # one without num_cpus too): load them as that worker would.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     before = dict(os.environ)
-    for name in PRELOAD:
+    for name in preload:
         __import__(name)
     # what the imports set in the environment (scikit-learn: KMP_DUPLICATE_LIB_OK), as they
     # would have in a fresh worker
@@ -180,6 +211,15 @@ def serve(path: str) -> None:
     leaked = [m for m in ("ray", "verl") if m in sys.modules]
     if leaked:
         raise SystemExit(f"ray_zygote: the preloaded modules imported {leaked}; the children must import them fresh")
+    # Every fork is of one thread: no Python thread, and no native one but jemalloc's background
+    # thread (pyarrow's allocator, through pandas), whose fork handlers make a fork safe.
+    import threading
+
+    native = [_thread_name(t) for t in os.listdir("/proc/self/task") if int(t) != os.getpid()]
+    unsafe = [n for n in native if n != "jemalloc_bg_thd"]
+    if threading.active_count() != 1 or unsafe:
+        raise SystemExit(f"ray_zygote: threads after the preloads ({threading.enumerate()}, native: {unsafe}); "
+                         "a fork would copy their locks")
     parent = os.getppid()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -196,16 +236,21 @@ def serve(path: str) -> None:
         if wake_r in ready:
             os.read(wake_r, 4096)
         if listener in ready:
-            conn, _ = listener.accept()
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # out of descriptors, say: the client falls back to a plain worker
+                continue
             try:
                 data, fds = _recv(conn)
-            except (EOFError, OSError):
+                pid = os.fork()
+            except (EOFError, OSError):  # a client gone, or no fork (process limit): plain worker
                 conn.close()
                 continue
-            pid = os.fork()
             if pid == 0:
                 listener.close()
                 conn.close()
+                for other in clients.values():
+                    other.close()
                 os.close(wake_r)
                 os.close(wake_w)
                 signal.set_wakeup_fd(-1)
@@ -236,34 +281,38 @@ def serve(path: str) -> None:
 # ------------------------------------------------------------------------ the suite's side
 
 
-def start(tmp_dir: str):
+def start(tmp_dir: str, preload: list[str] = PRELOAD):
     """Start a zygote (a ``subprocess.Popen``) listening in ``tmp_dir`` (its own: :func:`stop`
     removes it); return it and the runtime
     environment fields that make Ray start its workers through it. Raises RuntimeError if it does
     not come up within two minutes."""
+    import select
+    import shlex
     import subprocess
     import time
 
+    os.makedirs(tmp_dir, exist_ok=True)
     path = os.path.join(tmp_dir, "zygote.sock")
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "serve", path], stdout=subprocess.PIPE,
-                            text=True)
-    deadline = time.monotonic() + 120
-    line = ""
-    while time.monotonic() < deadline and proc.poll() is None:
-        ready, _, _ = __import__("select").select([proc.stdout], [], [], 1.0)
-        if ready:
-            line = proc.stdout.readline().strip()
-            break
-    if line != "ready":
-        proc.kill()
-        raise RuntimeError(f"the Ray worker zygote did not start (exit status {proc.poll()}, said {line!r})")
+    # its own session: a Ctrl-C at the terminal reaches pytest, not the zygote or its workers
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "serve", path, ",".join(preload)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     proc.socket_dir = tmp_dir  # removed by stop()
-    command = f"{sys.executable} -I -S {os.path.abspath(__file__)} client"
+    deadline = time.monotonic() + 120
+    said: list[str] = []
+    while time.monotonic() < deadline and proc.poll() is None and "ready" not in said:
+        if select.select([proc.stdout], [], [], 1.0)[0]:
+            said.append(proc.stdout.readline().strip())
+    if "ready" not in said:
+        stop(proc)
+        said = [line for line in said if line]
+        raise RuntimeError(f"the Ray worker zygote did not start (exit status {proc.poll()}, said {said[-3:]!r})")
+    command = " ".join(shlex.quote(a) for a in (sys.executable, "-I", "-S", os.path.abspath(__file__), "client"))
     return proc, {"py_executable": command, "env_vars": {ENV: path}}
 
 
 def stop(proc) -> None:
-    """Stop a zygote started by :func:`start` (its children live on as the workers they are)."""
+    """Stop a zygote started by :func:`start`. Its children are workers of a Ray instance and end
+    with it (or with their clients); stop the instance first."""
     import subprocess
 
     if proc.poll() is None:
@@ -282,8 +331,8 @@ def stop(proc) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "serve":
-        serve(sys.argv[2])
+        serve(sys.argv[2], [m for m in sys.argv[3].split(",") if m])
     elif sys.argv[1] == "client":
         sys.exit(client(sys.argv[2:]))
     else:
-        raise SystemExit(f"usage: {sys.argv[0]} serve SOCKET | client ARGV...")
+        raise SystemExit(f"usage: {sys.argv[0]} serve SOCKET MODULES | client ARGV...")

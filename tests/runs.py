@@ -90,6 +90,9 @@ def shared_ray_up() -> None:
 _zygote: tuple[Any, dict, dict] | None = None  # (the zygote's Popen, its runtime-env fields, its environment)
 
 
+_ZYGOTE_ENV_IGNORED = ("PYTHONPATH", "PYTHONBREAKPOINT", "PYTEST_CURRENT_TEST")
+
+
 def _zygote_env(pythonpath: str) -> dict | None:
     """The runtime-env fields that start the shared instance's workers from the suite's zygote
     (``ray_zygote``: forked from an interpreter that imported torch, diffusers and peft once),
@@ -98,7 +101,10 @@ def _zygote_env(pythonpath: str) -> dict | None:
     global _zygote
     if os.environ.get("DIGEN_TEST_ZYGOTE", "1") == "0" or not sys.platform.startswith("linux"):
         return None
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # what the preloaded imports may read: not what pytest sets per test, ray.init sets here
+    # (PYTHONBREAKPOINT, read when breakpoint() is called, and RAY_*: Ray is not preloaded) or the
+    # zygote's start sets itself (PYTHONPATH)
+    env = {k: v for k, v in os.environ.items() if k not in _ZYGOTE_ENV_IGNORED and not k.startswith("RAY_")}
     if _zygote is not None and (_zygote[0].poll() is not None or _zygote[2] != env):
         ray_zygote_stop(_zygote[0])  # gone, or started with another environment (imports read it)
         _zygote = None
