@@ -241,7 +241,7 @@ def test_ctrl_c_and_sigterm_checkpoint_then_exit(tmp_path, tiny_flux, signum, co
     assert proc.returncode == code, out[-2000:]
     assert f"run interrupted after" in out and f"{signal.Signals(signum).name} received" in out, out[-2000:]
     ckpt = find_latest(str(ck))
-    assert ckpt is not None and ckpt.step >= 2
+    assert ckpt is not None and ckpt.step >= 2, out[-2000:]
     ckpt.verify()
 
 
