@@ -328,14 +328,12 @@ def test_a_pulled_run_gives_the_round_robin_update(shared_ray, tiny_flux, tmp_pa
 
 
 @pytest.mark.e2e
-def test_a_pulled_plan_on_emulated_workers_charges_each_task_what_the_simulator_charges():
+def test_a_pulled_plan_on_emulated_workers_charges_each_task_what_the_simulator_charges(shared_ray):
     """The plan objects the simulator runs are the ones the Ray executor runs: FLUX's cost model
     on 2 + 2 H800, pulled units with row slices, run on emulated workers (each task sleeps for
     the cost model's seconds). Which worker takes a pulled task depends on real timing there,
     so the check is by task: each ran once, on one of its candidates, charged the simulator's
     seconds for it."""
-    import ray
-
     from verl_digen.emulate import run_emulated_plan
     from verl_digen.sim.cost_model import Cluster, CostModel, load_catalog
     from verl_digen.sim.simulator import simulate_plan
@@ -353,11 +351,7 @@ def test_a_pulled_plan_on_emulated_workers_charges_each_task_what_the_simulator_
     simulated = sorted((r.kind, tuple(r.groups), r.end - r.start) for r in sim.timeline.records for _ in r.workers)
     gens = [r.end - r.start for r in sim.timeline.records if r.kind == "generate"]
     scale = 0.06 / (sum(gens) / len(gens))
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        run = run_emulated_plan(planner.plan, c, cluster, group_size=spec.group_size, time_scale=scale, timeout_s=300)
-    finally:
-        ray.shutdown()
+    run = run_emulated_plan(planner.plan, c, cluster, group_size=spec.group_size, time_scale=scale, timeout_s=300)
     charged = sorted(x for charges in run.charges.values() for x in charges)
     assert [(k, g) for k, g, _ in charged] == [(k, g) for k, g, _ in simulated]
     for (k, g, a), (_, _, b) in zip(charged, simulated):

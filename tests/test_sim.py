@@ -646,7 +646,8 @@ def _emulated_charges_are_simulated(spec, c, cluster, **plan_kw):
 
 @pytest.mark.e2e
 @pytest.mark.timeout(400)
-def test_the_planners_best_flux_plan_at_32_runs_emulated_charging_each_task_what_the_simulator_charges(catalog, tmp_path):
+def test_the_planners_best_flux_plan_at_32_runs_emulated_charging_each_task_what_the_simulator_charges(catalog, tmp_path,
+                                                                                                        shared_ray):
     """FLUX.1 full fine-tuning on 32 H800: the planner's best configuration, planned for two
     steps, runs on 32 emulated devices (the real Ray executor; each task sleeps for the cost
     model's seconds of that strategy, ``CostModel.for_spec``), and every task takes the
@@ -678,7 +679,7 @@ def test_the_planners_best_flux_plan_at_32_runs_emulated_charging_each_task_what
 
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
-def test_a_gat_plan_runs_emulated_charging_each_task_what_the_simulator_charges(catalog):
+def test_a_gat_plan_runs_emulated_charging_each_task_what_the_simulator_charges(catalog, shared_ray):
     """The OCR recipe's LoRA workload (Qwen-Image, a VLM judge) on 8 H800: 6 rollout + 1 trainer
     + 1 reward, GAP + GAT + TCSS, with 4 micro-batches of each step on the rollout workers. On
     emulated workers every task, the rollout workers' micro-batches included (a trainer's passes
@@ -702,7 +703,7 @@ def test_a_gat_plan_runs_emulated_charging_each_task_what_the_simulator_charges(
 
 @pytest.mark.e2e
 @pytest.mark.timeout(120)
-def test_emulated_runtime_matches_the_simulator_on_the_same_plan():
+def test_emulated_runtime_matches_the_simulator_on_the_same_plan(shared_ray):
     """8 emulated devices (6 rollout + 2 trainers, GAP + TCSS), tasks of 20-80 modelled ms run at
     5x (0.1-0.4 s): the real Ray executor's makespan is the simulator's plus the runtime's own
     overhead (about 1 ms per task on a quiet 2-core machine). The bound is loose on purpose
