@@ -23,6 +23,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+import ray_zygote  # the standard library only
 import torch
 
 from verl_digen.models.base import DiffusionAdapter, SampleSpec
@@ -106,13 +107,11 @@ def _zygote_env(pythonpath: str) -> dict | None:
     # zygote's start sets itself (PYTHONPATH)
     env = {k: v for k, v in os.environ.items() if k not in _ZYGOTE_ENV_IGNORED and not k.startswith("RAY_")}
     if _zygote is not None and (_zygote[0].poll() is not None or _zygote[2] != env):
-        ray_zygote_stop(_zygote[0])  # gone, or started with another environment (imports read it)
+        ray_zygote.stop(_zygote[0])  # gone, or started with another environment (imports read it)
         _zygote = None
     if _zygote is None:
         import atexit
         import tempfile
-
-        import ray_zygote
 
         saved = os.environ.get("PYTHONPATH")
         os.environ["PYTHONPATH"] = pythonpath  # the zygote's path is the workers' path
@@ -126,14 +125,8 @@ def _zygote_env(pythonpath: str) -> dict | None:
                 os.environ.pop("PYTHONPATH")
             else:
                 os.environ["PYTHONPATH"] = saved
-        atexit.register(ray_zygote_stop, _zygote[0])
+        atexit.register(ray_zygote.stop, _zygote[0])
     return _zygote[1]
-
-
-def ray_zygote_stop(proc) -> None:
-    import ray_zygote
-
-    ray_zygote.stop(proc)
 
 
 def shared_ray_down() -> None:

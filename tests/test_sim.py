@@ -603,9 +603,8 @@ def _emulated_charges_are_simulated(spec, c, cluster, **plan_kw):
     """Plan two steps of ``spec``, simulate them, run them on emulated workers (the real Ray
     executor; each task sleeps for the cost model's seconds, at a time scale where the mean
     generate task sleeps 60 ms) and check that every worker charged each task the simulator's
-    seconds, and that no task ran shorter than that. Returns the simulation."""
-    import ray
-
+    seconds, and that no task ran shorter than that (on the shared Ray instance: callers ask for
+    ``shared_ray``). Returns the simulation."""
     from verl_digen.emulate import run_emulated_plan
 
     planner = StepPlanner(spec)
@@ -615,14 +614,7 @@ def _emulated_charges_are_simulated(spec, c, cluster, **plan_kw):
     simulated = {(r.task, tuple(map(str, r.workers))): r.end - r.start for r in sim.timeline.records}
     gens = [r.end - r.start for r in sim.timeline.records if r.kind == "generate"]
     scale = 0.06 / (sum(gens) / len(gens))
-    owns = not ray.is_initialized()
-    if owns:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        run = run_emulated_plan(planner.plan, c, cluster, group_size=spec.group_size, time_scale=scale, timeout_s=300)
-    finally:
-        if owns:
-            ray.shutdown()
+    run = run_emulated_plan(planner.plan, c, cluster, group_size=spec.group_size, time_scale=scale, timeout_s=300)
     emulated = {(r.task, tuple(map(str, r.workers))): r.end - r.start for r in run.timeline.records}
     assert set(emulated) == set(simulated)
     # what each worker charged is what the simulator charged it, task by task
@@ -654,7 +646,6 @@ def test_the_planners_best_flux_plan_at_32_runs_emulated_charging_each_task_what
     simulator's seconds plus the runtime's dispatch overhead (at a time scale where the mean
     generate task sleeps 60 ms). The memory planner's per-GPU peak of the
     printed configuration, at FLUX.1's real size, fits the H800s."""
-    pytest.importorskip("ray")
     from omegaconf import OmegaConf
 
     from verl_digen.config.compose import compose_config
@@ -709,7 +700,6 @@ def test_emulated_runtime_matches_the_simulator_on_the_same_plan(shared_ray):
     overhead (about 1 ms per task on a quiet 2-core machine). The bound is loose on purpose
     (makespan under twice the simulator's): it is not a speed check but catches an executor that
     serialises what the plan runs in parallel (the 8 lanes run one after another take ~4x)."""
-    ray = pytest.importorskip("ray")
     from verl_digen.emulate import run_emulated_plan
 
     spec = StrategySpec("disaggregated", 6, 2, groups_per_step=12, group_size=4, gap=True, max_staleness=1)
@@ -724,14 +714,7 @@ def test_emulated_runtime_matches_the_simulator_on_the_same_plan(shared_ray):
     sim = simulate_plan(planner.plan, costs, cluster)
     opt_sim = {r.step: r.end for r in sim.timeline.records if r.kind == "optimizer_step"}
 
-    owns = not ray.is_initialized()
-    if owns:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        run = run_emulated_plan(planner.plan, costs, cluster, group_size=4, time_scale=5.0, timeout_s=90)
-    finally:
-        if owns:
-            ray.shutdown()
+    run = run_emulated_plan(planner.plan, costs, cluster, group_size=4, time_scale=5.0, timeout_s=90)
     planner.plan.check(complete_steps=range(3))
     assert {r.task for r in run.timeline.records} == {str(t.id) for t in planner.plan.tasks}
     assert_exclusive(run.timeline, eps=1e-3)
