@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from verl_digen.sync.snapshot import HostSnapshot, WeightsDigest, weights_digest
+from verl_digen.sync.snapshot import HostSnapshot, SideStreams, WeightsDigest, weights_digest
 from verl_digen.sync.state import state_digest, state_nbytes, trainable_state
 from verl_digen.sync.transport import WeightChannel, find_free_port
 
@@ -253,3 +253,96 @@ def test_a_disaggregated_fsdp_trainer_streams_every_version_for_its_sender(monke
     assert streams == [1, 2] and worker.refresh_full_state() == 2 and streams == [1, 2]
     want = trainable_state(worker.adapter.transformer, lora_only=False)
     assert weights_digest(worker._full_state()) == weights_digest(want)
+
+
+class _RecordedStreams(SideStreams):
+    """:class:`SideStreams` without CUDA: the tensors a producer marks count as on a device,
+    their copies run at once on the host, and every wait, copy and fence lands in ``log`` next
+    to the producer's own entries, in the order the capture issues them."""
+
+    def __init__(self, log: list[tuple[str, str]]) -> None:
+        super().__init__()
+        self.log, self.names = log, {}  # names: data_ptr of a marked source -> its name
+
+    def mark(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        self.names[tensor.data_ptr()] = name
+        return tensor
+
+    def on_device(self, tensor: torch.Tensor) -> bool:
+        return tensor.data_ptr() in self.names
+
+    def host_buffer(self, numel: int, dtype: torch.dtype, *, pinned: bool) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype)  # no pinned memory without CUDA
+
+    def wait_for_producer(self, device: torch.device) -> None:
+        self.log.append(("wait", str(device)))
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.log.append(("copy", self.names[src.data_ptr()]))
+        dst.copy_(src.reshape(-1))
+
+    def fence(self, device: torch.device):
+        self.log.append(("fence", str(device)))
+        return type("Landed", (), {"synchronize": lambda self: None})()
+
+
+def test_each_bucket_of_a_lazily_produced_stream_is_copied_after_a_wait_that_follows_its_production() -> None:
+    """FSDP produces a version bucket by bucket (its all-gathers enqueued while the capture is
+    already copying). The side stream must wait for the producer after each bucket has been
+    produced and before that bucket's copies: once per capture (the old code) let the copies of
+    every bucket but the first read sources not yet written. Host tensors in the stream are
+    copied at once, with no wait of their own."""
+    log: list[tuple[str, str]] = []
+    streams = _RecordedStreams(log)
+    sources = {f"w{i:02d}": torch.full((256,), float(i)) for i in range(12)}  # 1 KiB each
+    sources["w05.count"] = torch.arange(7, dtype=torch.uint8)  # stays on the host
+
+    def produce():  # lazily, one tensor at a time, as a generator of gathered tensors does
+        for name in sorted(sources):
+            log.append(("produce", name))
+            t = sources[name].clone()
+            yield name, (t if name.endswith("count") else streams.mark(name, t))
+
+    snap = HostSnapshot(bucket_bytes=3000, streams=streams)  # two 1 KiB tensors a bucket
+    snap.capture(produce())
+    buckets = [[s.name for s in layout.slots] for _, layout in snap.parts()]
+    assert len(buckets) >= 5
+    for names in buckets:
+        on_device = [n for n in names if not n.endswith("count")]
+        produced = max(log.index(("produce", n)) for n in names)
+        first_copy = min(log.index(("copy", n)) for n in on_device)
+        waits = [i for i, entry in enumerate(log) if entry[0] == "wait" and produced < i < first_copy]
+        assert waits, (names, log)
+    assert sum(entry[0] == "wait" for entry in log) == len(buckets)
+    assert log[-1] == ("fence", "cpu") and sum(entry[0] == "fence" for entry in log) == 1
+    assert ("copy", "w05.count") not in log
+    assert state_digest(snap.state()) == state_digest(sources)
+
+
+@pytest.mark.gpu
+def test_a_slowly_produced_stream_is_captured_bitwise_in_many_buckets() -> None:  # pragma: no cover - GPU only
+    """On a GPU: a producer whose kernels lag far behind the host (a sleep before it writes each
+    tensor, on the current stream, as FSDP's all-gathers may) and 4 MiB buckets. A copy that ran
+    before its source was written would read the -1s the source starts with; every bucket's
+    copies wait for the producer first, so the snapshot is the sources bitwise."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    dev = torch.device("cuda", 0)
+    g = torch.Generator(device=dev).manual_seed(0)
+    refs = [torch.rand(1 << 18, device=dev, generator=g) for _ in range(64)]  # 1 MiB each
+    torch.cuda.synchronize(dev)
+
+    def produce():
+        for i, ref in enumerate(refs):
+            out = torch.full_like(ref, -1.0)
+            torch.cuda._sleep(2_000_000)  # about a millisecond: the host runs far ahead
+            out.copy_(ref)
+            yield f"w{i:03d}", out
+
+    snap = HostSnapshot(bucket_bytes=4 << 20)
+    for _ in range(2):  # fresh pinned buffers, then the same ones reused
+        snap.capture(produce())
+        host = snap.state()
+        assert len(list(snap.parts())) >= 16
+        for i, ref in enumerate(refs):
+            assert torch.equal(host[f"w{i:03d}"].view(torch.int32), ref.cpu().view(torch.int32)), i

@@ -110,68 +110,117 @@ def weights_digest(state: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch
     return d.hexdigest()
 
 
+class SideStreams:
+    """The CUDA calls of a :class:`HostSnapshot` capture, in one place: a side stream per
+    device for the device-to-host copies, the waits that order them after the producer's
+    writes and before its next work, and the pinned host buffers they copy into.
+
+    They are the whole of the capture's ordering, so a test can replace them with a recorder
+    (``tests/test_sync_snapshot.py``) and check on a CPU where the waits fall among a lazily
+    produced stream's tensors and the copies that read them.
+    """
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def on_device(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is copied on a side stream (a GPU's), not by the host at once."""
+        return tensor.is_cuda
+
+    def host_buffer(self, numel: int, dtype: torch.dtype, *, pinned: bool) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, pin_memory=pinned)
+
+    def _side(self, device: torch.device) -> torch.cuda.Stream:
+        side = self._streams.get(device)
+        if side is None:
+            side = self._streams[device] = torch.cuda.Stream(device)
+        return side
+
+    def wait_for_producer(self, device: torch.device) -> None:
+        """The side stream's next copies come after all work enqueued so far on the device's
+        current stream (which writes the sources)."""
+        self._side(device).wait_stream(torch.cuda.current_stream(device))
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst <- src`` (flat, host, pinned) on the side stream, asynchronously."""
+        side = self._side(src.device)
+        with torch.cuda.stream(side):
+            dst.copy_(src.reshape(-1), non_blocking=True)
+        # The caching allocator hands src's memory out again (the next bucket's all-gather, say)
+        # only after the side stream has passed this point, whenever the producer frees it.
+        src.record_stream(side)
+
+    def fence(self, device: torch.device) -> torch.cuda.Event:
+        """The device's current stream waits for every copy enqueued so far (they read weights
+        its next work may change); the returned event tells the host when they have landed."""
+        event = torch.cuda.Event()
+        event.record(self._side(device))
+        torch.cuda.current_stream(device).wait_event(event)
+        return event
+
+
 class HostSnapshot:
     """A reused host copy of a sync state, in the wire's flat buckets (see the module doc).
 
     :meth:`capture` copies a stream of ``(name, tensor)`` into it: GPU tensors are copied
-    ``non_blocking`` into pinned buffers on a side stream of their device (which first waits
-    for the producing stream, and which the producing stream waits for before its next work,
-    so the weights are not changed under the copy; the sources are kept alive for it with
-    ``record_stream``). The host waits for those copies only when it reads the snapshot
-    (:meth:`parts`, :meth:`state`): the sender's thread, a digest, a save.
+    ``non_blocking`` into pinned buffers on a side stream of their device. Before each bucket's
+    copies the side stream waits for the producing stream, so a stream that produces its
+    tensors lazily, bucket by bucket (FSDP's all-gathers, ``workers/fsdp.py:
+    stream_full_state``), has written every source before it is read; after the last bucket the
+    producing stream waits for the copies before its next work, so the weights are not changed
+    under them; the sources are kept alive for the copies with ``record_stream``. The host waits
+    for the copies only when it reads the snapshot (:meth:`parts`, :meth:`state`): the sender's
+    thread, a digest, a save.
 
     The buffers of a bucket are reused when the bucket's layout is the one they were made
     for (the same model: every version); :attr:`allocations` counts host buffers made.
+    ``streams``: the CUDA calls (:class:`SideStreams`; a test's recorder in their stead).
     """
 
-    def __init__(self, bucket_bytes: int) -> None:
+    def __init__(self, bucket_bytes: int, streams: SideStreams | None = None) -> None:
         self.bucket_bytes = bucket_bytes
         self.allocations = 0
         self._parts: list[tuple[list[torch.Tensor], FlatMetadata]] = []
+        self._pinned: list[bool] = []  # whether each bucket's buffers are pinned
         self._pending: list[torch.cuda.Event] = []
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._cuda = streams if streams is not None else SideStreams()
 
     @torch.no_grad()
     def capture(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy a state in (the caller makes sure nobody reads the previous one meanwhile)."""
         self.wait()
         parts: list[tuple[list[torch.Tensor], FlatMetadata]] = []
-        used: set[torch.device] = set()
+        pinned: list[bool] = []
+        used: list[torch.device] = []
         for k, bucket in enumerate(iter_buckets(named_tensors, self.bucket_bytes)):
+            # Every source of this bucket has been produced (its writes enqueued on the current
+            # stream) by now, and so has the next bucket's first (iter_buckets reads one ahead):
+            # the side stream waits for all of it, once per bucket. One wait per capture let the
+            # copies of a lazily gathered stream overtake the all-gathers of its later buckets.
+            devices = sorted({t.device for t in bucket.values() if self._cuda.on_device(t)}, key=str)
+            for device in devices:
+                self._cuda.wait_for_producer(device)
+            used += [d for d in devices if d not in used]
             layout = plan_layout(bucket)
-            buffers = self._buffers_for(k, layout, pin=any(t.is_cuda for t in bucket.values()))
+            buffers = self._buffers_for(k, layout, pin=bool(devices))
             for slot in layout.slots:
-                src = bucket[slot.name]
-                self._copy(buffers[slot.buffer][slot.offset : slot.offset + slot.numel], src, used)
+                src, dst = bucket[slot.name], buffers[slot.buffer][slot.offset : slot.offset + slot.numel]
+                if self._cuda.on_device(src):
+                    self._cuda.copy(dst, src)
+                else:
+                    dst.copy_(src.reshape(-1))
             parts.append((buffers, layout))
-        self._parts = parts
+            pinned.append(bool(devices))
+        self._parts, self._pinned = parts, pinned
         for device in used:  # the producer's next work waits for the copies (they read its weights)
-            event = torch.cuda.Event()
-            event.record(self._streams[device])
-            torch.cuda.current_stream(device).wait_event(event)
-            self._pending.append(event)
-
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor, used: set[torch.device]) -> None:
-        if not src.is_cuda:
-            dst.copy_(src.reshape(-1))
-            return
-        device = src.device
-        side = self._streams.get(device)
-        if side is None:
-            side = self._streams[device] = torch.cuda.Stream(device)
-        if device not in used:
-            side.wait_stream(torch.cuda.current_stream(device))  # the producer's writes come first
-            used.add(device)
-        with torch.cuda.stream(side):
-            dst.copy_(src.reshape(-1), non_blocking=True)
-        src.record_stream(side)  # the allocator keeps src's memory until the copy has read it
+            self._pending.append(self._cuda.fence(device))
 
     def _buffers_for(self, k: int, layout: FlatMetadata, *, pin: bool) -> list[torch.Tensor]:
         if k < len(self._parts):
             buffers, old = self._parts[k]
-            if old == layout and all(b.is_pinned() == pin for b in buffers):
+            if old == layout and self._pinned[k] == pin:
                 return buffers
-        buffers = [torch.empty(n, dtype=dtype_from_name(d), pin_memory=pin)
+        buffers = [self._cuda.host_buffer(n, dtype_from_name(d), pinned=pin)
                    for d, n in zip(layout.buffer_dtypes, layout.buffer_numels)]
         self.allocations += len(buffers)
         return buffers

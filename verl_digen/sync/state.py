@@ -226,6 +226,12 @@ def iter_buckets(
     copy of the whole model. A tensor larger than the bucket travels alone (tensors are never
     split). Always yields at least one (possibly empty) bucket, so an empty state still makes
     a well-formed message.
+
+    Reads one tensor ahead: a bucket is yielded when the next tensor would not fit, so a lazy
+    stream has produced that tensor too (FSDP: enqueued the all-gather of its group) before the
+    consumer sees the bucket. A consumer that orders device work after a bucket's sources
+    (:meth:`~verl_digen.sync.snapshot.HostSnapshot.capture`) does so when the bucket arrives,
+    which covers them all.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
