@@ -597,3 +597,56 @@ def test_nccl_channel_between_two_gpus() -> None:  # pragma: no cover - GPU only
     results = sorted(queue.get() for _ in range(2))
     assert results[0][1:] == results[1][1:]
     assert results[0][1] == 3
+
+
+def test_the_sender_holds_the_port_it_names_until_the_channel_opens_on_it() -> None:
+    """sync_master_endpoint used to name a port found free and release it, and sync_open bound
+    it only later: any process could take it in between and the run failed to start. The
+    sender now listens on the port from the moment it names it: a socket that tries to take it
+    in between is refused, and the channel opens on it and carries a sync."""
+    import socket
+
+    from verl_digen.sync.transport import WeightSyncMixin
+
+    src, dst = make_lora_denoiser(1), make_lora_denoiser(2)
+
+    class Endpoint(WeightSyncMixin):
+        sync_lora_only, policy_version = True, 0
+
+        def __init__(self, module: nn.Module) -> None:
+            self.sync_module = module
+
+    sender, receiver = Endpoint(src), Endpoint(dst)
+    addr, port = sender.sync_master_endpoint()
+    other = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        with pytest.raises(OSError):
+            other.bind((addr, port))
+            other.listen(1)
+    finally:
+        other.close()
+
+    def endpoint(rank: int):
+        me = (sender, receiver)[rank]
+        me.sync_open(rank, 2, addr, port, "gloo", 30.0)
+        try:
+            return me.sync_send(3) if rank == 0 else me.sync_recv()
+        finally:
+            me.sync_close()
+
+    sent, got = _run_ranks(2, endpoint)
+    assert got["version"] == sent["version"] == 3
+    assert state_digest(trainable_state(dst, lora_only=True)) == state_digest(trainable_state(src, lora_only=True))
+
+
+def test_a_sender_port_taken_by_another_process_fails_naming_the_port_and_the_fix() -> None:
+    """Given a port (no socket held) that another process listens on, rank 0 says which port and
+    how to avoid the race, not a bare 'Address already in use'."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=rf"127\.0\.0\.1:{port} .*listen_on_free_port"):
+            WeightChannel("gloo", 0, 2, "127.0.0.1", port, timeout_s=5)

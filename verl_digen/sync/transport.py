@@ -71,9 +71,9 @@ class SyncStats:
 def find_free_port(host: str = "") -> int:
     """A TCP port that is free right now on this node (all interfaces by default).
 
-    Call it on the sender's node (the trainer worker) and pass the result to every endpoint.
-    The port is released before use, so another process could grab it in between; on the rare
-    collision the sender's ``TCPStore`` fails to bind and the controller should retry.
+    The port is released before use, so another process can take it before whoever binds it
+    next: fine for tests on one machine. A weight channel's sender holds its port from the
+    moment it names it instead (:func:`listen_on_free_port`, :meth:`WeightSyncMixin.sync_master_endpoint`).
     """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
@@ -83,10 +83,25 @@ def find_free_port(host: str = "") -> int:
 def _listening_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(1024)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"weight channel: cannot listen on {host}:{port} ({e.strerror}); another process "
+                      "holds the port. Name the sender's endpoint with a socket already listening on a port the "
+                      "OS assigns (listen_on_free_port, WeightSyncMixin.sync_master_endpoint) and hand it to "
+                      "rank 0's WeightChannel (listen_sock), or pass another port") from e
     return sock
+
+
+def listen_on_free_port(host: str) -> socket.socket:
+    """A socket listening on ``host`` at a port the OS assigns now: give its port to every
+    endpoint and the socket to rank 0's :class:`WeightChannel` (``listen_sock``). The port is
+    held from the moment it is named, so no other process can take it before the channel opens
+    (as one can a port found free and bound later: :func:`find_free_port`)."""
+    return _listening_socket(host, 0)
 
 
 def node_ip_address() -> str:
@@ -130,12 +145,15 @@ class WeightChannel:
         backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors).
         rank: 0 for the sender, 1..world_size-1 for receivers.
         world_size: 1 + number of receivers.
-        master_addr, master_port: the sender's node IP and a free port there (see
-            :func:`find_free_port`); rank 0 hosts the ``TCPStore`` on it.
+        master_addr, master_port: the sender's node IP and a port there; rank 0 hosts the
+            ``TCPStore`` on it.
         device: where the flat buffers live: CPU for gloo, a CUDA device for NCCL. Weights
             are copied to it while packing, whatever device they come from.
         timeout_s: rendezvous and per-collective timeout.
         bucket_bytes: upper bound on one message's payload (a larger single tensor goes alone).
+        listen_sock: rank 0 only: a socket already listening on ``master_port``
+            (:func:`listen_on_free_port`), which the channel takes over; without it rank 0 binds
+            ``master_port`` now, and fails, naming it, if another process has taken it.
 
     The constructor blocks until all ``world_size`` endpoints have joined.
     """
@@ -150,7 +168,13 @@ class WeightChannel:
         device: torch.device | str | None = None,
         timeout_s: float = 300.0,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        listen_sock: socket.socket | None = None,
     ) -> None:
+        if listen_sock is not None and (rank != 0 or listen_sock.getsockname()[1] != master_port):
+            raise ValueError(
+                f"listen_sock (listening on port {listen_sock.getsockname()[1]}) is for rank 0 on master_port "
+                f"{master_port}; this endpoint is rank {rank}: give rank 0 the socket its port was named from, "
+                "the other ranks only the port")
         if world_size < 2:
             raise ValueError(f"a weight channel needs a sender and at least one receiver, got world_size={world_size}")
         if not 0 <= rank < world_size:
@@ -182,7 +206,7 @@ class WeightChannel:
         self._listen_sock: socket.socket | None = None
         listen_fd: dict[str, int] = {}
         if rank == 0:
-            self._listen_sock = _listening_socket(master_addr, master_port)
+            self._listen_sock = listen_sock if listen_sock is not None else _listening_socket(master_addr, master_port)
             listen_fd["master_listen_fd"] = self._listen_sock.fileno()
         self._store: dist.Store | None = dist.TCPStore(
             master_addr,
@@ -452,10 +476,23 @@ class WeightSyncMixin:
     _send_thread: threading.Thread | None = None
     _send_outcome: dict[str, Any] | BaseException | None = None
 
+    _sync_listener: socket.socket | None = None  # the port sync_master_endpoint named, held for sync_open
+
     def sync_master_endpoint(self) -> tuple[str, int]:
-        """``(node ip, free port)`` on this worker's node; call it on the sender."""
+        """``(node ip, port)`` on this worker's node for the channel's store; call it on the
+        sender, then :meth:`sync_open` as rank 0 with that port. The port is one the OS assigns,
+        and this worker listens on it from now on (:func:`listen_on_free_port`; ``sync_open``
+        hands the socket to the channel): a port found free and bound only at ``sync_open``
+        could be taken in between, and the run would fail to start."""
         ip = node_ip_address()
-        return ip, find_free_port(ip)
+        self._close_sync_listener()
+        self._sync_listener = listen_on_free_port(ip)
+        return ip, int(self._sync_listener.getsockname()[1])
+
+    def _close_sync_listener(self) -> None:
+        listener, self._sync_listener = self._sync_listener, None
+        if listener is not None:
+            listener.close()
 
     def sync_open(
         self,
@@ -467,7 +504,13 @@ class WeightSyncMixin:
         timeout_s: float = 300.0,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
-        """Join the weight channel; blocks until every endpoint has joined (call all concurrently)."""
+        """Join the weight channel; blocks until every endpoint has joined (call all concurrently).
+        Rank 0 listens on the socket :meth:`sync_master_endpoint` named ``master_port`` from,
+        when it did; else it binds ``master_port`` now."""
+        listener, self._sync_listener = self._sync_listener, None
+        if listener is not None and (rank != 0 or listener.getsockname()[1] != master_port):
+            listener.close()  # named for another channel: bind the port given
+            listener = None
         self.sync_close()
         self._weight_channel = WeightChannel(
             backend,
@@ -477,6 +520,7 @@ class WeightSyncMixin:
             master_port,
             timeout_s=timeout_s,
             bucket_bytes=bucket_bytes,
+            listen_sock=listener,
         )
 
     def _require_sync_channel(self) -> WeightChannel:
@@ -556,6 +600,7 @@ class WeightSyncMixin:
                          num_tensors=len(received)).as_dict()
 
     def sync_close(self) -> None:
+        self._close_sync_listener()
         if self._send_thread is not None:
             # a send still waiting for receivers that will not come (the run is stopping) ends
             # when the channel closes under it; one that is broadcasting gets a moment to finish
