@@ -4,6 +4,7 @@ time-step training split, and TAG's version rules."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import pickle
 
 import pytest
@@ -99,7 +100,14 @@ def test_tsp_run_trains_and_keeps_every_invariant(shared_ray, tiny_flux, tmp_pat
     result = run(
         tmp_path, "tsp", "digen.placement=disaggregated", "trainer.n_gpus_per_node=3", "digen.pools.rollout.devices=2",
         "digen.tsp.stages=2", "digen.gap.enable=true", "trainer.total_training_steps=3", "digen.async.max_staleness=1",
+        # As every preset: prompts encoded once, then the text encoders released. Stage balancing
+        # profiles on a rollout worker, which then holds no encoder for a prompt it never cached.
+        "digen.prompt_cache.enable=true", f"digen.prompt_cache.dir={tmp_path / 'prompt_cache'}",
     )
+    with open(result.output_dir + "/tsp_stages.json") as f:
+        profile = json.load(f)
+    steps = len(profile["step_s"])  # every denoising step measured, then cut into 2 stage ranges
+    assert steps == 8 and len(profile["bounds"]) == 3 and profile["bounds"][::2] == [0, steps]
     recs = timeline_records(result.output_dir)
     finals = sorted(g for r in recs if r["kind"] == "generate" and r["worker"] == "rollout1" for g in r["groups"])
     assert finals == list(range(12))  # every group went through the last stage once

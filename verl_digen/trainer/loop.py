@@ -286,10 +286,12 @@ class DigenTrainer:
             return [json.loads(line) for line in f if line.strip()]
 
     def _balanced_stages(self, actors: dict[WorkerId, Any]):
-        """TSP: stage ranges balanced by the per-step cost measured on a rollout worker."""
+        """TSP: stage ranges balanced by the per-step cost measured on a rollout worker, sampling
+        the first training prompt (the prompt cache's warm-up encoded it before the encoders left)."""
         import ray
 
-        prof = ray.get(actors[WorkerId("rollout", 0)].profile_step_costs.remote(), timeout=self.job.cfg.task_timeout_s)
+        prof = ray.get(actors[WorkerId("rollout", 0)].profile_step_costs.remote(self.job.prompts[0]),
+                       timeout=self.job.cfg.task_timeout_s)
         spec = balanced_spec(self.spec, prof)
         self._stage_profile = {**prof, "bounds": list(spec.bounds)}
         self._write_stage_profile()

@@ -182,9 +182,9 @@ class EmulatedWorker:
                          for g in groups for a in range(s0, s1, m))
         return EmulatedTrajectories(groups, self.group_size, self.policy_version, request.samples)
 
-    def profile_step_costs(self, repeats: int = 2) -> dict[str, Any]:
-        """What TSP's stage balancing asks a rollout worker (modelled, not measured: ``repeats``
-        is the real worker's and changes nothing here)."""
+    def profile_step_costs(self, prompt: str, repeats: int = 2) -> dict[str, Any]:
+        """What TSP's stage balancing asks a rollout worker (modelled, not measured: ``prompt`` and
+        ``repeats`` are the real worker's and change nothing here)."""
         if hasattr(self.costs, "step_profile"):
             return self.costs.step_profile(self.costs.device(self.cluster.device_of(self.worker)), self.group_size)
         steps = getattr(getattr(self.costs, "workload", None), "num_steps", 8)

@@ -207,8 +207,9 @@ class WorkerTasks(Protocol):
         """Receive the next weights version."""
         ...
 
-    def profile_step_costs(self, repeats: int = 2) -> dict[str, Any]:
-        """Seconds of a sampling's head, each denoising step and tail (TSP stage balancing)."""
+    def profile_step_costs(self, prompt: str, repeats: int = 2) -> dict[str, Any]:
+        """Seconds of a sampling's head, each denoising step and tail (TSP stage balancing), on
+        one group of ``prompt``, a training prompt (cached when the prompt cache is on)."""
         ...
 
     def refresh_full_state(self) -> int:

@@ -512,10 +512,13 @@ class DiffusionWorker(Worker, WeightSyncMixin):
             return tuple(out.split(request.chunk_rows))
         return out
 
-    def profile_step_costs(self, repeats: int = 2) -> dict[str, Any]:
+    def profile_step_costs(self, prompt: str, repeats: int = 2) -> dict[str, Any]:
         """Measured seconds of encode+noise (head), each denoising step, and decode (tail).
 
-        One group of the configured size; used to balance TSP stage ranges.
+        One group of the configured size sampled from ``prompt``, one of the run's training
+        prompts: with the prompt cache on, those are the prompts the warm-up encoded before the
+        text encoders were released, so the head is a cache read, as in the run. Used to balance
+        TSP stage ranges.
         """
         import time as _time
 
@@ -527,7 +530,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
                 best = min(best, _time.perf_counter() - t0)
             return best, out
 
-        groups = GroupRequest(["a photo"], [0], [0], group_size=self.cfg.batch.group_size, training_step=0,
+        groups = GroupRequest([prompt], [0], [0], group_size=self.cfg.batch.group_size, training_step=0,
                               seed=self.cfg.seed, policy_version=self.policy_version)
         head, state = timed(lambda: begin_groups(self.adapter, groups, self.settings))
         steps = []
