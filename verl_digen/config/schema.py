@@ -499,6 +499,41 @@ class FsdpConfig:
     # gradients and the optimizer step on the host; each block's forward and backward copies its
     # shard in. Less GPU memory, every forward pays the host link (generation too, colocated).
     param_offload: bool = False
+    # How the training ranks are grouped (verl_digen/workers/fsdp_layout.py): auto | flat | hsdp.
+    # flat shards over every rank: with ranks on several nodes each pass's all-gathers and its
+    # gradient reduce-scatter are rings over the network. hsdp (FSDP2 over a 2-D DeviceMesh
+    # ("replicate", "shard")) shards over the ranks of one node and replicates across nodes: the
+    # collectives stay on the node's links and only each rank's 1/k shard of the gradients is
+    # all-reduced across nodes; each rank then holds 1/k of the training state (k ranks per node)
+    # instead of 1/N. auto: hsdp exactly when the ranks span more than one node with as many on
+    # each, else flat. hsdp where that does not hold is an error. Sharded checkpoints load
+    # across layouts (flat <-> hsdp, any rank count).
+    mesh: str = "auto"
+    # The dtype gradients are reduced in: auto | fp32 | bf16. auto: bf16 for a full fine-tune of
+    # bf16 weights (digen.model.dtype bf16, or auto on a GPU), fp32 otherwise. Exact: each rank's
+    # gradient (autograd writes it in the weights' dtype, bf16), the sharded result (FSDP2 hands
+    # it back in that dtype either way) and what follows: fp32 master gradients accumulated over
+    # micro-batches and steps, fp32 masters and AdamW states. Not exact: the partial sums of the
+    # reduction's ring are rounded to bf16 at every hop (up to N - 1 roundings of relative 2**-9,
+    # where fp32 rounds once at the end), for half the bytes per pass. LoRA stays fp32 (its
+    # gradients are megabytes); bf16 with LoRA is refused; bf16 on fp32 weights rounds each
+    # rank's gradient too (allowed, not the default).
+    reduce_dtype: str = "auto"
+
+    def validate(self, key: str, *, lora: bool) -> None:
+        from verl_digen.workers.fsdp_layout import MESH_MODES, reduce_dtype
+
+        if self.mesh not in MESH_MODES:
+            _fail(f"{key}.mesh", self.mesh, f"valid: {', '.join(MESH_MODES)}")
+        reduce_dtype(self.reduce_dtype, lora=lora, weights_dtype="bf16")  # raises naming the key
+
+    def check_layout(self, node_ranks: list[int]) -> None:
+        """The mesh can be built over training ranks placed ``node_ranks[i]`` on node ``i`` of the
+        declared cluster (``ConfigError`` naming ``digen.fsdp.mesh`` otherwise)."""
+        from verl_digen.workers.fsdp_layout import mesh_shape
+
+        if self.enable:
+            mesh_shape(node_ranks, self.mesh)
 
 
 @dataclass
@@ -770,6 +805,7 @@ class DigenConfig:
         fields = self.strategy_fields()
         for name, valid in strategy_violations(**fields, name=_STRATEGY_KEYS.__getitem__):
             _fail(_STRATEGY_KEYS[name], fields[name], valid)
+        self.fsdp.validate("digen.fsdp", lora=self.model.lora.enable)
         if self.fsdp.param_offload and not self.fsdp.enable:
             _fail("digen.fsdp.param_offload", True, "it is FSDP2's host offload: set digen.fsdp.enable=true too "
                                                     "(veRL's fsdp_config.param_offload=true does)")

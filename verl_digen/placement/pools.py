@@ -24,8 +24,9 @@ that waits forever.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 from verl_digen.config.schema import ConfigError, DigenConfig
 from verl_digen.config.verl_keys import VerlTrainerKeys
@@ -45,6 +46,37 @@ def accelerator_name(value: str) -> str:
 def accelerator_resource(accelerator_type: str) -> str:
     """Ray's resource name of an accelerator type: ``accelerator_type:L40S``."""
     return ACCELERATOR_PREFIX + accelerator_name(accelerator_type)
+
+
+# PyTorch's caching allocator with expandable segments grows one mapping per stream instead of
+# reserving fixed-size segments, so memory freed by one phase (a decode's feature maps) is
+# reusable by the next (a training pass's activations) without the cached-but-unusable gaps that
+# make ``memory_reserved`` exceed ``memory_allocated`` by gigabytes on long runs (PyTorch docs,
+# "CUDA semantics: Optimizing memory usage with PYTORCH_CUDA_ALLOC_CONF"). The memory plan's
+# reserve allowance (memory/plan.py: RESERVE_FRACTION) assumes it.
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
+
+def allocator_conf(user_conf: str | None) -> str:
+    """``PYTORCH_CUDA_ALLOC_CONF`` for a worker: the user's own entries kept, ours appended. A
+    user who names ``expandable_segments`` (either way) keeps their choice, and the
+    ``cudaMallocAsync`` backend has no expandable segments (the option belongs to the native
+    allocator): then the user's value as it is."""
+    entries = [e.strip() for e in (user_conf or "").split(",") if e.strip()]
+    keys = {e.split(":", 1)[0].strip() for e in entries}
+    if "expandable_segments" in keys or any(e.replace(" ", "") == "backend:cudaMallocAsync" for e in entries):
+        return ",".join(entries)
+    return ",".join(entries + [EXPANDABLE_SEGMENTS])
+
+
+def worker_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment variables every worker process starts with (``RayWorkerGroup``'s
+    ``worker_env``): the allocator configuration, read at the process's first CUDA allocation,
+    so it must be in the environment before the worker starts, not set by the worker.
+    ``environ``: the driver's environment (default ``os.environ``), whose
+    ``PYTORCH_CUDA_ALLOC_CONF`` the user may have set."""
+    environ = os.environ if environ is None else environ
+    return {"PYTORCH_CUDA_ALLOC_CONF": allocator_conf(environ.get("PYTORCH_CUDA_ALLOC_CONF"))}
 
 
 @dataclass(frozen=True)
@@ -155,6 +187,7 @@ def pool_layout(cfg: DigenConfig, cluster: ClusterSpec) -> PoolLayout:
     common = dict(cfg.strategy_fields(), group_size=cfg.batch.group_size, gap=cfg.gap.enable)
     if cfg.placement == "colocated":
         spec = StrategySpec(**dict(common, rollout_workers=cluster.devices), trainer_workers=cluster.devices)
+        cfg.fsdp.check_layout([cluster.n_devices_per_node] * cluster.nnodes)
         return PoolLayout({"fused": ([cluster.n_devices_per_node] * cluster.nnodes, None)}, {"fused": "fused"}, spec)
 
     pools_cfg = cfg.pools
@@ -163,6 +196,7 @@ def pool_layout(cfg: DigenConfig, cluster: ClusterSpec) -> PoolLayout:
     counts = node_counts({r: getattr(pools_cfg, r).world_size for r in roles}, cluster.n_devices_per_node, cluster.nnodes)
     types = {r: getattr(pools_cfg, r).accelerator_type for r in roles}
     pools = {r: (list(counts[r]), accelerator_name(types[r]) if types[r] else None) for r in roles}
+    cfg.fsdp.check_layout(list(counts["trainer"]))
     spec = StrategySpec(
         **common,
         trainer_workers=pools_cfg.trainer.world_size,
@@ -228,7 +262,8 @@ def build_worker_groups(
         if use_gpu:
             # The driver may sit on a node without GPUs, where veRL's platform would ask for none.
             cls.update_options({"num_gpus": 1})
-        wg = RayWorkerGroup(pool, cls, name_prefix=f"digen_{pool_name}_", device_name="cuda" if use_gpu else "cpu")
+        wg = RayWorkerGroup(pool, cls, name_prefix=f"digen_{pool_name}_", device_name="cuda" if use_gpu else "cpu",
+                            worker_env=worker_env())
         groups[pool_name] = wg
         for rank, actor in enumerate(wg.workers):
             actors[WorkerId(pool_name, rank)] = actor

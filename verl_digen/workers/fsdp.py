@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from verl_digen.sync.state import LORA_MARKER
+from verl_digen.workers.fsdp_layout import MESH_DIM_NAMES, FsdpLayout
 
 __all__ = [
     "apply_fsdp2",
@@ -54,6 +55,9 @@ __all__ = [
     "enable_gradient_checkpointing",
     "stream_full_state",
     "is_fsdp",
+    "group_layout",
+    "reduce_torch_dtype",
+    "training_mesh",
     "shard_for_training",
     "shard_with_reference",
 ]
@@ -127,14 +131,32 @@ def enable_gradient_checkpointing(transformer: nn.Module) -> bool:
 # ---------------------------------------------------------------------- sharding
 
 
+def _mesh_device_type() -> str:
+    if not dist.is_initialized():
+        raise RuntimeError("apply_fsdp2 needs an initialised default process group (or an explicit mesh)")
+    return "cuda" if "nccl" in str(dist.get_backend()).lower() else "cpu"
+
+
 def _default_mesh():
     from torch.distributed.device_mesh import init_device_mesh
 
-    if not dist.is_initialized():
-        raise RuntimeError("apply_fsdp2 needs an initialised default process group (or an explicit mesh)")
-    backend = str(dist.get_backend()).lower()
-    device_type = "cuda" if "nccl" in backend else "cpu"
+    device_type = _mesh_device_type()
     return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def training_mesh(layout: FsdpLayout):
+    """The ``DeviceMesh`` of ``layout`` over the default process group: 1-D over every rank
+    (flat), or 2-D ``("replicate", "shard")`` whose row ``i`` is the ranks of ``layout.rows[i]``
+    (HSDP: one node's ranks; given explicitly because a pool's ranks need not fill nodes in rank
+    order). A collective: every rank of the default group builds the same mesh (subgroups)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    world = dist.get_world_size() if dist.is_initialized() else 0
+    if sum(len(r) for r in layout.rows) != world:
+        raise ValueError(f"FSDP layout of {sum(len(r) for r in layout.rows)} ranks over a process group of {world}")
+    if not layout.hsdp:
+        return _default_mesh()
+    return DeviceMesh(_mesh_device_type(), torch.tensor(layout.rows, dtype=torch.int), mesh_dim_names=MESH_DIM_NAMES)
 
 
 def apply_fsdp2(
@@ -154,15 +176,19 @@ def apply_fsdp2(
         transformer: the denoiser (LoRA already injected, ``requires_grad`` already set is
             best). Its parameters are moved to the mesh's device (``cuda`` current device for
             an NCCL mesh) and replaced, in place, by sharded ``DTensor`` parameters.
-        mesh: 1-D ``DeviceMesh`` of the data-parallel ranks; default: the whole default
-            process group, ``cuda`` for NCCL, ``cpu`` otherwise (gloo).
+        mesh: ``DeviceMesh`` of the data-parallel ranks: 1-D (flat: parameters sharded over
+            every rank) or 2-D ``("replicate", "shard")`` (HSDP, :func:`training_mesh`: sharded
+            over a row, replicated across rows; gradients reduce-scattered within the row, then
+            all-reduced across rows); default: 1-D over the whole default process group, ``cuda``
+            for NCCL, ``cpu`` otherwise (gloo).
         param_dtype: dtype parameters are all-gathered and computed in (``None``: their own,
             i.e. fp32 master weights). The sharded master copy, the gradients handed to the
             optimizer and the optimizer state stay in the parameters' original dtype. The
             root casts floating-point forward inputs to it (``cast_forward_inputs``, at the root
             only: see the body), position ids included (exact in bf16 up to 256, enough for FLUX
             up to 2048 px), unless ``cast_forward_inputs=False``.
-        reduce_dtype: dtype of the gradient reduce-scatter (fp32 recommended with bf16).
+        reduce_dtype: dtype of the gradient reduce-scatter (and of HSDP's all-reduce); ``None``:
+            the gradients' own. The reduced shard is handed back in the parameter's dtype.
         reshard_after_forward: free gathered parameters after each unit's forward (and
             re-gather in backward). ``False`` keeps them until backward: less communication,
             more memory.
@@ -223,18 +249,37 @@ def apply_fsdp2(
     return transformer
 
 
+def group_layout(node: str, *, mesh: str, reduce: str, lora: bool, weights_dtype: str) -> FsdpLayout:
+    """The FSDP layout of the default process group's ranks (a collective): every rank's ``node``
+    (where it runs: the worker's Ray node id) is gathered, and the ``digen.fsdp.mesh`` /
+    ``digen.fsdp.reduce_dtype`` settings are applied to that placement
+    (:func:`verl_digen.workers.fsdp_layout.choose_layout`). Every rank gets the same layout; a
+    placement the settings cannot use raises the same ``LayoutError`` on every rank."""
+    from verl_digen.workers.fsdp_layout import choose_layout
+
+    nodes: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(nodes, str(node))
+    return choose_layout([str(n) for n in nodes], mesh=mesh, reduce=reduce, lora=lora, weights_dtype=weights_dtype)
+
+
+def reduce_torch_dtype(layout: FsdpLayout) -> torch.dtype:
+    """The torch dtype of ``layout.reduce_dtype``."""
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[layout.reduce_dtype]
+
+
 def shard_for_training(transformer: nn.Module, *, reshard_after_forward: bool = True, mesh=None,
-                       cpu_offload: bool = False) -> nn.Module:
+                       cpu_offload: bool = False, reduce_dtype: torch.dtype = torch.float32) -> nn.Module:
     """The workers' FSDP2 sharding of a denoiser (or of its frozen KL reference): parameters
     all-gathered in the dtypes they were loaded in (bf16 base, fp32 LoRA, the fp32 modules a
     diffusers model keeps) and no input casting, so that a sharded forward is the rollout's
-    unsharded forward bit for bit; gradients reduced in fp32 and summed (each rank scales its
-    loss by its share of the step's batch)."""
+    unsharded forward bit for bit; gradients reduced in ``reduce_dtype`` (the layout's:
+    :func:`verl_digen.workers.fsdp_layout.reduce_dtype`) and summed (each rank scales its loss by
+    its share of the step's batch)."""
     return apply_fsdp2(
         transformer,
         mesh=mesh,
         param_dtype=None,
-        reduce_dtype=torch.float32,
+        reduce_dtype=reduce_dtype,
         cast_forward_inputs=False,
         reshard_after_forward=reshard_after_forward,
         grad_reduce="sum",
@@ -257,7 +302,8 @@ def meta_copy(module: nn.Module) -> nn.Module:
 
 
 def shard_with_reference(transformer: nn.Module, *, reshard_after_forward: bool = True, mesh=None,
-                         reference: bool = True, cpu_offload: bool = False) -> nn.Module | None:
+                         reference: bool = True, cpu_offload: bool = False,
+                         reduce_dtype: torch.dtype = torch.float32) -> nn.Module | None:
     """Shard ``transformer`` for training (:func:`shard_for_training`) and, with ``reference``,
     build its frozen KL reference (a full fine-tune's) from the shards: at most one dense copy of
     the model is ever on the device.
@@ -269,7 +315,8 @@ def shard_with_reference(transformer: nn.Module, *, reshard_after_forward: bool 
     no communication. Deep-copying the dense model first would hold two on each GPU at load
     (2 x 38 GiB for Qwen-Image). Returns the reference (frozen, eval) or None."""
     skeleton = meta_copy(transformer).requires_grad_(False).eval() if reference else None
-    shard_for_training(transformer, reshard_after_forward=reshard_after_forward, mesh=mesh, cpu_offload=cpu_offload)
+    shard_for_training(transformer, reshard_after_forward=reshard_after_forward, mesh=mesh, cpu_offload=cpu_offload,
+                       reduce_dtype=reduce_dtype)
     if skeleton is None:
         return None
     first = next(transformer.parameters())
@@ -293,27 +340,32 @@ def _local(t: Tensor) -> Tensor:
 
 
 def _is_row_sharded(t: Tensor) -> bool:
-    from torch.distributed.tensor import Shard
+    """FSDP2's placements: ``Shard(0)`` on a 1-D mesh (flat), or ``(Replicate(), Shard(0))`` on
+    a 2-D one (HSDP: every replica holds the whole tensor, sharded over its own ranks)."""
+    from torch.distributed.tensor import Replicate, Shard
 
+    placements = tuple(t.placements)
     return (
-        t.device_mesh.ndim == 1
-        and len(t.placements) == 1
-        and isinstance(t.placements[0], Shard)
-        and t.placements[0].dim == 0
-        and t.ndim >= 1
+        t.ndim >= 1
+        and len(placements) == t.device_mesh.ndim
+        and isinstance(placements[-1], Shard)
+        and placements[-1].dim == 0
+        and all(isinstance(p, Replicate) for p in placements[:-1])
     )
 
 
 def _gather_row_sharded(tensors: list[Tensor]) -> list[Tensor]:
-    """Full tensors of 1-D-mesh ``Shard(0)`` DTensors of one mesh and dtype: one all-gather.
+    """Full tensors of row-sharded DTensors (:func:`_is_row_sharded`) of one mesh and dtype: one
+    all-gather over the mesh's last dimension (HSDP: within this rank's replica, which holds the
+    whole tensor; nothing crosses to the other replicas).
 
     DTensor (and FSDP2) shard dim 0 like ``torch.chunk``: rank ``r`` holds rows
     ``[r*c, min((r+1)*c, n))`` with ``c = ceil(n / world)`` (possibly none). Each local shard
     is padded to ``c`` rows and all are packed into one buffer per rank.
     """
     mesh = tensors[0].device_mesh
-    world = mesh.size()
-    group = mesh.get_group()
+    world = mesh.size(mesh.ndim - 1)
+    group = mesh.get_group(mesh.ndim - 1)
     locals_ = [t.to_local() for t in tensors]
     device, dtype = locals_[0].device, locals_[0].dtype
     if mesh.device_type == "cuda" and device.type != "cuda":  # host-offloaded shards: gather on the GPU (NCCL)

@@ -408,14 +408,27 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         """FSDP2: shard the denoiser (parallelism applied in one place) and return a full
         fine-tune's frozen KL reference, built from the policy's shards (never a second dense copy
         on the GPU: :func:`~verl_digen.workers.fsdp.shard_with_reference`); None otherwise (LoRA
-        disables its adapters instead; without a KL term there is none)."""
-        from verl_digen.workers.fsdp import shard_with_reference
+        disables its adapters instead; without a KL term there is none).
+
+        The mesh and the reduction dtype are the group's layout (``digen.fsdp.mesh`` and
+        ``reduce_dtype`` applied to the Ray nodes its ranks run on: HSDP, one replica per node,
+        when they span several with as many on each), the one the memory planner and the cost
+        model charge (:mod:`verl_digen.workers.fsdp_layout`)."""
+        import ray
+
+        from verl_digen.models.base import resolve_dtype
+        from verl_digen.workers.fsdp import group_layout, reduce_torch_dtype, shard_with_reference, training_mesh
 
         self._check_fsdp_trainable_dtypes()
-        kl_reference = self.cfg.algo.kl_beta > 0 and not self.cfg.model.lora.enable
+        lora = self.cfg.model.lora.enable
+        weights = resolve_dtype(self.cfg.model.dtype, compute_device())
+        self.fsdp_layout = group_layout(ray.get_runtime_context().get_node_id(), mesh=self.cfg.fsdp.mesh,
+                                        reduce=self.cfg.fsdp.reduce_dtype, lora=lora,
+                                        weights_dtype="bf16" if weights == torch.bfloat16 else "fp32")
+        kl_reference = self.cfg.algo.kl_beta > 0 and not lora
         return shard_with_reference(self.adapter.transformer, reshard_after_forward=self.cfg.fsdp.reshard_after_forward,
-                                    cpu_offload=self.cfg.fsdp.param_offload,
-                                    reference=kl_reference)
+                                    cpu_offload=self.cfg.fsdp.param_offload, mesh=training_mesh(self.fsdp_layout),
+                                    reduce_dtype=reduce_torch_dtype(self.fsdp_layout), reference=kl_reference)
 
     def _train_settings(self) -> TrainSettings:
         """What the updater needs of the run: the loss, the sampler's settings (it recomputes the

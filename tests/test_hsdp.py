@@ -1,0 +1,230 @@
+"""HSDP (FSDP2 over a 2-D ``("replicate", "shard")`` mesh) for trainer pools that span nodes, and
+the gradient reduction dtype: the layout each placement gets, the same training as flat FSDP,
+sharded checkpoints that resume bitwise, and what the cost model and memory planner charge.
+
+The rank tests run 4 gloo processes on CPU as 2 "nodes" of 2 (each rank names its node; Ray's
+node id in a worker); node membership is interleaved (ranks 0 and 2 on one node) because a pool's
+ranks need not fill nodes in rank order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runs import run_ranks
+from test_fsdp import TinyDenoiser, full_params, make_data, max_diff, per_sample_loss
+from verl_digen.config.schema import ConfigError
+from verl_digen.workers.fsdp_layout import (
+    choose_layout,
+    mesh_shape,
+    reduce_buffer_bytes,
+    reduce_dtype,
+    reduce_traffic,
+)
+
+WORLD = 4
+N_PER_RANK = 3
+# Flat and HSDP sum the same four fp32 gradients in a different order (one ring over four ranks;
+# two rings of two, then an all-reduce of the two partial sums): the sums differ in the last bit
+# (relative 2**-24 of gradients of order 1), and two AdamW steps at lr 1e-2 move a weight by
+# lr x m / sqrt(v), in which such a difference is a relative 1e-7 at most: 1e-6 is 10x that.
+FP32_TOL = 1e-6
+
+
+# ---------------------------------------------------------------------- layout (fast)
+
+
+def test_two_nodes_give_hsdp_with_one_replica_per_node():
+    layout = choose_layout(["a", "b", "a", "b"], mesh="auto", reduce="auto", lora=False, weights_dtype="bf16")
+    assert layout.hsdp and (layout.replicas, layout.shard) == (2, 2)
+    assert layout.rows == ((0, 2), (1, 3))  # rows are nodes, whatever the rank order
+    assert layout.reduce_dtype == "bf16"
+
+
+def test_one_node_or_uneven_nodes_stay_flat_under_auto():
+    one = choose_layout(["a"] * 4, mesh="auto", reduce="auto", lora=False, weights_dtype="bf16")
+    assert not one.hsdp and one.rows == ((0, 1, 2, 3),)
+    assert mesh_shape([8, 2], "auto") == (1, 10)
+    assert mesh_shape([6, 6], "flat") == (1, 12)
+    assert mesh_shape([6, 6], "auto") == (2, 6)
+
+
+def test_forced_hsdp_that_cannot_be_built_names_the_key_and_the_fix():
+    with pytest.raises(ConfigError, match=r"digen\.fsdp\.mesh=hsdp.*\[8, 2\] per node.*digen\.pools\.trainer"):
+        mesh_shape([8, 2], "hsdp")
+    with pytest.raises(ConfigError, match=r"digen\.fsdp\.mesh=hsdp.*one node"):
+        mesh_shape([4], "hsdp")
+    with pytest.raises(ConfigError, match=r"digen\.fsdp\.mesh='ring'"):
+        mesh_shape([4], "ring")
+
+
+def test_reduce_dtype_is_bf16_only_for_a_bf16_full_fine_tune_and_refused_for_lora():
+    assert reduce_dtype("auto", lora=False, weights_dtype="bf16") == "bf16"
+    assert reduce_dtype("auto", lora=False, weights_dtype="fp32") == "fp32"
+    assert reduce_dtype("auto", lora=True, weights_dtype="bf16") == "fp32"
+    assert reduce_dtype("fp32", lora=False, weights_dtype="bf16") == "fp32"
+    with pytest.raises(ConfigError, match=r"digen\.fsdp\.reduce_dtype=bf16 with digen\.model\.lora\.enable=true"):
+        reduce_dtype("bf16", lora=True, weights_dtype="bf16")
+
+
+def test_config_validates_the_fsdp_keys():
+    from verl_digen.config import digen_config_from_dict
+
+    with pytest.raises(ConfigError, match=r"digen\.fsdp\.mesh='2d'"):
+        digen_config_from_dict({"fsdp": {"enable": True, "mesh": "2d"}})
+    with pytest.raises(ConfigError, match=r"digen\.fsdp\.reduce_dtype=bf16"):
+        digen_config_from_dict({"fsdp": {"enable": True, "reduce_dtype": "bf16"}, "model": {"lora": {"enable": True}}})
+
+
+def test_a_trainer_pool_that_cannot_be_hsdp_is_refused_before_anything_starts():
+    from verl_digen.config import digen_config_from_dict
+    from verl_digen.placement.pools import ClusterSpec, pool_layout
+
+    digen = {"placement": "disaggregated", "fsdp": {"enable": True, "mesh": "hsdp"},
+             "pools": {"rollout": {"devices": 2}, "trainer": {"devices": 10}},
+             "batch": {"group_size": 8, "groups_per_step": 10, "train_micro_batch_groups": 5}}
+    cfg = digen_config_from_dict(digen)
+    with pytest.raises(ConfigError, match=r"digen\.fsdp\.mesh=hsdp.*\[8, 2\]"):
+        pool_layout(cfg, ClusterSpec(n_devices_per_node=8, nnodes=2))
+    # the trainer pool packed first on whole nodes: 8 + 8, HSDP 2 x 8
+    digen["pools"]["trainer"], digen["batch"]["train_micro_batch_groups"] = {"devices": 16}, 2
+    layout = pool_layout(digen_config_from_dict(digen), ClusterSpec(n_devices_per_node=8, nnodes=3))
+    assert mesh_shape(layout.pools["trainer"][0], "hsdp") == (2, 8)
+
+
+def test_reduce_traffic_and_buffers():
+    p = 1_000_000
+    flat = reduce_traffic(p, replicas=1, shard=12, reduce_bytes=4)
+    assert flat.reduce_scatter == pytest.approx(4 * p * 11 / 12) and flat.all_reduce == 0
+    hsdp = reduce_traffic(p, replicas=2, shard=6, reduce_bytes=2)
+    assert hsdp.reduce_scatter == pytest.approx(2 * p * 5 / 6)
+    assert hsdp.all_reduce == pytest.approx(2 * (1 / 2) * 2 * p / 6)
+    assert reduce_buffer_bytes(p, replicas=2, shard=6, reduce_bytes=2) == pytest.approx(2 * p * (1 + 1 / 6))
+    assert reduce_buffer_bytes(p, replicas=1, shard=1, reduce_bytes=4) == 0
+
+
+# ---------------------------------------------------------------------- 4 gloo ranks as 2 nodes x 2
+
+
+def _build(layout, seed: int, dtype=torch.float32):
+    from verl_digen.workers.fsdp import reduce_torch_dtype, shard_for_training, training_mesh
+
+    torch.manual_seed(seed)
+    model = TinyDenoiser().to(dtype)
+    shard_for_training(model, mesh=training_mesh(layout), reduce_dtype=reduce_torch_dtype(layout))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _train_step(model, opt, rank: int, world: int, step: int) -> None:
+    """One optimizer step: each rank's loss is its share of the global batch's mean (the workers'
+    sum reduction)."""
+    x, y = make_data(N_PER_RANK, seed=100 * step + rank)
+    x, y = x.to(next(model.parameters()).dtype), y.to(next(model.parameters()).dtype)
+    (per_sample_loss(model, x, y).sum() / (N_PER_RANK * world)).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _full_grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.full_tensor().float() for n, p in model.named_parameters()}
+
+
+def _scenario_hsdp(rank: int, world: int) -> dict:
+    import tempfile
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate, Shard
+
+    from verl_digen.workers.fsdp import group_layout, stream_full_state
+    from verl_digen.workers.sharded_state import load_rank_state, save_rank_state
+
+    node = f"node-{rank % 2}"
+    hsdp = group_layout(node, mesh="auto", reduce="auto", lora=False, weights_dtype="fp32")
+    flat = group_layout(node, mesh="flat", reduce="auto", lora=False, weights_dtype="fp32")
+    out: dict = {"rows": hsdp.rows, "flat_rows": flat.rows, "reduce": hsdp.reduce_dtype}
+
+    # The same two AdamW steps, flat and HSDP.
+    a, a_opt = _build(hsdp, seed=0)
+    b, b_opt = _build(flat, seed=0)
+    w = a.transformer_blocks[0].proj.weight
+    out["placements"] = [type(p).__name__ for p in w.placements]
+    out["shard_dims"] = [p.dim for p in w.placements if isinstance(p, Shard)]
+    out["replicated"] = any(isinstance(p, Replicate) for p in w.placements)
+    out["local_rows"] = w.to_local().shape[0]
+    for step in range(2):
+        _train_step(a, a_opt, rank, world, step)
+        _train_step(b, b_opt, rank, world, step)
+    out["hsdp_vs_flat"] = max_diff(full_params(a), full_params(b))
+    streamed = {n: t.clone() for n, t in stream_full_state(a, lora_only=False)}
+    whole = a.state_dict()
+    out["stream_bitwise"] = sorted(streamed) == sorted(whole) and all(
+        torch.equal(streamed[n], whole[n].full_tensor()) for n in whole)
+
+    # A sharded checkpoint of the HSDP ranks after step 2; step 3 straight on, and from the checkpoint.
+    box = [tempfile.mkdtemp(prefix="hsdp_ckpt_") if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    kwargs = dict(ema=None, lora_only=False, rank=rank, group=dist.group.WORLD)
+    save_rank_state(box[0], module=a, optimizer=a_opt, version=2, **kwargs)
+    saved = full_params(a)
+    _train_step(a, a_opt, rank, world, 2)
+    c, c_opt = _build(hsdp, seed=1)
+    load_rank_state(box[0], module=c, optimizer=c_opt, **kwargs)
+    _train_step(c, c_opt, rank, world, 2)
+    out["resumed_bitwise"] = all(torch.equal(x, y) for x, y in zip(full_params(a).values(), full_params(c).values()))
+    d, d_opt = _build(flat, seed=1)  # the same checkpoint resharded onto a flat layout
+    load_rank_state(box[0], module=d, optimizer=d_opt, **kwargs)
+    out["flat_load_bitwise"] = all(torch.equal(saved[n], t) for n, t in full_params(d).items())
+
+    # bf16 weights: a bf16 reduction (HSDP, auto) against an fp32 one (flat), one backward.
+    half = group_layout(node, mesh="auto", reduce="auto", lora=False, weights_dtype="bf16")
+    half_fp32 = group_layout(node, mesh="flat", reduce="fp32", lora=False, weights_dtype="bf16")
+    out["bf16_reduce"] = half.reduce_dtype
+    e, _ = _build(half, seed=0, dtype=torch.bfloat16)
+    f, _ = _build(half_fp32, seed=0, dtype=torch.bfloat16)
+    policy = e._get_fsdp_state()._fsdp_param_group.mp_policy
+    out["policy_reduce"] = str(policy.reduce_dtype)
+    for m in (e, f):
+        x, y = make_data(N_PER_RANK, seed=rank)
+        (per_sample_loss(m, x.bfloat16(), y.bfloat16()).sum() / (N_PER_RANK * world)).backward()
+    ge, gf = _full_grads(e), _full_grads(f)
+    out["grad_dtype"] = str(next(e.parameters()).grad.dtype)
+    out["bf16_rel"] = max(float((ge[n] - gf[n]).abs().max() / gf[n].abs().max().clamp_min(1e-12)) for n in gf)
+    return out
+
+
+@pytest.fixture(scope="module")
+def hsdp_ranks() -> dict:
+    return run_ranks(_scenario_hsdp, world=WORLD)
+
+
+@pytest.mark.e2e
+def test_the_mesh_is_one_replica_per_node_sharded_within_it(hsdp_ranks):
+    r = hsdp_ranks[0]
+    assert r["rows"] == ((0, 2), (1, 3)) and r["flat_rows"] == ((0, 1, 2, 3),)
+    assert r["placements"] == ["Replicate", "Shard"] and r["shard_dims"] == [0]
+    # DIM=5 rows over the 2 ranks of a node: 3 + 2 (flat over 4 would be 2, 2, 1, 0)
+    assert sorted(hsdp_ranks[k]["local_rows"] for k in range(WORLD)) == [2, 2, 3, 3]
+
+
+@pytest.mark.e2e
+def test_hsdp_trains_as_flat_fsdp_in_fp32(hsdp_ranks):
+    for r in hsdp_ranks.values():
+        assert r["reduce"] == "fp32"
+        assert r["hsdp_vs_flat"] <= FP32_TOL, r["hsdp_vs_flat"]
+        assert r["stream_bitwise"]
+
+
+@pytest.mark.e2e
+def test_a_sharded_checkpoint_of_hsdp_ranks_resumes_bitwise_and_loads_flat(hsdp_ranks):
+    for r in hsdp_ranks.values():
+        assert r["resumed_bitwise"]
+        assert r["flat_load_bitwise"]
+
+
+@pytest.mark.e2e
+def test_a_bf16_full_fine_tune_reduces_in_bf16_within_bf16_rounding(hsdp_ranks):
+    for r in hsdp_ranks.values():
+        assert r["bf16_reduce"] == "bf16" and r["policy_reduce"] == "torch.bfloat16" and r["grad_dtype"] == "torch.bfloat16"
+        # 4 bf16 partial sums (relative rounding 2**-9 each) against one rounding of the fp32 sum
+        assert r["bf16_rel"] <= 4 * 2.0**-8, r["bf16_rel"]
