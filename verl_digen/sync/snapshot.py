@@ -187,7 +187,16 @@ class HostSnapshot:
 
     @torch.no_grad()
     def capture(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy a state in (the caller makes sure nobody reads the previous one meanwhile)."""
+        """Copy a state in (the caller makes sure nobody reads the previous one meanwhile).
+
+        A lazy stream may free a source once it has yielded it (``record_stream``: its memory
+        is handed out again only after its copy has run), but must not write into it again
+        before this returns: the copy may not have run yet, and :func:`iter_buckets` reads one
+        tensor ahead. A producer faster than the copies (an all-gather over NVLink, a copy over
+        PCIe) so keeps the memory of several buckets busy meanwhile; when the device runs short,
+        the caching allocator waits for the copies' events before it frees cached blocks, so
+        that costs a stall, not an out-of-memory error.
+        """
         self.wait()
         parts: list[tuple[list[torch.Tensor], FlatMetadata]] = []
         pinned: list[bool] = []
