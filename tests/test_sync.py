@@ -555,6 +555,30 @@ def test_digen_gloo_checkpoint_engine_protocol() -> None:
         e._close_channel()
 
 
+def test_digen_gloo_master_holds_the_port_it_reports_until_its_channel_opens() -> None:
+    """prepare() used to report a port found free and released, bound only at
+    init_process_group: another process could take it in between. The master now listens on
+    it from prepare() on."""
+    import socket
+
+    from verl.checkpoint_engine import CheckpointEngineRegistry
+
+    import verl_digen.sync.checkpoint_engine  # noqa: F401  (registers the backend)
+
+    master = CheckpointEngineRegistry.new("digen_gloo", bucket_size=1 << 20, is_master=True)
+    endpoint = master.prepare()
+    addr, port = endpoint["master_addr"], endpoint["master_port"]
+    other = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        with pytest.raises(OSError):
+            other.bind((addr, port))
+            other.listen(1)
+    finally:
+        other.close()
+        if master._listener is not None:
+            master._listener.close()
+
+
 # ----------------------------------------------------------------------------------------
 # NCCL (GPU machines only; deselected by default through `-m 'not gpu'`)
 # ----------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
-from verl_digen.sync.transport import SyncStats, WeightChannel, find_free_port, node_ip_address
+from verl_digen.sync.transport import SyncStats, WeightChannel, listen_on_free_port, node_ip_address
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +81,7 @@ class DigenGlooCheckpointEngine(CheckpointEngine):
         self.rank: int | None = None
         self.world_size: int | None = None
         self._endpoint: tuple[str, int] | None = None  # master only: where the store listens
+        self._listener = None  # master only: the socket listening at _endpoint until the channel takes it
         self._channel: WeightChannel | None = None
         self._channel_key: tuple[int, int, str, int] | None = None
         self._next_version = 0  # used when the caller gives no global_steps
@@ -94,7 +95,12 @@ class DigenGlooCheckpointEngine(CheckpointEngine):
         if not self.is_master:
             return {}
         if self._endpoint is None or self._channel is None:
-            self._endpoint = (node_ip_address(), find_free_port())
+            # Held from now on (a port found free and bound at init_process_group could be taken in between)
+            addr = node_ip_address()
+            if self._listener is not None:
+                self._listener.close()
+            self._listener = listen_on_free_port(addr)
+            self._endpoint = (addr, int(self._listener.getsockname()[1]))
         addr, port = self._endpoint
         return {"master_addr": addr, "master_port": port}
 
@@ -125,6 +131,9 @@ class DigenGlooCheckpointEngine(CheckpointEngine):
         if self._channel is not None and not self._channel.closed and self._channel_key == key:
             return
         self._close_channel()
+        listener = None
+        if rank == 0 and self._listener is not None and self._listener.getsockname()[1] == int(master_port):
+            listener, self._listener = self._listener, None
         self._channel = WeightChannel(
             "gloo",
             rank,
@@ -133,6 +142,7 @@ class DigenGlooCheckpointEngine(CheckpointEngine):
             int(master_port),
             timeout_s=self.timeout_s,
             bucket_bytes=self.bucket_size,
+            listen_sock=listener,
         )
         self._channel_key = key
 
