@@ -453,9 +453,19 @@ def load_scheduler_config(path: str) -> dict:
     return dict(FlowMatchEulerDiscreteScheduler.load_config(path, subfolder="scheduler"))
 
 
-def load_component(component_cls: type, path: str, subfolder: str, dtype: torch.dtype | None = None):
+def load_component(component_cls: type, path: str, subfolder: str, dtype: torch.dtype | None = None,
+                   device: torch.device | str | None = None):
     """``component_cls.from_pretrained(path, subfolder=subfolder)`` in ``dtype`` (models only:
-    diffusers models take it as ``torch_dtype``, transformers models as ``dtype``; tokenizers none).
+    diffusers models take it as ``torch_dtype``, transformers models as ``dtype``; tokenizers none),
+    straight onto ``device`` when given.
+
+    Straight onto the device: the library builds the model on the meta device and assigns each
+    checkpoint shard's tensors to ``device`` as it reads them (``device_map``; diffusers also
+    needs ``low_cpu_mem_usage=True``, transformers always loads so), so the host holds about one
+    shard at a time, not the whole model and then a copy on its way to the GPU: eight workers of
+    a node loading a 40 GB transformer would otherwise need 320 GB of host RAM at once. The memory
+    planner charges a shard per worker (memory/plan.py: LOAD_SHARD_BYTES). The tensors are the
+    same ones the checkpoint holds, cast to ``dtype`` as before.
 
     Raises ``FileNotFoundError`` naming the component when ``path`` has no such subfolder,
     rather than the loaders' "no file named ... in directory <path>".
@@ -469,11 +479,18 @@ def load_component(component_cls: type, path: str, subfolder: str, dtype: torch.
             f"model path '{path}' has no '{subfolder}' folder: the {component_cls.__name__} component "
             "is missing (expected a complete diffusers-format directory)"
         )
-    if dtype is None or not issubclass(component_cls, torch.nn.Module):
+    if not issubclass(component_cls, torch.nn.Module):
         return component_cls.from_pretrained(path, subfolder=subfolder)
+    placed = {} if device is None else {"device_map": str(torch.device(device))}
     if issubclass(component_cls, ModelMixin):
-        return component_cls.from_pretrained(path, subfolder=subfolder, torch_dtype=dtype)
-    return component_cls.from_pretrained(path, subfolder=subfolder, dtype=dtype)
+        if placed:
+            placed["low_cpu_mem_usage"] = True
+        if dtype is None:
+            return component_cls.from_pretrained(path, subfolder=subfolder, **placed)
+        return component_cls.from_pretrained(path, subfolder=subfolder, torch_dtype=dtype, **placed)
+    if dtype is None:
+        return component_cls.from_pretrained(path, subfolder=subfolder, **placed)
+    return component_cls.from_pretrained(path, subfolder=subfolder, dtype=dtype, **placed)
 
 
 def load_components(
@@ -489,8 +506,8 @@ def load_components(
     ``scheduler_config``.
 
     A ``None`` class is an absent optional component (its value is ``None``). Models are loaded
-    in ``dtype`` (those named in ``keep_fp32`` in float32), moved to ``device`` and put in eval
-    mode; every model but the ``transformer`` is frozen (no grads). The transformer keeps
+    in ``dtype`` (those named in ``keep_fp32`` in float32) straight onto ``device`` and put in
+    eval mode; every model but the ``transformer`` is frozen (no grads). The transformer keeps
     ``requires_grad`` as loaded: the trainer decides what to train (full, LoRA, ...).
     """
     components: dict[str, object] = {}
@@ -500,11 +517,11 @@ def load_components(
             continue
         is_model = issubclass(component_cls, torch.nn.Module)
         module_dtype = (torch.float32 if name in keep_fp32 else dtype) if is_model else None
-        module = load_component(component_cls, path, name, module_dtype)
+        module = load_component(component_cls, path, name, module_dtype, device if is_model else None)
         if is_model:
             if name != "transformer":
                 module.requires_grad_(False)
-            module.to(device).eval()
+            module.to(device).eval()  # a no-op for what device_map placed; buffers made outside the checkpoint too
         components[name] = module
     components["scheduler_config"] = load_scheduler_config(path)
     return components
