@@ -72,12 +72,14 @@ def test_first_training_step_sees_ratio_one_and_no_clipping(tiny_flux):
 
 def test_a_group_is_the_same_trajectory_whichever_batch_samples_it(tiny_flux):
     adapter = load_adapter(tiny_flux)
-    settings = _settings()
+    # a window from step 0: the trajectory carries x_0, the noise, as its first latent
+    settings = _settings(window=SdeWindowConfig(mode="fixed", start=0, size=3))
     alone = _sample(adapter, settings, groups=(1,))
     together = _sample(adapter, settings, groups=(0, 1))
     rows = [i for i, g in enumerate(together.non_tensor_batch["group_id"]) if g == 1]
     # Different forward batch sizes may round differently; the noise is identical.
     torch.testing.assert_close(together.batch["latents"][rows], alone.batch["latents"], atol=1e-5, rtol=1e-5)
+    assert together.batch["latent_steps"][0, 0] == 0
     assert torch.equal(together.batch["latents"][rows, 0], alone.batch["latents"][:, 0])
 
 

@@ -56,7 +56,8 @@ def test_a_denoising_loop_reads_its_trajectory_back_once(arch, guidance, tiny_fl
         a, b = finish_groups(adapter, state, settings), finish_groups(adapter, staged, settings)
         assert torch.equal(a.batch["latents"], b.batch["latents"])
         assert torch.equal(a.batch["log_probs"], b.batch["log_probs"])
-        assert a.batch["latents"].device.type == "cpu" and a.batch["latents"].shape[1] == steps + 1
+        # the window is steps 1-3: the trajectory carries their inputs and outputs, x_1 .. x_4
+        assert a.batch["latents"].device.type == "cpu" and a.batch["latent_steps"][0].tolist() == [1, 2, 3, 4]
 
 
 def test_validation_sampling_reads_the_latents_back_once(tiny_flux):

@@ -22,6 +22,7 @@ from typing import Any
 
 from verl_digen.config.compose import CONFIG_DIR, CONFIG_NAME
 from verl_digen.config.schema import ConfigError
+from verl_digen.sim.object_store import describe as object_store_lines
 from verl_digen.sim.deadlines import check_lines as check_deadlines
 
 
@@ -54,6 +55,7 @@ def summary(checked: Any) -> list[str]:
         lines.append(f"memory: {plan.role} peaks at {plan.peak_bytes / GIB:.1f} GiB of {plan.device_gib:g} GiB per GPU "
                      f"({100 * plan.headroom:.0f}% free) in its {plan.phase} phase, {plan.devices} GPU(s)")
     lines.extend(check_deadlines(checked))
+    lines.extend(object_store_lines(cfg, checked.model_path))
     return lines
 
 

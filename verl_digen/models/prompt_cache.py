@@ -150,6 +150,12 @@ def _tensor_digest(tensors: Mapping[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def prompt_cache_of(adapter: DiffusionAdapter) -> "PromptEmbeddingCache | None":
+    """The cache serving ``adapter.encode_prompts`` (:meth:`PromptEmbeddingCache.install`), or None."""
+    owner = getattr(getattr(adapter, "encode_prompts", None), "__self__", None)
+    return owner if isinstance(owner, PromptEmbeddingCache) else None
+
+
 class PromptEmbeddingCache:
     """Per-prompt cache of an adapter's ``encode_prompts`` output, in memory (LRU) and on disk.
 
@@ -192,6 +198,8 @@ class PromptEmbeddingCache:
         self._encode_fn = adapter.encode_prompts  # the adapter's own encoder, bound now
         self._memory: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
         self._layout: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
+        # SHA-256 of each prompt's row as served (digest()); dropped when the prompt is encoded again
+        self._digests: dict[str, str] = {}
         self._warmed: dict[str, None] = {}  # insertion-ordered set of the prompts given to warm()
         self._released = False
         self._lock = threading.RLock()
@@ -212,9 +220,10 @@ class PromptEmbeddingCache:
 
     # ------------------------------------------------------------------ public API
 
-    def encode(self, prompts: list[str]) -> Conditioning:
+    def encode(self, prompts: list[str], *, device: torch.device | str | None = None) -> Conditioning:
         """``adapter.encode_prompts(prompts)`` served from the cache: the misses are encoded in one
-        batched call, the result is in request order on the adapter's device."""
+        batched call, the result is in request order on the adapter's device (or ``device``: the
+        trainer takes host rows, copied in asynchronously per pass)."""
         prompts = self._check_prompts(prompts)
         with self._lock:
             self._stats["requests"] += 1
@@ -222,10 +231,26 @@ class PromptEmbeddingCache:
             rows = self._resolve(list(dict.fromkeys(prompts)), batch_size=None)
             keys = list(rows[prompts[0]])
             out = {k: torch.cat([rows[p][k] for p in prompts], dim=0) for k in keys}
-        device = self.adapter.device
+        device = self.adapter.device if device is None else device
         return {k: v.to(device) for k, v in out.items()}
 
     __call__ = encode
+
+    def digest(self, prompt: str) -> str:
+        """SHA-256 of the row :meth:`encode` serves for ``prompt`` (its tensors' bytes, keys,
+        dtypes and shapes): equal in two processes iff they serve the same row bit for bit. A
+        trajectory carries it instead of the row (``workers/sampling.py``); computed once per
+        prompt and kept (64 bytes), until the prompt is encoded again."""
+        with self._lock:
+            known = self._digests.get(prompt)
+            if known is None:
+                # the row just served is in memory (not counted as a lookup: the request was);
+                # else on disk, else encoded as encode() would
+                row = self._memory.get(prompt) or self._load(prompt)
+                if row is None:
+                    row = self._resolve([self._check_prompts(prompt)[0]], batch_size=None)[prompt]
+                known = self._digests[prompt] = _tensor_digest(row)
+            return known
 
     def warm(self, prompts: Iterable[str], *, batch_size: int | None = None) -> int:
         """Make every prompt of ``prompts`` cached (encoding the misses ``batch_size`` at a time;
@@ -364,6 +389,7 @@ class PromptEmbeddingCache:
             for start in range(0, len(missing), step):
                 chunk = missing[start : start + step]
                 for p, row in zip(chunk, self._encode_batch(chunk)):
+                    self._digests.pop(p, None)  # a new encode may differ in the last bits
                     self._remember(p, row)
                     self._store(p, row)
                     if rows is not None:

@@ -768,6 +768,24 @@ class CostModel:
 
     def train_group(self, cluster: Cluster) -> TrainGroup:
         return _memoised(self._group_memo, cluster, self._train_group)
+    def object_store_bytes(self) -> int | None:
+        """Bytes of one step's trajectory records (``sim/object_store.py``: each trained step's
+        latents, the uint8 pixels; text embeddings not counted, a run with a prompt cache carries
+        none), from the family's real configs; None for a model profile without a family."""
+        from verl_digen.sim.object_store import latent_elements, trajectory_bytes
+
+        w, family = self.workload, self.model.family
+        if not family:
+            return None
+        window = w.sde_window or w.num_steps
+        trained = w.trained_steps
+        # a whole window is consecutive steps (window + 1 latents); a subsampled one at most 2 per step
+        carried = window + 1 if trained >= window else min(2 * trained, window + 1)
+        sample = trajectory_bytes(num_steps=w.num_steps, carried=carried,
+                                  latent_elements=latent_elements(family, None, "bf16", w.height, w.width, w.frames),
+                                  pixel_elements=3 * w.frames * w.height * w.width)
+        return sample.total * w.group_size * w.groups_per_step
+
 
     def _train_group(self, cluster: Cluster) -> TrainGroup:
         group = self._plain_train_group(cluster)

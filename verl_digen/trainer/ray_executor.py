@@ -80,6 +80,7 @@ class StepResults:
     train: list[TrainResult] = field(default_factory=list)
     optimizer: list[OptimizerResult] = field(default_factory=list)  # one per PPO mini-batch
     sync: list[SyncResult] = field(default_factory=list)
+    trajectory_bytes: int = 0  # measured bytes of the step's generate outputs (RewardResult.trajectory_bytes)
 
 
 class RayPlanExecutor(PlanRunner):
@@ -315,6 +316,7 @@ class RayPlanExecutor(PlanRunner):
             # The step's trajectories are trained: free them from the object store.
             for g in [g for g, tids in self.gen_of_group.items() if self.plan[tids[0]].step == task.step]:
                 for tid in self.gen_of_group.pop(g):
+            res.trajectory_bytes += out.trajectory_bytes
                     self.outputs.pop(tid, None)
                 for key in [k for k in self.chunk_refs if k[0] == g]:
                     del self.chunk_refs[key]
@@ -350,3 +352,5 @@ class RayPlanExecutor(PlanRunner):
         m["actor/optimizer_steps"] = len(res.optimizer)
         m["policy_version"] = step + 1
         return m
+        if res.trajectory_bytes:  # real workers measure it (emulated ones carry no trajectories)
+            m["perf/object_store_bytes"] = res.trajectory_bytes

@@ -5,16 +5,28 @@ seeded from ``(seed, group_id, sample index)``, so a sample is the same trajecto
 worker samples it, in whatever order, and whatever slice of its group it is sampled with: this
 is what makes GAP, TSP, TAG and groups split over several rollout workers exact.
 
-The record of a trajectory (what the trainer needs to recompute each trained step):
+The record of a trajectory is what its readers read, and no more: it crosses the Ray object store
+from the rollout to the reward and to the trainer (1-9 GB a step at real video sizes when it held
+every step's latents and the text embeddings). With ``K`` latents carried (:func:`carried_latent_steps`):
 
-- ``latents``   ``[B, S+1, *latent]``  x_0 (noise) ... x_S, model space, fp32
+- ``latents``      ``[B, K, *latent]``  x_i for each i of ``latent_steps``: each trained step j's input
+                                          x_j and output x_{j+1} (the loss's transition), model space, fp32
+- ``latent_steps`` ``[B, K]``          int64, which x_i each column of ``latents`` is (:func:`step_latents`)
 - ``log_probs`` ``[B, S]``             behaviour log-prob of each SDE step (0 for ODE steps)
 - ``sigmas``    ``[B, S+1]``           noise levels
 - ``sde_mask``  ``[B, S]``             steps inside the SDE window (stochastic, log-prob recorded)
 - ``train_mask`` ``[B, S]``            steps that are trained (SDE window, subsampled)
-- ``images``    ``[B, 3, H, W]``       decoded pixels, uint8 in [0, 255] (video: ``[B, 3, F, H, W]``)
+- ``images``    ``[B, 3, H, W]``       decoded pixels, uint8 in [0, 255] (video: ``[B, 3, F, H, W]``), the reward's
 - ``cond`` / ``neg``                   conditioning (and CFG negative): nested tables of ``[B, ...]``
-                                        tensors, one per name the adapter's ``encode_prompts`` gives
+                                        tensors, one per name the adapter's ``encode_prompts`` gives;
+                                        only when the rollout has no prompt cache. With one
+                                        (``digen.prompt_cache.enable``) the trainer reads each row's
+                                        embeddings from its own cache by prompt (and ``negative_prompt``),
+                                        the same rows bit for bit (checked: ``cond_digest`` /
+                                        ``neg_digest``, :func:`conditioning_from`). Without a cache
+                                        they travel: re-encoding on the trainer would not be exact
+                                        (an encoder's row can depend on its batch, e.g. SD3's CLIP
+                                        projection, Qwen-Image's padding to the longest prompt).
 
 The same functions sample deterministically for validation (``begin_groups(..., ode=True)``):
 every step is an Euler ODE step and only the newest latents are kept; :func:`decode_groups`
@@ -75,6 +87,31 @@ def step_plan(settings: SamplingSettings, *, training_step: int, seed: int) -> t
     gen = torch.Generator().manual_seed(group_seed(seed, -1 - training_step))
     trained = subsample_timesteps(window, settings.timestep_fraction, generator=gen)
     return window, trained
+
+
+def carried_latent_steps(trained: Sequence[int]) -> list[int]:
+    """The latents a trajectory carries: x_j and x_{j+1} of every trained step j, ascending
+    (the trained steps of a window are consecutive, so ``len(trained) + 1`` of them then)."""
+    return sorted({i for j in trained for i in (j, j + 1)})
+
+
+def held_steps(trained: Sequence[int], next_step: int) -> list[int]:
+    """The latents a :class:`GroupsInFlight` holds once steps ``[0, next_step)`` are taken: the
+    carried ones reached so far and the newest, x_{next_step} (the next step's input)."""
+    return sorted({i for i in carried_latent_steps(trained) if i < next_step} | {next_step})
+
+
+def step_latents(data: DataProto, i: int, rows: slice | list[int] = slice(None)) -> torch.Tensor:
+    """x_i ``[rows, *latent]`` of a trajectory record (every row carries the same steps)."""
+    steps = data.batch["latent_steps"]
+    if not torch.equal(steps, steps[:1].expand_as(steps)):
+        raise ValueError("the rows of a micro-batch carry the latents of different steps (different training "
+                         "steps' trajectories): every sample of a micro-batch must train the same steps")
+    where = torch.nonzero(steps[0] == i).flatten()
+    if not len(where):
+        raise ValueError(f"the trajectory carries no x_{i}: only x_i for i in {steps[0].tolist()} (the input and "
+                         "output latents of its trained steps)")
+    return data.batch["latents"][rows, int(where[0])]
 
 
 def velocity_in_chunks(
@@ -202,8 +239,11 @@ class GroupsInFlight:
 
     ``request`` is the request itself (not a copy of its fields). Everything is on CPU so it can
     travel between processes (Ray object store); the generators travel as their states, so stage
-    k+1 draws exactly the noise a single worker would have drawn. The latents are kept as blocks
-    ``[k, B, ...]``, one per :func:`denoise` call (its steps, read back from the device at once).
+    k+1 draws exactly the noise a single worker would have drawn. ``latents`` holds, in blocks
+    ``[k, B, ...]`` along the first dimension, x_i for each i of
+    ``held_steps(trained, next_step)``: the latents the trajectory will carry that are reached
+    so far, and the newest; the others are dropped as each :func:`denoise` call reads its steps
+    back, so neither a TSP stage's hand-over nor a worker's host memory holds all S+1.
     """
 
     request: GroupRequest
@@ -212,7 +252,7 @@ class GroupsInFlight:
     cond: Conditioning
     neg: Conditioning | None
     sigmas: torch.Tensor  # [S+1]
-    latents: list[torch.Tensor]  # x_0 .. x_t in blocks [k, B, ...] (ode: one block of the newest)
+    latents: list[torch.Tensor]  # x_i, i in held_steps(trained, next_step), in blocks [k, B, ...] (ode: the newest)
     log_probs: torch.Tensor  # [B, S]
     generator_states: list[torch.Tensor]
     next_step: int = 0  # the first denoising step not yet taken
@@ -236,9 +276,9 @@ def _encoders_on_device(adapter: DiffusionAdapter):
     encoders would cross the host link both ways on every generate call)."""
     from contextlib import nullcontext
 
-    from verl_digen.models.prompt_cache import PromptEmbeddingCache
+    from verl_digen.models.prompt_cache import prompt_cache_of
 
-    if isinstance(getattr(adapter.encode_prompts, "__self__", None), PromptEmbeddingCache):
+    if prompt_cache_of(adapter) is not None:
         return nullcontext()
     return onloaded(adapter, adapter.text_encoder_names)
 
@@ -312,6 +352,7 @@ class _DeviceRecord:
     ``samples * num_steps`` log-probs)."""
 
     def __init__(self, x: torch.Tensor, steps: range, sde_steps: list[int], *, ode: bool) -> None:
+        self.steps = steps
         self.shape = (1 if ode else len(steps), *x.shape)
         self.n_latents = math.prod(self.shape)
         self.row = {i: k for k, i in enumerate(sde_steps)}
@@ -335,8 +376,13 @@ class _DeviceRecord:
         latents = host[: self.n_latents].view(self.shape)
         if self.ode:
             state.latents = [latents]
-        elif self.shape[0]:
-            state.latents.append(latents)
+        elif self.shape[0]:  # keep what the trajectory will carry, and the newest (held_steps)
+            start, end = self.steps.start, self.steps.stop
+            keep = set(held_steps(state.trained, end))
+            before = zip(held_steps(state.trained, start), torch.cat(state.latents))
+            parts = [x for i, x in before if i in keep]
+            parts += [latents[i - start - 1] for i in range(start + 1, end + 1) if i in keep]
+            state.latents = [torch.stack(parts)]  # a copy: the call's whole read-back is freed
         for i, k in self.row.items():
             state.log_probs[:, i] = host[self.n_latents :].view(-1, self.shape[1])[k]
 
@@ -380,7 +426,7 @@ def denoise(adapter: DiffusionAdapter, state: GroupsInFlight, settings: Sampling
         else:
             x = ode_step(v, x, sigma, sigma_next)
         record.add(k, x, i, log_prob)
-    record.read_back(state, x)
+    record.read_back(state, x)  # before next_step moves on: held_steps(trained, next_step) was held
     state.generator_states = [gen.get_state() for gen in generators]
     state.next_step = end
     return state
@@ -408,6 +454,8 @@ def finish_groups(adapter: DiffusionAdapter, state: GroupsInFlight, settings: Sa
     """Decode the final latents and pack the trajectory record (the tail of sampling)."""
     if state.ode:
         raise ValueError(f"groups {list(state.request.group_ids)} were sampled with ode=True (no trajectory): use decode_groups")
+    from verl_digen.models.prompt_cache import prompt_cache_of
+
     images = pixels_to_uint8(decode_groups(adapter, state, settings))  # crosses processes as uint8
     request = state.request
     batch, g = state.batch, request.rows_per_group
@@ -415,20 +463,35 @@ def finish_groups(adapter: DiffusionAdapter, state: GroupsInFlight, settings: Sa
     train_mask[:, state.trained] = True
     sde_mask = torch.zeros_like(train_mask)
     sde_mask[:, state.window] = True
+    carried = carried_latent_steps(state.trained)
+    held = dict(zip(held_steps(state.trained, state.next_step), torch.cat(state.latents)))
+    latents = torch.stack([held[i] for i in carried], dim=1) if carried else state.newest[:, None][:, :0]
     tensors = {
-        "latents": torch.cat(state.latents).transpose(0, 1).contiguous(),
+        "latents": latents.contiguous(),  # [B, K, ...]
+        "latent_steps": torch.tensor(carried, dtype=torch.int64).expand(batch, -1).contiguous(),
         "log_probs": state.log_probs,
         "sigmas": state.sigmas.unsqueeze(0).expand(batch, -1).contiguous(),
         "train_mask": train_mask,
         "sde_mask": sde_mask,
         "images": images,
     }
-    # Nested tables: cut by rows with the rest of the record (select, concat), read back whole.
-    tensors["cond"] = TensorDict(state.cond, batch_size=[batch])
-    if state.neg is not None:
-        tensors["neg"] = TensorDict(state.neg, batch_size=[batch])
-    non_tensors = {
-        "prompt": np.array([p for p in request.prompts for _ in range(g)], dtype=object),
+    prompts = [p for p in request.prompts for _ in range(g)]
+    cache = prompt_cache_of(adapter)
+    non_tensors: dict[str, np.ndarray] = {}
+    if cache is None:
+        # Nested tables: cut by rows with the rest of the record (select, concat), read back whole.
+        tensors["cond"] = TensorDict(state.cond, batch_size=[batch])
+        if state.neg is not None:
+            tensors["neg"] = TensorDict(state.neg, batch_size=[batch])
+    else:  # the trainer reads the rows from its own cache: only which rows, and their digests, travel
+        non_tensors["cond_digest"] = np.array([cache.digest(p) for p in prompts], dtype=object)
+        if state.neg is not None:
+            negatives = [negative_prompt_of(record, settings.negative_prompt)
+                         for record in (request.metadata or [None] * len(request.prompts)) for _ in range(g)]
+            non_tensors["negative_prompt"] = np.array(negatives, dtype=object)
+            non_tensors["neg_digest"] = np.array([cache.digest(p) for p in negatives], dtype=object)
+    non_tensors |= {
+        "prompt": np.array(prompts, dtype=object),
         "group_id": np.array([x for x in request.group_ids for _ in range(g)], dtype=np.int64),
         "sample_index": np.array([i for _ in request.group_ids for i in request.sample_range], dtype=np.int64),
         "prompt_index": np.array([p for p in request.prompt_indices for _ in range(g)], dtype=np.int64),
@@ -474,8 +537,39 @@ def _sde_with_noise(v, x, sigma, sigma_next, noise, settings: SamplingSettings):
     )
 
 
-def conditioning_from(data: DataProto) -> tuple[Conditioning, Conditioning | None]:
-    """A trajectory record's conditioning and CFG negative (None without CFG), ``{name: [B, ...]}``."""
-    cond = dict(data.batch["cond"].items())
-    neg = dict(data.batch["neg"].items()) if "neg" in data.batch.keys() else None
-    return cond, neg
+def conditioning_from(data: DataProto, adapter: DiffusionAdapter | None = None) -> tuple[Conditioning, Conditioning | None]:
+    """A trajectory record's conditioning and CFG negative (None without CFG), ``{name: [B, ...]}``.
+
+    A record without them (its rollout had a prompt cache) is served from ``adapter``'s prompt
+    cache, row by row from its ``prompt`` (and ``negative_prompt``), after checking that each
+    row is bitwise the rollout's (``cond_digest`` / ``neg_digest``): two caches that encoded a
+    prompt apart (separate cache directories on two nodes) may hold rows a few ulp apart, and the
+    trainer's log-probs must be the rollout's."""
+    if "cond" in data.batch.keys():
+        cond = dict(data.batch["cond"].items())
+        neg = dict(data.batch["neg"].items()) if "neg" in data.batch.keys() else None
+        return cond, neg
+    from verl_digen.models.prompt_cache import prompt_cache_of
+
+    cache = prompt_cache_of(adapter) if adapter is not None else None
+    if cache is None:
+        raise RuntimeError("this trajectory carries no text embeddings (its rollout read them from its prompt cache, "
+                           "digen.prompt_cache.enable) but this worker has no prompt cache installed to read them "
+                           "from: enable digen.prompt_cache for every generating and training worker")
+    columns = data.non_tensor_batch
+    out = []
+    for prompts_key, digest_key in (("prompt", "cond_digest"), ("negative_prompt", "neg_digest")):
+        if prompts_key not in columns:
+            out.append(None)
+            continue
+        prompts = [str(p) for p in columns[prompts_key]]
+        for prompt, digest in sorted(set(zip(prompts, columns[digest_key]))):  # every row's, each pair once
+            if cache.digest(prompt) != digest:
+                raise RuntimeError(
+                    f"the prompt cache {cache.model_key!r} of this worker holds other embeddings of {prompt!r} than "
+                    "the rollout's (encoded apart, e.g. in separate cache directories): the trainer would not "
+                    "recompute the rollout's log-probs. Put digen.prompt_cache.dir on a file system every node "
+                    "shares, so each prompt is encoded once, or disable digen.prompt_cache (the embeddings then "
+                    "travel with the trajectories)")
+        out.append(cache.encode(prompts, device="cpu"))
+    return out[0], out[1]

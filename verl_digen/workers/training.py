@@ -27,7 +27,16 @@ from verl_digen.algos.loss import flow_grpo_loss
 from verl_digen.algos.sde import sde_step_with_logprob
 from verl_digen.config.schema import AlgoConfig, LoraConfigSpec
 from verl_digen.models.base import DiffusionAdapter
-from verl_digen.workers.sampling import SamplingSettings, conditioning_from, to_device, velocity_in_chunks
+from verl_digen.models.base import Conditioning
+from verl_digen.workers.sampling import (
+    SamplingSettings,
+    conditioning_from,
+    step_latents,
+    to_device,
+    velocity_in_chunks,
+)
+
+Text = tuple[Conditioning, "Conditioning | None"]  # a micro-batch's conditioning and CFG negative
 
 
 LORA_MARKER = "lora_"  # peft's parameter names (as verl_digen.sync.state)
@@ -229,46 +238,51 @@ class PolicyUpdater:
             for t, h in zip(tensors, host):
                 t.data = h
 
-    def _reference_means(self, data: DataProto, steps: list[int], passes: list[slice]) -> dict[tuple[int, int], torch.Tensor]:
+    def _reference_means(self, data: DataProto, text: Text, steps: list[int], passes: list[slice]) -> dict[tuple[int, int], torch.Tensor]:
         """The KL reference's SDE means for every trained step and pass of a micro-batch, in one
         visit of the reference weights: a full fine-tune's offloaded reference is copied in once
         per micro-batch (not once per step and pass), LoRA's adapters are switched off once. The
         same forwards as computed one by one, in the same order on every FSDP rank (lockstep)."""
         with torch.no_grad(), self._reference_weights():
-            return {(j, k): self._step_terms(data, j, rows=rows).mean for j in steps for k, rows in enumerate(passes)}
+            return {(j, k): self._step_terms(data, text, j, rows=rows).mean for j in steps for k, rows in enumerate(passes)}
 
     # ----------------------------------------------------------------- training
 
     def recompute_log_probs(self, data: DataProto) -> torch.Tensor:
-        """Log-probs ``[B, S]`` of every recorded SDE step under the current weights (no grad)."""
+        """Log-probs ``[B, S]`` of every trained step under the current weights (no grad), 0
+        elsewhere: a trajectory carries the latents of its trained steps only. Those are every SDE
+        step of the window unless ``digen.sampling.timestep_fraction`` < 1."""
         out = torch.zeros_like(data.batch["log_probs"])
+        text = self._text(data)
         with torch.no_grad():
-            for j in self._trained_steps(data, all_window=True):
-                out[:, j] = self._step_terms(data, j).log_prob.cpu()
+            for j in self._trained_steps(data):
+                out[:, j] = self._step_terms(data, text, j).log_prob.cpu()
         return out
 
-    def _trained_steps(self, data: DataProto, *, all_window: bool = False) -> list[int]:
+    def _text(self, data: DataProto) -> Text:
+        """The micro-batch's conditioning, once per call: carried, or read from this worker's
+        prompt cache (:func:`~verl_digen.workers.sampling.conditioning_from`)."""
+        return conditioning_from(data, self.adapter)
+
+    def _trained_steps(self, data: DataProto) -> list[int]:
         mask = data.batch["train_mask"]
-        if all_window:
-            # Every SDE step of the window, trained or not.
-            mask = mask | data.batch["sde_mask"]
         cols = mask.all(dim=0)
         if not torch.equal(cols, mask.any(dim=0)):
             raise ValueError("every sample of a micro-batch must train the same steps")
         return [int(j) for j in torch.nonzero(cols).flatten()]
 
-    def _step_terms(self, data: DataProto, j: int, *, rows: slice = slice(None)):
+    def _step_terms(self, data: DataProto, text: Text, j: int, *, rows: slice = slice(None)):
         """The SDE transition terms of recorded step ``j`` for the samples ``rows`` of ``data``
-        under the transformer the adapter holds (the reference's inside :meth:`_reference_weights`)."""
+        (conditioned on ``text``, :meth:`_text`) under the transformer the adapter holds (the
+        reference's inside :meth:`_reference_weights`)."""
         device = self.adapter.device
         s = self.settings.sampling
-        latents = data.batch["latents"][rows]
         # Copied in asynchronously (to_device): a blocking copy would be a host sync per pass.
-        x = to_device(latents[:, j], device)
-        x_next = to_device(latents[:, j + 1], device)
+        x = to_device(step_latents(data, j, rows), device)
+        x_next = to_device(step_latents(data, j + 1, rows), device)
         sig = to_device(data.batch["sigmas"][rows, j], device)
         sig_next = to_device(data.batch["sigmas"][rows, j + 1], device)
-        cond, neg = conditioning_from(data)
+        cond, neg = text
         n = len(data)
         cond = {k: to_device(v[rows], device) for k, v in cond.items()}
         # a per-sample negative conditioning has a row per sample; a shared one (one row) is kept whole
@@ -314,11 +328,12 @@ class PolicyUpdater:
         sums = torch.zeros(len(LOSS_METRICS), dtype=torch.float64, device=device)
         self.adapter.transformer.train()
         passes = self.passes(n)
-        ref_means = self._reference_means(data, steps, passes) if algo.kl_beta > 0 else {}
+        text = self._text(data)
+        ref_means = self._reference_means(data, text, steps, passes) if algo.kl_beta > 0 else {}
         for j in steps:
             for k, rows in enumerate(passes):
                 weight = (rows.stop - rows.start) / n
-                out = self._step_terms(data, j, rows=rows)
+                out = self._step_terms(data, text, j, rows=rows)
                 old = to_device(old_all[rows, j], device)
                 ref_mean = ref_means.get((j, k))
                 loss = flow_grpo_loss(

@@ -589,6 +589,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         )
 
     def train_micro_batch(self, request: TrainRequest, *trajectories: DataProto) -> TrainResult | tuple[TrainResult, Gradients]:
+        from verl_digen.sim.object_store import trajectory_payload_bytes
         """Accumulate the gradients of ``request.groups``' rows (selected from the trajectories)
         with ``request.advantages``, one per row of the selection; ``request.return_gradients``
         (GAT, a rollout worker): return them too, as a second object for trainer 0."""
@@ -606,6 +607,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
                 if len(data) != len(rows):
                     raise RuntimeError(f"rank {r} of {n} got {len(data)} rows of groups {list(request.groups)}; "
                                        f"its share is {len(rows)}")
+            trajectory_bytes=sum(trajectory_payload_bytes(s) for s in slices),
             else:
                 data = select_groups(trajectories, list(request.groups)).select_idxs(rows)
         try:

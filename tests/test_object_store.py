@@ -1,0 +1,147 @@
+"""What crosses the Ray object store each step: a trajectory record carries only what its readers
+read (the trained steps' latents, the reward's uint8 pixels, the text embeddings only without a
+prompt cache), and ``sim/object_store.py`` predicts its bytes exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import pytest
+import torch
+
+from verl_digen.algos.window import SdeWindowConfig
+from verl_digen.config.schema import AlgoConfig, LoraConfigSpec
+from verl_digen.models.base import SampleSpec
+from verl_digen.models.prompt_cache import PromptEmbeddingCache
+from verl_digen.models.registry import load_adapter
+from verl_digen.sim.object_store import latent_elements, trajectory_bytes, trajectory_payload_bytes
+from verl_digen.workers.sampling import SamplingSettings, carried_latent_steps, sample_groups
+from verl_digen.workers.training import PolicyUpdater, TrainSettings, add_lora
+
+PROMPTS = ["a red apple", "a blue car"]
+
+
+def _settings(*, guidance: float = 1.0, height: int = 32, width: int = 32, num_frames: int = 1) -> SamplingSettings:
+    # a preset's shape in small: 8 steps, a 2-step SDE window inside them
+    return SamplingSettings(spec=SampleSpec(height=height, width=width, num_frames=num_frames, guidance_scale=guidance),
+                            num_steps=8, noise_level=0.7, sde_type="sde",
+                            window=SdeWindowConfig(mode="fixed", start=2, size=2), timestep_fraction=1.0)
+
+
+def _sample(adapter, settings, prompts=PROMPTS):
+    n = len(prompts)
+    return sample_groups(adapter, prompts, list(range(n)), list(range(n)), group_size=2, settings=settings,
+                         training_step=0, seed=5, policy_version=0)
+
+
+@pytest.fixture(scope="module")
+def flux(tiny_flux):
+    adapter = load_adapter(tiny_flux)
+    add_lora(adapter, LoraConfigSpec(rank=4))
+    return adapter
+
+
+def test_a_trajectory_carries_only_its_trained_steps_latents(flux):
+    data = _sample(flux, _settings())
+    # steps 2 and 3 are trained: their inputs and outputs x_2, x_3, x_4, not the 9 latents of 8 steps
+    assert data.batch["latent_steps"].tolist() == [[2, 3, 4]] * 4
+    assert data.batch["latents"].shape[1] == 3
+    assert data.batch["train_mask"][0].nonzero().flatten().tolist() == [2, 3]
+
+
+def test_the_trainer_reads_its_embeddings_from_its_prompt_cache_bitwise(flux):
+    """With a prompt cache no embeddings travel; the trainer's log-probs are those it computes on a
+    record that carries them (true CFG: the negative prompt's too)."""
+    settings = _settings(guidance=3.0)
+    carried = _sample(flux, settings)
+    cache = PromptEmbeddingCache(flux, model_key="tiny-flux", cache_dir=None).install()
+    try:
+        cached = _sample(flux, settings)
+        assert "cond" not in cached.batch.keys() and "neg" not in cached.batch.keys()
+        assert {"cond", "neg"} <= set(carried.batch.keys())
+        assert torch.equal(cached.batch["latents"], carried.batch["latents"])
+        updater = PolicyUpdater(flux, TrainSettings(algo=AlgoConfig(), sampling=settings, lora_only=True,
+                                                    images_per_step=len(cached)))
+        a, b = updater.recompute_log_probs(cached), updater.recompute_log_probs(carried)
+        assert torch.equal(a, b) and a[:, 2:4].ne(0).all()
+        # a trainer whose cache holds other bits for a prompt refuses, naming the cause and the fix
+        cached.non_tensor_batch["cond_digest"][0] = "0" * 64
+        with pytest.raises(RuntimeError, match="other embeddings of 'a red apple'.*digen.prompt_cache.dir"):
+            updater.recompute_log_probs(cached)
+    finally:
+        del flux.encode_prompts  # the adapter's own encoder again
+    with pytest.raises(RuntimeError, match="no prompt cache installed"):
+        updater.recompute_log_probs(cached)
+    assert cache.stats()["encoded_prompts"] == 3  # the two prompts and the negative one, once
+
+
+def test_predicted_bytes_are_a_real_trajectorys(flux, tiny_flux):
+    """``trajectory_bytes`` from the sampling settings and the model's configs equals the record's
+    tensors byte for byte; serialised (as Ray does: pickle), the record adds only framing and its
+    prompt strings."""
+    settings = _settings(height=64, width=48)
+    data = _sample(flux, settings)
+    spec = settings.spec
+    predicted = trajectory_bytes(
+        num_steps=settings.num_steps, carried=len(carried_latent_steps([2, 3])),
+        latent_elements=latent_elements("flux", tiny_flux, "fp32", spec.height, spec.width, spec.num_frames),
+        pixel_elements=3 * spec.num_frames * spec.height * spec.width,
+        text_bytes=sum(t[0].numel() * t.element_size() for t in data.batch["cond"].values()),
+    )
+    tensors = sum(t.numel() * t.element_size() for t in data.batch.values(include_nested=True, leaves_only=True))
+    columns = sum(c.nbytes for c in data.non_tensor_batch.values() if c.dtype != object)
+    assert tensors + columns == len(data) * predicted.total
+    assert predicted.latents == 4 * 3 * data.batch["latents"][0, 0].numel()
+    measured = trajectory_payload_bytes(data)
+    serialised = len(pickle.dumps(data))
+    assert len(data) * predicted.total < measured < serialised < measured + 16 * 1024
+
+
+def test_latent_elements_are_the_adapters_latents(tiny_dirs):
+    """The latent count from the configs is what ``prepare_latents`` draws (packed FLUX, video Wan)."""
+    for arch, spec in (("flux", SampleSpec(height=64, width=48)), ("wan", SampleSpec(height=32, width=32, num_frames=9))):
+        adapter = load_adapter(tiny_dirs[arch])
+        x = adapter.prepare_latents(1, spec, torch.Generator().manual_seed(0))
+        assert x.numel() == latent_elements(arch, tiny_dirs[arch], "fp32", spec.height, spec.width, spec.num_frames), arch
+
+
+def test_the_shipped_wan_preset_moves_under_3_5_gb_a_step():
+    """Wan at 480x832, 33 frames, 16 steps, 64 samples a step, a 2-step window: 3 latents of 3.6 MB
+    and 39.5 MB of uint8 pixels a sample (it carried 17 latents and the UMT5 embeddings, ~110 MB)."""
+    from omegaconf import OmegaConf
+
+    from verl_digen.config.compose import compose_config
+    from verl_digen.config.schema import digen_config_from_dict
+    from verl_digen.sim.object_store import describe, step_bytes
+
+    config = compose_config([], config_name="wan_colocated")
+    cfg = digen_config_from_dict(OmegaConf.to_container(config.digen, resolve=True))
+    b = step_bytes(cfg)
+    assert b.exact and not b.text_carried and b.samples == 64
+    assert b.sample.latents == 3 * 4 * 16 * 9 * 60 * 104
+    assert b.sample.images == 3 * 33 * 480 * 832
+    assert b.per_step < 3.5e9
+    line = describe(cfg)[0]
+    assert line.startswith("object-store bytes per step: 3.2 GB"), line
+    # the simulator's cost model charges the same bytes for the same workload
+    from verl_digen.sim.cost_model import CostModel, load_catalog
+
+    s = cfg.sampling
+    model = CostModel.from_catalog(load_catalog(), "wan2.1-14b", devices=["H800"], height=s.height, width=s.width,
+                                   frames=s.num_frames, num_steps=s.num_steps, sde_window=s.sde_window.size,
+                                   group_size=cfg.batch.group_size, groups_per_step=cfg.batch.groups_per_step)
+    assert model.object_store_bytes() == b.per_step
+
+
+@pytest.mark.e2e
+@pytest.mark.usefixtures("shared_ray")
+def test_each_step_records_the_bytes_of_its_trajectories(tmp_path, tiny_flux):
+    from runs import run
+
+    result = run(tmp_path, "bytes", "trainer.total_training_steps=1")
+    with open(os.path.join(result.output_dir, "metrics.jsonl")) as f:
+        (m,) = [json.loads(line) for line in f]
+    assert m["perf/object_store_bytes"] > 0
+    assert m["perf/object_store_bytes"] == result.metrics[0]["perf/object_store_bytes"]
