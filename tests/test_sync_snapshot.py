@@ -257,8 +257,9 @@ def test_a_disaggregated_fsdp_trainer_streams_every_version_for_its_sender(monke
 
 class _RecordedStreams(SideStreams):
     """:class:`SideStreams` without CUDA: the tensors a producer marks count as on a device,
-    their copies run at once on the host, and every wait, copy and fence lands in ``log`` next
-    to the producer's own entries, in the order the capture issues them."""
+    their copies run at once on the host, and every wait, copy and event lands in ``log`` next
+    to the producer's own entries, in the order the capture issues them (events are numbered:
+    ``("copies", "3")`` is the fourth event recorded after copies)."""
 
     def __init__(self, log: list[tuple[str, str]]) -> None:
         super().__init__()
@@ -281,9 +282,32 @@ class _RecordedStreams(SideStreams):
         self.log.append(("copy", self.names[src.data_ptr()]))
         dst.copy_(src.reshape(-1))
 
-    def fence(self, device: torch.device):
-        self.log.append(("fence", str(device)))
-        return type("Landed", (), {"synchronize": lambda self: None})()
+    def copies_enqueued(self, device: torch.device):
+        n = sum(entry[0] == "copies" for entry in self.log)
+        self.log.append(("copies", str(n)))
+        return type("Landed", (), {"n": n, "synchronize": lambda self: None})()
+
+    def producer_waits(self, device: torch.device, copies) -> None:
+        self.log.append(("producer waits", str(copies.n)))
+
+
+def _lazy_capture(n: int = 12) -> tuple[HostSnapshot, list[tuple[str, str]], dict[str, torch.Tensor]]:
+    """A capture, in 2 KiB buckets, of ``n`` 1 KiB tensors and a host one, produced lazily
+    (one at a time, as a generator of gathered tensors does), recorded."""
+    log: list[tuple[str, str]] = []
+    streams = _RecordedStreams(log)
+    sources = {f"w{i:02d}": torch.full((256,), float(i)) for i in range(n)}
+    sources["w05.count"] = torch.arange(7, dtype=torch.uint8)  # stays on the host
+
+    def produce():
+        for name in sorted(sources):
+            log.append(("produce", name))
+            t = sources[name].clone()
+            yield name, (t if name.endswith("count") else streams.mark(name, t))
+
+    snap = HostSnapshot(bucket_bytes=3000, streams=streams)  # two 1 KiB tensors a bucket
+    snap.capture(produce())
+    return snap, log, sources
 
 
 def test_each_bucket_of_a_lazily_produced_stream_is_copied_after_a_wait_that_follows_its_production() -> None:
@@ -292,19 +316,7 @@ def test_each_bucket_of_a_lazily_produced_stream_is_copied_after_a_wait_that_fol
     produced and before that bucket's copies: once per capture (the old code) let the copies of
     every bucket but the first read sources not yet written. Host tensors in the stream are
     copied at once, with no wait of their own."""
-    log: list[tuple[str, str]] = []
-    streams = _RecordedStreams(log)
-    sources = {f"w{i:02d}": torch.full((256,), float(i)) for i in range(12)}  # 1 KiB each
-    sources["w05.count"] = torch.arange(7, dtype=torch.uint8)  # stays on the host
-
-    def produce():  # lazily, one tensor at a time, as a generator of gathered tensors does
-        for name in sorted(sources):
-            log.append(("produce", name))
-            t = sources[name].clone()
-            yield name, (t if name.endswith("count") else streams.mark(name, t))
-
-    snap = HostSnapshot(bucket_bytes=3000, streams=streams)  # two 1 KiB tensors a bucket
-    snap.capture(produce())
+    snap, log, sources = _lazy_capture()
     buckets = [[s.name for s in layout.slots] for _, layout in snap.parts()]
     assert len(buckets) >= 5
     for names in buckets:
@@ -314,9 +326,28 @@ def test_each_bucket_of_a_lazily_produced_stream_is_copied_after_a_wait_that_fol
         waits = [i for i, entry in enumerate(log) if entry[0] == "wait" and produced < i < first_copy]
         assert waits, (names, log)
     assert sum(entry[0] == "wait" for entry in log) == len(buckets)
-    assert log[-1] == ("fence", "cpu") and sum(entry[0] == "fence" for entry in log) == 1
     assert ("copy", "w05.count") not in log
     assert state_digest(snap.state()) == state_digest(sources)
+
+
+def test_a_lazily_produced_stream_writes_while_at_most_one_bucket_is_being_copied() -> None:
+    """record_stream keeps a freed source's memory until its copy has run, so a producer faster
+    than the copies (NVLink all-gathers, PCIe copies) would hold nearly the whole state on the
+    device. The producer's work waits for bucket k-1's copies once bucket k's are enqueued:
+    whenever it produces, at most one bucket's copies have not been waited for; and its work
+    after the capture waits for the last copies, which are what the host waits for too."""
+    snap, log, _ = _lazy_capture(n=16)
+    buckets = len(list(snap.parts()))
+    assert buckets >= 8
+    enqueued, waited = 0, 0  # buckets whose copies are enqueued / the producer has waited for
+    for kind, arg in log:
+        if kind == "copies":
+            enqueued += 1
+        elif kind == "producer waits":
+            waited = max(waited, int(arg) + 1)
+        elif kind == "produce":
+            assert enqueued - waited <= 1, log
+    assert enqueued == buckets and log[-1] == ("producer waits", str(buckets - 1))
 
 
 @pytest.mark.gpu

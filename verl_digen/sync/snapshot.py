@@ -150,13 +150,15 @@ class SideStreams:
         # only after the side stream has passed this point, whenever the producer frees it.
         src.record_stream(side)
 
-    def fence(self, device: torch.device) -> torch.cuda.Event:
-        """The device's current stream waits for every copy enqueued so far (they read weights
-        its next work may change); the returned event tells the host when they have landed."""
+    def copies_enqueued(self, device: torch.device) -> torch.cuda.Event:
+        """An event that completes when every copy enqueued so far on the device has landed."""
         event = torch.cuda.Event()
         event.record(self._side(device))
-        torch.cuda.current_stream(device).wait_event(event)
         return event
+
+    def producer_waits(self, device: torch.device, copies: torch.cuda.Event) -> None:
+        """The device's current stream (the producer's) runs its next work after ``copies``."""
+        torch.cuda.current_stream(device).wait_event(copies)
 
 
 class HostSnapshot:
@@ -166,11 +168,12 @@ class HostSnapshot:
     ``non_blocking`` into pinned buffers on a side stream of their device. Before each bucket's
     copies the side stream waits for the producing stream, so a stream that produces its
     tensors lazily, bucket by bucket (FSDP's all-gathers, ``workers/fsdp.py:
-    stream_full_state``), has written every source before it is read; after the last bucket the
-    producing stream waits for the copies before its next work, so the weights are not changed
-    under them; the sources are kept alive for the copies with ``record_stream``. The host waits
-    for the copies only when it reads the snapshot (:meth:`parts`, :meth:`state`): the sender's
-    thread, a digest, a save.
+    stream_full_state``), has written every source before it is read; the producer runs at most
+    two buckets ahead of the copies, so such a stream holds a few buckets on the device, not the
+    whole state; after the last bucket the producing stream waits for the copies before its next
+    work, so the weights are not changed under them; the sources are kept alive for the copies
+    with ``record_stream``. The host waits for the copies only when it reads the snapshot
+    (:meth:`parts`, :meth:`state`): the sender's thread, a digest, a save.
 
     The buffers of a bucket are reused when the bucket's layout is the one they were made
     for (the same model: every version); :attr:`allocations` counts host buffers made.
@@ -192,15 +195,19 @@ class HostSnapshot:
         A lazy stream may free a source once it has yielded it (``record_stream``: its memory
         is handed out again only after its copy has run), but must not write into it again
         before this returns: the copy may not have run yet, and :func:`iter_buckets` reads one
-        tensor ahead. A producer faster than the copies (an all-gather over NVLink, a copy over
-        PCIe) so keeps the memory of several buckets busy meanwhile; when the device runs short,
-        the caching allocator waits for the copies' events before it frees cached blocks, so
-        that costs a stall, not an out-of-memory error.
+        tensor ahead.
+
+        ``record_stream`` alone keeps a freed source's memory busy until its copy has run, so a
+        producer faster than the copies (an all-gather over NVLink against a copy over PCIe)
+        would hold nearly every bucket at once. Once bucket ``k``'s copies are enqueued, the
+        producer's next work waits for bucket ``k - 1``'s: it writes bucket ``k + 1`` (and the
+        tensor read ahead of it) while bucket ``k`` is copied, so gathers and copies still
+        overlap, with bucket ``k - 1``'s memory free again.
         """
         self.wait()
         parts: list[tuple[list[torch.Tensor], FlatMetadata]] = []
         pinned: list[bool] = []
-        used: list[torch.device] = []
+        copied: dict[torch.device, torch.cuda.Event] = {}  # per device: the last bucket's copies
         for k, bucket in enumerate(iter_buckets(named_tensors, self.bucket_bytes)):
             # Every source of this bucket has been produced (its writes enqueued on the current
             # stream) by now, and so has the next bucket's first (iter_buckets reads one ahead):
@@ -209,7 +216,6 @@ class HostSnapshot:
             devices = sorted({t.device for t in bucket.values() if self._cuda.on_device(t)}, key=str)
             for device in devices:
                 self._cuda.wait_for_producer(device)
-            used += [d for d in devices if d not in used]
             layout = plan_layout(bucket)
             buffers = self._buffers_for(k, layout, pin=bool(devices))
             for slot in layout.slots:
@@ -220,9 +226,14 @@ class HostSnapshot:
                     dst.copy_(src.reshape(-1))
             parts.append((buffers, layout))
             pinned.append(bool(devices))
+            for device in devices:
+                if device in copied:
+                    self._cuda.producer_waits(device, copied[device])
+                copied[device] = self._cuda.copies_enqueued(device)
         self._parts, self._pinned = parts, pinned
-        for device in used:  # the producer's next work waits for the copies (they read its weights)
-            self._pending.append(self._cuda.fence(device))
+        for device, copies in copied.items():  # the producer's next work waits for every copy (they read its weights)
+            self._cuda.producer_waits(device, copies)
+            self._pending.append(copies)
 
     def _buffers_for(self, k: int, layout: FlatMetadata, *, pin: bool) -> list[torch.Tensor]:
         if k < len(self._parts):
