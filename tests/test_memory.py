@@ -449,3 +449,85 @@ def test_a_config_file_is_read_once_per_version_and_parsed_afresh_for_each_calle
     file.write_text('{"num_layers": 57, "axes": [16, 56, 56]}')  # edited, the same size
     os.utime(file, ns=(1, 1))  # another mtime, even on a coarse clock
     assert read_json(str(file))["num_layers"] == 57
+
+
+def test_each_rank_is_charged_a_communicator_per_process_group_it_joins():
+    """Trainer 0 of a disaggregated run joins the trainer group and the weight channel (two NCCL
+    communicators), a rollout worker the channel only, a fused worker its group only; every phase
+    adds the CUDA context and the allocator's reserve above what the phase allocates. A gloo weight
+    channel holds no device buffers."""
+    from verl_digen.memory.plan import CONTEXT_BYTES, NCCL_COMMUNICATOR_BYTES, RESERVE_FRACTION
+
+    def communicators(plan) -> set[float]:
+        out = set()
+        for parts in plan.phases.values():
+            allocated = sum(v for k, v in parts.items() if k != "overhead")
+            out.add((parts["overhead"] - CONTEXT_BYTES - int(RESERVE_FRACTION * allocated)) / NCCL_COMMUNICATOR_BYTES)
+        return out
+
+    nccl = _roles("sd3_disaggregated")
+    assert communicators(nccl["trainer"]) == {2} and communicators(nccl["rollout"]) == {1}
+    assert communicators(_roles("sd3_colocated")["colocated"]) == {1}
+    gloo = _roles("sd3_disaggregated", "digen.sync.backend=gloo")
+    assert communicators(gloo["trainer"]) == {1} and communicators(gloo["rollout"]) == {0}
+
+
+def test_hsdp_ranks_hold_a_communicator_per_mesh_dimension_that_is_not_the_whole_world():
+    """torch's DeviceMesh reuses the default group for a dimension over every rank and creates a
+    group for each other one: flat FSDP one communicator, HSDP (replicas x shard) three."""
+    from verl_digen.memory.plan import mesh_communicators, nccl_communicators
+
+    assert mesh_communicators((8,), 8) == 1 and mesh_communicators((), 8) == 1
+    assert mesh_communicators((2, 4), 8) == 3
+    from verl_digen.memory.plan import job_shape
+
+    digen, cfg = _digen("qwen_image_full_disaggregated")  # 12 trainers: 8 on node 0, 4 on node 1
+    flat = job_shape(digen, devices_per_node=8, nnodes=2)
+    assert flat.fsdp_mesh == (12,) and nccl_communicators(flat, "trainer") == 2
+    # 16 trainers filling 2 of 3 nodes: digen.fsdp.mesh=auto shards within a node, replicates across
+    hsdp, _ = _digen("qwen_image_full_disaggregated", "trainer.nnodes=3", "digen.pools.trainer.devices=8",
+                     "digen.pools.trainer.nodes=2", "digen.batch.train_micro_batch_groups=2")
+    job = job_shape(hsdp, devices_per_node=8, nnodes=3)
+    assert job.fsdp_mesh == (2, 8) and nccl_communicators(job, "trainer") == 3 + 1  # + the weight channel
+
+
+def test_every_shipped_preset_fits_a_nodes_default_host_ram_at_load():
+    """Host RAM per node at load (what each worker of the node holds: a shard of what it loads,
+    what stays on the host by design, trainer 0's snapshot) is within digen.memory.host_gib's
+    default for every preset; no worker holds more than one shard of a model it loads."""
+    from verl_digen.config.schema import DigenConfig
+    from verl_digen.memory.plan import LOAD_SHARD_BYTES, host_plan
+
+    default = DigenConfig().memory.host_gib
+    for name in preset_names(CONFIGS):
+        digen, cfg = _digen(name)
+        nodes = host_plan(digen, devices_per_node=cfg.trainer.n_gpus_per_node, nnodes=cfg.trainer.nnodes)
+        assert len(nodes) == cfg.trainer.nnodes
+        for node in nodes:
+            workers = sum(node.workers.values())
+            assert node.total_gib <= default, (name, node)
+            assert 0 < node.parts["loading shard"] <= workers * LOAD_SHARD_BYTES, (name, node)
+
+
+def test_host_ram_counts_the_trainers_offloads_and_trainer_zeros_snapshot():
+    from verl_digen.memory.plan import _encoder_and_vae_bytes, _transformer_facts, host_plan, job_shape
+
+    digen, cfg = _digen("flux_full_disaggregated")
+    (node,) = host_plan(digen, devices_per_node=8, nnodes=1)
+    job = job_shape(digen, devices_per_node=8, nnodes=1)
+    encoders, vae = _encoder_and_vae_bytes(job)
+    _params, dense, *_ = _transformer_facts(job.family, job.config_path, job.dtype, job.lora_targets, job.lora_rank)
+    assert node.workers == {"rollout": 4, "trainer": 4}
+    assert node.parts["encoders/VAE on host"] == 4 * (encoders + vae)  # trainers keep both on CPU
+    assert node.parts["sync snapshot"] == dense  # trainer 0 only: the full model it sends
+
+
+def test_a_job_whose_node_lacks_host_ram_is_refused_naming_the_key():
+    from verl_digen.memory import check_job_memory
+
+    digen, cfg = _digen("flux_full_disaggregated", "digen.memory.host_gib=64")
+    with pytest.raises(MemoryPlanError) as err:
+        check_job_memory(digen, devices_per_node=8, nnodes=1)
+    assert "digen.memory.host_gib=64" in str(err.value) and "sync snapshot" in str(err.value)
+    with pytest.raises(ConfigError, match="digen.memory.host_gib"):
+        _digen("flux_full_disaggregated", "digen.memory.host_gib=0")

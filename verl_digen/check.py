@@ -28,7 +28,7 @@ from verl_digen.sim.deadlines import check_lines as check_deadlines
 
 def summary(checked: Any) -> list[str]:
     """What the run would be: cluster, placement and pools, call rows, the model, the memory plan."""
-    from verl_digen.memory.plan import GIB
+    from verl_digen.memory.plan import GIB, host_ram_lines
 
     cfg, cluster = checked.cfg, checked.cluster
     devices = cluster.devices
@@ -56,6 +56,7 @@ def summary(checked: Any) -> list[str]:
                      f"({100 * plan.headroom:.0f}% free) in its {plan.phase} phase, {plan.devices} GPU(s)")
     lines.extend(check_deadlines(checked))
     lines.extend(object_store_lines(cfg, checked.model_path))
+    lines.extend(host_ram_lines(cfg, cluster, checked.model_path) if checked.memory_plan else [])
     return lines
 
 

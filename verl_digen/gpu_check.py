@@ -178,6 +178,7 @@ class PhaseMeter:
         record["seconds"] = time.perf_counter() - t0
         if self.cuda:
             record["max_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / GIB
+            record["max_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / GIB  # the plan's overhead holds the gap
             record["allocated_after_gib"] = torch.cuda.memory_allocated(self.device) / GIB
             free, total = torch.cuda.mem_get_info(self.device)
             record["device_used_gib"] = (total - free) / GIB
@@ -265,11 +266,11 @@ def _load_flux(size: str, device: torch.device, dtype: torch.dtype):
 def _predictions(dcfg, meter_device: str, group_size: int, num_steps: int, trained_steps: int, forward_rows: int):
     """The memory planner's phases (colocated role, one GPU) and the cost model's seconds for the
     same shape."""
-    from verl_digen.memory.plan import GIB as PGIB, OVERHEAD_BYTES, plan_job
+    from verl_digen.memory.plan import GIB as PGIB, plan_job
     from verl_digen.sim.cost_model import CostModel, TrainGroup, load_catalog
 
     plan = plan_job(dcfg, devices_per_node=1)[0]
-    memory = {phase: {"total_gib": sum(b.values()) / PGIB, "without_overhead_gib": (sum(b.values()) - OVERHEAD_BYTES) / PGIB,
+    memory = {phase: {"total_gib": sum(b.values()) / PGIB, "without_overhead_gib": (sum(b.values()) - b["overhead"]) / PGIB,
                       **{k + "_gib": v / PGIB for k, v in b.items() if v}}
               for phase, b in plan.phases.items()}
     s = dcfg.sampling

@@ -611,8 +611,13 @@ class MemoryConfig:
     check: bool = True  # plan every role's peak memory and refuse a job that cannot fit
     device_type: str = "H100"  # a device of verl_digen/platform/devices.yaml (its memory)
     device_gib: Optional[float] = None  # override the device type's memory (GiB per GPU)
+    # Host RAM of one node (GiB): the workers a node runs must fit it at load, each the shard it
+    # loads plus what it keeps on the host (offloaded encoders, parked optimizer, trainer 0's
+    # snapshot). 8-GPU H100/H200 servers ship with 1-2 TiB; set the nodes' own figure.
+    host_gib: float = 1024.0
 
     def validate(self, key: str) -> None:
+        _positive(f"{key}.host_gib", self.host_gib)
         if self.device_gib is not None:
             _positive(f"{key}.device_gib", self.device_gib)
             return

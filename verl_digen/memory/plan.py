@@ -13,7 +13,13 @@ GPUs) goes through phases; its peak is the largest phase, broken into
   them or ``digen.model.offload_text_encoders`` keeps them on CPU: then only in the phases that
   encode, ``warm`` and ``encode``) and the VAE weights, plus a model reward's weights;
 * ``sync_buffers``: weight-sync buckets in flight (disaggregated);
-* ``overhead``: CUDA context, cuBLAS workspaces and NCCL buffers (a fixed allowance).
+* ``overhead``: what the allocator never reports as allocated: the CUDA context and cuBLAS
+  workspaces, the buffers of each NCCL communicator the role's rank holds (one per process group
+  it joins: :func:`nccl_communicators`), and the caching allocator's reserve above the phase's
+  allocated bytes (:data:`RESERVE_FRACTION`).
+
+Host RAM is planned too (:func:`host_plan`): what each worker holds on the host at load, summed
+over the workers of each node, against ``digen.memory.host_gib``.
 
 Parameter bytes come from the family's configs built on the meta device (the model directory's
 own configs when it has them, else the shipped real ones). Every assumption about what the
@@ -34,7 +40,24 @@ from verl_digen.platform.devices import device_memory_gib
 from verl_digen.sync.buckets import DEFAULT_BUCKET_BYTES
 
 GIB = 1 << 30
-OVERHEAD_BYTES = int(1.5 * GIB)  # CUDA context (~0.5), cuBLAS workspaces, NCCL buffers (~1): an allowance
+# CUDA context (~0.5 GiB on an H100 with CUDA's lazy module loading) and cuBLAS workspaces (a few
+# MiB per stream): an allowance, the first half of the fixed 1.5 GiB planned before the
+# communicators were counted.
+CONTEXT_BYTES = int(0.5 * GIB)
+# One NCCL communicator's device buffers: NCCL_BUFFSIZE (4 MiB, NCCL's default) per protocol
+# (Simple; LL128 ~4.5 MiB; LL 256 KiB) per peer connection per channel, for ring and tree, over
+# up to 32 channels on NVLink: ~0.6 GiB, plus NVLS buffers on NVSwitch nodes (NCCL's
+# documentation of NCCL_NVLS_ENABLE warns they take "a significant amount of GPU memory"). An
+# allowance of 1 GiB each, the other part of the 1.5 GiB that used to cover every rank whatever
+# it joined; trainer 0 of a disaggregated run holds two (its group and the weight channel).
+NCCL_COMMUNICATOR_BYTES = int(1.0 * GIB)
+# What the caching allocator reserves above what tensors hold, as a fraction of the phase's
+# allocated bytes. Workers run with expandable segments (placement/pools.py: worker_env), which
+# grow one mapping per stream in 2 MiB pages instead of caching fixed segments that a later,
+# differently sized allocation cannot reuse; what remains is page rounding and the small pool's
+# 2 MiB blocks. An allowance, not a measurement: gpu_check records max_memory_reserved next to
+# max_memory_allocated for every phase, the figure to set this from.
+RESERVE_FRACTION = 0.05
 # Live full-resolution feature maps (of the decoder's widest full-resolution layer) at a VAE
 # decode's peak, per VAE class: measured on an H200 (torch 2.11, diffusers 0.42.1) at each
 # preset's decode call, random weights from the shipped configs (tests/test_memory_gpu.py::
@@ -226,6 +249,10 @@ class JobShape:
     max_sequence_length: int | None = None  # text tokens per prompt (None: the pipeline's default)
     optimizer_offload: bool = False  # the optimizer state on the host except in the optimizer step
     param_offload: bool = False  # FSDP2's CPUOffloadPolicy: parameter shards, gradients, optimizer on the host
+    fsdp_enabled: bool = False  # digen.fsdp.enable: trainers join a process group even alone (FSDP2's mesh)
+    fsdp_mesh: tuple[int, ...] = ()  # the training mesh's shape (): 1-D over the training ranks
+    sync_nccl: bool = True  # the weight channel is NCCL (digen.sync.backend auto on GPUs, or nccl)
+    ema_on_host: bool = False  # an EMA kept in host memory (digen.ema.offload)
 
 
 def model_config_path(path: str | None) -> str | None:
@@ -304,7 +331,30 @@ def job_shape(cfg: DigenConfig, *, devices_per_node: int, nnodes: int, model_pat
         max_sequence_length=cfg.model.max_sequence_length,
         optimizer_offload=cfg.optimizer_offloaded if optimizer_offload is None else optimizer_offload,
         param_offload=cfg.fsdp.param_offload,
+        fsdp_enabled=cfg.fsdp.enable,
+        fsdp_mesh=_training_mesh(cfg, devices_per_node, nnodes),
+        sync_nccl=cfg.sync.backend != "gloo",
+        ema_on_host=cfg.ema.enable and cfg.ema.offload,
     )
+
+
+def _training_mesh(cfg: DigenConfig, devices_per_node: int, nnodes: int) -> tuple[int, ...]:
+    """The shape of the training ranks' FSDP mesh as the workers build it (workers/fsdp.py
+    ``training_mesh``): 1-D over every rank, or ``(replicas, shard)`` for HSDP
+    (workers/fsdp_layout.py ``mesh_shape`` of the ranks per node of the declared cluster);
+    () without FSDP."""
+    if not cfg.fsdp.enable:
+        return ()
+    from verl_digen.placement.pools import ClusterSpec, pool_layout
+    from verl_digen.workers.fsdp_layout import mesh_shape
+
+    try:
+        layout = pool_layout(cfg, ClusterSpec(n_devices_per_node=devices_per_node, nnodes=nnodes))
+    except ConfigError:  # pools larger than the cluster: refused by the cluster check, which names them
+        return (cfg.fsdp_ranks(devices_per_node * nnodes),)
+    counts, _accel = layout.pools["fused" if cfg.placement == "colocated" else "trainer"]
+    replicas, shard = mesh_shape(list(counts), cfg.fsdp.mesh)
+    return (replicas * shard,) if replicas == 1 else (replicas, shard)
 
 
 def workload_job(*, family: str, height: int, width: int, num_frames: int, num_steps: int, cfg_rows: int,
@@ -336,7 +386,8 @@ def workload_job(*, family: str, height: int, width: int, num_frames: int, num_s
         vae_decode_chunk=d.model.vae_decode_chunk if vae_decode_chunk is None else vae_decode_chunk,
         trainers_generate=not colocated and trainers_generate, reward_bytes=reward_bytes,
         trainers_score=not colocated and trainers_score, rollouts_train=not colocated and rollouts_train,
-        max_sequence_length=d.model.max_sequence_length, param_offload=d.fsdp.param_offload,
+        max_sequence_length=d.model.max_sequence_length, param_offload=d.fsdp.param_offload, fsdp_enabled=fsdp > 1,
+        sync_nccl=d.sync.backend != "gloo", ema_on_host=d.ema.enable and d.ema.offload,
     )
 
 
@@ -437,6 +488,35 @@ def _latent_bytes(job: JobShape) -> int:
     return 4 * lay["channels"] * lay["frames"] * lay["h"] * lay["w"]
 
 
+def mesh_communicators(mesh_shape: tuple[int, ...], world_size: int) -> int:
+    """NCCL communicators one rank of a training mesh holds: the default group's (which the
+    trainer group is: workers/worker.py ``_join_trainer_group``), and one per mesh dimension
+    that does not span every rank (torch's ``DeviceMesh`` reuses the default group only for a
+    dimension over the whole world; each other dimension is a group of its own, of which a rank
+    joins one). A 1-D FSDP mesh: 1; an HSDP mesh (replicate, shard) of two or more of each: 3."""
+    return 1 + sum(1 for size in (mesh_shape or (world_size,)) if size != world_size)
+
+
+def nccl_communicators(job: JobShape, role: str) -> int:
+    """NCCL communicators the rank of ``role`` that holds the most holds, as the workers create
+    them: a training rank the trainer group when its pool has more than one rank or FSDP
+    (:func:`mesh_communicators` of its mesh); trainer 0 and every rollout worker of a
+    disaggregated run the weight channel (trainer/runtime.py ``open_weight_channel``) when it is
+    NCCL; a GAT rollout worker trains without a group; a reward worker joins none."""
+    trains = role in ("colocated", "trainer")
+    ranks = job.devices if role == "colocated" else job.trainer_devices
+    count = mesh_communicators(job.fsdp_mesh, ranks) if trains and (ranks > 1 or job.fsdp_enabled) else 0
+    if role in ("trainer", "rollout") and job.sync_nccl:
+        count += 1
+    return count
+
+
+def overhead_bytes(job: JobShape, role: str, allocated: int) -> int:
+    """The ``overhead`` of a phase of ``role`` whose tensors hold ``allocated`` bytes: CUDA
+    context, the rank's NCCL communicators, and the allocator's reserve above ``allocated``."""
+    return CONTEXT_BYTES + nccl_communicators(job, role) * NCCL_COMMUNICATOR_BYTES + int(RESERVE_FRACTION * allocated)
+
+
 class _RoleBuilder:
     """The phases of one role, as dicts of category -> bytes."""
 
@@ -446,9 +526,9 @@ class _RoleBuilder:
 
     def add(self, phase: str, **parts: int) -> None:
         bytes_ = {k: 0 for k in CATEGORIES}
-        bytes_["overhead"] = OVERHEAD_BYTES
         for k, v in parts.items():
             bytes_[k] += int(v)
+        bytes_["overhead"] = overhead_bytes(self.job, self.role, sum(bytes_.values()))
         self.phases[phase] = bytes_
 
     def plan(self, train_knobs: list[str], rollout_knobs: list[str]) -> RolePlan:
@@ -791,6 +871,131 @@ def plan_job(cfg: DigenConfig, *, devices_per_node: int, nnodes: int = 1, model_
     return plan_roles(job, device_gib(cfg))
 
 
+# ---------------------------------------------------------------------- host RAM at load
+
+# The largest file a component loads at once: diffusers' ``save_pretrained`` shards at
+# ``max_shard_size="10GB"`` by default (the published FLUX.1, Qwen-Image, Wan and HunyuanVideo
+# transformers are in shards of at most 10 GB). Loaded with ``device_map`` onto the GPU
+# (models/base.py: load_component), a component passes through the host one shard at a time.
+LOAD_SHARD_BYTES = 10 * 10**9
+# One worker process on the host besides what it loads: the interpreter, torch with its CUDA
+# libraries mapped and the context's host side, diffusers, transformers, veRL and Ray's core
+# worker. An allowance (a CPU-only worker of this package is ~1 GiB resident; CUDA's libraries and
+# host-side context add 1-2 GiB).
+PROCESS_HOST_BYTES = 3 * GIB
+
+
+@dataclass(frozen=True)
+class NodeHostPlan:
+    """What the workers of one node hold in host RAM at load, part by part (summed over them)."""
+
+    node: int
+    workers: dict[str, int]  # role -> workers of that role on the node
+    parts: dict[str, int]  # what -> bytes, over the node's workers
+    host_gib: float
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def total_gib(self) -> float:
+        return self.total_bytes / GIB
+
+
+def worker_host_bytes(job: JobShape, role: str, *, first_trainer: bool = False) -> dict[str, int]:
+    """Host bytes one worker of ``role`` holds at load, by part: the process; the shard being
+    loaded (models go straight to their GPU, one shard at a time: models/base.py); what stays on
+    the host by design: a trainer's text encoders and VAE (workers/worker.py
+    ROLE_CAPABILITIES["trainer"].offloads), a generating role's offloaded text encoders, the
+    optimizer state parked between steps, FSDP's host-offloaded training state, an offloaded
+    EMA, a full fine-tune's KL reference without FSDP (pinned host memory); and trainer 0's
+    pinned host snapshot of the state it sends (disaggregated: workers/worker.py ``_capture``)."""
+    params, dense_bytes, _block, lora_params, param_bytes = _transformer_facts(
+        job.family, job.config_path, job.dtype, job.lora_targets, job.lora_rank)
+    encoders, vae = _encoder_and_vae_bytes(job)
+    parts = {"process": PROCESS_HOST_BYTES}
+    if role == "reward":
+        parts["reward model"] = job.reward_bytes  # built on the host, then moved to its GPU
+        return parts
+    parts["loading shard"] = min(LOAD_SHARD_BYTES, max(dense_bytes, encoders, vae))
+    on_host = 0
+    if role == "trainer":
+        on_host += encoders + vae
+    elif job.encoders_offloaded:
+        on_host += encoders
+    parts["encoders/VAE on host"] = on_host
+    if role in ("trainer", "colocated"):
+        state = trained_state_bytes(job, params, param_bytes, lora_params)
+        if job.param_offload:
+            parts["FSDP host offload"] = int(sum(state.values()))
+        elif job.optimizer_offload:
+            parts["parked optimizer"] = int(state["optimizer"])
+        if job.ema_on_host:
+            parts["EMA"] = int((lora_params if job.lora else params) * 4 / job.fsdp)
+        if job.kl_reference and job.fsdp == 1:
+            parts["KL reference"] = dense_bytes
+    if first_trainer and role == "trainer":
+        parts["sync snapshot"] = lora_params * job.trainable_bytes if job.lora else dense_bytes
+    return {k: int(v) for k, v in parts.items() if v}
+
+
+def host_plan(cfg: DigenConfig, *, devices_per_node: int, nnodes: int = 1, model_path: str | None = None,
+              ) -> list[NodeHostPlan]:
+    """Host RAM of every node at load: the workers the preset's pool layout puts on it
+    (placement/pools.py ``pool_layout``), each as :func:`worker_host_bytes` says, trainer 0 on
+    the first node with a trainer."""
+    from verl_digen.placement.pools import ClusterSpec, pool_layout
+
+    job = _decided_job(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path)
+    layout = pool_layout(cfg, ClusterSpec(n_devices_per_node=devices_per_node, nnodes=nnodes))
+    per_worker: dict[tuple[str, bool], dict[str, int]] = {}
+    nodes = []
+    first_trainer_placed = False
+    for node in range(nnodes):
+        workers: dict[str, int] = {}
+        parts: dict[str, int] = {}
+        for pool, (counts, _accel) in layout.pools.items():
+            role = "colocated" if layout.role_of_pool[pool] == "fused" else layout.role_of_pool[pool]
+            for _ in range(counts[node]):
+                first = role == "trainer" and not first_trainer_placed
+                first_trainer_placed = first_trainer_placed or first
+                held = per_worker.setdefault((role, first), worker_host_bytes(job, role, first_trainer=first))
+                workers[role] = workers.get(role, 0) + 1
+                for k, v in held.items():
+                    parts[k] = parts.get(k, 0) + v
+        nodes.append(NodeHostPlan(node, workers, parts, float(cfg.memory.host_gib)))
+    return nodes
+
+
+def host_ram_lines(cfg: DigenConfig, cluster: Any, model_path: str | None = None) -> list[str]:
+    """``python -m verl_digen.check``'s host RAM line on ``cluster`` (a ``ClusterSpec``): the
+    fullest node's bytes at load, by part."""
+    nodes = host_plan(cfg, devices_per_node=cluster.n_devices_per_node, nnodes=cluster.nnodes, model_path=model_path)
+    fullest = max(nodes, key=lambda n: n.total_bytes)
+    workers = ", ".join(f"{n} {role}" for role, n in fullest.workers.items())
+    parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in fullest.parts.items())
+    return [f"host RAM per node at load: {fullest.total_gib:.1f} GiB of {fullest.host_gib:g} GiB "
+            f"(digen.memory.host_gib), node {fullest.node} ({workers} worker(s)): {parts}"]
+
+
+def check_host_memory(cfg: DigenConfig, *, devices_per_node: int, nnodes: int = 1, model_path: str | None = None,
+                      ) -> list[NodeHostPlan]:
+    """:func:`host_plan`, raising :class:`MemoryPlanError` when a node's workers would hold more
+    host RAM at load than ``digen.memory.host_gib``."""
+    nodes = host_plan(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path)
+    bad = [n for n in nodes if n.total_gib > n.host_gib]
+    if bad:
+        lines = [f"node {n.node} holds {n.total_gib:.1f} GiB at load ("
+                 + ", ".join(f"{k} {v / GIB:.1f}" for k, v in n.parts.items()) + ")" for n in bad]
+        raise MemoryPlanError(
+            f"the job does not fit in host RAM: {' | '.join(lines)}, more than digen.memory.host_gib="
+            f"{bad[0].host_gib:g}; set digen.memory.host_gib to the nodes' RAM if it is larger, or turn: "
+            "digen.model.optimizer_offload=false, digen.fsdp.param_offload=false, digen.ema.offload=false, "
+            "fewer workers per node (digen.pools.<pool>.nodes)")
+    return nodes
+
+
 def describe(plan: RolePlan) -> str:
     parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in plan.bytes.items() if v)
     return f"{plan.role} ({plan.devices} GPU(s)) peaks at {plan.peak_gib:.1f} GiB in its {plan.phase} phase ({parts})"
@@ -808,5 +1013,6 @@ def check_job_memory(cfg: DigenConfig, *, devices_per_node: int, nnodes: int = 1
                  f"turn: {'; '.join(p.knobs) or 'a larger GPU'}" for p in bad]
         raise MemoryPlanError("the job does not fit in GPU memory: " + " | ".join(lines)
                               + " (plan it with python -m verl_digen.memory; digen.memory.check=false skips this check)")
+    check_host_memory(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path)
     return plans
 
