@@ -62,6 +62,12 @@ CALLS = {
 }
 
 
+# The calls an emulated run times as the real run would (its workers sleep the modelled seconds
+# of tasks and transfers, and wait on an emulated weight channel): the executor's wait, the weight
+# send's, its join, the channel's and the trainer group's collectives, the final join.
+EMULATED = ("task_s", "send_s", "join_s", "channel_s", "collective_s", "final_s")
+
+
 @dataclass(frozen=True)
 class Waits:
     """The predicted longest wait of each blocking call, in modelled seconds (0: none predicted)."""
@@ -98,14 +104,16 @@ class Deadlines:
     def from_waits(cls, waits: Waits, floor_s: float) -> "Deadlines":
         """``floor_s + MARGIN x wait`` for each call, with two orderings the failure messages need:
         the join outlasts the send it waits for (the send's own error names what it waited for),
-        and a collective outlasts the join (trainer 0 joins the last send while the other FSDP
-        ranks wait in the state stream's all-gather; the channel's receivers wait in the
-        broadcast while the sender waits for them)."""
+        a collective outlasts the join (trainer 0 joins the last send while the other FSDP ranks
+        wait in the state stream's all-gather; the channel's receivers wait in the broadcast while
+        the sender waits for them), and a checkpoint save outlasts a task (it is queued behind one)."""
         d = {f.name: floor_s + MARGIN * getattr(waits, f.name) for f in fields(Waits)}
         d["join_s"] = max(d["join_s"], d["send_s"] + floor_s)
         d["channel_s"] = max(d["channel_s"], d["send_s"])
         d["collective_s"] = max(d["collective_s"], d["join_s"] + floor_s)
         d["final_s"] = max(d["final_s"], d["join_s"])
+        # a save is queued behind the task a trainer is running
+        d["checkpoint_s"] = max(d["checkpoint_s"], d["task_s"])
         return cls(**d)
 
     @classmethod
@@ -114,8 +122,11 @@ class Deadlines:
         return cls.from_waits(Waits(), floor_s)
 
     def scaled(self, time_scale: float) -> "Deadlines":
-        """The deadlines of an emulated run that sleeps ``time_scale`` real seconds per modelled one."""
-        return replace(self, **{f.name: getattr(self, f.name) * time_scale for f in fields(self)})
+        """The deadlines of an emulated run that sleeps ``time_scale`` real seconds per modelled
+        one: those of the calls the emulation times (:data:`EMULATED`) scaled, so its rehearsal
+        meets the real run's waits, timeouts and orderings; the set-up calls' kept, since emulated
+        workers load nothing and their set-up takes what Ray's actor start takes."""
+        return replace(self, **{name: getattr(self, name) * time_scale for name in EMULATED})
 
 
 def workload_of(cfg: Any) -> dict[str, Any]:
@@ -159,11 +170,12 @@ def predicted_waits(cfg: Any, layout: Any, costs: Any, device: str) -> Waits:
       written alike; profile: a rollout worker's two profiled generate calls of one group;
     - final: the last step's send and the final weights written.
     """
+    from verl_digen.sim.cost_model import Cluster, PoolPlacement
     from verl_digen.sim.simulator import simulate
-    from verl_digen.workers.emulated import cluster_for_layout
 
     spec = layout.spec
-    cluster = cluster_for_layout(layout, device)
+    # each pool's devices on every node, as the emulated cluster places them (workers/emulated.py)
+    cluster = Cluster({name: PoolPlacement.spread(on_nodes, device) for name, (on_nodes, _accel) in layout.pools.items()})
     steps = 3
     sim = simulate(spec, costs, cluster, steps=steps, warmup=1, mirror_loop=True, tag_switch_s=cfg.tag.switch_cost_s,
                    tsp_balance=spec.tsp_stages > 1 and cfg.tsp.balance, gat_micro_batches=cfg.gat.fixed,
@@ -195,10 +207,12 @@ def predicted_waits(cfg: Any, layout: Any, costs: Any, device: str) -> Waits:
 
 
 def plan_deadlines(cfg: Any, layout: Any, costs: Any | None, device: str, time_scale: float = 1.0) -> tuple[Waits, Deadlines]:
-    """The run's predicted waits and deadlines (in real seconds: ``time_scale`` for an emulated
-    run); without ``costs`` no wait is predicted and every deadline is ``digen.task_timeout_s``."""
+    """The run's predicted waits (modelled seconds) and deadlines (real seconds: :meth:`Deadlines.scaled`
+    by ``time_scale`` for an emulated run); without ``costs`` no wait is predicted and every
+    deadline is ``digen.task_timeout_s``."""
     waits = predicted_waits(cfg, layout, costs, device) if costs is not None else Waits()
-    return waits, Deadlines.from_waits(waits, cfg.task_timeout_s).scaled(time_scale)
+    deadlines = Deadlines.from_waits(waits, cfg.task_timeout_s)
+    return waits, deadlines.scaled(time_scale) if time_scale != 1.0 else deadlines
 
 
 def check_lines(checked: Any) -> list[str]:

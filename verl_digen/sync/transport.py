@@ -538,14 +538,19 @@ class WeightSyncMixin:
         return stats.as_dict()
 
     def sync_send_in_background(self, state: Mapping[str, torch.Tensor] | HostSnapshot, version: int,
-                                timeout_s: float) -> None:
+                                timeout_s: float, join_timeout_s: float | None = None) -> None:
         """Send ``state`` as ``version`` from a side thread and return at once: the thread waits
         (on the host) until every receiver has called :meth:`sync_recv`, then broadcasts, on a
         CUDA stream of its own for NCCL, so the caller's work on its streams goes on meanwhile.
         ``state`` must be a copy the caller does not change until the send is joined (the trained
         weights move on): a :class:`HostSnapshot` (reused for the next version once joined).
-        The previous send is joined first (:meth:`sync_join`): transfers stay in order."""
-        self.sync_join(timeout_s)
+        The previous send is joined first (:meth:`sync_join`, within ``join_timeout_s``; None:
+        ``timeout_s``): transfers stay in order.
+
+        ``timeout_s``: how long the thread waits for the receivers. Under TCSS they reach the
+        sync only after generating a whole step, so a run passes the plan's deadline for that
+        wait (:class:`~verl_digen.sim.deadlines.Deadlines` ``send_s``), not one global number."""
+        self.sync_join(timeout_s if join_timeout_s is None else join_timeout_s)
         channel = self._require_sync_channel()
 
         def send() -> None:
@@ -565,14 +570,18 @@ class WeightSyncMixin:
 
     def sync_join(self, timeout_s: float | None = None) -> dict[str, Any] | None:
         """Wait for the send in flight (:meth:`sync_send_in_background`), if any; its stats, or
-        None when there was none. Raises what the send raised, naming the version."""
+        None when there was none. Raises what the send raised, naming the version. ``timeout_s``
+        must outlast the send's own wait for the receivers (``Deadlines.join_s`` does), so that a
+        send that gave up is reported by its own error, which says what it waited for."""
         thread, self._send_thread = self._send_thread, None
         if thread is None:
             return None
         thread.join(timeout_s)
         if thread.is_alive():
             self._send_thread = thread
-            raise TimeoutError(f"weight sync: {thread.name} still sending after {timeout_s} s")
+            raise TimeoutError(f"weight sync: {thread.name} still sending after {timeout_s:g} s (the plan's "
+                               "deadline for this join, digen.task_timeout_s + twice its predicted wait: "
+                               "python -m verl_digen.check prints it)")
         outcome, self._send_outcome = self._send_outcome, None
         if isinstance(outcome, BaseException):
             raise RuntimeError(f"weight sync: {thread.name} failed on the sender: "

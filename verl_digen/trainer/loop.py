@@ -33,6 +33,7 @@ from verl_digen.schedule.driver import StepDriver
 from verl_digen.schedule.elastic import balanced_spec
 from verl_digen.schedule.plan import TaskKind, WorkerId, group_ids
 from verl_digen.schedule.timeline import save_gantt
+from verl_digen.sim.deadlines import Deadlines, plan_deadlines, run_costs
 from verl_digen.trainer import resolve, runtime
 from verl_digen.trainer.checkpoint import RunCheckpoints, locked_run_directories
 from verl_digen.trainer.ray_executor import RayPlanExecutor, gang_chunk_rows
@@ -84,18 +85,46 @@ class DigenTrainer:
         self.history: list[dict[str, Any]] = []
         self.val_before_train: dict[str, float] | None = None
         self._completed = job.start_step
+        self._costs: Any = None  # an emulated run's cost model (_emulation_costs), made once
+        self.deadlines = Deadlines.floor(cfg.task_timeout_s)  # the plan's, once Ray says where the run is
 
     def _default_worker_groups(self, use_gpu: bool) -> runtime.WorkerGroupFactory:
         job = self.job
         if job.emulated:
-            from verl_digen.workers.emulated import emulated_worker_groups, emulation_costs
+            from verl_digen.workers.emulated import emulated_worker_groups
 
             em = job.cfg.emulate
-            costs = emulation_costs(em.model, em.device_type).for_spec(self.spec)  # the run's calls and sharding
-            return emulated_worker_groups(costs, device=em.device_type,
+            return emulated_worker_groups(self._emulation_costs(), device=em.device_type,
                                           time_scale=em.time_scale, group_size=job.cfg.batch.group_size)
         return runtime.real_worker_groups(job.cfg, job.model_path, use_gpu=use_gpu,
                                           devices=self.spec.devices, cluster=job.cluster)
+
+    def _emulation_costs(self) -> Any:
+        """What an emulated run's workers sleep by: ``digen.emulate.model`` on its device type with
+        the config's own workload (sizes, steps, batch), planned as the run's calls and sharding."""
+        if self._costs is None:
+            em = self.job.cfg.emulate
+            self._costs = run_costs(self.job.cfg, self.spec, model=em.model, device=em.device_type)
+        return self._costs
+
+    def _plan_deadlines(self, use_gpu: bool) -> Deadlines:
+        """Each blocking call's deadline from the plan (:mod:`verl_digen.sim.deadlines`): predicted
+        for an emulated run (scaled as its sleeps) and for a GPU run of a model at a real path (its
+        architecture's profile on ``digen.memory.device_type``); a CPU or tiny-model run keeps
+        ``digen.task_timeout_s`` for every call (no real-size prediction applies to it)."""
+        job, cfg = self.job, self.job.cfg
+        if job.emulated:
+            costs, device, scale = self._emulation_costs(), cfg.emulate.device_type, cfg.emulate.time_scale
+        elif use_gpu and cfg.model.path is not None:
+            costs, device, scale = run_costs(cfg, self.spec), cfg.memory.device_type, 1.0
+        else:
+            return Deadlines.floor(cfg.task_timeout_s)
+        if costs is None:
+            return Deadlines.floor(cfg.task_timeout_s)
+        _, deadlines = plan_deadlines(cfg, job.layout, costs, device, scale)
+        print(f"[verl-digen] deadlines from the plan (python -m verl_digen.check lists them): weight send "
+              f"{deadlines.send_s:.3g} s, task {deadlines.task_s:.3g} s, load {deadlines.load_s:.3g} s", flush=True)
+        return deadlines
 
     # ------------------------------------------------------------------ run
 
@@ -131,8 +160,10 @@ class DigenTrainer:
         from verl_digen.data import PromptSampler
 
         job, cfg = self.job, self.job.cfg
+        self.deadlines = deadlines = self._plan_deadlines(use_gpu)
+        self.checkpoints.timeout_s = deadlines.checkpoint_s
         self._groups, actors = (self.worker_groups or self._default_worker_groups(use_gpu))(job.layout)
-        infos = runtime.init_models(actors, cfg.task_timeout_s)
+        infos = runtime.init_models(actors, deadlines)
         with open(os.path.join(job.output_dir, "workers.json"), "w") as f:
             json.dump([{**i, "worker": str(w)} for w, i in zip(actors, infos)], f, indent=2)
         if cfg.prompt_cache.enable and not job.emulated:  # each prompt encoded once per cache directory
@@ -140,12 +171,12 @@ class DigenTrainer:
 
             self.prompt_cache_stats = warm_prompt_caches(
                 {w: a for w, a in actors.items() if w.pool != "reward"},
-                job.prompts + job.val_prompts + job.negative_prompts, cfg.task_timeout_s)
+                job.prompts + job.val_prompts + job.negative_prompts, deadlines.load_s)
         sampler = PromptSampler(job.prompts, seed=cfg.seed, shuffle=cfg.data.shuffle)
         if job.resume_from is not None:
             self.history = self.checkpoints.load(job.resume_from, actors, sampler)
         if self.spec.placement == "disaggregated":
-            runtime.open_weight_channel(self.spec, actors, cfg, use_gpu)
+            runtime.open_weight_channel(self.spec, actors, cfg, use_gpu, deadlines)
         tracker = Tracking(project_name=job.trainer.project_name, config=job.container,
                            experiment_name=job.trainer.experiment_name, default_backend=list(job.trainer.logger))
         try:
@@ -153,7 +184,7 @@ class DigenTrainer:
         except BaseException as e:
             raise self._stopped(e, actors) from e
         extra = runtime.finish_weights(self.spec, actors, cfg, job.output_dir,
-                                       save=cfg.save_final_weights and not job.emulated)
+                                       save=cfg.save_final_weights and not job.emulated, deadlines=deadlines)
         if self.val_before_train is not None:
             extra["val_before_train"] = self.val_before_train
         runtime.finish_tracking(tracker)
@@ -168,7 +199,7 @@ class DigenTrainer:
             self.spec = self._balanced_stages(actors)
         driver = StepDriver(
             self.spec,
-            lambda plan: RayPlanExecutor(plan, actors, std_mode=cfg.algo.std_mode, timeout_s=cfg.task_timeout_s,
+            lambda plan: RayPlanExecutor(plan, actors, std_mode=cfg.algo.std_mode, timeout_s=self.deadlines.task_s,
                                          chunk_rows=gang_chunk_rows(self.spec), sharded_trainers=self.spec.fsdp),
             start_step=first, total_steps=last, tag_switch_s=cfg.tag.switch_cost_s,
             tsp_rebalance=self.spec.tsp_stages > 1 and cfg.tsp.balance, gat_micro_batches=cfg.gat.fixed,

@@ -98,11 +98,16 @@ class RayPlanExecutor(PlanRunner):
         one object per ``chunk_rows`` samples of one group (the transformer calls rank_rows deals
         to the ranks), and each rank is sent its chunks only, not every rank every output.
         ``sharded_trainers`` (FSDP): every trainer rank receives GAT's gradients and adds its
-        shard of them; otherwise trainer 0 adds them whole before the all-reduce."""
+        shard of them; otherwise trainer 0 adds them whole before the all-reduce.
+        ``timeout_s``: how long the executor waits for some task to finish, the plan's deadline
+        (:class:`~verl_digen.sim.deadlines.Deadlines` ``task_s``: past the longest task's)."""
         super().__init__(plan)
         self.actors = actors
         self.std_mode = std_mode
         self.timeout_s = timeout_s
+        # The longest the executor waited for a task to finish since the last step's metrics
+        # (``executor/longest_wait_s``): what its deadline must outlast.
+        self.longest_wait_s = 0.0
         self.prompts: dict[int, tuple[int, str]] = {}  # group -> (prompt index, prompt)
         self.metadata: dict[int, dict[str, Any]] = {}  # group -> its prompt's record (reaches the reward)
         self.chunk_rows = chunk_rows
@@ -114,7 +119,7 @@ class RayPlanExecutor(PlanRunner):
         self.results: dict[int, StepResults] = defaultdict(StepResults)
         self._refs: dict[str, list[ray.ObjectRef]] = {}
         self._ref_task: dict[ray.ObjectRef, str] = {}
-        self._finished_refs: dict[str, list[Any]] = defaultdict(list)
+        self._finished_refs: dict[str, list[tuple[int, Any]]] = defaultdict(list)  # (position in _refs, value)
         # GAT: (step, mini-batch) -> (micro-batch, its groups, ref of its Gradients) from rollout workers
         self.assisted_gradients: dict[tuple[int, int], list[tuple[int, tuple[int, ...], ray.ObjectRef]]] = \
             defaultdict(list)
@@ -238,11 +243,14 @@ class RayPlanExecutor(PlanRunner):
     def _wait_one(self) -> tuple[str, Any]:
         while True:
             pending = list(self._ref_task)
+            t0 = time.monotonic()
             ready, _ = ray.wait(pending, num_returns=1, timeout=self.timeout_s)
+            self.longest_wait_s = max(self.longest_wait_s, time.monotonic() - t0)
             if not ready:
                 running = {str(tid): [str(w) for w in self.bound[tid]] for tid in self.running}
                 raise WorkerFailure(
-                    f"no task finished within digen.task_timeout_s={self.timeout_s}s; running: {running}. "
+                    f"no task finished within {self.timeout_s:g} s (the plan's deadline: digen.task_timeout_s "
+                    f"+ twice the longest task's predicted seconds); running: {running}. "
                     "A worker may be hung; the run stops here."
                 )
             ref = ready[0]
@@ -254,9 +262,10 @@ class RayPlanExecutor(PlanRunner):
                 value: Any = ref
             else:
                 value = self._check_ok(task, ref)
-            self._finished_refs[tid].append(value)
+            self._finished_refs[tid].append((self._refs[tid].index(ref), value))
             if len(self._finished_refs[tid]) == len(self._refs[tid]):
-                return tid, self._finished_refs.pop(tid)
+                # in the order the task's refs were made (its workers'), not the order they finished
+                return tid, [v for _, v in sorted(self._finished_refs.pop(tid), key=lambda iv: iv[0])]
 
     def _check_ok(self, task: Task, ref: ray.ObjectRef) -> Any:
         try:
@@ -307,16 +316,17 @@ class RayPlanExecutor(PlanRunner):
             for name, values in out.extra.items():
                 res.reward_extras.setdefault(name, []).append(values)
             res.rollout_rows.extend(out.rollout_rows)
+            res.trajectory_bytes += out.trajectory_bytes
         elif task.kind == TaskKind.TRAIN:
             res.train.extend(result)
         elif task.kind == TaskKind.OPTIMIZER_STEP:
+            # trainer 0's (the first worker's): the weight sender, whose result also says how long its send waited
             res.optimizer.append(result[0])
             if task.id.mini_batch is not None:
                 return  # a mini-batch before the last: the step's trajectories are still to train
             # The step's trajectories are trained: free them from the object store.
             for g in [g for g, tids in self.gen_of_group.items() if self.plan[tids[0]].step == task.step]:
                 for tid in self.gen_of_group.pop(g):
-            res.trajectory_bytes += out.trajectory_bytes
                     self.outputs.pop(tid, None)
                 for key in [k for k in self.chunk_refs if k[0] == g]:
                     del self.chunk_refs[key]
@@ -350,7 +360,8 @@ class RayPlanExecutor(PlanRunner):
             values = [o.metrics[k] for o in res.optimizer if k in o.metrics]  # skipped ones counted, the rest means
             m[k] = float(sum(values) if k == "actor/skipped_nonfinite" else sum(values) / len(values))
         m["actor/optimizer_steps"] = len(res.optimizer)
-        m["policy_version"] = step + 1
-        return m
+        m["executor/longest_wait_s"], self.longest_wait_s = self.longest_wait_s, 0.0
         if res.trajectory_bytes:  # real workers measure it (emulated ones carry no trajectories)
             m["perf/object_store_bytes"] = res.trajectory_bytes
+        m["policy_version"] = step + 1
+        return m

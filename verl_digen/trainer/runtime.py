@@ -26,6 +26,7 @@ from verl_digen.placement.pools import (
     cluster_nodes,
 )
 from verl_digen.schedule.plan import WorkerId
+from verl_digen.sim.deadlines import Deadlines
 from verl_digen.trainer.ray_auth import follow_cluster_auth
 
 WorkerGroupFactory = Callable[[PoolLayout], "tuple[dict[str, Any], dict[WorkerId, Any]]"]
@@ -505,18 +506,24 @@ def real_worker_groups(
     return build
 
 
-def init_models(actors: dict[WorkerId, Any], timeout_s: float) -> list[dict[str, Any]]:
-    """Every worker's ``init_model``, after rank 0 of each training group opened the group's
-    rendezvous on a port the OS assigned (``open_rendezvous``), handed to every rank of its pool."""
+def init_models(actors: dict[WorkerId, Any], deadlines: Deadlines) -> list[dict[str, Any]]:
+    """Every worker's ``init_model``, after each worker got the run's deadlines (its process
+    groups' timeouts, its weight send's waits) and rank 0 of each training group opened the
+    group's rendezvous on a port the OS assigned (``open_rendezvous``), handed to every rank of
+    its pool. The load's deadline covers reading the weights at real size (``deadlines.load_s``)."""
     import ray
 
-    ports = ray.get([a.open_rendezvous.remote() for a in actors.values()], timeout=timeout_s)
+    ray.get([a.set_deadlines.remote(deadlines) for a in actors.values()], timeout=deadlines.load_s)
+    ports = ray.get([a.open_rendezvous.remote() for a in actors.values()], timeout=deadlines.load_s)
     by_pool = {w.pool: port for w, port in zip(actors, ports) if port is not None}
-    return ray.get([a.init_model.remote(by_pool.get(w.pool)) for w, a in actors.items()], timeout=timeout_s)
+    return ray.get([a.init_model.remote(by_pool.get(w.pool)) for w, a in actors.items()], timeout=deadlines.load_s)
 
 
-def open_weight_channel(spec: Any, actors: dict[WorkerId, Any], cfg: DigenConfig, use_gpu: bool) -> None:
-    """Connect trainer rank 0 to every rollout worker (gloo or NCCL) and check they agree."""
+def open_weight_channel(spec: Any, actors: dict[WorkerId, Any], cfg: DigenConfig, use_gpu: bool,
+                        deadlines: Deadlines | None = None) -> None:
+    """Connect trainer rank 0 to every rollout worker (gloo or NCCL) and check they agree.
+    ``deadlines``: the run's (None: ``digen.task_timeout_s`` for every call)."""
+    deadlines = deadlines or Deadlines.floor(cfg.task_timeout_s)
     import ray
 
     backend = cfg.sync.backend
@@ -526,27 +533,30 @@ def open_weight_channel(spec: Any, actors: dict[WorkerId, Any], cfg: DigenConfig
     receivers = [actors[WorkerId("rollout", r)] for r in range(spec.rollout_workers)]
     addr, port = ray.get(sender.sync_master_endpoint.remote(), timeout=60)
     world = len(receivers) + 1
-    # a collective may wait as long as a task may run (the receivers join a send after
-    # generating what they were generating, up to a whole step with TCSS)
+    # the channel's collectives may wait as long as the send waits for its receivers (they join
+    # it after generating what they were generating, a whole step with TCSS): the plan's deadline
     ray.get(
-        [sender.sync_open.remote(0, world, addr, port, backend, cfg.task_timeout_s)]
-        + [w.sync_open.remote(i + 1, world, addr, port, backend, cfg.task_timeout_s) for i, w in enumerate(receivers)],
-        timeout=cfg.task_timeout_s,
+        [sender.sync_open.remote(0, world, addr, port, backend, deadlines.channel_s)]
+        + [w.sync_open.remote(i + 1, world, addr, port, backend, deadlines.channel_s) for i, w in enumerate(receivers)],
+        timeout=deadlines.load_s,
     )
     digests = ray.get([sender.weights_digest.remote(), receivers[0].weights_digest.remote()], timeout=60)
     if digests[0] != digests[1]:
         raise RuntimeError("rollout and trainer start from different weights (same model dir and LoRA seed expected)")
 
 
-def finish_weights(spec: Any, actors: dict[WorkerId, Any], cfg: DigenConfig, output_dir: str, *, save: bool) -> dict[str, Any]:
-    """Check rollout holds the trainer's final weights; optionally save them."""
+def finish_weights(spec: Any, actors: dict[WorkerId, Any], cfg: DigenConfig, output_dir: str, *, save: bool,
+                   deadlines: Deadlines | None = None) -> dict[str, Any]:
+    """Check rollout holds the trainer's final weights; optionally save them. ``deadlines``: the
+    run's (None: ``digen.task_timeout_s``); the last send may still wait for its receivers."""
     import ray
 
+    final_s = (deadlines or Deadlines.floor(cfg.task_timeout_s)).final_s
     extra: dict[str, Any] = {}
     source = actors[spec.trainers[0]]
     if spec.placement == "disaggregated":
         # the last send has ended (its receivers have the weights); raise what it raised, if anything
-        ray.get(source.sync_join.remote(cfg.task_timeout_s), timeout=cfg.task_timeout_s + 60)
+        ray.get(source.sync_join.remote(final_s), timeout=final_s + 60)
         digests = ray.get(
             [source.weights_digest.remote()] + [actors[w].weights_digest.remote() for w in spec.generators], timeout=120
         )
@@ -555,7 +565,7 @@ def finish_weights(spec: Any, actors: dict[WorkerId, Any], cfg: DigenConfig, out
             raise RuntimeError("after the final sync, rollout weights differ from the trainer's")
     if save:  # written by the first trainer rank itself: the weights never pass through the driver
         if cfg.fsdp.enable:  # a collective: a colocated run streams the full state only now (disaggregated: no-op)
-            ray.get([actors[w].refresh_full_state.remote() for w in spec.trainers], timeout=cfg.task_timeout_s)
+            ray.get([actors[w].refresh_full_state.remote() for w in spec.trainers], timeout=final_s)
         path = os.path.join(output_dir, "final_weights.safetensors")
-        extra["final_weights"] = ray.get(source.save_final_weights.remote(path), timeout=cfg.task_timeout_s)
+        extra["final_weights"] = ray.get(source.save_final_weights.remote(path), timeout=final_s)
     return extra

@@ -26,7 +26,9 @@ when the driver unpickles a reward).
 
 from __future__ import annotations
 
+import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -95,6 +97,16 @@ class EmulatedWorker:
         # (kind, groups, modelled seconds) of every task part this worker ran, in order: what it
         # charged, for checks against the simulator (python -m verl_digen.emulate, tests)
         self.charged: list[tuple[str, tuple[int, ...], float]] = []
+        # The weight channel as the real sender and receivers wait on it (sync_open): None in a
+        # plan run without one (run_emulated_plan), where the sync task alone carries the transfer.
+        self._board: Any = None
+        self._receivers = 0
+        self._send_thread: threading.Thread | None = None
+        self._send_outcome: float | BaseException | None = None
+        self.deadlines: Any = None  # set_deadlines: the run's, scaled as this worker's sleeps
+        # Real seconds each blocking call waited (send: for the receivers; join: for the send),
+        # reported with the next optimizer step's metrics for the rehearsal's checks.
+        self._waited = {"send_s": 0.0, "join_s": 0.0}
 
     def _work(self, kind: TaskKind, *, groups: tuple[int, ...] = (), step: int = 0, version: int = 0,
               ranks: int = 1, **fields: Any) -> float:
@@ -118,6 +130,9 @@ class EmulatedWorker:
 
     # ------------------------------------------------------------------ set-up (the loop's calls)
 
+    def set_deadlines(self, deadlines: Any) -> None:
+        self.deadlines = deadlines
+
     def open_rendezvous(self) -> int | None:
         return None  # emulated trainers form no process group
 
@@ -134,10 +149,21 @@ class EmulatedWorker:
         return str(self.worker)
 
     def sync_master_endpoint(self) -> tuple[str, int]:
-        return "127.0.0.1", 0
+        """The emulated channel: a :class:`SyncBoard` actor of this sender's, named in place of an address."""
+        import ray
 
-    def sync_open(self, *args: Any, **kwargs: Any) -> None:
-        return None
+        name = f"digen-emulated-sync-{uuid.uuid4().hex}"
+        self._board = ray.remote(num_cpus=0)(SyncBoard).options(name=name).remote()
+        ray.get(self._board.ready.remote())
+        return name, 0
+
+    def sync_open(self, rank: int, world_size: int, master_addr: str, *args: Any, **kwargs: Any) -> None:
+        """Join the emulated channel named ``master_addr`` (the sender made it)."""
+        import ray
+
+        if rank > 0:
+            self._board = ray.get_actor(master_addr)
+        self._receivers = world_size - 1
 
     def weights_digest(self) -> str:
         return "emulated"
@@ -226,28 +252,120 @@ class EmulatedWorker:
         GAT's ``gradients`` must be of the weights this worker holds, as the real worker checks."""
         check_assisted_gradients(request, gradients, self.policy_version, str(self.worker))
         self._work(TaskKind.OPTIMIZER_STEP, mini_batch=request.mini_batch)
+        metrics = {"actor/grad_norm": 0.0, "actor/lr": 0.0, "actor/skipped_nonfinite": 0.0}
         if not request.final:
-            return OptimizerResult(metrics={"actor/grad_norm": 0.0, "actor/lr": 0.0, "actor/skipped_nonfinite": 0.0},
-                                   policy_version=self.policy_version)
+            return OptimizerResult(metrics=metrics, policy_version=self.policy_version)
         self.policy_version += 1
-        return OptimizerResult(
-            metrics={"actor/grad_norm": 0.0, "actor/lr": 0.0, "actor/skipped_nonfinite": 0.0},
-            policy_version=self.policy_version,
-        )
+        if self._board is not None and self._receivers:
+            # the real sender's order: join the last send (its snapshot is reused), send the new one
+            self.sync_join(self.deadlines.join_s)
+            self._send_in_background(self.policy_version)
+            metrics.update({f"sync/waited_{k}": v for k, v in self._waited.items()})
+        return OptimizerResult(metrics=metrics, policy_version=self.policy_version)
+
+    def _send_in_background(self, version: int) -> None:
+        """The real sender's side thread (``WeightSyncMixin.sync_send_in_background``): wait for
+        every receiver within the send's deadline, then the transfer's seconds."""
+        import ray
+
+        board, deadline = self._board, self.deadlines.send_s
+        transfer = self.costs.sync_seconds(self.cluster) * self.time_scale if hasattr(self.costs, "sync_seconds") else 0.0
+
+        def send() -> None:
+            try:
+                t0 = time.monotonic()
+                if not ray.get(board.wait_arrived.remote(version, self._receivers, deadline)):
+                    raise TimeoutError(f"weight sync: the rollout workers did not reach version {version} "
+                                       f"within {deadline:g} s")
+                self._waited["send_s"] = max(self._waited["send_s"], time.monotonic() - t0)
+                ray.get(board.sent.remote(version))  # the broadcast begins: sender and receivers take its seconds
+                time.sleep(transfer)
+                self._send_outcome = time.monotonic() - t0
+            except BaseException as e:  # noqa: BLE001 - handed to the next sync_join, which raises it
+                self._send_outcome = e
+
+        self._send_outcome = None
+        self._send_thread = threading.Thread(target=send, name=f"digen-weight-sync-v{version}", daemon=True)
+        self._send_thread.start()
 
     def _sync_stats(self, version: int, seconds: float) -> SyncResult:
         nbytes = int(getattr(self.costs, "sync_bytes", 0))
         return SyncResult(version=version, nbytes=nbytes, seconds=seconds * self.time_scale, num_tensors=0)
 
     def sync_join(self, timeout_s: float | None = None) -> None:
-        """The real sender's background send has nothing to wait for here: the receivers'
-        sync task carries the transfer's seconds, as in the plan."""
+        """Wait for the send in flight, as the real sender does: raise what it raised, or a
+        ``TimeoutError`` when it outlasts ``timeout_s``. Without a channel (a plan run) there is
+        none: the receivers' sync task carries the transfer's seconds, as in the plan."""
+        thread, self._send_thread = self._send_thread, None
+        if thread is None:
+            return None
+        t0 = time.monotonic()
+        thread.join(timeout_s)
+        self._waited["join_s"] = max(self._waited["join_s"], time.monotonic() - t0)
+        if thread.is_alive():
+            self._send_thread = thread
+            raise TimeoutError(f"weight sync: {thread.name} still sending after {timeout_s:g} s")
+        outcome, self._send_outcome = self._send_outcome, None
+        if isinstance(outcome, BaseException):
+            raise RuntimeError(f"weight sync: {thread.name} failed on the sender: "
+                               f"{type(outcome).__name__}: {outcome}") from outcome
         return None
 
     def sync_recv(self) -> SyncResult:
+        """With a channel, first what a real receiver waits for: arrive, then the sender's
+        broadcast within the channel's collective deadline."""
+        version = self.policy_version + 1  # syncs deliver versions in order
+        if self._board is not None:
+            import ray
+
+            ray.get(self._board.arrive.remote(version))
+            if not ray.get(self._board.wait_sent.remote(version, self.deadlines.channel_s)):
+                raise TimeoutError(f"weight sync: {self.worker} waited {self.deadlines.channel_s:g} s in the "
+                                   f"broadcast of version {version}")
         seconds = self._work(TaskKind.SYNC)
-        self.policy_version += 1  # syncs deliver versions in order
+        self.policy_version = version
         return self._sync_stats(self.policy_version, seconds)
+
+
+class SyncBoard:
+    """The emulated weight channel's meeting point (an async Ray actor of the sender's): receivers
+    say they arrived at a version, the sender waits for all of them, then says it sent."""
+
+    def __init__(self) -> None:
+        import asyncio
+
+        self._arrived: dict[int, int] = {}
+        self._sent: set[int] = set()
+        self._changed = asyncio.Condition()
+
+    async def ready(self) -> bool:
+        return True
+
+    async def arrive(self, version: int) -> None:
+        async with self._changed:
+            self._arrived[version] = self._arrived.get(version, 0) + 1
+            self._changed.notify_all()
+
+    async def sent(self, version: int) -> None:
+        async with self._changed:
+            self._sent.add(version)
+            self._changed.notify_all()
+
+    async def _wait(self, done: Callable[[], bool], timeout_s: float) -> bool:
+        import asyncio
+
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(done), timeout_s)
+            except asyncio.TimeoutError:
+                return False
+        return True
+
+    async def wait_arrived(self, version: int, receivers: int, timeout_s: float) -> bool:
+        return await self._wait(lambda: self._arrived.get(version, 0) >= receivers, timeout_s)
+
+    async def wait_sent(self, version: int, timeout_s: float) -> bool:
+        return await self._wait(lambda: version in self._sent, timeout_s)
 
 
 # ---------------------------------------------------------------------------- worker groups

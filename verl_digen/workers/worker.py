@@ -21,6 +21,7 @@ import dataclasses
 import os
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,7 @@ from verl import DataProto
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 from verl_digen.config.schema import ConfigError, DigenConfig
+from verl_digen.sim.deadlines import Deadlines
 from verl_digen.sync.snapshot import HostSnapshot, WeightsDigest, weights_digest
 from verl_digen.sync.state import trainable_state
 from verl_digen.sync.buckets import DEFAULT_BUCKET_BYTES
@@ -254,8 +256,21 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         # when the full state is read (refresh_full_state), not tens of GB to the host per step.
         self._streamed_version: int | None = None
         self._stream_every_version = self.fsdp and config.placement == "disaggregated"
+        # How long each blocking call may wait: the plan's (set_deadlines, before init_model);
+        # digen.task_timeout_s for every call until then (tools and tests that build a worker).
+        self.deadlines = Deadlines.floor(config.task_timeout_s)
 
     # ------------------------------------------------------------------ set-up
+
+    def set_deadlines(self, deadlines: Deadlines) -> None:
+        """The run's deadlines (:func:`verl_digen.sim.deadlines.plan_deadlines`, on the driver),
+        before :meth:`open_rendezvous`: the trainer group's and the weight send's waits follow them."""
+        self.deadlines = deadlines
+
+    def _store_timeout_s(self) -> float:
+        """The trainer group's store: ranks meet there as each finishes loading (a load's
+        deadline), and the process group's collectives use it after (theirs)."""
+        return max(self.deadlines.load_s, self.deadlines.collective_s)
 
     def open_rendezvous(self) -> int | None:
         """Rank 0 of a group that will join a process group (:meth:`_join_trainer_group`): open
@@ -265,7 +280,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
             return None
         if self._store is None:
             self._store = rendezvous_store(rank=0, world_size=self.world_size, port=None,
-                                           timeout_s=self.cfg.task_timeout_s)
+                                           timeout_s=self._store_timeout_s())
         return self._store.port
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -279,7 +294,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
 
         if rendezvous_port is not None and self.rank != 0:
             self._store = rendezvous_store(rank=self.rank, world_size=self.world_size, port=rendezvous_port,
-                                           timeout_s=self.cfg.task_timeout_s)
+                                           timeout_s=self._store_timeout_s())
 
         caps = ROLE_CAPABILITIES[self.role]
         info: dict[str, Any] = {"role": self.role, "rank": self.rank, "pid": os.getpid(),
@@ -385,7 +400,12 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         cuda = torch.cuda.is_available()
         how = "joined before"
         if not dist.is_initialized():
-            extra = {"device_id": compute_device()} if cuda else {}
+            # Without timeout= the group keeps NCCL's 10 minutes (gloo's 30), whatever the run's
+            # deadlines say; a rank may wait that long in a collective while trainer 0 joins the
+            # last weight send (a whole rollout phase under TCSS): the plan's collective deadline.
+            extra: dict[str, Any] = {"timeout": timedelta(seconds=self.deadlines.collective_s)}
+            if cuda:
+                extra["device_id"] = compute_device()
             backend = "nccl" if cuda else "gloo"
             if cuda and self.cfg.fsdp.param_offload:
                 # FSDP2's host offload keeps gradients on the host: their norm (clipping) is a
@@ -569,6 +589,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         records = data.non_tensor_batch.get("metadata")
         metadata = [dict(r) for r in records] if records is not None else None
         from verl_digen.models.base import pixels_from_uint8
+        from verl_digen.sim.object_store import trajectory_payload_bytes
 
         # Trajectories carry uint8 pixels; rewards take fp32 in [0, 1] (the same pixels, quantised).
         pixels = pixels_from_uint8(data.batch["images"])
@@ -586,10 +607,10 @@ class DiffusionWorker(Worker, WeightSyncMixin):
             policy_version=torch.tensor(data.non_tensor_batch["policy_version"].astype(np.int64)),
             extra=extras,
             rollout_rows=rows,
+            trajectory_bytes=sum(trajectory_payload_bytes(s) for s in slices),
         )
 
     def train_micro_batch(self, request: TrainRequest, *trajectories: DataProto) -> TrainResult | tuple[TrainResult, Gradients]:
-        from verl_digen.sim.object_store import trajectory_payload_bytes
         """Accumulate the gradients of ``request.groups``' rows (selected from the trajectories)
         with ``request.advantages``, one per row of the selection; ``request.return_gradients``
         (GAT, a rollout worker): return them too, as a second object for trainer 0."""
@@ -607,7 +628,6 @@ class DiffusionWorker(Worker, WeightSyncMixin):
                 if len(data) != len(rows):
                     raise RuntimeError(f"rank {r} of {n} got {len(data)} rows of groups {list(request.groups)}; "
                                        f"its share is {len(rows)}")
-            trajectory_bytes=sum(trajectory_payload_bytes(s) for s in slices),
             else:
                 data = select_groups(trajectories, list(request.groups)).select_idxs(rows)
         try:
@@ -649,7 +669,8 @@ class DiffusionWorker(Worker, WeightSyncMixin):
             # The weight-sync sender (trainer 0 of a disaggregated run): send the new version
             # from a copy on a side thread; the plan's sync task is the receivers' part, and
             # this trainer goes on training meanwhile (schedule/mechanisms.py: WeightSync).
-            self.sync_send_in_background(self._sync_snapshot(), self.policy_version, self.cfg.task_timeout_s)
+            self.sync_send_in_background(self._sync_snapshot(), self.policy_version, self.deadlines.send_s,
+                                         self.deadlines.join_s)
         return OptimizerResult(metrics=metrics, policy_version=self.policy_version)
 
     def _sync_snapshot(self) -> HostSnapshot:
@@ -662,7 +683,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
 
     def _capture(self, named_tensors) -> None:
         """Copy a version into the host snapshot, once the send still reading it has ended."""
-        self.sync_join(self.cfg.task_timeout_s)
+        self.sync_join(self.deadlines.join_s)
         if self._snapshot is None:
             self._snapshot = HostSnapshot(DEFAULT_BUCKET_BYTES)
         self._snapshot.capture(named_tensors)
@@ -723,7 +744,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
     def sync_send(self, version: int) -> SyncResult:
         """Send now, blocking (tools and tests; a run's optimizer step sends in the background):
         FSDP's snapshot as packed, else the module's weights straight from the device."""
-        self.sync_join(self.cfg.task_timeout_s)
+        self.sync_join(self.deadlines.join_s)
         state = self._require_snapshot() if self.fsdp else self._full_state()
         stats = self._require_sync_channel().send(state, version)
         self.policy_version = version
