@@ -26,9 +26,11 @@ from verl_digen.workers.fsdp_layout import (
 WORLD = 4
 N_PER_RANK = 3
 # Flat and HSDP sum the same four fp32 gradients in a different order (one ring over four ranks;
-# two rings of two, then an all-reduce of the two partial sums): the sums differ in the last bit
-# (relative 2**-24 of gradients of order 1), and two AdamW steps at lr 1e-2 move a weight by
-# lr x m / sqrt(v), in which such a difference is a relative 1e-7 at most: 1e-6 is 10x that.
+# two rings of two, then an all-reduce of the two partial sums), so the sums may differ in their
+# last bits (relative 2**-24 ~ 6e-8); after clipping, two AdamW steps at lr 1e-2 move each weight
+# (of order 1) by lr x m / sqrt(v), which carries such a difference as ~1e-9, and the weights
+# round at ~6e-8 per step: 1e-6 is over 10x what two steps can accumulate, and 1e4 x below a
+# wrong reduction (a missing or doubled replica's gradient changes weights by ~1e-2).
 FP32_TOL = 1e-6
 
 
@@ -116,14 +118,16 @@ def _build(layout, seed: int, dtype=torch.float32):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-def _train_step(model, opt, rank: int, world: int, step: int) -> None:
+def _train_step(model, opt, rank: int, world: int, step: int) -> float:
     """One optimizer step: each rank's loss is its share of the global batch's mean (the workers'
-    sum reduction)."""
+    sum reduction), the gradient clipped as ``PolicyUpdater.optimizer_step`` does (a norm over
+    the mesh: within a replica under HSDP). Returns the norm before clipping."""
     x, y = make_data(N_PER_RANK, seed=100 * step + rank)
-    x, y = x.to(next(model.parameters()).dtype), y.to(next(model.parameters()).dtype)
     (per_sample_loss(model, x, y).sum() / (N_PER_RANK * world)).backward()
+    norm = torch.nn.utils.clip_grad_norm_(list(model.parameters()), 0.05).item()
     opt.step()
     opt.zero_grad()
+    return norm
 
 
 def _full_grads(model) -> dict[str, torch.Tensor]:
@@ -152,9 +156,8 @@ def _scenario_hsdp(rank: int, world: int) -> dict:
     out["shard_dims"] = [p.dim for p in w.placements if isinstance(p, Shard)]
     out["replicated"] = any(isinstance(p, Replicate) for p in w.placements)
     out["local_rows"] = w.to_local().shape[0]
-    for step in range(2):
-        _train_step(a, a_opt, rank, world, step)
-        _train_step(b, b_opt, rank, world, step)
+    norms = [(_train_step(a, a_opt, rank, world, step), _train_step(b, b_opt, rank, world, step)) for step in range(2)]
+    out["norms"] = norms
     out["hsdp_vs_flat"] = max_diff(full_params(a), full_params(b))
     streamed = {n: t.clone() for n, t in stream_full_state(a, lora_only=False)}
     whole = a.state_dict()
@@ -209,9 +212,12 @@ def test_the_mesh_is_one_replica_per_node_sharded_within_it(hsdp_ranks):
 
 @pytest.mark.e2e
 def test_hsdp_trains_as_flat_fsdp_in_fp32(hsdp_ranks):
+    print("max |HSDP - flat| after two steps:", max(r["hsdp_vs_flat"] for r in hsdp_ranks.values()))
     for r in hsdp_ranks.values():
         assert r["reduce"] == "fp32"
         assert r["hsdp_vs_flat"] <= FP32_TOL, r["hsdp_vs_flat"]
+        for hsdp_norm, flat_norm in r["norms"]:  # clipping was on (0.05), with the same norm
+            assert hsdp_norm > 0.05 and hsdp_norm == pytest.approx(flat_norm, rel=1e-6)
         assert r["stream_bitwise"]
 
 
@@ -224,7 +230,107 @@ def test_a_sharded_checkpoint_of_hsdp_ranks_resumes_bitwise_and_loads_flat(hsdp_
 
 @pytest.mark.e2e
 def test_a_bf16_full_fine_tune_reduces_in_bf16_within_bf16_rounding(hsdp_ranks):
+    print("max relative |bf16 - fp32 reduction|:", max(r["bf16_rel"] for r in hsdp_ranks.values()))
     for r in hsdp_ranks.values():
         assert r["bf16_reduce"] == "bf16" and r["policy_reduce"] == "torch.bfloat16" and r["grad_dtype"] == "torch.bfloat16"
         # 4 bf16 partial sums (relative rounding 2**-9 each) against one rounding of the fp32 sum
         assert r["bf16_rel"] <= 4 * 2.0**-8, r["bf16_rel"]
+
+
+# ---------------------------------------------------------------------- what the planner charges
+
+
+def _preset_costs(*overrides: str):
+    """The cost model of ``qwen_image_full_disaggregated`` (20.4B, full fine-tune, bf16) at real
+    size on H100s, the cluster the runtime places it on, the layout its trainer ranks build there
+    (the worker's decision, from the nodes they sit on) and the memory planner's layout of the
+    same config (``fsdp_layout_of``)."""
+    import os
+
+    from omegaconf import OmegaConf
+
+    from verl_digen.config.compose import compose_config
+    from verl_digen.config.schema import digen_config_from_dict
+    from verl_digen.memory.plan import fsdp_layout_of
+    from verl_digen.placement.pools import ClusterSpec, pool_layout
+    from verl_digen.sim.cost_model import CostModel, load_catalog
+    from verl_digen.workers.emulated import cluster_for_layout
+
+    configs = os.path.join(os.path.dirname(__file__), "..", "configs")
+    cfg = compose_config(list(overrides), config_name="qwen_image_full_disaggregated", config_dir=configs)
+    digen = digen_config_from_dict(OmegaConf.to_container(cfg.digen, resolve=True))
+    layout = pool_layout(digen, ClusterSpec(cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes))
+    cluster = cluster_for_layout(layout, "H100")
+    costs = CostModel.from_catalog(load_catalog(), "qwen-image-20b", devices=["H100"], lora=False).for_spec(layout.spec)
+    nodes = [f"node{i}" for i, n in enumerate(layout.pools["trainer"][0]) for _ in range(n)]
+    built = choose_layout(nodes, mesh=digen.fsdp.mesh, reduce=digen.fsdp.reduce_dtype, lora=digen.model.lora.enable,
+                          weights_dtype=digen.model.dtype)
+    planned = fsdp_layout_of(digen, cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes)
+    return costs, cluster, built, planned
+
+
+WHOLE_NODES = ("trainer.nnodes=3", "digen.pools.trainer.nodes=null", "digen.pools.trainer.devices=16",
+               "digen.batch.train_micro_batch_groups=2")  # the trainer pool packed 8 + 8 on two nodes
+
+
+def test_qwen_image_full_disaggregated_reduces_half_the_bytes_per_pass_at_real_size():
+    from dataclasses import replace
+
+    costs, cluster, built, planned = _preset_costs()
+    group = costs._plain_train_group(cluster)  # the pool's shape (the memory decisions are the e2e test's)
+    moved = costs.fsdp_pass_bytes(group)
+    # 12 trainer ranks packed 8 + 4 on the two nodes: not one replica per node, so flat, in bf16
+    assert not built.hsdp and built.shard == 12 and built.reduce_dtype == "bf16"
+    assert (group.shard, group.hsdp_per_pass) == (12, False) and planned == (1, 12, 2)
+    expected = reduce_traffic(costs.trainable_params, replicas=built.replicas, shard=built.shard,
+                              reduce_bytes=built.reduce_bytes)
+    assert moved["reduce_scatter"] == pytest.approx(expected.reduce_scatter) and moved["all_reduce"] == 0
+    fp32 = costs.with_system(replace(costs.system, grad_reduce_dtype="fp32")).fsdp_pass_bytes(group)
+    gib = 1 << 30
+    assert fp32["reduce_scatter"] / gib == pytest.approx(69.7, abs=0.1)  # 20.4e9 x 4 B x 11/12: before
+    assert moved["reduce_scatter"] / gib == pytest.approx(34.8, abs=0.1)  # the same in bf16
+
+
+def test_a_trainer_pool_of_whole_nodes_is_hsdp_in_the_cost_model():
+    from dataclasses import replace
+
+    costs, cluster, built, planned = _preset_costs(*WHOLE_NODES)
+    group = costs._plain_train_group(cluster)
+    assert built.hsdp and (built.replicas, built.shard) == (2, 8) and planned == (2, 8, 2)
+    assert (group.replicas, group.shard, group.shard_nodes, group.hsdp_per_pass) == (2, 8, 1, True)
+    moved = costs.fsdp_pass_bytes(group)
+    p, gib = costs.trainable_params, 1 << 30
+    expected = reduce_traffic(p, replicas=2, shard=8, reduce_bytes=built.reduce_bytes)
+    assert moved["reduce_scatter"] == pytest.approx(expected.reduce_scatter)  # within a node, bf16
+    assert moved["all_reduce"] == pytest.approx(expected.all_reduce)  # the 1/8 shard across the 2 nodes
+    assert moved["all_reduce"] / gib == pytest.approx(2 * p / 8 / gib) and moved["all_reduce"] / gib < 5
+    # flat over 16 ranks on 2 nodes: every collective a ring over the network
+    flat = costs.with_system(replace(costs.system, fsdp_mesh="flat"))
+    flat_group = flat._plain_train_group(cluster)
+    assert flat_group.shard_nodes == 2
+    dev = costs.device(cluster.placement("trainer").device)
+    assert costs.fsdp_comm_seconds(dev, group) < flat.fsdp_comm_seconds(dev, flat_group)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_the_memory_plan_charges_the_hsdp_state_and_reduce_buffers_of_the_layout():
+    """Real-size planning (the model built on the meta device, its passes traced): seconds."""
+    from dataclasses import replace
+
+    from verl_digen.memory.plan import _transformer_facts, plan_roles
+    from verl_digen.workers.fsdp_layout import DTYPE_BYTES
+
+    costs, cluster, built, _ = _preset_costs(*WHOLE_NODES)
+    job = costs.memory_job(cluster)
+    assert (job.fsdp, job.fsdp_replicas, job.grad_reduce_bytes) == (8, 2, DTYPE_BYTES["bf16"])
+    params, dense, block, _, _ = _transformer_facts(job.family, None, job.dtype, job.lora_targets, job.lora_rank)
+    unit = params * block / dense
+    trainer = {r.role: r for r in plan_roles(job, 141.0)}["trainer"]
+    fp32 = {r.role: r for r in plan_roles(replace(job, grad_reduce_bytes=4), 141.0)}["trainer"]
+    extra = fp32.phases["train"]["gradients"] - trainer.phases["train"]["gradients"]
+    assert extra == pytest.approx(reduce_buffer_bytes(unit, replicas=2, shard=8, reduce_bytes=4)
+                                  - reduce_buffer_bytes(unit, replicas=2, shard=8, reduce_bytes=2))
+    flat = {r.role: r for r in plan_roles(replace(job, fsdp=16, fsdp_replicas=1), 141.0)}["trainer"]
+    # HSDP holds twice flat's share of the optimizer state (1/8 of it instead of 1/16)
+    assert trainer.phases["train"]["optimizer"] == pytest.approx(2 * flat.phases["train"]["optimizer"], rel=1e-6)

@@ -200,6 +200,7 @@ def test_the_measured_training_efficiency_is_ours_and_the_calibrated_one_stays_v
 
 def test_fsdp_collectives_grow_with_ranks_and_use_every_nic_across_nodes(catalog):
     c = CostModel.from_catalog(catalog, "flux-12b", devices=["H800", "A100"], train_device_batch=2)
+    c = c.with_system(dataclasses.replace(c.system, fsdp_mesh="flat"))  # flat rings (auto: HSDP across nodes)
 
     def comm(device, n):
         cl = Cluster({"fused": PoolPlacement(n, math.ceil(n / 8), device)})
@@ -749,6 +750,7 @@ def test_the_fsdp_state_stream_is_charged_to_every_rank_after_the_optimizer_step
     step, all ranks together (workers/fsdp.py: stream_full_state); trainer 0 sends what it kept,
     so the sync gathers nothing. Unsharded trainers stream nothing."""
     c = _costs(catalog, "flux-12b")
+    c = c.with_system(dataclasses.replace(c.system, fsdp_mesh="flat"))  # one shard group of 16 (auto: 2 of 8)
     w = c.workload
     spec = StrategySpec("disaggregated", 16, 16, w.groups_per_step, w.group_size, gap=True, fsdp=True,
                         train_micro_batch_groups=4)
@@ -774,6 +776,7 @@ def test_a_worker_generating_with_its_sharded_module_pays_each_forwards_all_gath
     switches. A rollout worker holds the whole model: nothing to gather. veRL-Omni's separate
     engine is given a gathered copy at the switch (reload) instead."""
     c = _costs(catalog, "flux-12b")
+    c = c.with_system(dataclasses.replace(c.system, fsdp_mesh="flat"))  # one shard group of 32 (auto: 4 of 8)
     w = c.workload
     spec = StrategySpec("colocated", rollout_workers=32, trainer_workers=32, groups_per_step=w.groups_per_step,
                         group_size=w.group_size, fsdp=True, train_micro_batch_groups=8)
@@ -807,6 +810,7 @@ def test_the_optimizer_step_is_charged_the_host_snapshot_the_trainer_copies(cata
     optimizer step when it is the weight-sync sender: under FSDP overlapping the state stream's
     gathers, so the step pays the copy beyond the stream; a colocated run copies nothing."""
     c = _costs(catalog, "flux-12b")
+    c = c.with_system(dataclasses.replace(c.system, fsdp_mesh="flat"))  # one shard group of 16 (auto: 2 of 8)
     w = c.workload
     spec = StrategySpec("disaggregated", 16, 16, w.groups_per_step, w.group_size, gap=True, fsdp=True,
                         train_micro_batch_groups=4)

@@ -38,6 +38,7 @@ from typing import Any, Mapping
 from verl_digen.config.schema import ConfigError, DigenConfig
 from verl_digen.platform.devices import device_memory_gib
 from verl_digen.sync.buckets import DEFAULT_BUCKET_BYTES
+from verl_digen.workers.fsdp_layout import reduce_buffer_bytes
 
 GIB = 1 << 30
 # CUDA context (~0.5 GiB on an H100 with CUDA's lazy module loading) and cuBLAS workspaces (a few
@@ -107,6 +108,33 @@ def _dtype_name(name: str) -> str:
 
 def _bytes_per(name: str) -> int:
     return 4 if _dtype_name(name) == "fp32" else 2
+
+
+def fsdp_layout_of(cfg: DigenConfig, devices_per_node: int, nnodes: int) -> tuple[int, int, int]:
+    """``(replicas, shard, reduce bytes per trained parameter)`` of the training ranks of ``cfg`` on
+    ``nnodes`` x ``devices_per_node`` GPUs, as the workers decide it (workers/fsdp_layout.py) from
+    the nodes the runtime places them on (platform/nodes.py ``node_counts``); ``(1, 1, 4)``
+    without FSDP."""
+    from verl_digen.platform.nodes import PlacementError, node_counts
+    from verl_digen.workers.fsdp_layout import DTYPE_BYTES, mesh_shape, reduce_dtype
+
+    ranks = cfg.fsdp_ranks(devices_per_node * nnodes)
+    if ranks <= 1 and not cfg.fsdp.enable:
+        return 1, 1, 4
+    if cfg.placement == "disaggregated":
+        pools = {"rollout": cfg.pools.rollout.world_size, "trainer": ranks}
+        if cfg.pools.reward.devices:
+            pools["reward"] = cfg.pools.reward.world_size
+        try:
+            on_nodes = list(node_counts(pools, devices_per_node, nnodes)["trainer"])
+        except PlacementError:  # pools larger than the cluster: the cluster check names them; one node here
+            on_nodes = [ranks]
+    else:
+        on_nodes = [devices_per_node] * nnodes
+    replicas, shard = mesh_shape(on_nodes, cfg.fsdp.mesh)
+    lora = cfg.model.lora.enable
+    reduce = reduce_dtype(cfg.fsdp.reduce_dtype, lora=lora, weights_dtype=_dtype_name(cfg.model.dtype))
+    return replicas, shard, DTYPE_BYTES[reduce]
 
 
 @functools.lru_cache(maxsize=128)
@@ -247,6 +275,11 @@ class JobShape:
     trainers_score: bool  # trainers generate under TAG with no reward pool: they build the reward too
     rollouts_train: bool  # GAT: rollout workers train micro-batches too (disaggregated, digen.gat.enable)
     max_sequence_length: int | None = None  # text tokens per prompt (None: the pipeline's default)
+    # FSDP's layout beyond its degree (workers/fsdp_layout.py, the workers' decision): replicas of
+    # an HSDP mesh (1: flat; ``fsdp`` is then the shard group's size) and the bytes per trained
+    # parameter of the gradient reduction (digen.fsdp.reduce_dtype).
+    fsdp_replicas: int = 1
+    grad_reduce_bytes: int = 4
     optimizer_offload: bool = False  # the optimizer state on the host except in the optimizer step
     param_offload: bool = False  # FSDP2's CPUOffloadPolicy: parameter shards, gradients, optimizer on the host
     fsdp_enabled: bool = False  # digen.fsdp.enable: trainers join a process group even alone (FSDP2's mesh)
@@ -286,7 +319,7 @@ def job_shape(cfg: DigenConfig, *, devices_per_node: int, nnodes: int, model_pat
     devices = devices_per_node * nnodes
     disaggregated = cfg.placement == "disaggregated"
     trainer_devices = cfg.pools.trainer.world_size if disaggregated else devices
-    fsdp = cfg.fsdp_ranks(devices)
+    fsdp_replicas, fsdp, grad_reduce_bytes = fsdp_layout_of(cfg, devices_per_node, nnodes)
     lora = cfg.model.lora.enable
     if checkpointing is None:
         checkpointing = bool(cfg.model.checkpointing)
@@ -315,6 +348,8 @@ def job_shape(cfg: DigenConfig, *, devices_per_node: int, nnodes: int, model_pat
         trainer_devices=trainer_devices,
         reward_devices=cfg.pools.reward.world_size if disaggregated else 0,
         fsdp=fsdp,
+        fsdp_replicas=fsdp_replicas,
+        grad_reduce_bytes=grad_reduce_bytes,
         checkpointing=checkpointing,
         prompt_cache_releases=cfg.prompt_cache.enable and cfg.prompt_cache.release_encoders,
         encoders_offloaded=encoders_offloaded,
@@ -361,7 +396,8 @@ def workload_job(*, family: str, height: int, width: int, num_frames: int, num_s
                  group_size: int, groups_per_task: int, micro_batch_samples: int, pass_samples: int, lora: bool,
                  lora_rank: int, kl_reference: bool, placement: str, rollout_devices: int, trainer_devices: int,
                  reward_devices: int, fsdp: int, reward_bytes: int, trainers_generate: bool, trainers_score: bool,
-                 rollouts_train: bool, vae_decode_chunk: int | None = None, devices: int | None = None) -> JobShape:
+                 rollouts_train: bool, vae_decode_chunk: int | None = None, devices: int | None = None,
+                 fsdp_replicas: int = 1, grad_reduce_bytes: int = 4) -> JobShape:
     """The job of a workload on a cluster, for a caller without a composed config (the
     simulator's planner: ``sim.cost_model.CostModel.memory_job``): what the arguments say, every
     other setting at the config's default (:class:`DigenConfig`: weights in bf16, trained state in
@@ -369,7 +405,8 @@ def workload_job(*, family: str, height: int, width: int, num_frames: int, num_s
     whole-batch VAE decodes, the pipeline's text length, no FSDP host offload), the memory
     decisions left to :func:`decide_job`. ``placement`` colocated: ``rollout_devices`` is every GPU.
     ``vae_decode_chunk``: ``digen.model.vae_decode_chunk`` (None: the default, the whole call);
-    ``devices``: the cluster's GPUs (None: ``rollout_devices``)."""
+    ``devices``: the cluster's GPUs (None: ``rollout_devices``); ``fsdp_replicas`` and
+    ``grad_reduce_bytes``: :class:`JobShape`'s (the caller's FSDP layout; ``fsdp`` its shard size)."""
     d = DigenConfig()
     colocated = placement == "colocated"
     return JobShape(
@@ -379,7 +416,8 @@ def workload_job(*, family: str, height: int, width: int, num_frames: int, num_s
         groups_per_task=groups_per_task, micro_batch_samples=micro_batch_samples, pass_samples=pass_samples,
         placement=placement, devices=rollout_devices if devices is None else devices, rollout_devices=rollout_devices,
         trainer_devices=rollout_devices if colocated else trainer_devices, reward_devices=0 if colocated else reward_devices,
-        fsdp=fsdp, checkpointing=False, prompt_cache_releases=d.prompt_cache.enable and d.prompt_cache.release_encoders,
+        fsdp=fsdp, fsdp_replicas=fsdp_replicas, grad_reduce_bytes=grad_reduce_bytes,
+        checkpointing=False, prompt_cache_releases=d.prompt_cache.enable and d.prompt_cache.release_encoders,
         encoders_offloaded=False, warm_batch=d.prompt_cache.encode_batch_size if d.prompt_cache.enable else 0,
         optimizer_states=2 if d.algo.optimizer == "adamw" else 0, ema_on_gpu=d.ema.enable and not d.ema.offload,
         kl_reference=kl_reference and not lora,
@@ -606,6 +644,12 @@ def _plan_roles(job: JobShape, gib: float | Mapping[str, float]) -> list[RolePla
     if job.param_offload:  # FSDP2's CPUOffloadPolicy: every sharded tensor of training waits on the host
         state = {k: 0 for k in state}
     grads = state["grads"] + state["master_grads"]
+    # FSDP2's reduction of one unit's gradients in backward (workers/fsdp_layout.py
+    # reduce_buffer_bytes, in the job's reduce dtype): the largest block's trained parameters,
+    # its share of the model's (LoRA: of the adapters').
+    unit_trained = (lora_params if job.lora else params) * block_bytes / max(dense_bytes, 1)
+    reduce_buffers = reduce_buffer_bytes(unit_trained, replicas=job.fsdp_replicas, shard=f,
+                                         reduce_bytes=job.grad_reduce_bytes) if f * job.fsdp_replicas > 1 else 0
     # With optimizer_offload the state is on the GPU only in the optimizer step (PolicyUpdater
     # park_optimizer / unpark_optimizer): its own phase, with the gradients and no activations.
     step_optimizer = state["optimizer"]
@@ -661,7 +705,7 @@ def _plan_roles(job: JobShape, gib: float | Mapping[str, float]) -> list[RolePla
         _add_encode_phases(b, job, resident, warm, encode, gen_encoders)
         b.add("generate", activations=rollout_acts, **resident)
         b.add("decode", activations=decode, **resident)
-        b.add("train", gradients=grads, activations=train_acts, **dict(resident, weights=resident["weights"] + kl_ref_in_training))
+        b.add("train", gradients=grads + reduce_buffers, activations=train_acts, **dict(resident, weights=resident["weights"] + kl_ref_in_training))
         if job.optimizer_offload:
             b.add("step", gradients=grads, **dict(resident, optimizer=step_optimizer))
         plans.append(b.plan(train_knobs, rollout_knobs))
@@ -696,7 +740,7 @@ def _plan_roles(job: JobShape, gib: float | Mapping[str, float]) -> list[RolePla
     # trainer 0 sends the last version from its host snapshot while training goes on, through one
     # reused device buffer of a flat bucket (sync/transport.py: WeightChannel._on_device)
     staging = min(sync_state, DEFAULT_BUCKET_BYTES)
-    t.add("train", gradients=grads, activations=train_acts, sync_buffers=staging,
+    t.add("train", gradients=grads + reduce_buffers, activations=train_acts, sync_buffers=staging,
           **dict(t_resident, weights=t_resident["weights"] + kl_ref_in_training))
     if job.optimizer_offload:
         t.add("step", gradients=grads, sync_buffers=staging, **dict(t_resident, optimizer=step_optimizer))

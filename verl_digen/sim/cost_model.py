@@ -193,6 +193,15 @@ class SystemProfile:
     activation_bytes: float = 34.0  # activation bytes per token per hidden unit per block
     collective_step_latency_s: float = 2e-5  # latency of one ring step of a collective
     hsdp_shard: int = 0  # 0: flat FSDP over all training ranks; k: shard over k, replicate
+    # FSDP's layout where hsdp_shard is 0: flat (one mesh over every rank), or auto (this runtime's
+    # digen.fsdp.mesh=auto, workers/fsdp_layout.py: one replica per node, sharded within it, when the
+    # training pool spans several nodes with as many devices on each; gradients all-reduced across
+    # the replicas in every pass's backward, FSDP2's HSDP).
+    fsdp_mesh: str = "flat"
+    # The dtype of FSDP's gradient reduction: fp32 (grad_bytes_per_param), or auto (this runtime's
+    # digen.fsdp.reduce_dtype=auto: bf16 for a full fine-tune of the bf16 weights charged here, fp32
+    # for LoRA).
+    grad_reduce_dtype: str = "fp32"
     # Whether training is sharded whatever the strategy (veRL's FSDP engine); False: only the
     # strategies with FSDP shard (digen.fsdp.enable), other trainers hold the whole state.
     always_sharded: bool = False
@@ -573,6 +582,9 @@ class TrainGroup:
     # whether disaggregated trainers park their optimizer state on the host between steps.
     checkpointing: bool | None = None
     optimizer_parked: bool = False
+    # HSDP as FSDP2 runs it (the system's fsdp_mesh=auto): the replicas all-reduce each pass's
+    # gradient shards in its backward. False: once per optimizer step (hsdp_shard's systems).
+    hsdp_per_pass: bool = False
 
     @property
     def replicas(self) -> int:
@@ -756,18 +768,6 @@ class CostModel:
     def sync_bytes(self) -> float:
         return 2.0 * self.trainable_params  # bf16 weights (LoRA factors or the full model)
 
-    @staticmethod
-    def efficiency(dev: DeviceProfile, tokens: float, *, train: bool = False) -> float:
-        """Fraction of the peak a forward (or forward+backward) over ``tokens`` tokens reaches:
-        ``mfu x t / (t + mfu_half_tokens)``, never above the device's asymptote ``mfu``."""
-        m = dev.mfu_train if train else dev.mfu_forward
-        h = dev.mfu_half_tokens
-        return m * tokens / (tokens + h) if h > 0 and tokens > 0 else m
-
-    # ------------------------------------------------------------------ the training pool
-
-    def train_group(self, cluster: Cluster) -> TrainGroup:
-        return _memoised(self._group_memo, cluster, self._train_group)
     def object_store_bytes(self) -> int | None:
         """Bytes of one step's trajectory records (``sim/object_store.py``: each trained step's
         latents, the uint8 pixels; text embeddings not counted, a run with a prompt cache carries
@@ -786,6 +786,18 @@ class CostModel:
                                   pixel_elements=3 * w.frames * w.height * w.width)
         return sample.total * w.group_size * w.groups_per_step
 
+    @staticmethod
+    def efficiency(dev: DeviceProfile, tokens: float, *, train: bool = False) -> float:
+        """Fraction of the peak a forward (or forward+backward) over ``tokens`` tokens reaches:
+        ``mfu x t / (t + mfu_half_tokens)``, never above the device's asymptote ``mfu``."""
+        m = dev.mfu_train if train else dev.mfu_forward
+        h = dev.mfu_half_tokens
+        return m * tokens / (tokens + h) if h > 0 and tokens > 0 else m
+
+    # ------------------------------------------------------------------ the training pool
+
+    def train_group(self, cluster: Cluster) -> TrainGroup:
+        return _memoised(self._group_memo, cluster, self._train_group)
 
     def _train_group(self, cluster: Cluster) -> TrainGroup:
         group = self._plain_train_group(cluster)
@@ -804,9 +816,15 @@ class CostModel:
         if self.workload.fsdp is False:  # every trainer holds the whole state and trains alone
             return TrainGroup(ranks=p.size, nodes=p.nodes, shard=1, shard_nodes=1, sends=sends, **gat)
         shard = self.system.hsdp_shard if 0 < self.system.hsdp_shard < p.size else p.size
+        per_pass = False
+        if shard == p.size and self.system.fsdp_mesh == "auto":  # the runtime's choice from the pool's nodes
+            from verl_digen.workers.fsdp_layout import mesh_shape
+
+            replicas, shard = mesh_shape(p.node_devices, "auto")
+            per_pass = replicas > 1
         # flat FSDP spans the pool's nodes; an HSDP shard group the nodes its ranks sit on
         return TrainGroup(ranks=p.size, nodes=p.nodes, shard=shard, shard_nodes=p.group_nodes(shard), sends=sends,
-                          **gat)
+                          hsdp_per_pass=per_pass, **gat)
 
     # ------------------------------------------------------------------ memory: the memory planner's
 
@@ -847,7 +865,8 @@ class CostModel:
             rollout_devices=cluster.placement("fused" if colocated else "rollout").size,
             trainer_devices=cluster.placement(pool).size,
             reward_devices=cluster.pools["reward"].size if "reward" in cluster.pools else 0,
-            fsdp=group.shard, reward_bytes=reward, trainers_generate=w.tag,
+            fsdp=group.shard, fsdp_replicas=group.replicas if group.hsdp_per_pass else 1,
+            grad_reduce_bytes=int(self.grad_reduce_bytes), reward_bytes=reward, trainers_generate=w.tag,
             trainers_score=w.tag and "reward" not in cluster.pools, rollouts_train=bool(group.gat_device),
             vae_decode_chunk=w.vae_decode_chunk, devices=cluster.devices,
         )
@@ -995,16 +1014,47 @@ class CostModel:
     def _ring_latency(self, k: int, collectives: int) -> float:
         return collectives * self.model.layers * (k - 1) * self.system.collective_step_latency_s
 
-    def fsdp_comm_seconds(self, dev: DeviceProfile, group: TrainGroup) -> float:
-        """FSDP collectives of one forward+backward pass on one rank: all-gather the
-        parameters for the forward and again for the backward, reduce-scatter the trainable
-        gradients; one collective per block each, every ring step paying a latency."""
+    @property
+    def grad_reduce_bytes(self) -> float:
+        """Bytes per trained parameter of FSDP's gradient reduction (the system's
+        ``grad_reduce_dtype``; auto: the runtime's rule, workers/fsdp_layout.py ``reduce_dtype``)."""
+        if self.system.grad_reduce_dtype == "auto":
+            from verl_digen.workers.fsdp_layout import DTYPE_BYTES, reduce_dtype
+
+            return float(DTYPE_BYTES[reduce_dtype("auto", lora=self.workload.lora, weights_dtype="bf16")])
+        return self.system.grad_bytes_per_param
+
+    def fsdp_pass_bytes(self, group: TrainGroup) -> dict[str, float]:
+        """Bytes one rank sends in one forward+backward pass's FSDP collectives (ring, one
+        direction): ``gather`` (the parameters all-gathered for the forward and again for the
+        backward, within the shard group), ``reduce_scatter`` (the trained gradients, within the
+        shard group) and ``all_reduce`` (HSDP run per pass: the gradient shard across replicas,
+        over the network); what FSDP2's ``foreach_reduce`` moves
+        (:func:`verl_digen.workers.fsdp_layout.reduce_traffic`)."""
+        from verl_digen.workers.fsdp_layout import reduce_traffic
+
         k = group.shard
-        if k <= 1:
+        r = group.replicas if group.hsdp_per_pass else 1
+        traffic = reduce_traffic(self.trainable_params, replicas=r, shard=k, reduce_bytes=self.grad_reduce_bytes)
+        gather = 2.0 * self.param_bytes * (k - 1) / k if k > 1 else 0.0
+        return {"gather": gather, "reduce_scatter": traffic.reduce_scatter, "all_reduce": traffic.all_reduce}
+
+    def fsdp_comm_seconds(self, dev: DeviceProfile, group: TrainGroup) -> float:
+        """FSDP collectives of one forward+backward pass on one rank (:meth:`fsdp_pass_bytes`):
+        all-gather the parameters for the forward and again for the backward, reduce-scatter the
+        trainable gradients, over the shard group's links; under HSDP run per pass, all-reduce
+        each gradient shard across the replicas over the network. One collective per block each,
+        every ring step paying a latency."""
+        k = group.shard
+        moved = self.fsdp_pass_bytes(group)
+        if k <= 1 and not moved["all_reduce"]:
             return 0.0
-        s = self.system
-        nbytes = 2.0 * self.param_bytes + s.grad_bytes_per_param * self.trainable_params
-        return nbytes * (k - 1) / k / self.collective_bw(dev, group.shard_nodes) + self._ring_latency(k, 3)
+        seconds = (moved["gather"] + moved["reduce_scatter"]) / self.collective_bw(dev, group.shard_nodes)
+        seconds += self._ring_latency(k, 3) if k > 1 else 0.0
+        if moved["all_reduce"]:
+            seconds += moved["all_reduce"] / self.collective_bw(dev, group.nodes)
+            seconds += self._ring_latency(group.replicas, 2)
+        return seconds
 
     def fsdp_gather_seconds(self, dev: DeviceProfile, group: TrainGroup) -> float:
         """One forward-only pass's FSDP all-gather (log-prob recomputation)."""
@@ -1180,7 +1230,7 @@ class CostModel:
         shard = self.trainable_params / group.shard
         # read + write fp32 master, m, v and the gradient of the local shard
         t = s.optimizer_fixed_s + 2.0 * (s.optimizer_bytes_per_param + s.grad_bytes_per_param) * shard / (dev.hbm_tbps * 1e12)
-        if group.replicas > 1:  # HSDP: all-reduce the gradient shards across replicas once per update
+        if group.replicas > 1 and not group.hsdp_per_pass:  # HSDP: all-reduce the gradient shards across replicas once per update
             r = group.replicas
             t += 2.0 * (r - 1) / r * s.grad_bytes_per_param * shard / self.collective_bw(dev, 2)
         return t

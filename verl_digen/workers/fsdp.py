@@ -3,7 +3,11 @@
 All parallelism is applied in one place (:func:`apply_fsdp2`, torchtitan style): each
 repeated transformer block becomes one FSDP unit (one all-gather in forward, one in backward,
 one reduce-scatter of its gradients), then the root module takes what is left (embedders,
-final norm and projection). Parameters become ``DTensor`` s sharded on dim 0 over the mesh;
+final norm and projection). Parameters become ``DTensor`` s sharded on dim 0 over the mesh
+(HSDP, :func:`training_mesh` of a layout with several replicas: over the mesh's ``shard``
+dimension, one node's ranks, and replicated across its ``replicate`` dimension, the nodes; each
+unit's gradients are then reduce-scattered within the node and the shard all-reduced across
+nodes, in the same backward);
 the optimizer must therefore be built *after* :func:`apply_fsdp2`, on the module's new
 parameters (``fully_shard`` replaces every ``nn.Parameter`` object).
 
