@@ -109,12 +109,19 @@ def test_reduce_traffic_and_buffers():
 # ---------------------------------------------------------------------- 4 gloo ranks as 2 nodes x 2
 
 
+_MESHES: dict = {}
+
+
 def _build(layout, seed: int, dtype=torch.float32):
+    """A tiny denoiser sharded as the workers shard theirs, over ``layout``'s mesh (built once per
+    set of rows: each 2-D mesh is four new process groups)."""
     from verl_digen.workers.fsdp import reduce_torch_dtype, shard_for_training, training_mesh
 
+    if layout.rows not in _MESHES:
+        _MESHES[layout.rows] = training_mesh(layout)
     torch.manual_seed(seed)
     model = TinyDenoiser().to(dtype)
-    shard_for_training(model, mesh=training_mesh(layout), reduce_dtype=reduce_torch_dtype(layout))
+    shard_for_training(model, mesh=_MESHES[layout.rows], reduce_dtype=reduce_torch_dtype(layout))
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
@@ -136,6 +143,7 @@ def _full_grads(model) -> dict[str, torch.Tensor]:
 
 def _scenario_hsdp(rank: int, world: int) -> dict:
     import tempfile
+    import time
 
     import torch.distributed as dist
     from torch.distributed.tensor import Replicate, Shard
@@ -143,6 +151,7 @@ def _scenario_hsdp(rank: int, world: int) -> dict:
     from verl_digen.workers.fsdp import group_layout, stream_full_state
     from verl_digen.workers.sharded_state import load_rank_state, save_rank_state
 
+    start = time.perf_counter()
     node = f"node-{rank % 2}"
     hsdp = group_layout(node, mesh="auto", reduce="auto", lora=False, weights_dtype="fp32")
     flat = group_layout(node, mesh="flat", reduce="auto", lora=False, weights_dtype="fp32")
@@ -193,6 +202,34 @@ def _scenario_hsdp(rank: int, world: int) -> dict:
     ge, gf = _full_grads(e), _full_grads(f)
     out["grad_dtype"] = str(next(e.parameters()).grad.dtype)
     out["bf16_rel"] = max(float((ge[n] - gf[n]).abs().max() / gf[n].abs().max().clamp_min(1e-12)) for n in gf)
+
+    # The bf16 full fine-tune's checkpoint (fp32 masters and their AdamW state, workers/training.py
+    # MasterWeights) of HSDP ranks reducing in bf16: resumed, the next step is bitwise the same.
+    def master_step(model, masters, opt, step):
+        x, y = make_data(N_PER_RANK, seed=100 * step + rank)
+        (per_sample_loss(model, x.bfloat16(), y.bfloat16()).sum() / (N_PER_RANK * world)).backward()
+        masters.accumulate_grads()
+        opt.step()
+        opt.zero_grad()
+        masters.copy_to_model()
+
+    from verl_digen.workers.training import MasterWeights
+
+    e.zero_grad()
+    e_masters = MasterWeights(list(e.parameters()), torch.float32)
+    e_opt = torch.optim.AdamW(e_masters.masters, lr=1e-2)
+    master_step(e, e_masters, e_opt, 0)
+    box = [tempfile.mkdtemp(prefix="hsdp_bf16_ckpt_") if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    save_rank_state(box[0], module=e, optimizer=e_opt, version=1, master=e_masters, **kwargs)
+    master_step(e, e_masters, e_opt, 1)
+    g, _ = _build(half, seed=1, dtype=torch.bfloat16)
+    g_masters = MasterWeights(list(g.parameters()), torch.float32)
+    g_opt = torch.optim.AdamW(g_masters.masters, lr=1e-2)
+    load_rank_state(box[0], module=g, optimizer=g_opt, master=g_masters, **kwargs)
+    master_step(g, g_masters, g_opt, 1)
+    out["bf16_resumed_bitwise"] = all(torch.equal(x, y) for x, y in zip(full_params(e).values(), full_params(g).values()))
+    out["seconds"] = time.perf_counter() - start
     return out
 
 
@@ -204,6 +241,7 @@ def hsdp_ranks() -> dict:
 @pytest.mark.e2e
 def test_the_mesh_is_one_replica_per_node_sharded_within_it(hsdp_ranks):
     r = hsdp_ranks[0]
+    print(f"ranks' scenario: {max(x['seconds'] for x in hsdp_ranks.values()):.1f} s")
     assert r["rows"] == ((0, 2), (1, 3)) and r["flat_rows"] == ((0, 1, 2, 3),)
     assert r["placements"] == ["Replicate", "Shard"] and r["shard_dims"] == [0]
     # DIM=5 rows over the 2 ranks of a node: 3 + 2 (flat over 4 would be 2, 2, 1, 0)
@@ -226,6 +264,7 @@ def test_a_sharded_checkpoint_of_hsdp_ranks_resumes_bitwise_and_loads_flat(hsdp_
     for r in hsdp_ranks.values():
         assert r["resumed_bitwise"]
         assert r["flat_load_bitwise"]
+        assert r["bf16_resumed_bitwise"]  # bf16 weights, fp32 masters and AdamW, bf16 reduction
 
 
 @pytest.mark.e2e

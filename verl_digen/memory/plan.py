@@ -283,7 +283,6 @@ class JobShape:
     optimizer_offload: bool = False  # the optimizer state on the host except in the optimizer step
     param_offload: bool = False  # FSDP2's CPUOffloadPolicy: parameter shards, gradients, optimizer on the host
     fsdp_enabled: bool = False  # digen.fsdp.enable: trainers join a process group even alone (FSDP2's mesh)
-    fsdp_mesh: tuple[int, ...] = ()  # the training mesh's shape (): 1-D over the training ranks
     sync_nccl: bool = True  # the weight channel is NCCL (digen.sync.backend auto on GPUs, or nccl)
     ema_on_host: bool = False  # an EMA kept in host memory (digen.ema.offload)
 
@@ -367,29 +366,9 @@ def job_shape(cfg: DigenConfig, *, devices_per_node: int, nnodes: int, model_pat
         optimizer_offload=cfg.optimizer_offloaded if optimizer_offload is None else optimizer_offload,
         param_offload=cfg.fsdp.param_offload,
         fsdp_enabled=cfg.fsdp.enable,
-        fsdp_mesh=_training_mesh(cfg, devices_per_node, nnodes),
         sync_nccl=cfg.sync.backend != "gloo",
         ema_on_host=cfg.ema.enable and cfg.ema.offload,
     )
-
-
-def _training_mesh(cfg: DigenConfig, devices_per_node: int, nnodes: int) -> tuple[int, ...]:
-    """The shape of the training ranks' FSDP mesh as the workers build it (workers/fsdp.py
-    ``training_mesh``): 1-D over every rank, or ``(replicas, shard)`` for HSDP
-    (workers/fsdp_layout.py ``mesh_shape`` of the ranks per node of the declared cluster);
-    () without FSDP."""
-    if not cfg.fsdp.enable:
-        return ()
-    from verl_digen.placement.pools import ClusterSpec, pool_layout
-    from verl_digen.workers.fsdp_layout import mesh_shape
-
-    try:
-        layout = pool_layout(cfg, ClusterSpec(n_devices_per_node=devices_per_node, nnodes=nnodes))
-    except ConfigError:  # pools larger than the cluster: refused by the cluster check, which names them
-        return (cfg.fsdp_ranks(devices_per_node * nnodes),)
-    counts, _accel = layout.pools["fused" if cfg.placement == "colocated" else "trainer"]
-    replicas, shard = mesh_shape(list(counts), cfg.fsdp.mesh)
-    return (replicas * shard,) if replicas == 1 else (replicas, shard)
 
 
 def workload_job(*, family: str, height: int, width: int, num_frames: int, num_steps: int, cfg_rows: int,
@@ -538,12 +517,14 @@ def mesh_communicators(mesh_shape: tuple[int, ...], world_size: int) -> int:
 def nccl_communicators(job: JobShape, role: str) -> int:
     """NCCL communicators the rank of ``role`` that holds the most holds, as the workers create
     them: a training rank the trainer group when its pool has more than one rank or FSDP
-    (:func:`mesh_communicators` of its mesh); trainer 0 and every rollout worker of a
+    (:func:`mesh_communicators` of its mesh: ``(replicas, shard)`` under HSDP, else 1-D over the
+    group, workers/fsdp.py ``training_mesh``); trainer 0 and every rollout worker of a
     disaggregated run the weight channel (trainer/runtime.py ``open_weight_channel``) when it is
     NCCL; a GAT rollout worker trains without a group; a reward worker joins none."""
     trains = role in ("colocated", "trainer")
     ranks = job.devices if role == "colocated" else job.trainer_devices
-    count = mesh_communicators(job.fsdp_mesh, ranks) if trains and (ranks > 1 or job.fsdp_enabled) else 0
+    mesh = (job.fsdp_replicas, job.fsdp) if job.fsdp_replicas > 1 else ()
+    count = mesh_communicators(mesh, ranks) if trains and (ranks > 1 or job.fsdp_enabled) else 0
     if role in ("trainer", "rollout") and job.sync_nccl:
         count += 1
     return count
