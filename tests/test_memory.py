@@ -490,12 +490,12 @@ def test_hsdp_ranks_hold_a_communicator_per_mesh_dimension_that_is_not_the_whole
 
     digen, cfg = _digen("qwen_image_full_disaggregated")  # 12 trainers: 8 on node 0, 4 on node 1
     flat = job_shape(digen, devices_per_node=8, nnodes=2)
-    assert flat.fsdp_mesh == (12,) and nccl_communicators(flat, "trainer") == 2
+    assert (flat.fsdp_replicas, flat.fsdp) == (1, 12) and nccl_communicators(flat, "trainer") == 2
     # 16 trainers filling 2 of 3 nodes: digen.fsdp.mesh=auto shards within a node, replicates across
     hsdp, _ = _digen("qwen_image_full_disaggregated", "trainer.nnodes=3", "digen.pools.trainer.devices=8",
                      "digen.pools.trainer.nodes=2", "digen.batch.train_micro_batch_groups=2")
     job = job_shape(hsdp, devices_per_node=8, nnodes=3)
-    assert job.fsdp_mesh == (2, 8) and nccl_communicators(job, "trainer") == 3 + 1  # + the weight channel
+    assert (job.fsdp_replicas, job.fsdp) == (2, 8) and nccl_communicators(job, "trainer") == 3 + 1  # + the channel
 
 
 def test_every_shipped_preset_fits_a_nodes_default_host_ram_at_load():

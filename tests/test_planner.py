@@ -533,7 +533,9 @@ def test_tag_on_fsdp_trainers_fills_their_idle_time_and_its_overrides_run_it(cat
     from verl_digen.config.verl_keys import VerlTrainerKeys
     from verl_digen.placement.pools import cluster_from_trainer_keys, pool_layout
 
-    costs = _costs(catalog, "hunyuanvideo-13b")
+    # decoded a sample at a time: a whole task's decode next to the trainers' encoders, VAE and
+    # optimizer shard fits no H800 once trainer 0's two communicators and the reserve are counted
+    costs = _costs(catalog, "hunyuanvideo-13b", vae_decode_chunk=1)
     inv = Inventory({"H800": 16})
     kw = dict(micro_batches=(1,), steps=5, warmup=2, reward_devices=[0])
     tag = search(costs, inv, mechanisms=["disaggregated+gap+tag+fsdp+tcss"], **kw).best

@@ -762,6 +762,9 @@ def _training_knobs(job: JobShape) -> list[str]:
                      "(a smaller digen.batch.group_size, or FSDP over more ranks)")
     if job.fsdp == 1:
         knobs.append("digen.fsdp.enable=true (shards weights, gradients and optimizer; splits micro-batches)")
+    elif job.fsdp_replicas > 1:  # HSDP shards within a node: flat FSDP shards over every rank
+        knobs.append(f"digen.fsdp.mesh=flat (shards the training state {job.fsdp * job.fsdp_replicas} ways instead of "
+                     f"HSDP's {job.fsdp}, at the price of collectives across nodes)")
     else:
         knobs.append("more trainer GPUs (digen.pools.trainer.devices) for a larger FSDP degree")
     if not job.lora:
