@@ -373,3 +373,18 @@ def test_the_memory_plan_charges_the_hsdp_state_and_reduce_buffers_of_the_layout
     flat = {r.role: r for r in plan_roles(replace(job, fsdp=16, fsdp_replicas=1), 141.0)}["trainer"]
     # HSDP holds twice flat's share of the optimizer state (1/8 of it instead of 1/16)
     assert trainer.phases["train"]["optimizer"] == pytest.approx(2 * flat.phases["train"]["optimizer"], rel=1e-6)
+
+
+def test_a_job_that_does_not_fit_under_hsdp_names_the_flat_mesh():
+    from dataclasses import replace
+
+    from verl_digen.memory.plan import _training_knobs, workload_job
+
+    job = workload_job(family="qwen_image", height=512, width=512, num_frames=1, num_steps=16, cfg_rows=2,
+                       group_size=8, groups_per_task=1, micro_batch_samples=16, pass_samples=1, lora=False,
+                       lora_rank=32, kl_reference=False, placement="disaggregated", rollout_devices=8,
+                       trainer_devices=16, reward_devices=0, fsdp=8, reward_bytes=0, trainers_generate=False,
+                       trainers_score=False, rollouts_train=False, fsdp_replicas=2, grad_reduce_bytes=2)
+    knobs = " | ".join(_training_knobs(job))
+    assert "digen.fsdp.mesh=flat (shards the training state 16 ways instead of HSDP's 8" in knobs
+    assert "digen.fsdp.mesh" not in " | ".join(_training_knobs(replace(job, fsdp=16, fsdp_replicas=1)))
