@@ -21,82 +21,83 @@ from verl_digen.workers.sampling import SamplingSettings, carried_latent_steps, 
 from verl_digen.workers.training import PolicyUpdater, TrainSettings, add_lora
 
 PROMPTS = ["a red apple", "a blue car"]
+# a preset's shape in small: a 2-step SDE window inside the steps, true CFG (a negative prompt too)
+SETTINGS = SamplingSettings(spec=SampleSpec(height=32, width=48, guidance_scale=3.0), num_steps=4, noise_level=0.7,
+                            sde_type="sde", window=SdeWindowConfig(mode="fixed", start=1, size=2), timestep_fraction=1.0)
 
 
-def _settings(*, guidance: float = 1.0, height: int = 32, width: int = 32, num_frames: int = 1) -> SamplingSettings:
-    # a preset's shape in small: 8 steps, a 2-step SDE window inside them
-    return SamplingSettings(spec=SampleSpec(height=height, width=width, num_frames=num_frames, guidance_scale=guidance),
-                            num_steps=8, noise_level=0.7, sde_type="sde",
-                            window=SdeWindowConfig(mode="fixed", start=2, size=2), timestep_fraction=1.0)
-
-
-def _sample(adapter, settings, prompts=PROMPTS):
-    n = len(prompts)
-    return sample_groups(adapter, prompts, list(range(n)), list(range(n)), group_size=2, settings=settings,
-                         training_step=0, seed=5, policy_version=0)
+def _sample(adapter):
+    return sample_groups(adapter, PROMPTS, [0, 1], [0, 1], group_size=2, settings=SETTINGS, training_step=0, seed=5,
+                         policy_version=0)
 
 
 @pytest.fixture(scope="module")
-def flux(tiny_flux):
+def records(tiny_flux):
+    """The tiny FLUX, and the same groups sampled without a prompt cache and with one."""
     adapter = load_adapter(tiny_flux)
     add_lora(adapter, LoraConfigSpec(rank=4))
-    return adapter
+    carried = _sample(adapter)
+    cache = PromptEmbeddingCache(adapter, model_key="tiny-flux", cache_dir=None).install()
+    return adapter, cache, carried, _sample(adapter)
 
 
-def test_a_trajectory_carries_only_its_trained_steps_latents(flux):
-    data = _sample(flux, _settings())
-    # steps 2 and 3 are trained: their inputs and outputs x_2, x_3, x_4, not the 9 latents of 8 steps
-    assert data.batch["latent_steps"].tolist() == [[2, 3, 4]] * 4
-    assert data.batch["latents"].shape[1] == 3
-    assert data.batch["train_mask"][0].nonzero().flatten().tolist() == [2, 3]
+def test_a_trajectory_carries_only_its_trained_steps_latents(records):
+    _, _, carried, cached = records
+    for data in (carried, cached):
+        # steps 1 and 2 are trained: their inputs and outputs x_1, x_2, x_3, not the 5 latents of 4 steps
+        assert data.batch["latent_steps"].tolist() == [[1, 2, 3]] * 4
+        assert data.batch["latents"].shape[1] == 3
+        assert data.batch["train_mask"][0].nonzero().flatten().tolist() == [1, 2]
+    assert torch.equal(cached.batch["latents"], carried.batch["latents"])  # the cache's rows are the fresh ones
 
 
-def test_the_trainer_reads_its_embeddings_from_its_prompt_cache_bitwise(flux):
+def test_the_trainer_reads_its_embeddings_from_its_prompt_cache_bitwise(records):
     """With a prompt cache no embeddings travel; the trainer's log-probs are those it computes on a
-    record that carries them (true CFG: the negative prompt's too)."""
-    settings = _settings(guidance=3.0)
-    carried = _sample(flux, settings)
-    cache = PromptEmbeddingCache(flux, model_key="tiny-flux", cache_dir=None).install()
+    record that carries them (the negative prompt's too)."""
+    adapter, cache, carried, cached = records
+    assert "cond" not in cached.batch.keys() and "neg" not in cached.batch.keys()
+    assert {"cond", "neg"} <= set(carried.batch.keys())
+    updater = PolicyUpdater(adapter, TrainSettings(algo=AlgoConfig(), sampling=SETTINGS, lora_only=True,
+                                                   images_per_step=len(cached)))
+    a, b = updater.recompute_log_probs(cached), updater.recompute_log_probs(carried)
+    assert torch.equal(a, b) and a[:, 1:3].ne(0).all()
+    assert cache.stats()["encoded_prompts"] == 3  # the two prompts and the negative one, once
+    # a trainer whose cache holds other bits for a prompt refuses, naming the cause and the fix
+    wrong = cached.select_idxs([0, 1, 2, 3])
+    wrong.non_tensor_batch["cond_digest"] = wrong.non_tensor_batch["cond_digest"].copy()
+    wrong.non_tensor_batch["cond_digest"][0] = "0" * 64
+    with pytest.raises(RuntimeError, match="other embeddings of 'a red apple'.*digen.prompt_cache.dir"):
+        updater.recompute_log_probs(wrong)
+    encode = adapter.encode_prompts
+    del adapter.encode_prompts  # no cache installed: nothing to read the rows from
     try:
-        cached = _sample(flux, settings)
-        assert "cond" not in cached.batch.keys() and "neg" not in cached.batch.keys()
-        assert {"cond", "neg"} <= set(carried.batch.keys())
-        assert torch.equal(cached.batch["latents"], carried.batch["latents"])
-        updater = PolicyUpdater(flux, TrainSettings(algo=AlgoConfig(), sampling=settings, lora_only=True,
-                                                    images_per_step=len(cached)))
-        a, b = updater.recompute_log_probs(cached), updater.recompute_log_probs(carried)
-        assert torch.equal(a, b) and a[:, 2:4].ne(0).all()
-        # a trainer whose cache holds other bits for a prompt refuses, naming the cause and the fix
-        cached.non_tensor_batch["cond_digest"][0] = "0" * 64
-        with pytest.raises(RuntimeError, match="other embeddings of 'a red apple'.*digen.prompt_cache.dir"):
+        with pytest.raises(RuntimeError, match="no prompt cache installed"):
             updater.recompute_log_probs(cached)
     finally:
-        del flux.encode_prompts  # the adapter's own encoder again
-    with pytest.raises(RuntimeError, match="no prompt cache installed"):
-        updater.recompute_log_probs(cached)
-    assert cache.stats()["encoded_prompts"] == 3  # the two prompts and the negative one, once
+        adapter.encode_prompts = encode
 
 
-def test_predicted_bytes_are_a_real_trajectorys(flux, tiny_flux):
+def test_predicted_bytes_are_a_real_trajectorys(records, tiny_flux):
     """``trajectory_bytes`` from the sampling settings and the model's configs equals the record's
-    tensors byte for byte; serialised (as Ray does: pickle), the record adds only framing and its
-    prompt strings."""
-    settings = _settings(height=64, width=48)
-    data = _sample(flux, settings)
-    spec = settings.spec
-    predicted = trajectory_bytes(
-        num_steps=settings.num_steps, carried=len(carried_latent_steps([2, 3])),
-        latent_elements=latent_elements("flux", tiny_flux, "fp32", spec.height, spec.width, spec.num_frames),
-        pixel_elements=3 * spec.num_frames * spec.height * spec.width,
-        text_bytes=sum(t[0].numel() * t.element_size() for t in data.batch["cond"].values()),
-    )
-    tensors = sum(t.numel() * t.element_size() for t in data.batch.values(include_nested=True, leaves_only=True))
-    columns = sum(c.nbytes for c in data.non_tensor_batch.values() if c.dtype != object)
-    assert tensors + columns == len(data) * predicted.total
-    assert predicted.latents == 4 * 3 * data.batch["latents"][0, 0].numel()
-    measured = trajectory_payload_bytes(data)
-    serialised = len(pickle.dumps(data))
-    assert len(data) * predicted.total < measured < serialised < measured + 16 * 1024
+    tensors byte for byte, with and without the text embeddings; serialised (as Ray does: pickle),
+    the record adds only framing and its prompt strings."""
+    _, _, carried, cached = records
+    spec = SETTINGS.spec
+    for data in (carried, cached):
+        text = (data.batch["cond"], data.batch["neg"]) if "cond" in data.batch.keys() else ()
+        predicted = trajectory_bytes(
+            num_steps=SETTINGS.num_steps, carried=len(carried_latent_steps([1, 2])),
+            latent_elements=latent_elements("flux", tiny_flux, "fp32", spec.height, spec.width, spec.num_frames),
+            pixel_elements=3 * spec.num_frames * spec.height * spec.width,
+            text_bytes=sum(t[0].numel() * t.element_size() for table in text for t in table.values()),
+        )
+        tensors = sum(t.numel() * t.element_size() for t in data.batch.values(include_nested=True, leaves_only=True))
+        columns = sum(c.nbytes for c in data.non_tensor_batch.values() if c.dtype != object)
+        assert tensors + columns == len(data) * predicted.total
+        assert predicted.latents == 4 * 3 * data.batch["latents"][0, 0].numel()
+        measured = trajectory_payload_bytes(data)
+        serialised = len(pickle.dumps(data))
+        assert len(data) * predicted.total < measured < serialised < measured + 16 * 1024
 
 
 def test_latent_elements_are_the_adapters_latents(tiny_dirs):
