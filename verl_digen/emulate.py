@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer.worker_groups = emulated_worker_groups(
         costs, device=args.device_type, time_scale=args.time_scale, group_size=spec.group_size
     )
+    trainer.emulation = (costs, args.device_type, args.time_scale)  # the deadlines follow what the workers sleep
     result = trainer.run()
     job = trainer.job
     sim = simulate(spec, costs, cluster, steps=job.total_steps, warmup=min(1, job.total_steps - 1),

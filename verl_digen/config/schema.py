@@ -692,6 +692,14 @@ class DigenConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     progress_bar: bool = True
     ray_num_cpus: Optional[int] = None
+    # The floor of every blocking call's deadline (seconds). Each call (the workers' load, the
+    # executor's wait for a task, the weight send's wait for the rollout workers and its join, the
+    # process groups' collectives, checkpoint saves, the final sync) may wait this long plus twice
+    # the cost model's predicted wait of what it waits for, at real size on the run's own plan
+    # (verl_digen/sim/deadlines.py; python -m verl_digen.check prints each). Under TCSS the send
+    # waits a whole rollout phase: ten minutes for Wan2.1 on 4 + 4 GPUs. Raise it for a slow
+    # filesystem or cluster; runs without a real-size prediction (CPU, the tiny models) use it
+    # alone. An emulated run scales the deadlines of the calls it times by digen.emulate.time_scale.
     task_timeout_s: float = 600.0
     gantt_last_steps: int = 3
     max_nonfinite_steps: int = 3  # skipped (non-finite) optimizer steps tolerated before the run stops

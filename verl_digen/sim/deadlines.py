@@ -144,16 +144,19 @@ def workload_of(cfg: Any) -> dict[str, Any]:
     )
 
 
-def run_costs(cfg: Any, spec: Any, *, model: str | None = None, device: str | None = None) -> Any | None:
+def run_costs(cfg: Any, spec: Any, *, model: str | None = None, device: str | None = None,
+              catalog: Any = None) -> Any | None:
     """The cost model of the run ``cfg`` plans as ``spec``: profile ``model`` (default: the
-    architecture's, :data:`PROFILE_OF_ARCH`) on ``device`` (default ``digen.memory.device_type``)
-    with the config's workload; None when the architecture has no profile."""
+    architecture's, :data:`PROFILE_OF_ARCH`) of ``catalog`` (default: the shipped profiles) on
+    ``device`` (default ``digen.memory.device_type``) with the config's workload; None when the
+    architecture has no profile."""
     from verl_digen.sim.cost_model import CostModel, load_catalog
 
     model = model or PROFILE_OF_ARCH.get(cfg.model.arch or "")
     if model is None:
         return None
-    costs = CostModel.from_catalog(load_catalog(), model, devices=[device or cfg.memory.device_type], **workload_of(cfg))
+    catalog = catalog if catalog is not None else load_catalog()
+    costs = CostModel.from_catalog(catalog, model, devices=[device or cfg.memory.device_type], **workload_of(cfg))
     return costs.for_spec(spec)
 
 

@@ -85,7 +85,10 @@ class DigenTrainer:
         self.history: list[dict[str, Any]] = []
         self.val_before_train: dict[str, float] | None = None
         self._completed = job.start_step
-        self._costs: Any = None  # an emulated run's cost model (_emulation_costs), made once
+        # An emulated run's (cost model, device type, time scale): what its workers sleep by and its
+        # deadlines are planned with; from digen.emulate (_emulation), or the caller's own
+        # (python -m verl_digen.emulate, which builds its workers itself).
+        self.emulation: tuple[Any, str, float] | None = None
         self.deadlines = Deadlines.floor(cfg.task_timeout_s)  # the plan's, once Ray says where the run is
 
     def _default_worker_groups(self, use_gpu: bool) -> runtime.WorkerGroupFactory:
@@ -93,19 +96,20 @@ class DigenTrainer:
         if job.emulated:
             from verl_digen.workers.emulated import emulated_worker_groups
 
-            em = job.cfg.emulate
-            return emulated_worker_groups(self._emulation_costs(), device=em.device_type,
-                                          time_scale=em.time_scale, group_size=job.cfg.batch.group_size)
+            costs, device, time_scale = self._emulation()
+            return emulated_worker_groups(costs, device=device, time_scale=time_scale, group_size=job.cfg.batch.group_size)
         return runtime.real_worker_groups(job.cfg, job.model_path, use_gpu=use_gpu,
                                           devices=self.spec.devices, cluster=job.cluster)
 
-    def _emulation_costs(self) -> Any:
+    def _emulation(self) -> tuple[Any, str, float] | None:
         """What an emulated run's workers sleep by: ``digen.emulate.model`` on its device type with
-        the config's own workload (sizes, steps, batch), planned as the run's calls and sharding."""
-        if self._costs is None:
+        the config's own workload (sizes, steps, batch), planned as the run's calls and sharding,
+        at its time scale; None for a real run."""
+        if self.emulation is None and self.job.emulated:
             em = self.job.cfg.emulate
-            self._costs = run_costs(self.job.cfg, self.spec, model=em.model, device=em.device_type)
-        return self._costs
+            self.emulation = (run_costs(self.job.cfg, self.spec, model=em.model, device=em.device_type),
+                              em.device_type, em.time_scale)
+        return self.emulation
 
     def _plan_deadlines(self, use_gpu: bool) -> Deadlines:
         """Each blocking call's deadline from the plan (:mod:`verl_digen.sim.deadlines`): predicted
@@ -113,8 +117,9 @@ class DigenTrainer:
         architecture's profile on ``digen.memory.device_type``); a CPU or tiny-model run keeps
         ``digen.task_timeout_s`` for every call (no real-size prediction applies to it)."""
         job, cfg = self.job, self.job.cfg
-        if job.emulated:
-            costs, device, scale = self._emulation_costs(), cfg.emulate.device_type, cfg.emulate.time_scale
+        emulation = self._emulation()
+        if emulation is not None:
+            costs, device, scale = emulation
         elif use_gpu and cfg.model.path is not None:
             costs, device, scale = run_costs(cfg, self.spec), cfg.memory.device_type, 1.0
         else:

@@ -1,0 +1,117 @@
+"""Deadlines follow the plan (verl_digen/sim/deadlines.py): each blocking call may wait
+``digen.task_timeout_s`` plus twice the cost model's predicted wait of what it waits for.
+
+- the rule and its orderings (the join outlasts the send, a collective the join);
+- the trainer group is created with that collective deadline (not NCCL's default 10 minutes);
+- every shipped preset's predicted waits stay under their deadlines: ``python -m verl_digen.check``
+  prints them, and test_check.py's walk of every preset asserts none exceeds its deadline;
+- a rehearsal of wan_disaggregated (its send waits ~616 s, past the old global 600 s) at its real device
+  count on emulated workers that sleep the cost model's real-size seconds: each observed wait,
+  scaled, stays well under its deadline, scaled alike.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from verl_digen.sim.deadlines import EMULATED, MARGIN, Deadlines, Waits
+
+
+def _layout(name: str, *overrides: str):
+    from omegaconf import OmegaConf
+
+    from verl_digen.config.compose import compose_config
+    from verl_digen.config.schema import digen_config_from_dict
+    from verl_digen.placement.pools import ClusterSpec, pool_layout
+
+    container = OmegaConf.to_container(compose_config(list(overrides), config_name=name), resolve=True)
+    cfg = digen_config_from_dict(container["digen"])
+    trainer = container["trainer"]
+    return cfg, pool_layout(cfg, ClusterSpec(trainer["n_gpus_per_node"], trainer["nnodes"]))
+
+
+def test_a_deadline_is_the_floor_plus_twice_the_predicted_wait_with_the_joins_and_collectives_outlasting_the_send():
+    waits = Waits(task_s=179.0, send_s=616.0, load_s=79.0)
+    d = Deadlines.from_waits(waits, 600.0)
+    assert d.task_s == 600 + MARGIN * 179 and d.load_s == 600 + MARGIN * 79
+    assert d.send_s == 600 + MARGIN * 616 > 616
+    # the send's own error (what it waited for) comes first; a collective outlasts the join
+    assert d.join_s > d.send_s and d.collective_s > d.join_s and d.channel_s >= d.send_s and d.final_s >= d.join_s
+    assert d.checkpoint_s >= d.task_s  # a save is queued behind a running task
+    # an emulated run scales the calls it times, not its set-up (emulated workers load nothing)
+    s = d.scaled(0.01)
+    assert all(getattr(s, n) == pytest.approx(getattr(d, n) * 0.01) for n in EMULATED)
+    assert s.load_s == d.load_s and s.placement_s == d.placement_s
+    # nothing predicted: every call at the floor
+    assert set(vars(Deadlines.floor(600.0)).values()) >= {600.0}
+
+
+def test_the_trainer_group_is_created_with_the_plans_collective_deadline(monkeypatch):
+    """Without ``timeout=`` the default group keeps NCCL's 10 minutes whatever the run allows; the
+    trainer ranks wait in a collective while trainer 0 joins the last weight send."""
+    import torch.distributed as dist
+
+    from verl_digen.config.schema import DigenConfig
+    from verl_digen.workers import worker as worker_module
+
+    w = worker_module.DiffusionWorker.__new__(worker_module.DiffusionWorker)  # no Ray, no model: the group only
+    w.cfg = DigenConfig()
+    w.deadlines = Deadlines.from_waits(Waits(send_s=616.0), 600.0)
+    w._store = None
+    seen = {}
+    monkeypatch.setattr(w, "_joins_trainer_group", lambda: True)
+    monkeypatch.setattr(type(w), "rank", property(lambda self: 0))
+    monkeypatch.setattr(type(w), "world_size", property(lambda self: 2))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(worker_module, "init_process_group_retrying", lambda **kw: seen.update(kw))
+    monkeypatch.setattr(worker_module.torch.cuda, "is_available", lambda: False)
+    w._join_trainer_group()
+    assert seen["timeout"] == timedelta(seconds=w.deadlines.collective_s)
+    assert seen["timeout"] > timedelta(seconds=600 + 616)
+
+
+def _rehearse(name: str, tmp_path):
+    """``name`` at its real device count on emulated workers sleeping the cost model's real-size
+    seconds of the preset's own workload (its architecture's profile on digen.memory.device_type),
+    at a time scale where its longest task sleeps 1 s; returns the trainer (its deadlines), the
+    run's metrics, the predicted waits and the scale."""
+    from verl_digen.config.compose import compose_config
+    from verl_digen.sim.deadlines import PROFILE_OF_ARCH, predicted_waits
+    from verl_digen.trainer.loop import DigenTrainer
+
+    cfg, _ = _layout(name)
+    model, device = PROFILE_OF_ARCH[cfg.model.arch], cfg.memory.device_type
+    trainer = DigenTrainer(compose_config([
+        "digen.progress_bar=false", "trainer.logger=[]", "trainer.total_training_steps=2",
+        f"digen.emulate.model={model}", f"digen.emulate.device_type={device}",
+        f"digen.output_dir={tmp_path / name}"], config_name=name))
+    costs = trainer._emulation()[0]  # the cost model the workers will sleep by (its memory decisions made once)
+    waits = predicted_waits(trainer.job.cfg, trainer.job.layout, costs, device)
+    scale = 1.0 / waits.task_s
+    trainer.emulation = (costs, device, scale)
+    result = trainer.run()
+    return trainer, result.metrics, waits, scale
+
+
+@pytest.mark.e2e
+@pytest.mark.slow  # ~80 s on 2 cores: the real-size memory decisions and 8 emulated actors; the steps ~10 s
+@pytest.mark.timeout(600)
+def test_a_rehearsal_of_wan_disaggregated_at_8_gpus_waits_well_within_each_deadline(shared_ray, tmp_path):
+    """Wan2.1 disaggregated (TCSS) at its real 4 + 4 GPUs, two steps on emulated workers: the weight
+    send waits for the receivers on an emulated channel within its deadline (scaled as the sleeps),
+    the next optimizer step joins it, the executor waits for tasks. Each observed wait is under two
+    thirds of its deadline, and the send's is the predicted one, ~616 s at real size (the rehearsal
+    waits what the real run waits). With the one global 600 s the send gave up before its
+    receivers came, and the run stopped."""
+    trainer, metrics, waits, scale = _rehearse("wan_disaggregated", tmp_path)
+    d = trainer.deadlines
+    assert len(metrics) == 2
+    assert waits.send_s == pytest.approx(616, abs=5) and d.send_s > 616 * scale > 600 * scale
+    observed = {"send_s": max(m["sync/waited_send_s"] for m in metrics),
+                "join_s": max(m["sync/waited_join_s"] for m in metrics),
+                "task_s": max(m["executor/longest_wait_s"] for m in metrics)}
+    for call, seconds in observed.items():
+        assert 1.5 * seconds < getattr(d, call), (call, seconds, getattr(d, call))
+    assert observed["send_s"] == pytest.approx(waits.send_s * scale, rel=0.25)
