@@ -30,10 +30,25 @@ def test_a_users_own_expandable_segments_or_async_backend_is_left_as_set():
     assert allocator_conf("backend:cudaMallocAsync") == "backend:cudaMallocAsync"
 
 
+def test_memory_peaks_record_the_host_high_water_and_no_device_figures_off_cuda():
+    """What workers.json records after loading: the process's host RSS high-water mark, at least
+    what a fresh 64 MiB buffer makes resident (on CUDA also max allocated and max reserved)."""
+    import torch
+
+    from verl_digen.memory.measure import GIB, memory_peaks
+
+    before = memory_peaks(torch.device("cpu"))["host_peak_gib"]
+    buffer = torch.ones(16 << 20)  # 64 MiB, written: resident
+    peaks = memory_peaks(torch.device("cpu"))
+    assert set(peaks) == {"host_peak_gib"}
+    assert peaks["host_peak_gib"] >= max(before, buffer.numel() * 4 / GIB)
+
+
 @pytest.mark.e2e
 def test_every_worker_process_starts_with_expandable_segments(shared_ray, tiny_flux, monkeypatch):
     """A real pool's actor reads its own environment: the configuration must be there before the
-    process's first CUDA allocation, so the worker cannot set it itself."""
+    process's first CUDA allocation, so the worker cannot set it itself. Its load record (the
+    run's workers.json) carries what it held at load."""
     import ray
     from ray.util.placement_group import remove_placement_group
 
@@ -48,6 +63,8 @@ def test_every_worker_process_starts_with_expandable_segments(shared_ray, tiny_f
         (actor,) = actors.values()
         seen = ray.get(actor.__ray_call__.remote(lambda self: os.environ.get("PYTORCH_CUDA_ALLOC_CONF")), timeout=120)
         assert seen == "max_split_size_mb:256," + EXPANDABLE_SEGMENTS
+        record = ray.get(actor.init_model.remote(), timeout=300)
+        assert record["memory_at_load"]["host_peak_gib"] > 0.1  # torch, diffusers and the tiny model
     finally:
         for wg in groups.values():
             for w in wg.workers:

@@ -970,22 +970,28 @@ def worker_host_bytes(job: JobShape, role: str, *, first_trainer: bool = False) 
 
 def host_plan(cfg: DigenConfig, *, devices_per_node: int, nnodes: int = 1, model_path: str | None = None,
               ) -> list[NodeHostPlan]:
-    """Host RAM of every node at load: the workers the preset's pool layout puts on it
-    (placement/pools.py ``pool_layout``), each as :func:`worker_host_bytes` says, trainer 0 on
-    the first node with a trainer."""
-    from verl_digen.placement.pools import ClusterSpec, pool_layout
+    """Host RAM of every node at load: the workers the pool layout puts on it (the runtime's
+    placement rule, platform/nodes.py ``node_counts``, as placement/pools.py ``pool_layout``
+    reads it), each as :func:`worker_host_bytes` says, trainer 0 on the first node with a
+    trainer."""
+    from verl_digen.platform.nodes import node_counts
 
     job = _decided_job(cfg, devices_per_node=devices_per_node, nnodes=nnodes, model_path=model_path)
-    layout = pool_layout(cfg, ClusterSpec(n_devices_per_node=devices_per_node, nnodes=nnodes))
+    if cfg.placement == "colocated":
+        counts = {"colocated": (devices_per_node,) * nnodes}
+    else:
+        sizes = {"rollout": cfg.pools.rollout.world_size, "trainer": cfg.pools.trainer.world_size}
+        if cfg.pools.reward.devices:
+            sizes["reward"] = cfg.pools.reward.world_size
+        counts = node_counts(sizes, devices_per_node, nnodes)
     per_worker: dict[tuple[str, bool], dict[str, int]] = {}
     nodes = []
     first_trainer_placed = False
     for node in range(nnodes):
         workers: dict[str, int] = {}
         parts: dict[str, int] = {}
-        for pool, (counts, _accel) in layout.pools.items():
-            role = "colocated" if layout.role_of_pool[pool] == "fused" else layout.role_of_pool[pool]
-            for _ in range(counts[node]):
+        for role, on_nodes in counts.items():
+            for _ in range(on_nodes[node]):
                 first = role == "trainer" and not first_trainer_placed
                 first_trainer_placed = first_trainer_placed or first
                 held = per_worker.setdefault((role, first), worker_host_bytes(job, role, first_trainer=first))

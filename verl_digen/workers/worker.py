@@ -32,6 +32,7 @@ from verl import DataProto
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 from verl_digen.config.schema import ConfigError, DigenConfig
+from verl_digen.memory.measure import memory_peaks
 from verl_digen.sim.deadlines import Deadlines
 from verl_digen.sync.snapshot import HostSnapshot, WeightsDigest, weights_digest
 from verl_digen.sync.state import trainable_state
@@ -307,6 +308,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
             info.update(self._prepare_assisting())
         if self._scores_in_training(caps):
             info["reward_device"] = str(self._build_reward())
+        info["memory_at_load"] = memory_peaks(compute_device())  # against memory.plan's load phase and host RAM
         return info
 
     def _load_policy(self, caps: RoleCapabilities) -> dict[str, Any]:
