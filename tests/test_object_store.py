@@ -4,6 +4,7 @@ prompt cache), and ``sim/object_store.py`` predicts its bytes exactly."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -126,6 +127,9 @@ def test_the_shipped_wan_preset_moves_under_3_5_gb_a_step():
     assert b.per_step < 3.5e9
     line = describe(cfg)[0]
     assert line.startswith("object-store bytes per step: 3.2 GB"), line
+    # TCSS (one step off): the next step's records are in flight with this step's
+    tcss = dataclasses.replace(cfg, async_=dataclasses.replace(cfg.async_, max_staleness=1))
+    assert describe(tcss)[0].endswith("TCSS keeps two steps in flight: 6.4 GB"), describe(tcss)
     # the simulator's cost model charges the same bytes for the same workload
     from verl_digen.sim.cost_model import CostModel, load_catalog
 
