@@ -245,6 +245,9 @@ def test_example_runs_two_steps_as_shipped_and_resumes(script, shared_ray, tiny_
             "digen.progress_bar": "false", "digen.save_final_weights": "true",
             "digen.prompt_cache.dir": tmp_path / "prompt_embeds"})
 
+        cfg = check_run_config(_verl_config(tiny), entry=MAIN_PPO).cfg  # (the reward server's preflight: inside)
+        assert cfg.placement == checked.cfg.placement and cfg.batch.group_size == checked.cfg.batch.group_size
+
         def run(name: str, *more: str):
             return run_training(_verl_config([*tiny, f"+digen.output_dir={tmp_path / name}",
                                               f"trainer.default_local_dir={tmp_path / name / 'ck'}", *more]),
@@ -256,8 +259,6 @@ def test_example_runs_two_steps_as_shipped_and_resumes(script, shared_ray, tiny_
         first = tmp_path / "straight" / "ck" / "global_step_1"
         resumed = run("resumed", "trainer.resume_mode=resume_path", f"trainer.resume_from_path={first}",
                       *(["+digen.tsp.stages=2"] if disaggregated else []))
-    cfg = check_run_config(_verl_config(tiny), entry=MAIN_PPO).cfg
-    assert cfg.placement == checked.cfg.placement and cfg.batch.group_size == checked.cfg.batch.group_size
     assert_resumed_as_planned(straight, resumed, num_steps=cfg.sampling.num_steps, groups=cfg.batch.groups_per_step)
 
 
