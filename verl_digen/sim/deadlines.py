@@ -50,8 +50,8 @@ PROFILE_OF_ARCH = {
 # What each deadline covers, in the order the check prints them.
 CALLS = {
     "placement_s": "placement groups ready (placement/pools.py)",
-    "load_s": "workers load and set up (init_models, prompt-cache warm-up)",
-    "channel_s": "weight channel opens; its collectives (disaggregated)",
+    "load_s": "workers load and set up (init_models, prompt-cache warm-up, the weight channel opening)",
+    "channel_s": "weight channel's collectives (receivers in the broadcast)",
     "profile_s": "TSP's step profile on a rollout worker",
     "task_s": "executor: some task finishes",
     "send_s": "weight send waits for the rollout workers (TCSS: a rollout phase)",
