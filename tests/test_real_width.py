@@ -30,6 +30,7 @@ import dataclasses
 import gc
 import json
 import os
+import time
 import types
 
 import pytest
@@ -259,8 +260,6 @@ def free_memory():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_real_width_forward_backward_through_the_adapter(family, free_memory, record_property):
-    import time
-
     start = time.process_time()
     adapter = real_width_adapter(family)
     transformer = adapter.transformer
