@@ -79,8 +79,6 @@ def rehearsal_overrides(cfg: DictConfig) -> list[str]:
     if digen.placement == "disaggregated":
         out += ["trainer.n_gpus_per_node=4", "digen.pools.rollout.devices=2", "digen.pools.trainer.devices=2",
                 "digen.pools.rollout.nodes=null", "digen.pools.trainer.nodes=null"]
-        if digen.pools.reward.devices > 0:
-            out += ["trainer.n_gpus_per_node=5", "digen.pools.reward.devices=1", "digen.pools.reward.nodes=null"]
     else:
         out.append("trainer.n_gpus_per_node=2")
     batch = digen.batch
