@@ -40,7 +40,7 @@ def test_every_shipped_preset_would_start_at_its_real_device_counts(capsys, tmp_
         nnodes = (doc.get("trainer") or {}).get("nnodes", 1)
         assert f"cluster: {nnodes} node(s) x {gpus} GPU(s)" in out, (name, out)
         assert "check: OK, the run would start" in out and "call rows: " in out
-        assert "object-store bytes per step: " in out, (name, out)  # sim/object_store.py
+        assert "object-store bytes per step: " in out, (name, out)  # memory/object_store.py
         assert "deadlines" in out and "EXCEEDS ITS DEADLINE" not in out, (name, out)  # predicted waits (sim/deadlines.py)
         arch = ((doc.get("digen") or {}).get("model") or {}).get("arch")
         if arch:  # a real family: planned at real size with the shipped configs, every role shown

@@ -88,7 +88,7 @@ def _groups_the_worker_joins(role: str, placement: str, monkeypatch) -> int:
 
     from verl_digen.config.schema import digen_config_from_dict
     from verl_digen.workers.fsdp import training_mesh
-    from verl_digen.workers.fsdp_layout import FsdpLayout
+    from verl_digen.memory.fsdp_layout import FsdpLayout
     from verl_digen.workers.worker import DiffusionWorker
 
     for key, value in {"WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}.items():

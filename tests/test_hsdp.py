@@ -15,7 +15,7 @@ import torch
 from runs import run_ranks
 from test_fsdp import TinyDenoiser, full_params, make_data, max_diff, per_sample_loss
 from verl_digen.config.schema import ConfigError
-from verl_digen.workers.fsdp_layout import (
+from verl_digen.memory.fsdp_layout import (
     choose_layout,
     mesh_shape,
     reduce_buffer_bytes,
@@ -358,7 +358,7 @@ def test_the_memory_plan_charges_the_hsdp_state_and_reduce_buffers_of_the_layout
     from dataclasses import replace
 
     from verl_digen.memory.plan import _transformer_facts, plan_roles
-    from verl_digen.workers.fsdp_layout import DTYPE_BYTES
+    from verl_digen.memory.fsdp_layout import DTYPE_BYTES
 
     costs, cluster, built, _ = _preset_costs(*WHOLE_NODES)
     job = costs.memory_job(cluster)

@@ -80,9 +80,9 @@ def test_plan_follows_the_knobs():
     # masters'), fp32 master gradients and two AdamW states, sharded 4 ways.
     full = _roles("flux_full_disaggregated")["trainer"]
     params = 11.90e9
-    # ... and in backward FSDP2's bf16 reduce buffers of the largest block (workers/fsdp_layout.py)
+    # ... and in backward FSDP2's bf16 reduce buffers of the largest block (memory/fsdp_layout.py)
     from verl_digen.memory.plan import _transformer_facts
-    from verl_digen.workers.fsdp_layout import reduce_buffer_bytes
+    from verl_digen.memory.fsdp_layout import reduce_buffer_bytes
 
     n, dense, block, _, _ = _transformer_facts("flux", None, "bf16", (), 0)
     reduce = reduce_buffer_bytes(n * block / dense, replicas=1, shard=4, reduce_bytes=2)

@@ -1,6 +1,6 @@
 """What crosses the Ray object store each step: a trajectory record carries only what its readers
 read (the trained steps' latents, the reward's uint8 pixels, the text embeddings only without a
-prompt cache), and ``sim/object_store.py`` predicts its bytes exactly."""
+prompt cache), and ``memory/object_store.py`` predicts its bytes exactly."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from verl_digen.config.schema import AlgoConfig, LoraConfigSpec
 from verl_digen.models.base import SampleSpec
 from verl_digen.models.prompt_cache import PromptEmbeddingCache
 from verl_digen.models.registry import load_adapter
-from verl_digen.sim.object_store import latent_elements, trajectory_bytes, trajectory_payload_bytes
+from verl_digen.memory.object_store import latent_elements, trajectory_bytes, trajectory_payload_bytes
 from verl_digen.workers.sampling import SamplingSettings, carried_latent_steps, sample_groups
 from verl_digen.workers.training import PolicyUpdater, TrainSettings, add_lora
 
@@ -116,7 +116,7 @@ def test_the_shipped_wan_preset_moves_under_3_5_gb_a_step():
 
     from verl_digen.config.compose import compose_config
     from verl_digen.config.schema import digen_config_from_dict
-    from verl_digen.sim.object_store import describe, step_bytes
+    from verl_digen.memory.object_store import describe, step_bytes
 
     config = compose_config([], config_name="wan_colocated")
     cfg = digen_config_from_dict(OmegaConf.to_container(config.digen, resolve=True))

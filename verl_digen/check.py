@@ -22,7 +22,7 @@ from typing import Any
 
 from verl_digen.config.compose import CONFIG_DIR, CONFIG_NAME
 from verl_digen.config.schema import ConfigError
-from verl_digen.sim.object_store import describe as object_store_lines
+from verl_digen.memory.object_store import describe as object_store_lines
 from verl_digen.sim.deadlines import check_lines as check_deadlines
 
 

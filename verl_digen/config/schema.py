@@ -21,10 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
 from verl_digen.algos.window import SdeWindowConfig
-
-
-class ConfigError(ValueError):
-    """A user configuration problem; the message names the key, the value and what is valid."""
+from verl_digen.config.errors import ConfigError  # noqa: F401 (re-exported: every caller imports it from here)
 
 
 DEVICES = ("cuda", "cpu")  # trainer.device: veRL's two values that apply here
@@ -499,7 +496,7 @@ class FsdpConfig:
     # gradients and the optimizer step on the host; each block's forward and backward copies its
     # shard in. Less GPU memory, every forward pays the host link (generation too, colocated).
     param_offload: bool = False
-    # How the training ranks are grouped (verl_digen/workers/fsdp_layout.py): auto | flat | hsdp.
+    # How the training ranks are grouped (verl_digen/memory/fsdp_layout.py): auto | flat | hsdp.
     # flat shards over every rank: with ranks on several nodes each pass's all-gathers and its
     # gradient reduce-scatter are rings over the network. hsdp (FSDP2 over a 2-D DeviceMesh
     # ("replicate", "shard")) shards over the ranks of one node and replicates across nodes: the
@@ -521,7 +518,7 @@ class FsdpConfig:
     reduce_dtype: str = "auto"
 
     def validate(self, key: str, *, lora: bool) -> None:
-        from verl_digen.workers.fsdp_layout import MESH_MODES, reduce_dtype
+        from verl_digen.memory.fsdp_layout import MESH_MODES, reduce_dtype
 
         if self.mesh not in MESH_MODES:
             _fail(f"{key}.mesh", self.mesh, f"valid: {', '.join(MESH_MODES)}")
@@ -530,7 +527,7 @@ class FsdpConfig:
     def check_layout(self, node_ranks: list[int]) -> None:
         """The mesh can be built over training ranks placed ``node_ranks[i]`` on node ``i`` of the
         declared cluster (``ConfigError`` naming ``digen.fsdp.mesh`` otherwise)."""
-        from verl_digen.workers.fsdp_layout import mesh_shape
+        from verl_digen.memory.fsdp_layout import mesh_shape
 
         if self.enable:
             mesh_shape(node_ranks, self.mesh)

@@ -38,7 +38,7 @@ from typing import Any, Mapping
 from verl_digen.config.schema import ConfigError, DigenConfig
 from verl_digen.platform.devices import device_memory_gib
 from verl_digen.sync.buckets import DEFAULT_BUCKET_BYTES
-from verl_digen.workers.fsdp_layout import reduce_buffer_bytes
+from verl_digen.memory.fsdp_layout import reduce_buffer_bytes
 
 GIB = 1 << 30
 # CUDA context (~0.5 GiB on an H100 with CUDA's lazy module loading) and cuBLAS workspaces (a few
@@ -112,11 +112,11 @@ def _bytes_per(name: str) -> int:
 
 def fsdp_layout_of(cfg: DigenConfig, devices_per_node: int, nnodes: int) -> tuple[int, int, int]:
     """``(replicas, shard, reduce bytes per trained parameter)`` of the training ranks of ``cfg`` on
-    ``nnodes`` x ``devices_per_node`` GPUs, as the workers decide it (workers/fsdp_layout.py) from
+    ``nnodes`` x ``devices_per_node`` GPUs, as the workers decide it (memory/fsdp_layout.py) from
     the nodes the runtime places them on (platform/nodes.py ``node_counts``); ``(1, 1, 4)``
     without FSDP."""
     from verl_digen.platform.nodes import PlacementError, node_counts
-    from verl_digen.workers.fsdp_layout import DTYPE_BYTES, mesh_shape, reduce_dtype
+    from verl_digen.memory.fsdp_layout import DTYPE_BYTES, mesh_shape, reduce_dtype
 
     ranks = cfg.fsdp_ranks(devices_per_node * nnodes)
     if ranks <= 1 and not cfg.fsdp.enable:
@@ -275,7 +275,7 @@ class JobShape:
     trainers_score: bool  # trainers generate under TAG with no reward pool: they build the reward too
     rollouts_train: bool  # GAT: rollout workers train micro-batches too (disaggregated, digen.gat.enable)
     max_sequence_length: int | None = None  # text tokens per prompt (None: the pipeline's default)
-    # FSDP's layout beyond its degree (workers/fsdp_layout.py, the workers' decision): replicas of
+    # FSDP's layout beyond its degree (memory/fsdp_layout.py, the workers' decision): replicas of
     # an HSDP mesh (1: flat; ``fsdp`` is then the shard group's size) and the bytes per trained
     # parameter of the gradient reduction (digen.fsdp.reduce_dtype).
     fsdp_replicas: int = 1
@@ -625,7 +625,7 @@ def _plan_roles(job: JobShape, gib: float | Mapping[str, float]) -> list[RolePla
     if job.param_offload:  # FSDP2's CPUOffloadPolicy: every sharded tensor of training waits on the host
         state = {k: 0 for k in state}
     grads = state["grads"] + state["master_grads"]
-    # FSDP2's reduction of one unit's gradients in backward (workers/fsdp_layout.py
+    # FSDP2's reduction of one unit's gradients in backward (memory/fsdp_layout.py
     # reduce_buffer_bytes, in the job's reduce dtype): the largest block's trained parameters,
     # its share of the model's (LoRA: of the adapters').
     unit_trained = (lora_params if job.lora else params) * block_bytes / max(dense_bytes, 1)

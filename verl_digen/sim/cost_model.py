@@ -194,7 +194,7 @@ class SystemProfile:
     collective_step_latency_s: float = 2e-5  # latency of one ring step of a collective
     hsdp_shard: int = 0  # 0: flat FSDP over all training ranks; k: shard over k, replicate
     # FSDP's layout where hsdp_shard is 0: flat (one mesh over every rank), or auto (this runtime's
-    # digen.fsdp.mesh=auto, workers/fsdp_layout.py: one replica per node, sharded within it, when the
+    # digen.fsdp.mesh=auto, memory/fsdp_layout.py: one replica per node, sharded within it, when the
     # training pool spans several nodes with as many devices on each; gradients all-reduced across
     # the replicas in every pass's backward, FSDP2's HSDP).
     fsdp_mesh: str = "flat"
@@ -769,10 +769,10 @@ class CostModel:
         return 2.0 * self.trainable_params  # bf16 weights (LoRA factors or the full model)
 
     def object_store_bytes(self) -> int | None:
-        """Bytes of one step's trajectory records (``sim/object_store.py``: each trained step's
+        """Bytes of one step's trajectory records (``memory/object_store.py``: each trained step's
         latents, the uint8 pixels; text embeddings not counted, a run with a prompt cache carries
         none), from the family's real configs; None for a model profile without a family."""
-        from verl_digen.sim.object_store import latent_elements, trajectory_bytes
+        from verl_digen.memory.object_store import latent_elements, trajectory_bytes
 
         w, family = self.workload, self.model.family
         if not family:
@@ -818,7 +818,7 @@ class CostModel:
         shard = self.system.hsdp_shard if 0 < self.system.hsdp_shard < p.size else p.size
         per_pass = False
         if shard == p.size and self.system.fsdp_mesh == "auto":  # the runtime's choice from the pool's nodes
-            from verl_digen.workers.fsdp_layout import mesh_shape
+            from verl_digen.memory.fsdp_layout import mesh_shape
 
             replicas, shard = mesh_shape(p.node_devices, "auto")
             per_pass = replicas > 1
@@ -1017,9 +1017,9 @@ class CostModel:
     @property
     def grad_reduce_bytes(self) -> float:
         """Bytes per trained parameter of FSDP's gradient reduction (the system's
-        ``grad_reduce_dtype``; auto: the runtime's rule, workers/fsdp_layout.py ``reduce_dtype``)."""
+        ``grad_reduce_dtype``; auto: the runtime's rule, memory/fsdp_layout.py ``reduce_dtype``)."""
         if self.system.grad_reduce_dtype == "auto":
-            from verl_digen.workers.fsdp_layout import DTYPE_BYTES, reduce_dtype
+            from verl_digen.memory.fsdp_layout import DTYPE_BYTES, reduce_dtype
 
             return float(DTYPE_BYTES[reduce_dtype("auto", lora=self.workload.lora, weights_dtype="bf16")])
         return self.system.grad_bytes_per_param
@@ -1030,8 +1030,8 @@ class CostModel:
         backward, within the shard group), ``reduce_scatter`` (the trained gradients, within the
         shard group) and ``all_reduce`` (HSDP run per pass: the gradient shard across replicas,
         over the network); what FSDP2's ``foreach_reduce`` moves
-        (:func:`verl_digen.workers.fsdp_layout.reduce_traffic`)."""
-        from verl_digen.workers.fsdp_layout import reduce_traffic
+        (:func:`verl_digen.memory.fsdp_layout.reduce_traffic`)."""
+        from verl_digen.memory.fsdp_layout import reduce_traffic
 
         k = group.shard
         r = group.replicas if group.hsdp_per_pass else 1

@@ -218,6 +218,27 @@ def plan_deadlines(cfg: Any, layout: Any, costs: Any | None, device: str, time_s
     return waits, deadlines.scaled(time_scale) if time_scale != 1.0 else deadlines
 
 
+def run_deadlines(cfg: Any, layout: Any, spec: Any, emulation: tuple[Any, str, float] | None, *,
+                  use_gpu: bool) -> Deadlines:
+    """The deadlines a run sets (the training loop's): predicted for an emulated run
+    (``emulation``: its cost model, device type and time scale, scaled as its sleeps) and for a GPU
+    run of a model at a real path (its architecture's profile on ``digen.memory.device_type``); a
+    CPU or tiny-model run keeps ``digen.task_timeout_s`` for every call (no real-size prediction
+    applies to it), as does an architecture without a profile."""
+    if emulation is not None:
+        costs, device, scale = emulation
+    elif use_gpu and cfg.model.path is not None:
+        costs, device, scale = run_costs(cfg, spec), cfg.memory.device_type, 1.0
+    else:
+        costs = None
+    if costs is None:
+        return Deadlines.floor(cfg.task_timeout_s)
+    _, deadlines = plan_deadlines(cfg, layout, costs, device, scale)
+    print(f"[verl-digen] deadlines from the plan (python -m verl_digen.check lists them): weight send "
+          f"{deadlines.send_s:.3g} s, task {deadlines.task_s:.3g} s, load {deadlines.load_s:.3g} s", flush=True)
+    return deadlines
+
+
 def check_lines(checked: Any) -> list[str]:
     """``python -m verl_digen.check``'s lines: each blocking call's predicted longest wait at real
     size next to its deadline (none may exceed it)."""

@@ -33,7 +33,7 @@ from verl_digen.schedule.driver import StepDriver
 from verl_digen.schedule.elastic import balanced_spec
 from verl_digen.schedule.plan import TaskKind, WorkerId, group_ids
 from verl_digen.schedule.timeline import save_gantt
-from verl_digen.sim.deadlines import Deadlines, plan_deadlines, run_costs
+from verl_digen.sim.deadlines import Deadlines, run_costs, run_deadlines
 from verl_digen.trainer import resolve, runtime
 from verl_digen.trainer.checkpoint import RunCheckpoints, locked_run_directories
 from verl_digen.trainer.ray_executor import RayPlanExecutor, gang_chunk_rows
@@ -112,24 +112,8 @@ class DigenTrainer:
         return self.emulation
 
     def _plan_deadlines(self, use_gpu: bool) -> Deadlines:
-        """Each blocking call's deadline from the plan (:mod:`verl_digen.sim.deadlines`): predicted
-        for an emulated run (scaled as its sleeps) and for a GPU run of a model at a real path (its
-        architecture's profile on ``digen.memory.device_type``); a CPU or tiny-model run keeps
-        ``digen.task_timeout_s`` for every call (no real-size prediction applies to it)."""
-        job, cfg = self.job, self.job.cfg
-        emulation = self._emulation()
-        if emulation is not None:
-            costs, device, scale = emulation
-        elif use_gpu and cfg.model.path is not None:
-            costs, device, scale = run_costs(cfg, self.spec), cfg.memory.device_type, 1.0
-        else:
-            return Deadlines.floor(cfg.task_timeout_s)
-        if costs is None:
-            return Deadlines.floor(cfg.task_timeout_s)
-        _, deadlines = plan_deadlines(cfg, job.layout, costs, device, scale)
-        print(f"[verl-digen] deadlines from the plan (python -m verl_digen.check lists them): weight send "
-              f"{deadlines.send_s:.3g} s, task {deadlines.task_s:.3g} s, load {deadlines.load_s:.3g} s", flush=True)
-        return deadlines
+        """Each blocking call's deadline from the plan (:func:`verl_digen.sim.deadlines.run_deadlines`)."""
+        return run_deadlines(self.job.cfg, self.job.layout, self.spec, self._emulation(), use_gpu=use_gpu)
 
     # ------------------------------------------------------------------ run
 
@@ -327,7 +311,7 @@ class DigenTrainer:
         import ray
 
         prof = ray.get(actors[WorkerId("rollout", 0)].profile_step_costs.remote(self.job.prompts[0]),
-                       timeout=self.job.cfg.task_timeout_s)
+                       timeout=self.deadlines.profile_s)
         spec = balanced_spec(self.spec, prof)
         self._stage_profile = {**prof, "bounds": list(spec.bounds)}
         self._write_stage_profile()

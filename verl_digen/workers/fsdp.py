@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from verl_digen.sync.state import LORA_MARKER
-from verl_digen.workers.fsdp_layout import MESH_DIM_NAMES, FsdpLayout
+from verl_digen.memory.fsdp_layout import MESH_DIM_NAMES, FsdpLayout
 
 __all__ = [
     "apply_fsdp2",
@@ -257,9 +257,9 @@ def group_layout(node: str, *, mesh: str, reduce: str, lora: bool, weights_dtype
     """The FSDP layout of the default process group's ranks (a collective): every rank's ``node``
     (where it runs: the worker's Ray node id) is gathered, and the ``digen.fsdp.mesh`` /
     ``digen.fsdp.reduce_dtype`` settings are applied to that placement
-    (:func:`verl_digen.workers.fsdp_layout.choose_layout`). Every rank gets the same layout; a
+    (:func:`verl_digen.memory.fsdp_layout.choose_layout`). Every rank gets the same layout; a
     placement the settings cannot use raises the same ``LayoutError`` on every rank."""
-    from verl_digen.workers.fsdp_layout import choose_layout
+    from verl_digen.memory.fsdp_layout import choose_layout
 
     nodes: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(nodes, str(node))
@@ -277,7 +277,7 @@ def shard_for_training(transformer: nn.Module, *, reshard_after_forward: bool = 
     all-gathered in the dtypes they were loaded in (bf16 base, fp32 LoRA, the fp32 modules a
     diffusers model keeps) and no input casting, so that a sharded forward is the rollout's
     unsharded forward bit for bit; gradients reduced in ``reduce_dtype`` (the layout's:
-    :func:`verl_digen.workers.fsdp_layout.reduce_dtype`) and summed (each rank scales its loss by
+    :func:`verl_digen.memory.fsdp_layout.reduce_dtype`) and summed (each rank scales its loss by
     its share of the step's batch)."""
     return apply_fsdp2(
         transformer,

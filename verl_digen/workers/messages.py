@@ -99,7 +99,7 @@ class RewardResult:
     # digen.rollout_data_dir set: each sample's jsonl row (its media already written by the
     # worker), for the controller to write once the step is scored (workers/rollout_dump.py)
     rollout_rows: tuple[dict[str, Any], ...] = ()
-    # the measured bytes of the trajectories scored (sim/object_store.py: trajectory_payload_bytes):
+    # the measured bytes of the trajectories scored (memory/object_store.py: trajectory_payload_bytes):
     # every generate output is scored once, so a step's sum is what crossed the object store
     trajectory_bytes: int = 0
 

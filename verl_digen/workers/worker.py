@@ -435,7 +435,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         The mesh and the reduction dtype are the group's layout (``digen.fsdp.mesh`` and
         ``reduce_dtype`` applied to the Ray nodes its ranks run on: HSDP, one replica per node,
         when they span several with as many on each), the one the memory planner and the cost
-        model charge (:mod:`verl_digen.workers.fsdp_layout`)."""
+        model charge (:mod:`verl_digen.memory.fsdp_layout`)."""
         import ray
 
         from verl_digen.models.base import resolve_dtype
@@ -591,7 +591,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         records = data.non_tensor_batch.get("metadata")
         metadata = [dict(r) for r in records] if records is not None else None
         from verl_digen.models.base import pixels_from_uint8
-        from verl_digen.sim.object_store import trajectory_payload_bytes
+        from verl_digen.memory.object_store import trajectory_payload_bytes
 
         # Trajectories carry uint8 pixels; rewards take fp32 in [0, 1] (the same pixels, quantised).
         pixels = pixels_from_uint8(data.batch["images"])

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from verl_digen.config.schema import ConfigError
+from verl_digen.config.errors import ConfigError
 
 MESH_MODES = ("auto", "flat", "hsdp")
 REDUCE_DTYPES = ("auto", "fp32", "bf16")
