@@ -289,6 +289,18 @@ def test_the_trainer_plan_holds_the_senders_staging_bucket_while_it_trains():
     assert 0 < lora["sync_buffers"] < DEFAULT_BUCKET_BYTES  # LoRA: all its factors, less than a bucket
 
 
+def test_the_senders_sync_phase_holds_the_buckets_its_capture_keeps_on_the_device():
+    """FSDP rank 0 captures each version into its host snapshot while the state is gathered
+    bucket by bucket: the bucket being copied, the one being gathered and the tensor read ahead
+    (sync/snapshot.py; test_sync_snapshot's recorder bounds them by CAPTURE_DEVICE_BUCKETS). The
+    plan charges the sender that, a receiver its two (one in flight, one filling)."""
+    from verl_digen.sync.buckets import CAPTURE_DEVICE_BUCKETS, DEFAULT_BUCKET_BYTES
+
+    roles = _roles("flux_full_disaggregated")
+    assert roles["trainer"].phases["sync"]["sync_buffers"] == CAPTURE_DEVICE_BUCKETS * DEFAULT_BUCKET_BYTES
+    assert roles["rollout"].phases["sync"]["sync_buffers"] == 2 * DEFAULT_BUCKET_BYTES
+
+
 def _storage_total(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors``."""
     seen = {}

@@ -37,7 +37,7 @@ from typing import Any, Mapping
 
 from verl_digen.config.schema import ConfigError, DigenConfig
 from verl_digen.platform.devices import device_memory_gib
-from verl_digen.sync.buckets import DEFAULT_BUCKET_BYTES
+from verl_digen.sync.buckets import CAPTURE_DEVICE_BUCKETS, DEFAULT_BUCKET_BYTES
 from verl_digen.memory.fsdp_layout import reduce_buffer_bytes
 
 GIB = 1 << 30
@@ -725,7 +725,8 @@ def _plan_roles(job: JobShape, gib: float | Mapping[str, float]) -> list[RolePla
           **dict(t_resident, weights=t_resident["weights"] + kl_ref_in_training))
     if job.optimizer_offload:
         t.add("step", gradients=grads, sync_buffers=staging, **dict(t_resident, optimizer=step_optimizer))
-    t.add("sync", sync_buffers=sync, **t_resident)
+    # the sender's capture of a version into its host snapshot (FSDP: gathered bucket by bucket)
+    t.add("sync", sync_buffers=min(sync_state, CAPTURE_DEVICE_BUCKETS * DEFAULT_BUCKET_BYTES), **t_resident)
     if job.trainers_generate:
         t.add("generate", activations=rollout_acts, **t_generating)
         t.add("decode", activations=decode, **t_generating)
