@@ -410,8 +410,10 @@ def stream_full_state(
     module: nn.Module, *, lora_only: bool, bucket_bytes: int = SYNC_BUCKET_BYTES
 ) -> Iterator[tuple[str, Tensor]]:
     """``(name, full tensor)`` of the weight-sync state of a (possibly FSDP2-sharded) module, in
-    sorted name order, gathered bucket by bucket: at most ``bucket_bytes`` of full tensors (plus
-    this rank's share of them) exist on the device at a time, never the whole state.
+    sorted name order, gathered bucket by bucket: the stream itself holds at most ``bucket_bytes``
+    of full tensors (plus this rank's share of them) at a time, never the whole state; a consumer
+    that keeps yielded tensors alive for asynchronous copies holds more (rank 0's host snapshot:
+    at most ``CAPTURE_DEVICE_BUCKETS`` buckets, sync/buckets.py).
 
     A collective when ``module`` is sharded: EVERY rank of its mesh must consume the whole
     stream, in the same order relative to other collectives. Consecutive row-sharded tensors of
