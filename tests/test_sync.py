@@ -555,19 +555,10 @@ def test_digen_gloo_checkpoint_engine_protocol() -> None:
         e._close_channel()
 
 
-def test_digen_gloo_master_holds_the_port_it_reports_until_its_channel_opens() -> None:
-    """prepare() used to report a port found free and released, bound only at
-    init_process_group: another process could take it in between. The master now listens on
-    it from prepare() on."""
+def assert_port_held(addr: str, port: int) -> None:
+    """Another socket cannot take ``addr:port``: somebody listens on it."""
     import socket
 
-    from verl.checkpoint_engine import CheckpointEngineRegistry
-
-    import verl_digen.sync.checkpoint_engine  # noqa: F401  (registers the backend)
-
-    master = CheckpointEngineRegistry.new("digen_gloo", bucket_size=1 << 20, is_master=True)
-    endpoint = master.prepare()
-    addr, port = endpoint["master_addr"], endpoint["master_port"]
     other = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
     try:
         with pytest.raises(OSError):
@@ -575,6 +566,22 @@ def test_digen_gloo_master_holds_the_port_it_reports_until_its_channel_opens() -
             other.listen(1)
     finally:
         other.close()
+
+
+def test_digen_gloo_master_holds_the_port_it_reports_until_its_channel_opens() -> None:
+    """prepare() used to report a port found free and released, bound only at
+    init_process_group: another process could take it in between. The master now listens on
+    it from prepare() on."""
+    from verl.checkpoint_engine import CheckpointEngineRegistry
+
+    import verl_digen.sync.checkpoint_engine  # noqa: F401  (registers the backend)
+
+    master = CheckpointEngineRegistry.new("digen_gloo", bucket_size=1 << 20, is_master=True)
+    endpoint = master.prepare()
+    addr, port = endpoint["master_addr"], endpoint["master_port"]
+    try:
+        assert_port_held(addr, port)
+    finally:
         if master._listener is not None:
             master._listener.close()
 
@@ -628,8 +635,6 @@ def test_the_sender_holds_the_port_it_names_until_the_channel_opens_on_it() -> N
     it only later: any process could take it in between and the run failed to start. The
     sender now listens on the port from the moment it names it: a socket that tries to take it
     in between is refused, and the channel opens on it and carries a sync."""
-    import socket
-
     from verl_digen.sync.transport import WeightSyncMixin
 
     src, dst = make_lora_denoiser(1), make_lora_denoiser(2)
@@ -642,13 +647,7 @@ def test_the_sender_holds_the_port_it_names_until_the_channel_opens_on_it() -> N
 
     sender, receiver = Endpoint(src), Endpoint(dst)
     addr, port = sender.sync_master_endpoint()
-    other = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        with pytest.raises(OSError):
-            other.bind((addr, port))
-            other.listen(1)
-    finally:
-        other.close()
+    assert_port_held(addr, port)
 
     def endpoint(rank: int):
         me = (sender, receiver)[rank]
