@@ -80,6 +80,19 @@ def _cache(adapter, tmp_path, **kw) -> PromptEmbeddingCache:
     return PromptEmbeddingCache(adapter, model_key="k", cache_dir=str(tmp_path), **kw)
 
 
+def test_a_digest_vouches_for_the_row_served_after_another_worker_replaced_it(tmp_path):
+    """Two workers of one directory: this one digested a prompt's row, forgot the row (LRU), and
+    another worker wrote its own encode of the prompt meanwhile. digest() must describe the row
+    encode() now serves (the file's), not the one it served before: a trajectory carries it."""
+    mine, other = _cache(_Adapter(offload=False), tmp_path, max_memory_items=1), _cache(_Adapter(offload=False), tmp_path)
+    before = mine.digest(PROMPTS[0])
+    different = {"prompt_embeds": torch.full((1, ROW), -1.0)}  # another encode of the same prompt
+    other._store(PROMPTS[0], different)
+    mine.encode([PROMPTS[1]])  # evicts this worker's row of PROMPTS[0]
+    mine.encode([PROMPTS[0]])  # served from the file: the other worker's row (on the adapter's device)
+    assert mine.digest(PROMPTS[0]) == other.digest(PROMPTS[0]) != before
+
+
 # ---------------------------------------------------------------------- item 1: the warm-up
 
 
@@ -124,6 +137,44 @@ def test_share_of_splits_the_distinct_prompts():
     assert max(map(len, shares)) - min(map(len, shares)) <= 1
     with pytest.raises(ValueError):
         share_of(prompts, 3, 3)
+
+
+class _Method:
+    """An actor method whose ``remote`` calls it at once (the warm-up's ray.get is the identity
+    here): what a test of the driver's calls needs, without starting Ray for them."""
+
+    def __init__(self, fn):
+        self.remote = fn
+
+
+class _WarmupWorker:
+    def __init__(self, node: str, root: str) -> None:
+        self.node, self.root, self.finished = node, root, None
+        self.prompt_cache_probe = _Method(lambda token: write_probe(self.root, token, self.node))
+        self.prompt_cache_peers = _Method(lambda token: visible_nodes(self.root, token))
+        self.warm_prompt_cache = _Method(lambda prompts, i, n: {"encoded": len(share_of(prompts, i, n))})
+        self.finish_prompt_cache = _Method(self._finish)
+
+    def _finish(self, prompts, token, rows_shared=True):
+        self.finished = rows_shared
+        return {"encoded_here": 0, "memory_bytes": 0, "bytes_freed": 0, "released": True}
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["one directory", "one per node"])
+def test_the_warm_up_tells_every_worker_whether_its_cache_rows_are_the_runs(tmp_path, monkeypatch, shared):
+    """One cache domain: the trainer reads the rollout's rows from its own cache. Several (a
+    node-local directory on each node): each encodes the prompts apart, so every worker is told
+    its rows are not shared and its trajectories carry their embeddings."""
+    import ray
+
+    from verl_digen.trainer.warmup import warm_prompt_caches
+
+    monkeypatch.setattr(ray, "get", lambda refs, timeout=None: refs)
+    roots = {"A": str(tmp_path / "a"), "B": str(tmp_path / ("a" if shared else "b"))}
+    workers = {f"{n}{i}": _WarmupWorker(n, roots[n]) for n in "AB" for i in range(2)}
+    record = warm_prompt_caches(workers, PROMPTS, timeout_s=5)
+    assert record["domains"] == (1 if shared else 2) and record["embeddings_travel"] is not shared
+    assert {w.finished for w in workers.values()} == {shared}
 
 
 def test_cache_domains_follow_which_nodes_share_the_directory(tmp_path):

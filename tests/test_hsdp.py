@@ -110,6 +110,13 @@ def test_reduce_traffic_and_buffers():
 
 
 _MESHES: dict = {}
+MESH_TIMEOUT_S = 1234.0  # the run's planned collective deadline, as the worker passes it
+
+
+def _group_timeouts(mesh) -> list[float]:
+    """Each dimension's process-group timeout, in seconds, as its backend holds it."""
+    return [mesh.get_group(d)._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+            for d in range(mesh.ndim)]
 
 
 def _build(layout, seed: int, dtype=torch.float32):
@@ -118,7 +125,7 @@ def _build(layout, seed: int, dtype=torch.float32):
     from verl_digen.workers.fsdp import reduce_torch_dtype, shard_for_training, training_mesh
 
     if layout.rows not in _MESHES:
-        _MESHES[layout.rows] = training_mesh(layout)
+        _MESHES[layout.rows] = training_mesh(layout, timeout_s=MESH_TIMEOUT_S)
     torch.manual_seed(seed)
     model = TinyDenoiser().to(dtype)
     shard_for_training(model, mesh=_MESHES[layout.rows], reduce_dtype=reduce_torch_dtype(layout))
@@ -161,6 +168,7 @@ def _scenario_hsdp(rank: int, world: int) -> dict:
     a, a_opt = _build(hsdp, seed=0)
     b, b_opt = _build(flat, seed=0)
     w = a.transformer_blocks[0].proj.weight
+    out["timeouts"] = _group_timeouts(_MESHES[hsdp.rows])
     out["placements"] = [type(p).__name__ for p in w.placements]
     out["shard_dims"] = [p.dim for p in w.placements if isinstance(p, Shard)]
     out["replicated"] = any(isinstance(p, Replicate) for p in w.placements)
@@ -244,6 +252,9 @@ def test_the_mesh_is_one_replica_per_node_sharded_within_it(hsdp_ranks):
     print(f"ranks' scenario: {max(x['seconds'] for x in hsdp_ranks.values()):.1f} s")
     assert r["rows"] == ((0, 2), (1, 3)) and r["flat_rows"] == ((0, 1, 2, 3),)
     assert r["placements"] == ["Replicate", "Shard"] and r["shard_dims"] == [0]
+    # both dimensions' subgroups time out at the run's deadline, not the backend's default (NCCL's
+    # 10 minutes; split_group and new_group do not inherit the default group's)
+    assert all(x["timeouts"] == [MESH_TIMEOUT_S] * 2 for x in hsdp_ranks.values())
     # DIM=5 rows over the 2 ranks of a node: 3 + 2 (flat over 4 would be 2, 2, 1, 0)
     assert sorted(hsdp_ranks[k]["local_rows"] for k in range(WORLD)) == [2, 2, 3, 3]
 

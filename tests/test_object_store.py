@@ -52,6 +52,22 @@ def test_a_trajectory_carries_only_its_trained_steps_latents(records):
     assert torch.equal(cached.batch["latents"], carried.batch["latents"])  # the cache's rows are the fresh ones
 
 
+def test_a_cache_not_shared_by_every_worker_sends_its_rows_with_the_trajectory(records):
+    """Node-local cache directories on several nodes: each encodes the prompts apart and may round
+    a row differently, so the rollout's rows travel (the warm-up clears ``rows_shared`` when it
+    finds more than one cache domain) and the trainer computes on them, not on its own."""
+    adapter, cache, carried, _ = records
+    cache.rows_shared = False
+    try:
+        apart = _sample(adapter)
+    finally:
+        cache.rows_shared = True
+    assert {"cond", "neg"} <= set(apart.batch.keys()) and "cond_digest" not in apart.non_tensor_batch
+    for key in ("cond", "neg"):
+        for name, rows in carried.batch[key].items():
+            assert torch.equal(apart.batch[key][name], rows), (key, name)
+
+
 def test_the_trainer_reads_its_embeddings_from_its_prompt_cache_bitwise(records):
     """With a prompt cache no embeddings travel; the trainer's log-probs are those it computes on a
     record that carries them (the negative prompt's too)."""

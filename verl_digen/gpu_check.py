@@ -452,7 +452,9 @@ def part_flux_phases(size: str, device_name: str, *, group_size: int, pipeline_r
     with meter.phase("reward", reward=dcfg.reward.name):
         rewards = reward_fn(pixels_from_uint8(data.batch["images"]), [PROMPT] * group_size, None)
     out["rewards_finite"] = bool(torch.isfinite(rewards).all())
-    window = [int(j) for j in torch.nonzero(data.batch["sde_mask"][0]).flatten()]
+    # the trained steps: the trajectory carries only their latents (the whole SDE window unless
+    # digen.sampling.timestep_fraction subsamples it), so only those are recomputed
+    window = [int(j) for j in torch.nonzero(data.batch["train_mask"][0]).flatten()]
     with meter.phase("recompute", steps=len(window)):
         recomputed = updater.recompute_log_probs(data)
     old = data.batch["log_probs"][:, window]

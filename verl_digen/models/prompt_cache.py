@@ -189,6 +189,11 @@ class PromptEmbeddingCache:
         self.adapter = adapter
         self.model_key = model_key
         self.cache_dir = None if cache_dir is None else os.path.abspath(cache_dir)
+        # Whether every worker of the run serves this cache's rows: one cache directory (one
+        # domain, trainer/warmup.py). Rows encoded apart (node-local directories on several
+        # nodes) may differ in their last bits, so a trajectory then carries its rows instead of
+        # their digests (workers/sampling.py: finish_groups).
+        self.rows_shared = True
         self.max_memory_items = int(max_memory_items)
         self.max_memory_bytes = None if max_memory_bytes is None else int(max_memory_bytes)
         self._memory_bytes = 0
@@ -532,4 +537,8 @@ class PromptEmbeddingCache:
             return None
         if self._layout is None:
             self._layout = {k: (tuple(v.shape[1:]), v.dtype) for k, v in tensors.items()}
+        # What digest() vouches for is the row served now: another worker of this directory may
+        # have replaced the file since this process last read or wrote it (finish() encodes what
+        # it could not see yet), and the row it served before may have been evicted since.
+        self._digests[prompt] = meta["digest"]
         return tensors

@@ -43,9 +43,13 @@ def warm_prompt_caches(actors: Mapping[K, Any], prompts: list[str], timeout_s: f
     domains = cache_domains({w: tuple(s) for w, s in zip(workers, seen)})
     shares = ray.get([actors[w].warm_prompt_cache.remote(prompts, i, len(domain))
                       for domain in domains for i, w in enumerate(domain)], timeout=timeout_s)
-    finals = ray.get([actors[w].finish_prompt_cache.remote(prompts, token) for w in workers], timeout=timeout_s)
+    # Several domains encode each prompt apart, and batched encoders may round a row differently in
+    # each: the trainer could not read the rollout's rows from its own cache, so they travel.
+    shared = len(domains) == 1
+    finals = ray.get([actors[w].finish_prompt_cache.remote(prompts, token, shared) for w in workers], timeout=timeout_s)
     return {
         "domains": len(domains),
+        "embeddings_travel": not shared,
         "prompts": len(dict.fromkeys(prompts)),
         "encoded_in_shares": sum(s["encoded"] for s in shares),
         "encoded_after_shares": sum(f["encoded_here"] for f in finals),

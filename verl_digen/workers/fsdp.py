@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Literal
 
 import torch
@@ -148,11 +149,17 @@ def _default_mesh():
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
-def training_mesh(layout: FsdpLayout):
+def training_mesh(layout: FsdpLayout, timeout_s: float | None = None):
     """The ``DeviceMesh`` of ``layout`` over the default process group: 1-D over every rank
     (flat), or 2-D ``("replicate", "shard")`` whose row ``i`` is the ranks of ``layout.rows[i]``
     (HSDP: one node's ranks; given explicitly because a pool's ranks need not fill nodes in rank
-    order). A collective: every rank of the default group builds the same mesh (subgroups)."""
+    order). A collective: every rank of the default group builds the same mesh (subgroups).
+
+    ``timeout_s``: the HSDP subgroups' collective timeout (the run's planned deadline). A flat
+    mesh is the default group, created with it; the subgroups of a 2-D mesh would otherwise get
+    the backend's default (NCCL's 10 minutes: ``split_group`` and ``new_group`` do not inherit
+    the parent's), which a shard group's all-gather outwaits while trainer 0 joins a send under
+    TCSS."""
     from torch.distributed.device_mesh import DeviceMesh
 
     world = dist.get_world_size() if dist.is_initialized() else 0
@@ -160,7 +167,23 @@ def training_mesh(layout: FsdpLayout):
         raise ValueError(f"FSDP layout of {sum(len(r) for r in layout.rows)} ranks over a process group of {world}")
     if not layout.hsdp:
         return _default_mesh()
-    return DeviceMesh(_mesh_device_type(), torch.tensor(layout.rows, dtype=torch.int), mesh_dim_names=MESH_DIM_NAMES)
+    override = None
+    if timeout_s is not None:
+        options = _group_options(timedelta(seconds=timeout_s))
+        override = ((None, options),) * len(MESH_DIM_NAMES)
+    return DeviceMesh(_mesh_device_type(), torch.tensor(layout.rows, dtype=torch.int), mesh_dim_names=MESH_DIM_NAMES,
+                      backend_override=override)
+
+
+def _group_options(timeout: timedelta):
+    """Process-group options of the default group's backend carrying ``timeout`` (what
+    ``DeviceMesh`` hands ``split_group`` / ``new_group`` for each dimension's subgroups)."""
+    if "nccl" in str(dist.get_backend()).lower():
+        options = dist.ProcessGroupNCCL.Options()
+    else:
+        options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    return options
 
 
 def apply_fsdp2(

@@ -97,9 +97,13 @@ def warm_share(cache: PromptEmbeddingCache, prompts: list[str], index: int, coun
     return {"share": len(share), "encoded": encoded}
 
 
-def finish(cache: PromptEmbeddingCache, prompts: list[str], *, batch_size: int, release: bool) -> dict[str, Any]:
+def finish(cache: PromptEmbeddingCache, prompts: list[str], *, batch_size: int, release: bool,
+           rows_shared: bool = True) -> dict[str, Any]:
     """Make every prompt cached (encoding what no share produced), install the cache and release
-    the encoders when ``release``; the cache's counters, ``encoded_here`` and ``bytes_freed``."""
+    the encoders when ``release``; the cache's counters, ``encoded_here`` and ``bytes_freed``.
+    ``rows_shared``: every worker of the run reads this cache directory (one domain); else the
+    trajectories this worker generates carry their embeddings."""
+    cache.rows_shared = rows_shared
     encoded = cache.warm(prompts, batch_size=batch_size)
     cache.install()
     freed = cache.release_encoders() if release else 0

@@ -19,8 +19,10 @@ every step's latents and the text embeddings). With ``K`` latents carried (:func
 - ``images``    ``[B, 3, H, W]``       decoded pixels, uint8 in [0, 255] (video: ``[B, 3, F, H, W]``), the reward's
 - ``cond`` / ``neg``                   conditioning (and CFG negative): nested tables of ``[B, ...]``
                                         tensors, one per name the adapter's ``encode_prompts`` gives;
-                                        only when the rollout has no prompt cache. With one
-                                        (``digen.prompt_cache.enable``) the trainer reads each row's
+                                        only when the rollout has no prompt cache, or one that
+                                        other workers do not share (several cache directories:
+                                        ``rows_shared``). With one (``digen.prompt_cache.enable``)
+                                        the trainer reads each row's
                                         embeddings from its own cache by prompt (and ``negative_prompt``),
                                         the same rows bit for bit (checked: ``cond_digest`` /
                                         ``neg_digest``, :func:`conditioning_from`). Without a cache
@@ -478,8 +480,9 @@ def finish_groups(adapter: DiffusionAdapter, state: GroupsInFlight, settings: Sa
     prompts = [p for p in request.prompts for _ in range(g)]
     cache = prompt_cache_of(adapter)
     non_tensors: dict[str, np.ndarray] = {}
-    if cache is None:
+    if cache is None or not cache.rows_shared:
         # Nested tables: cut by rows with the rest of the record (select, concat), read back whole.
+        # Also with a cache whose rows other workers do not share (cache domains, trainer/warmup.py).
         tensors["cond"] = TensorDict(state.cond, batch_size=[batch])
         if state.neg is not None:
             tensors["neg"] = TensorDict(state.neg, batch_size=[batch])

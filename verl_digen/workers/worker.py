@@ -449,7 +449,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
                                         weights_dtype="bf16" if weights == torch.bfloat16 else "fp32")
         kl_reference = self.cfg.algo.kl_beta > 0 and not lora
         return shard_with_reference(self.adapter.transformer, reshard_after_forward=self.cfg.fsdp.reshard_after_forward,
-                                    cpu_offload=self.cfg.fsdp.param_offload, mesh=training_mesh(self.fsdp_layout),
+                                    cpu_offload=self.cfg.fsdp.param_offload, mesh=training_mesh(self.fsdp_layout, self.deadlines.collective_s),
                                     reduce_dtype=reduce_torch_dtype(self.fsdp_layout), reference=kl_reference)
 
     def _train_settings(self) -> TrainSettings:
@@ -800,14 +800,16 @@ class DiffusionWorker(Worker, WeightSyncMixin):
 
         return warm_share(self._prompt_cache(), prompts, index, count, self.cfg.prompt_cache.encode_batch_size)
 
-    def finish_prompt_cache(self, prompts: list[str], token: str | None = None) -> dict[str, Any]:
+    def finish_prompt_cache(self, prompts: list[str], token: str | None = None, rows_shared: bool = True) -> dict[str, Any]:
         """Every prompt this worker may need (``prompts`` and its negative prompt) cached, the cache
-        installed, the text encoders released when ``digen.prompt_cache.release_encoders``."""
+        installed, the text encoders released when ``digen.prompt_cache.release_encoders``;
+        ``rows_shared``: the run has one cache domain (else trajectories carry their embeddings)."""
         from verl_digen.workers.prompt_warmup import cache_root, finish, remove_probe
 
         pc = self.cfg.prompt_cache
         needed = list(dict.fromkeys([*prompts, self.settings.negative_prompt]))
-        out = finish(self._prompt_cache(), needed, batch_size=pc.encode_batch_size, release=pc.release_encoders)
+        out = finish(self._prompt_cache(), needed, batch_size=pc.encode_batch_size, release=pc.release_encoders,
+                     rows_shared=rows_shared)
         if token is not None:
             remove_probe(cache_root(pc), token, self._node_id())
         return out
