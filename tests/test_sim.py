@@ -984,9 +984,7 @@ def test_a_pickled_cost_model_brings_its_memory_decisions_to_an_equal_cluster(mo
     import pickle
 
     import verl_digen.sim.cost_model as cm
-    from verl_digen.workers.emulated import emulation_costs
-
-    costs = emulation_costs("flux-12b", "H800")
+    costs = cm.CostModel.from_catalog(cm.load_catalog(), "flux-12b", devices=["H800"])
     cluster = cm.Cluster({"rollout": cm.PoolPlacement.spread([8, 0], "H800"),
                           "trainer": cm.PoolPlacement.spread([0, 8], "H800")})
     group = costs.train_group(cluster)

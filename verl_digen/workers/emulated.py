@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from verl_digen.schedule.plan import Task, TaskKind, WorkerId
-from verl_digen.sim.cost_model import Cluster, CostModel, PoolPlacement
+from verl_digen.sim.cost_model import Cluster, PoolPlacement
 from verl_digen.workers.messages import (
     GenerateRequest,
     Gradients,
@@ -409,10 +409,3 @@ def emulated_worker_groups(
         return groups, actors
 
     return build
-
-
-def emulation_costs(model: str, device: str) -> Any:
-    """The cost model an emulated run sleeps by (``digen.emulate.model`` on ``device_type``)."""
-    from verl_digen.sim.cost_model import load_catalog
-
-    return CostModel.from_catalog(load_catalog(), model, devices=[device])
