@@ -102,6 +102,12 @@ class RewardResult:
     # the measured bytes of the trajectories scored (memory/object_store.py: trajectory_payload_bytes):
     # every generate output is scored once, so a step's sum is what crossed the object store
     trajectory_bytes: int = 0
+    # memory/measure.py interval_peaks: the scoring worker's peaks since its previous report
+    # (``memory``), and the max of those the generating workers put in the scored outputs'
+    # meta_info (``generator_memory``; a TSP group's: the max over its stages). Empty: none
+    # measured (emulated workers).
+    memory: dict[str, float] = field(default_factory=dict)
+    generator_memory: dict[str, float] = field(default_factory=dict)
 
     def of_group(self, group: int) -> tuple[torch.Tensor, int]:
         """Group ``group``'s rewards ``[G]`` and the weights version it was sampled with."""
@@ -117,6 +123,8 @@ class TrainResult:
     metrics: dict[str, float]
     staleness_max: float
     staleness_min: float
+    # the worker's memory peaks since its previous report (memory/measure.py interval_peaks)
+    memory: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -136,6 +144,8 @@ class OptimizerResult:
 
     metrics: dict[str, float]
     policy_version: int
+    # the worker's memory peaks since its previous report (memory/measure.py interval_peaks)
+    memory: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

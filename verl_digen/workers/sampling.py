@@ -259,6 +259,9 @@ class GroupsInFlight:
     generator_states: list[torch.Tensor]
     next_step: int = 0  # the first denoising step not yet taken
     ode: bool = False  # deterministic sampling (validation): ODE steps only, no trajectory kept
+    # the max of the memory peaks of the stages taken so far (memory/measure.py interval_peaks,
+    # each stage's worker's); the last stage puts it in the record's meta_info["memory"]
+    memory: dict[str, float] = field(default_factory=dict)
 
     @property
     def batch(self) -> int:

@@ -32,7 +32,7 @@ from verl import DataProto
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 from verl_digen.config.schema import ConfigError, DigenConfig
-from verl_digen.memory.measure import memory_peaks
+from verl_digen.memory.measure import interval_peaks, max_peaks
 from verl_digen.sim.deadlines import Deadlines
 from verl_digen.sync.snapshot import HostSnapshot, WeightsDigest, weights_digest
 from verl_digen.sync.state import trainable_state
@@ -308,7 +308,9 @@ class DiffusionWorker(Worker, WeightSyncMixin):
             info.update(self._prepare_assisting())
         if self._scores_in_training(caps):
             info["reward_device"] = str(self._build_reward())
-        info["memory_at_load"] = memory_peaks(compute_device())  # against memory.plan's load phase and host RAM
+        # against memory.plan's load phase and host RAM; the device's peaks reset, so that the
+        # first step's figures (memory/<pool>/*) are of the step, not of the load
+        info["memory_at_load"] = interval_peaks(compute_device())
         return info
 
     def _load_policy(self, caps: RoleCapabilities) -> dict[str, Any]:
@@ -541,8 +543,12 @@ class DiffusionWorker(Worker, WeightSyncMixin):
             )
         denoise(self.adapter, state, self.settings, end)
         if end < self.settings.num_steps:
+            state.memory = max_peaks(state.memory, interval_peaks(compute_device()))  # a TSP stage's, passed on
             return state
         out = finish_groups(self.adapter, state, self.settings)
+        # the generating worker's peaks (a TSP group's: the max over its stages), for the reward to
+        # pass on to the controller; split keeps meta_info, so every chunk carries them
+        out.meta_info["memory"] = max_peaks(state.memory, interval_peaks(compute_device()))
         if request.chunk_rows:  # one object per chunk of one group's samples (rows are group-major)
             return tuple(out.split(request.chunk_rows))
         return out
@@ -610,6 +616,8 @@ class DiffusionWorker(Worker, WeightSyncMixin):
             extra=extras,
             rollout_rows=rows,
             trajectory_bytes=sum(trajectory_payload_bytes(s) for s in slices),
+            memory=interval_peaks(compute_device()),
+            generator_memory=max_peaks(*(s.meta_info.get("memory", {}) for s in slices)),
         )
 
     def train_micro_batch(self, request: TrainRequest, *trajectories: DataProto) -> TrainResult | tuple[TrainResult, Gradients]:
@@ -642,6 +650,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
             metrics=metrics,
             staleness_max=float(self.policy_version - versions.min()),
             staleness_min=float(self.policy_version - versions.max()),
+            memory=interval_peaks(compute_device()),
         )
         if not request.return_gradients:
             return result
@@ -663,7 +672,8 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         # FSDP already reduce-scattered the gradients in backward: no second all-reduce.
         metrics = self.updater.optimizer_step(None if self.fsdp else self._pg)
         if not request.final:  # between mini-batches: no version to publish yet
-            return OptimizerResult(metrics=metrics, policy_version=self.policy_version)
+            return OptimizerResult(metrics=metrics, policy_version=self.policy_version,
+                                   memory=interval_peaks(compute_device()))
         self.policy_version += 1
         if self._stream_every_version:
             self._refresh_sync_cache()
@@ -673,7 +683,8 @@ class DiffusionWorker(Worker, WeightSyncMixin):
             # this trainer goes on training meanwhile (schedule/mechanisms.py: WeightSync).
             self.sync_send_in_background(self._sync_snapshot(), self.policy_version, self.deadlines.send_s,
                                          self.deadlines.join_s)
-        return OptimizerResult(metrics=metrics, policy_version=self.policy_version)
+        return OptimizerResult(metrics=metrics, policy_version=self.policy_version,
+                               memory=interval_peaks(compute_device()))
 
     def _sync_snapshot(self) -> HostSnapshot:
         """The weights to send, as a copy training will not change: FSDP's host snapshot of this
