@@ -18,6 +18,7 @@ import ray
 import torch
 
 from verl_digen.algos.advantages import group_advantages
+from verl_digen.memory.measure import max_peaks
 from verl_digen.schedule.plan import Plan, Task, TaskKind, WorkerId
 from verl_digen.schedule.runner import PlanRunner
 from verl_digen.workers.messages import (
@@ -81,6 +82,13 @@ class StepResults:
     optimizer: list[OptimizerResult] = field(default_factory=list)  # one per PPO mini-batch
     sync: list[SyncResult] = field(default_factory=list)
     trajectory_bytes: int = 0  # measured bytes of the step's generate outputs (RewardResult.trajectory_bytes)
+    # pool -> the max of its workers' memory peaks reported with the step's results (the results'
+    # ``memory``, memory/measure.py interval_peaks); a pool that reported nothing is absent
+    memory: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def add_memory(self, pool: str, peaks: dict[str, float]) -> None:
+        if peaks:
+            self.memory[pool] = max_peaks(self.memory.get(pool, {}), peaks)
 
 
 class RayPlanExecutor(PlanRunner):
@@ -309,8 +317,16 @@ class RayPlanExecutor(PlanRunner):
 
     def _on_finish(self, task: Task, result: Any, start: float, end: float) -> None:
         res = self.results[task.step]
+        if task.kind in (TaskKind.REWARD, TaskKind.TRAIN, TaskKind.OPTIMIZER_STEP):
+            # every worker's report, each in its pool (result[i] is bound worker i's; a pulled
+            # task's pool is its candidates', one pool)
+            for w, r in zip(self.bound.get(task.id, task.workers), result):
+                res.add_memory(w.pool, getattr(r, "memory", {}))
         if task.kind == TaskKind.REWARD:
             out: RewardResult = result[0]
+            gens = self.gen_of_group.get(task.groups[0])
+            if out.generator_memory and gens:  # the generating workers' peaks, carried in their outputs
+                res.add_memory(self.bound.get(gens[0], self.plan[gens[0]].workers)[0].pool, out.generator_memory)
             for g in task.groups:
                 res.rewards[g], res.versions[g] = out.of_group(g)
             for name, values in out.extra.items():
@@ -340,7 +356,8 @@ class RayPlanExecutor(PlanRunner):
 
     def step_metrics(self, step: int) -> dict[str, Any]:
         """What ``step`` learned: rewards, staleness, the trainers' ``actor/*`` means, the
-        optimizer's statistics."""
+        optimizer's statistics; and what it held: ``memory/<pool>/*``, each pool's largest memory
+        peaks over the step's reports (the device's reserved and allocated, the host's)."""
         res = self.results[step]
         rewards = torch.cat([res.rewards[g] for g in sorted(res.rewards)])
         m: dict[str, Any] = {
@@ -363,5 +380,8 @@ class RayPlanExecutor(PlanRunner):
         m["executor/longest_wait_s"], self.longest_wait_s = self.longest_wait_s, 0.0
         if res.trajectory_bytes:  # real workers measure it (emulated ones carry no trajectories)
             m["perf/object_store_bytes"] = res.trajectory_bytes
+        for pool in sorted(res.memory):  # real workers measure it (emulated ones report nothing)
+            for key in sorted(res.memory[pool]):
+                m[f"memory/{pool}/{key}"] = float(res.memory[pool][key])
         m["policy_version"] = step + 1
         return m
