@@ -43,6 +43,9 @@ def test_colocated_run_on_one_gpu(tmp_path, tiny_flux):
                           "digen.progress_bar=false", f"digen.output_dir={tmp_path}/run"])
     result = run_training(cfg)
     assert len(result.metrics) == 2 and result.metrics[-1]["images_per_s"] > 0
+    for m in result.metrics:  # each step's peaks of the colocated pool: reserved is what OOMs
+        assert m["memory/fused/device_max_reserved_gib"] >= m["memory/fused/device_max_allocated_gib"] > 0
+        assert m["memory/fused/host_peak_gib"] > 0
 
 
 @pytest.mark.e2e

@@ -91,6 +91,10 @@ def test_rollout_weights_equal_trainer_weights_after_sync(tmp_path, lora):
     nbytes = syncs[0]["extra"]["bytes"]
     # LoRA-only moves megabytes-class payloads, full moves the whole denoiser.
     assert (nbytes < 100_000) if lora else (nbytes > 250_000)
+    # each step's memory peaks per pool (the rollout worker scores too: no reward pool); no device on CPU
+    for m in result.metrics:
+        assert m["memory/rollout/host_peak_gib"] > 0 and m["memory/trainer/host_peak_gib"] > 0, m
+        assert not any(k.startswith("memory/") and "/device_" in k for k in m), m
 
 
 def _check_tcss_invariants(result, steps: int, groups_per_step: int, bound: int) -> list[int]:
