@@ -52,6 +52,10 @@ PRELOAD = [
     "PIL.Image",
 ]
 ENV = "DIGEN_ZYGOTE"  # the socket path, in the workers' environment
+# where a child starts instead of the raylet's directory, when the job's environment says so: the
+# directory of a driver that joined the suite's shared instance (runs.shared_ray_driver_env), as a
+# worker of an instance that driver had started would
+CWD_ENV = "DIGEN_ZYGOTE_CWD"
 
 
 def _send(sock: socket.socket, payload: bytes, fds: list[int]) -> None:
@@ -175,7 +179,7 @@ def _child(request: dict, fds: list[int], import_env: dict[str, str]) -> None:
     for entry in reversed(request["env"].get("PYTHONPATH", "").split(os.pathsep)):
         if entry and entry not in sys.path:  # what a new interpreter puts on its path
             sys.path.insert(0, entry)
-    os.chdir(request["cwd"])
+    os.chdir(request["env"].get(CWD_ENV) or request["cwd"])
     _watch_client(request["client"])
     sys.argv = list(request["argv"])
     sys.path[0] = os.path.dirname(os.path.realpath(sys.argv[0]))  # the script's folder, as python puts it

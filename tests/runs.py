@@ -86,6 +86,47 @@ def shared_ray_up() -> None:
         runtime_env = {**zygote, "env_vars": {**runtime_env["env_vars"], **zygote["env_vars"]}}
     ray.init(num_cpus=SHARED_RAY_CPUS, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
     _shared_ray = True
+    global _shared_runtime_env
+    _shared_runtime_env = runtime_env
+
+
+_shared_runtime_env: dict | None = None  # the shared instance's job runtime environment
+
+
+def shared_ray_driver_env(cwd: str, *, main_ppo: bool = False) -> dict[str, str]:
+    """The environment that makes a driver this test starts as a subprocess (``verl_digen.main``,
+    ``main_ppo``) join the shared Ray instance instead of starting its own, as a user's job joins a
+    running cluster (``RAY_ADDRESS``): the ~10 s of a new instance and a fresh worker's imports (a
+    TaskRunner, every worker) are not paid again. Its workers get the shared instance's runtime
+    environment (the zygote, ``tests/`` on their path), as the injected job config of a Ray job
+    submission that Ray merges with the driver's own, and start in ``cwd``, the driver's directory,
+    as the workers of an instance that driver had started would (``ray_zygote.CWD_ENV``).
+
+    ``main_ppo``: for ``verl.trainer.main_ppo``, whose config sets the runtime environment's
+    ``py_executable`` itself (null: Ray's default), which Ray would not merge with the job's: the
+    job config leaves it out and :func:`shared_ray_main_ppo_overrides` gives it in veRL's key.
+
+    Empty (the driver starts its own instance) when the shared instance is not up (a test that
+    did not ask for the ``shared_ray`` fixture) or has no zygote (``DIGEN_TEST_ZYGOTE=0``)."""
+    import ray
+
+    if not (_shared_ray and ray.is_initialized() and _zygote is not None):
+        return {}
+    env = {k: v for k, v in (_shared_runtime_env or {}).items() if not (main_ppo and k == "py_executable")}
+    env["env_vars"] = {**env.get("env_vars", {}), ray_zygote.CWD_ENV: str(cwd)}
+    return {"RAY_ADDRESS": ray.get_runtime_context().gcs_address,
+            "RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps({"runtime_env": env})}
+
+
+def shared_ray_main_ppo_overrides() -> list[str]:
+    """With :func:`shared_ray_driver_env` ``(main_ppo=True)``: the zygote's worker command in
+    ``main_ppo``'s own key (``ray_kwargs.ray_init.runtime_env.py_executable``); none when that
+    environment is empty."""
+    import ray
+
+    if not (_shared_ray and ray.is_initialized() and _zygote is not None):
+        return []
+    return [f"ray_kwargs.ray_init.runtime_env.py_executable='{_shared_runtime_env['py_executable']}'"]
 
 
 _zygote: tuple[Any, dict, dict] | None = None  # (the zygote's Popen, its runtime-env fields, its environment)

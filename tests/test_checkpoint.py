@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from verl_digen.config.compose import compose_config
 from verl_digen.trainer.checkpoint import CheckpointError, checkpoint_at, find_latest
 from checkpoints import save_earlier_layout, save_one_rank
-from runs import QUIET, metrics_lines, run_config, timeline_records
+from runs import QUIET, metrics_lines, run_config, shared_ray_driver_env, timeline_records
 from verl_digen.trainer.loop import RunStopped, run_training
 
 EXACT_KEYS = ("reward_mean", "reward_std", "actor/loss", "actor/grad_norm", "policy_version", "step")
@@ -215,19 +215,22 @@ def test_reward_server_failure_stops_with_a_checkpoint_and_names_the_server(tmp_
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["sigint", "sigterm"])
-def test_ctrl_c_and_sigterm_checkpoint_then_exit(tmp_path, tiny_flux, signum, code):
+def test_ctrl_c_and_sigterm_checkpoint_then_exit(tmp_path, tiny_flux, signum, code, shared_ray):
     """SIGINT (Ctrl-C) and SIGTERM stop the run the same way: a checkpoint of the completed
     steps, a readable message, exit 128 + signal.
 
     The child starts with SIGINT *ignored*, as a job launched from a non-interactive shell's
     background (``bash -c 'pytest ... &'``, nohup, some schedulers) inherits it: the job installs
     its own SIGINT/SIGTERM handlers while it runs (``trainer.runtime.stop_signals``), so it stops
-    however it was launched."""
+    however it was launched. The job joins the suite's shared Ray instance (as a job joins a
+    running cluster): what a stopped job leaves of a local instance it started is
+    test_run_failures.py's."""
     ck = tmp_path / "ck"
     proc = subprocess.Popen(
         _main_cmd("trainer.total_training_steps=500", "trainer.save_freq=1000", f"trainer.default_local_dir={ck}",
                   f"digen.output_dir={tmp_path / 'int'}"),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, **shared_ray_driver_env(os.getcwd())},
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     try:

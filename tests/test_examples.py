@@ -26,6 +26,7 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
+from runs import shared_ray_driver_env, shared_ray_main_ppo_overrides
 from test_omni_keys import _verl_config
 from test_omni_recipes import HTTP_SCORER_CLIENT, _parquet, qwen_ocr_http_rows
 from test_verl_entry import ONE_TQ_UNIT
@@ -134,7 +135,7 @@ def test_each_example_passes_main_ppos_checks_at_its_real_size(script, checked_w
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # a whole main_ppo job (about 4 minutes alone; twice that beside another)
-def test_the_flux_ocr_example_trains_two_steps_through_main_ppo(tmp_path, workspace, tiny_flux):
+def test_the_flux_ocr_example_trains_two_steps_through_main_ppo(tmp_path, workspace, tiny_flux, shared_ray):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')  # this venv's python
@@ -144,12 +145,14 @@ def test_the_flux_ocr_example_trains_two_steps_through_main_ppo(tmp_path, worksp
            "RAY_OVERRIDE_RESOURCES": json.dumps({"CPU": 16}), "RAY_ADDRESS": "local"}
     run_dir = tmp_path / "run"
     run_dir.mkdir()
+    env.update(shared_ray_driver_env(str(run_dir), main_ppo=True))  # the job joins the suite's shared Ray instance
     tiny = ["data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
             "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
             "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
             "actor_rollout_ref.rollout.pipeline.height=32", "actor_rollout_ref.rollout.pipeline.width=32",
             "actor_rollout_ref.rollout.pipeline.num_inference_steps=4", "actor_rollout_ref.rollout.algo.sde_window_range=[0,4]",
-            "trainer.total_training_steps=2", "trainer.logger=[console]", ONE_TQ_UNIT]
+            "trainer.total_training_steps=2", "trainer.logger=[console]", ONE_TQ_UNIT,
+            *shared_ray_main_ppo_overrides()]
     proc = subprocess.run(["bash", os.path.join(REPO, "examples", "flowgrpo", "flux", "run_flux_ocr_lora.sh"), *tiny],
                           cwd=run_dir, env=env, capture_output=True, text=True, timeout=1100)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -139,7 +139,7 @@ def _environment(argv: list[str], **values: str) -> list[str]:
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # a whole main_ppo job (about 4 minutes alone; twice that beside another)
-def test_verl_omnis_sd35_ocr_lora_recipe_trains_under_main_ppo(tmp_path, tiny_sd3):
+def test_verl_omnis_sd35_ocr_lora_recipe_trains_under_main_ppo(tmp_path, tiny_sd3, shared_ray):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     if OMNI_SRC:
@@ -207,7 +207,7 @@ QWEN_OCR_REWARD_SERVER = """
 @pytest.mark.slow
 @pytest.mark.usefixtures("loopback_no_proxy")
 @pytest.mark.timeout(1200)  # a whole main_ppo job (about 4 minutes alone; twice that beside another)
-def test_verl_omnis_qwen_image_ocr_reward_server_recipe_trains_under_main_ppo(tmp_path, tiny_dirs):
+def test_verl_omnis_qwen_image_ocr_reward_server_recipe_trains_under_main_ppo(tmp_path, tiny_dirs, shared_ray):
     from verl_digen.rewards.serve import RewardServer
 
     run_dir = tmp_path / "run"

@@ -57,9 +57,15 @@ ONE_TQ_UNIT = "transfer_queue.backend.SimpleStorage.num_data_storage_units=1"
 
 
 def main_ppo(cwd, *overrides: str, timeout: int = 400, env: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "RAY_OVERRIDE_RESOURCES": json.dumps({"CPU": 16}), **(env or {})}
+    """``python -m verl.trainer.main_ppo trainer.v1.trainer_mode=digen OVERRIDES`` in ``cwd``: in a
+    test that asks for the ``shared_ray`` fixture, joining the suite's shared Ray instance as a job
+    joins a running cluster (``runs.shared_ray_driver_env``), else on a local instance of its own."""
+    from runs import shared_ray_driver_env, shared_ray_main_ppo_overrides
+
+    env = {**os.environ, "RAY_OVERRIDE_RESOURCES": json.dumps({"CPU": 16}),
+           **shared_ray_driver_env(str(cwd), main_ppo=True), **(env or {})}
     return subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", "trainer.v1.trainer_mode=digen", ONE_TQ_UNIT,
-                           *overrides],
+                           *shared_ray_main_ppo_overrides(), *overrides],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -75,7 +81,7 @@ LEARNING = ("reward_mean", "reward_std", "actor/loss", "actor/grad_norm", "actor
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_main_ppo_runs_the_issue_command_like_verl_digen_main(tmp_path, tiny_flux):
+def test_main_ppo_runs_the_issue_command_like_verl_digen_main(tmp_path, tiny_flux, shared_ray):
     data = tmp_path / "data"
     data.mkdir()
     train = verl_parquet(str(data / "train.parquet"), ROWS)
