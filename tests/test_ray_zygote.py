@@ -82,10 +82,19 @@ def test_a_signal_to_the_client_reaches_the_worker_and_a_killed_client_takes_it_
         client.communicate(timeout=60)
         assert client.returncode == -sig
         deadline = time.monotonic() + 30
-        while psutil.pid_exists(worker) and psutil.Process(worker).status() != psutil.STATUS_ZOMBIE \
-                and time.monotonic() < deadline:
+        while not _gone(worker) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE
+        assert _gone(worker)
+
+
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` ended (a zombie counts): it may end between any two looks at it."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def test_a_client_with_no_zygote_starts_a_plain_python_and_says_so(tmp_path):
