@@ -74,7 +74,7 @@ def shared_ray_up() -> None:
     test module). Call after ``VERL_DIGEN_CACHE`` is set: workers inherit the environment of now."""
     import ray
 
-    global _shared_ray
+    global _shared_ray, _shared_runtime_env
     if _shared_ray:
         return
     assert not ray.is_initialized(), "a test left its own Ray instance running"
@@ -85,9 +85,7 @@ def shared_ray_up() -> None:
     if zygote:
         runtime_env = {**zygote, "env_vars": {**runtime_env["env_vars"], **zygote["env_vars"]}}
     ray.init(num_cpus=SHARED_RAY_CPUS, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
-    _shared_ray = True
-    global _shared_runtime_env
-    _shared_runtime_env = runtime_env
+    _shared_ray, _shared_runtime_env = True, runtime_env
 
 
 _shared_runtime_env: dict | None = None  # the shared instance's job runtime environment
@@ -110,7 +108,7 @@ def shared_ray_driver_env(cwd: str, *, main_ppo: bool = False) -> dict[str, str]
     did not ask for the ``shared_ray`` fixture) or has no zygote (``DIGEN_TEST_ZYGOTE=0``)."""
     import ray
 
-    if not (_shared_ray and ray.is_initialized() and _zygote is not None):
+    if not _joinable():
         return {}
     env = {k: v for k, v in (_shared_runtime_env or {}).items() if not (main_ppo and k == "py_executable")}
     env["env_vars"] = {**env.get("env_vars", {}), ray_zygote.CWD_ENV: str(cwd)}
@@ -122,11 +120,16 @@ def shared_ray_main_ppo_overrides() -> list[str]:
     """With :func:`shared_ray_driver_env` ``(main_ppo=True)``: the zygote's worker command in
     ``main_ppo``'s own key (``ray_kwargs.ray_init.runtime_env.py_executable``); none when that
     environment is empty."""
-    import ray
-
-    if not (_shared_ray and ray.is_initialized() and _zygote is not None):
+    if not _joinable():
         return []
     return [f"ray_kwargs.ray_init.runtime_env.py_executable='{_shared_runtime_env['py_executable']}'"]
+
+
+def _joinable() -> bool:
+    """Whether a driver subprocess can join the shared instance with its workers from the zygote."""
+    import ray
+
+    return bool(_shared_ray) and ray.is_initialized() and _zygote is not None
 
 
 _zygote: tuple[Any, dict, dict] | None = None  # (the zygote's Popen, its runtime-env fields, its environment)

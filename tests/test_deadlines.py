@@ -110,12 +110,22 @@ def test_a_rehearsal_of_wan_disaggregated_at_8_gpus_waits_well_within_each_deadl
     d = trainer.deadlines
     assert len(metrics) == 2
     assert waits.send_s == pytest.approx(616, abs=5) and d.send_s > 616 * scale > 600 * scale
-    observed = {"send_s": max(m["sync/waited_send_s"] for m in metrics),
-                "join_s": max(m["sync/waited_join_s"] for m in metrics),
-                "task_s": max(m["executor/longest_wait_s"] for m in metrics)}
+    observed = _observed_within_deadlines(metrics, d)
+    assert observed.keys() == {"task_s", "send_s", "join_s"}
+    assert observed["send_s"] == pytest.approx(waits.send_s * scale, rel=0.25)
+
+
+def _observed_within_deadlines(metrics: list[dict], d: Deadlines) -> dict[str, float]:
+    """The longest wait of each blocking call over a run's steps (the executor's for a task, and
+    where the run sends weights, the send's and the next step's join), each asserted under two
+    thirds of its deadline ``d``."""
+    observed = {"task_s": max(m["executor/longest_wait_s"] for m in metrics)}
+    if any("sync/waited_send_s" in m for m in metrics):
+        observed |= {"send_s": max(m["sync/waited_send_s"] for m in metrics),
+                     "join_s": max(m["sync/waited_join_s"] for m in metrics)}
     for call, seconds in observed.items():
         assert 1.5 * seconds < getattr(d, call), (call, seconds, getattr(d, call))
-    assert observed["send_s"] == pytest.approx(waits.send_s * scale, rel=0.25)
+    return observed
 
 
 # every shipped preset but the two bodies presets compose, the CPU-sized toy, and wan_disaggregated (above)
@@ -137,14 +147,10 @@ def test_every_preset_at_its_real_device_count_waits_within_each_deadline(shared
     trainer, metrics, waits, scale = _rehearse(name, tmp_path)
     d = trainer.deadlines
     assert len(metrics) == 2
-    observed = {"task_s": max(m["executor/longest_wait_s"] for m in metrics)}
+    observed = _observed_within_deadlines(metrics, d)
     if name.endswith("_disaggregated"):
-        assert d.send_s > waits.send_s * scale
-        observed |= {"send_s": max(m["sync/waited_send_s"] for m in metrics),
-                     "join_s": max(m["sync/waited_join_s"] for m in metrics)}
+        assert observed.keys() == {"task_s", "send_s", "join_s"} and d.send_s > waits.send_s * scale
         if waits.send_s * scale >= 0.1:
             assert observed["send_s"] == pytest.approx(waits.send_s * scale, rel=0.25, abs=0.05)
     else:
         assert not any(k.startswith("sync/") for m in metrics for k in m), metrics[0].keys()
-    for call, seconds in observed.items():
-        assert 1.5 * seconds < getattr(d, call), (call, seconds, getattr(d, call))
