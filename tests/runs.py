@@ -319,7 +319,7 @@ RANK_PRELOAD = ["torch", "torch.distributed.fsdp", "peft", "diffusers", "verl_di
 
 
 def _rank_entry(rank: int, world: int, port: int, backend: str, fn: Callable[[int, int], Any], out,
-                env: dict[str, str], cwd: str) -> None:
+                env: dict[str, str], cwd: str, timeout_s: float) -> None:
     import datetime
     import traceback
 
@@ -344,7 +344,9 @@ def _rank_entry(rank: int, world: int, port: int, backend: str, fn: Callable[[in
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world,
-            timeout=datetime.timedelta(seconds=60),
+            # a collective waits as long as the whole scenario may: on a loaded 2-core machine one
+            # rank can lag the other by a minute between two collectives (a 60 s bound failed CI)
+            timeout=datetime.timedelta(seconds=timeout_s),
             **extra,
         )
         try:
@@ -383,27 +385,36 @@ def run_ranks(
     port = find_free_port("127.0.0.1")
     name = getattr(fn, "__name__", repr(fn))
     env, cwd = dict(os.environ), os.getcwd()
-    procs = [ctx.Process(target=_rank_entry, args=(r, world, port, backend, fn, out, env, cwd)) for r in range(world)]
+    procs = [ctx.Process(target=_rank_entry, args=(r, world, port, backend, fn, out, env, cwd, timeout_s))
+             for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
     deadline = time.monotonic() + timeout_s
+    first_error_at: float | None = None
     try:
-        while len(results) < world and not errors:
+        # After a first error the other ranks get a short while to report theirs: a rank that fails
+        # tears its process group down, so its peers fail with "Connection reset by peer", and the
+        # first report to arrive is often that echo rather than the cause.
+        while len(results) + len(errors) < world and not (
+                first_error_at is not None and time.monotonic() > first_error_at + 30.0):
             try:
                 rank, status, payload = out.get(timeout=1.0)
             except queue_mod.Empty:
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if dead:
+                if dead and not errors:
                     errors.append(f"ranks {dead} of {name!r} died without a report")
-                elif time.monotonic() > deadline:
+                    first_error_at = time.monotonic()
+                elif time.monotonic() > deadline and not errors:
                     errors.append(f"timed out after {timeout_s}s waiting for the ranks of {name!r}")
+                    break
                 continue
             if status == "ok":
                 results[rank] = payload
             else:
                 errors.append(f"rank {rank}:\n{payload}")
+                first_error_at = first_error_at or time.monotonic()
     finally:
         for p in procs:
             p.join(10)

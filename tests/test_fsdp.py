@@ -591,8 +591,19 @@ def _scenario_kl_reference(rank: int, world: int) -> dict:
     }
 
 
+def _scenario_rank0_fails(rank: int, world: int) -> None:
+    """Rank 0 fails between two collectives; its peer then waits in the second one."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    if rank == 0:
+        raise ValueError("the cause, on rank 0")
+    dist.barrier()
+
+
 SCENARIOS = {
     "kl_reference": _scenario_kl_reference,
+    "rank0_fails": _scenario_rank0_fails,
     "bf16_uncast_recompute": _scenario_bf16_uncast_recompute,
     "streamed_sync_state": _scenario_streamed_sync_state,
     "lora_mean": _scenario_lora_mean,
@@ -786,6 +797,15 @@ def _check_kl_reference(r: dict, world: int) -> None:
     assert r["new_bytes"] - r["policy_alone_bytes"] <= 1.5 * r["dense"] / world, r
     assert r["ref_vs_initial"] == 0.0 and r["buffers_equal"]
     assert r["policy_moved"] and r["forward_diff"] == 0.0
+
+
+@pytest.mark.e2e
+def test_a_failing_rank_is_reported_with_its_cause_not_only_its_peers_echo() -> None:
+    """A rank that fails tears its group down and its peer fails with "Connection reset by peer";
+    the harness must show the failing rank's own traceback (a CI failure once showed the echo alone)."""
+    with pytest.raises(AssertionError) as failure:
+        run_distributed("rank0_fails", timeout_s=120.0)
+    assert "the cause, on rank 0" in str(failure.value)
 
 
 @pytest.mark.e2e
