@@ -322,3 +322,33 @@ def test_ema_state_dict_round_trip():
 def test_ema_rejects_bad_decay(decay):
     with pytest.raises(ValueError, match=r"decay must be in \(0, 1\)"):
         EMA([("w", _param(1.0))], decay=decay)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_workers_validation_leaves_no_grid_behind_on_ranks_other_than_0(monkeypatch, tmp_path, tiny_flux, rank):
+    """Under FSDP every trainer rank samples the validation prompts and rank 0 writes the grid the
+    controller logs; the other ranks' grids go to a scratch directory that is removed (one kept
+    per validation per rank filled the temp folder over a long run)."""
+    import tempfile
+
+    from verl_digen.config.schema import digen_config_from_dict
+    from verl_digen.models.registry import load_adapter
+    from verl_digen.workers.worker import DiffusionWorker, sampling_settings
+
+    for key, value in {"WORLD_SIZE": "2", "RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    cfg = digen_config_from_dict({"sampling": {"num_steps": 2}, "reward": {"name": "brightness"}})
+    worker = DiffusionWorker("rollout", cfg, tiny_flux)
+    assert worker.rank == rank
+    worker.adapter, worker.settings = load_adapter(tiny_flux), sampling_settings(cfg)
+    out_dir = tmp_path / "val"
+    out = worker.validate(PROMPTS, step=4, out_dir=str(out_dir))
+    assert set(out["metrics"]) >= {"val/reward_mean", "val/ema"}
+    assert list(scratch.iterdir()) == []
+    if rank == 0:
+        assert out["grid_path"] == str(out_dir / "val_step000004.png") and os.path.exists(out["grid_path"])
+    else:
+        assert out["grid_path"] is None and not out_dir.exists()

@@ -843,18 +843,21 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         reward = self.reward_fn
         if metadata is not None:  # the held-out prompts' records reach the reward as in training
             reward = lambda images, batch_prompts: self.reward_fn(images, batch_prompts, metadata)  # noqa: E731
-        # Under FSDP every trainer rank samples (forwards are collectives); rank 0 writes.
-        target = out_dir if self.rank == 0 else tempfile.mkdtemp(prefix="digen_val_")
+        # Under FSDP every trainer rank samples (forwards are collectives); rank 0 writes. The others'
+        # grids go to a directory removed right after (the controller reads rank 0's only): one
+        # kept per validation per rank filled /tmp over a long run.
+        scratch = tempfile.TemporaryDirectory(prefix="digen_val_") if self.rank != 0 else nullcontext(out_dir)
         val = self.cfg.validation
         settings = self.settings if val.num_steps is None else dataclasses.replace(self.settings,
                                                                                      num_steps=val.num_steps)
-        with ema.swapped_in() if ema is not None else nullcontext():
+        with scratch as target, ema.swapped_in() if ema is not None else nullcontext():
             result = run_validation(
                 self.adapter, prompts, settings, reward, seed=val.seed, step=step,
                 out_dir=target, records=metadata,  # a record's own negative prompt, as in training
                 log_images=val.log_images,
             )
-        out = {"metrics": result.metrics(prefix="val"), "grid_path": result.logged_grid_path or result.grid_path}
+        grid = (result.logged_grid_path or result.grid_path) if self.rank == 0 else None
+        out = {"metrics": result.metrics(prefix="val"), "grid_path": grid}
         out["metrics"]["val/ema"] = float(ema is not None)
         return out
 
