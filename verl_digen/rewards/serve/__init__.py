@@ -1292,6 +1292,3 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("reward server stopped")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
