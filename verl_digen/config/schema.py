@@ -59,15 +59,15 @@ def _non_negative(key: str, value: Any) -> None:
 
 @dataclass
 class LoraConfigSpec:
-    enable: bool = True
-    rank: int = 8
-    alpha: float = 16.0
+    enable: bool = True  # LoRA adapters on the denoiser; false: full fine-tuning of every weight
+    rank: int = 8  # LoRA rank r (veRL's actor_rollout_ref.model.lora_rank)
+    alpha: float = 16.0  # LoRA alpha: the adapters' output is scaled by alpha / rank
     # Attention projections of the FLUX, SD3, Qwen-Image, Wan and HunyuanVideo blocks (diffusers names). Modules absent
     # from an architecture are simply not matched.
     target_modules: list[str] = field(
         default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
     )
-    init_seed: int = 0
+    init_seed: int = 0  # seed of the LoRA matrices' initialisation (the same adapters on every worker)
 
     def validate(self, key: str) -> None:
         if self.rank < 1:
@@ -78,7 +78,7 @@ class LoraConfigSpec:
 
 @dataclass
 class ModelConfig:
-    path: Optional[str] = None  # local diffusers directory; None builds and uses a tiny model of tiny_arch
+    path: Optional[str] = None  # local diffusers directory or hub id; None builds and uses a tiny model of tiny_arch
     arch: Optional[str] = None  # flux | sd3 | qwen_image | wan | hunyuan_video; None: read from model_index.json
     # Random-init tiny model of a family, or "digits": the pretrained toy FLUX of verl_digen.models.toy.
     tiny_arch: str = "flux"
@@ -158,19 +158,21 @@ class ModelConfig:
 
 @dataclass
 class SamplingConfig:
-    height: int = 32
-    width: int = 32
-    num_frames: int = 1
-    num_steps: int = 8
+    height: int = 32  # sample height in pixels (a size the model's VAE and patching accept)
+    width: int = 32  # sample width in pixels
+    num_frames: int = 1  # frames per sample: 1 for images, more for the video families
+    num_steps: int = 8  # denoising steps per sample (rollout; training recomputes the trained ones)
     guidance_scale: float = 1.0  # > 1: true CFG with negative_prompt
     distilled_guidance: Optional[float] = None  # FLUX.1-dev style guidance embedding
-    noise_level: float = 0.7
+    noise_level: float = 0.7  # the SDE's noise scale (a in Flow-GRPO, eta in DanceGRPO)
     sde_type: str = "sde"  # sde | cps | dance_sde
     # Which steps are stochastic (and trained): mode all | fixed | random | sliding, with size,
     # start, stride, range_end (see verl_digen.algos.window).
     sde_window: SdeWindowConfig = field(default_factory=SdeWindowConfig)
+    # Fraction of the window's SDE steps trained per trajectory (Flow-GRPO's timestep_fraction;
+    # at least one, chosen at random per sample).
     timestep_fraction: float = 1.0
-    negative_prompt: str = ""
+    negative_prompt: str = ""  # the negative prompt of true CFG (guidance_scale > 1)
 
     def validate(self, key: str) -> None:
         from verl_digen.algos.sde import SDE_TYPES
@@ -196,7 +198,7 @@ class DataConfig:
     # builtin:<name>, or a .txt / .jsonl / .parquet file, or a list of files (read in order and
     # concatenated, as veRL's data.train_files does)
     prompts: Any = "builtin:demo"
-    shuffle: bool = True
+    shuffle: bool = True  # shuffle the prompts every epoch (veRL's data.shuffle), seeded by digen.seed
     # Longest prompt accepted, in characters: every text encoder here truncates far below this,
     # so a longer one is a data error (and would only slow each step down), refused up front.
     max_prompt_chars: int = 16384
@@ -244,15 +246,15 @@ class BatchConfig:
 
 @dataclass
 class AlgoConfig:
-    clip_range: float = 1e-4
-    adv_clip_max: float = 5.0
-    kl_beta: float = 0.0
+    clip_range: float = 1e-4  # PPO ratio clip: the ratio is clamped to [1 - clip_range, 1 + clip_range]
+    adv_clip_max: float = 5.0  # advantages are clamped to [-adv_clip_max, adv_clip_max]
+    kl_beta: float = 0.0  # weight of the KL to the frozen reference model; 0: no KL, no reference kept
     std_mode: str = "group"  # group | global | none
     lr: float = 3e-2  # tiny demo; Flow-GRPO uses 3e-4 for LoRA on real models (see the presets in configs/)
-    weight_decay: float = 1e-4
-    max_grad_norm: float = 1.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
+    weight_decay: float = 1e-4  # the optimizer's weight decay
+    max_grad_norm: float = 1.0  # gradients are clipped to this global norm before each optimizer step
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW's betas
+    eps: float = 1e-8  # AdamW's epsilon
     optimizer: str = "adamw"  # adamw | sgd
 
     def validate(self, key: str) -> None:
@@ -270,8 +272,8 @@ REWARD_DEVICES = ("auto", "cpu", "cuda")
 
 @dataclass
 class RewardConfig:
-    name: str = "brightness"
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    name: str = "brightness"  # a registered reward (a wrong name is refused, listing them), or weighted
+    kwargs: dict[str, Any] = field(default_factory=dict)  # the reward's arguments (+digen.reward.kwargs.KEY=VALUE)
     components: list[dict[str, Any]] = field(default_factory=list)  # for name=weighted: [{name, weight, kwargs}, ...]
     # Where a reward model runs: auto = its worker's device (the GPU Ray gave it, else CPU);
     # cpu; cuda (the worker's GPU; an error on a worker without one). A reward's own
@@ -304,7 +306,7 @@ class PoolSpec:
     # (verl_digen.placement.pools.assign_nodes: the trainer pool packed on as few nodes as
     # possible, the other pools on the devices left).
     devices: int = 1
-    nodes: Optional[int] = None
+    nodes: Optional[int] = None  # null: devices is the pool's total; k: devices on each of k nodes
     accelerator_type: Optional[str] = None  # Ray accelerator type for heterogeneous clusters (e.g. H800)
 
     @property
@@ -357,6 +359,8 @@ class PoolsConfig:
 
 @dataclass
 class GapConfig:
+    # GAP: the batch is cut into micro-batches of whole groups, each finished group is scored and
+    # streamed to the trainers, which accumulate gradients as groups arrive (disaggregated only).
     enable: bool = False
 
 
@@ -404,7 +408,7 @@ class GatConfig:
     optimizer step (trainer 0, or under FSDP every rank its shard): the same update as if the
     trainers had computed it, to float rounding."""
 
-    enable: bool = False
+    enable: bool = False  # GAT on (disaggregated, LoRA, not with TAG)
     # "auto": decided every step from the rates the previous step measured (0 when it does not
     # pay); an integer: that many micro-batches every step (at most the first mini-batch's).
     micro_batches: Any = "auto"
@@ -430,7 +434,7 @@ class UnitsConfig:
     work runs changes; with several trainers the all-reduce sums the micro-batches' gradients in
     another grouping (the same update to float rounding)."""
 
-    pull: bool = False
+    pull: bool = False  # pulled units: tasks taken by the next free worker of their pool (not with TSP or colocated)
     # generate tasks per group (equal sample slices, each a whole number of transformer calls);
     # "auto": one per group unless the step has fewer groups than rollout workers
     sample_slices: Any = "auto"
@@ -456,9 +460,9 @@ class PromptCacheConfig:
     Before training the prompt set is encoded once per run: the workers that see the same cache
     directory split it and encode their shares on their own GPUs (trainer/warmup.py)."""
 
-    enable: bool = False
+    enable: bool = False  # encode every prompt once before training and serve the embeddings from the cache
     dir: Optional[str] = None  # default: $VERL_DIGEN_CACHE/prompt_embeds or ~/.cache/verl_digen/prompt_embeds
-    release_encoders: bool = True
+    release_encoders: bool = True  # free the text encoders once the cache holds every prompt the run needs
     # Prompts per text-encoder call while warming up (the memory plan charges this batch's activations).
     encode_batch_size: int = 32
     # Host RAM of embedding rows each worker keeps (least recently used evicted, read back from disk).
@@ -477,7 +481,7 @@ class EmulateConfig:
 
     # A cost-model profile, e.g. flux-12b (python -m verl_digen.sim.planner --list); None: real workers.
     model: Optional[str] = None
-    device_type: str = "H800"
+    device_type: str = "H800"  # the device profile the emulated workers take the cost model's seconds of
     time_scale: float = 1.0  # real seconds per modelled second
 
     def validate(self, key: str) -> None:
@@ -490,8 +494,8 @@ class FsdpConfig:
     colocated); each micro-batch runs on every rank in lockstep. Activation checkpointing is
     ``digen.model.gradient_checkpointing`` (every training path, sharded or not)."""
 
-    enable: bool = False
-    reshard_after_forward: bool = True
+    enable: bool = False  # shard the denoiser with FSDP2 over the training ranks
+    reshard_after_forward: bool = True  # free each block's gathered parameters after its forward (FSDP2's option)
     # FSDP2's host offload (veRL's fsdp_config.param_offload): the sharded parameters, their
     # gradients and the optimizer step on the host; each block's forward and backward copies its
     # shard in. Less GPU memory, every forward pays the host link (generation too, colocated).
@@ -538,8 +542,8 @@ class ValidationConfig:
     """Every trainer.test_freq steps: deterministic (ODE) samples of held-out prompts."""
 
     prompts: Any = "builtin:val"  # held-out prompts: builtin:<name>, a file, or a list of files
-    num_prompts: int = 8
-    seed: int = 2024
+    num_prompts: int = 8  # held-out prompts sampled at each validation (the first N of the file)
+    seed: int = 2024  # seed of the validation samples' noise (the same images for the same weights)
     # Denoising steps of a validation sample (ODE: no memory beyond one step); None: digen.sampling.num_steps.
     num_steps: Optional[int] = None
     # Validation images sent to the loggers (the first N, in prompt order); None: all. The grid
@@ -592,8 +596,8 @@ class ResumeConfig:
 class EmaConfig:
     """EMA of the trained weights, used for validation when on."""
 
-    enable: bool = False
-    decay: float = 0.999
+    enable: bool = False  # keep an EMA of the trained weights and validate with it
+    decay: float = 0.999  # the EMA's decay per optimizer step, in (0, 1)
     offload: bool = True  # keep the EMA weights on CPU (moved to the device only to be swapped in)
 
     def validate(self, key: str) -> None:
@@ -658,7 +662,7 @@ _STRATEGY_KEYS = {
 
 @dataclass
 class DigenConfig:
-    seed: int = 42
+    seed: int = 42  # seed of the prompt order, every sample's noise (by group and sample) and the SDE windows
     output_dir: Optional[str] = None  # default: runs/<project_name>/<experiment_name>-<timestamp>
     # veRL's trainer.rollout_data_dir: every training step k writes each sample's image (video:
     # GIF, as validation writes them) under <dir>/<k>/ and one JSON line per sample to
@@ -687,7 +691,9 @@ class DigenConfig:
     ema: EmaConfig = field(default_factory=EmaConfig)
     resume: ResumeConfig = field(default_factory=ResumeConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
-    progress_bar: bool = True
+    progress_bar: bool = True  # a tqdm bar over the training steps
+    # CPU slots of the local Ray instance the job starts (null: Ray's count); refused when the job
+    # joins a running cluster, whose nodes declared theirs at ray start.
     ray_num_cpus: Optional[int] = None
     # The floor of every blocking call's deadline (seconds). Each call (the workers' load, the
     # executor's wait for a task, the weight send's wait for the rollout workers and its join, the
@@ -698,7 +704,7 @@ class DigenConfig:
     # filesystem or cluster; runs without a real-size prediction (CPU, the tiny models) use it
     # alone. An emulated run scales the deadlines of the calls it times by digen.emulate.time_scale.
     task_timeout_s: float = 600.0
-    gantt_last_steps: int = 3
+    gantt_last_steps: int = 3  # the run's gantt.png shows its last N training steps
     max_nonfinite_steps: int = 3  # skipped (non-finite) optimizer steps tolerated before the run stops
     # Testing knob only: training steps (1-based) whose gradients are replaced by NaN before the
     # optimizer step, to exercise the non-finite path end to end. Never set in real runs.
