@@ -148,7 +148,7 @@ def test_latency_s_holds_every_answer_and_overlaps_concurrent_requests() -> None
                 with lock:
                     held[0] -= 1
 
-        import verl_digen.rewards.serve as serve_module
+        import verl_digen.rewards.serve.app as serve_module
 
         original = serve_module.asyncio.sleep
         serve_module.asyncio.sleep = counting_sleep
@@ -243,7 +243,7 @@ def test_is_loopback() -> None:
 def test_warns_loudly_without_token_on_non_loopback(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import verl_digen.rewards.serve as serve
+    import verl_digen.rewards.serve.auth as serve
 
     caplog.set_level(logging.WARNING, logger="verl_digen.rewards.serve")
     RewardServer("brightness", port=0).stop()  # loopback: quiet

@@ -37,6 +37,8 @@ from verl_digen.rewards.serve import (
     memory_budget_bytes,
     to_float,
 )
+from verl_digen.rewards.serve import images as serve_images
+from verl_digen.rewards.serve import protocol as serve_protocol
 
 from runs import gate_reward, quantised_rand
 
@@ -134,7 +136,7 @@ def test_decoding_in_bands_equals_pils_whole_image_conversion(
     raw = _encoded(image, fmt)
     with Image.open(io.BytesIO(raw)) as reference:
         expected = np.asarray(reference.convert("RGB"))  # what the server did before
-    monkeypatch.setattr(serve_module, "_BAND_PIXELS", 700 * 5)  # 5-row bands, the last one short
+    monkeypatch.setattr(serve_images, "_BAND_PIXELS", 700 * 5)  # 5-row bands, the last one short
     request = ScoreRequest("pickle", ["a", "b"], [{}, {}], [[raw], [raw]], False, 2 * 37 * 700, (1, 37, 700),
                            2 * len(raw))
     pixels = decode_request(request)
@@ -246,7 +248,7 @@ def _reference_depth(body: bytes) -> tuple[int, bool]:
 
 @pytest.mark.parametrize("chunk", [1 << 20, 1, 2, 3, 7])
 def test_json_depth_matches_a_byte_by_byte_reference(chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(serve_module, "_DEPTH_CHUNK", chunk)  # small chunks: state carried across boundaries
+    monkeypatch.setattr(serve_protocol, "_DEPTH_CHUNK", chunk)  # small chunks: state carried across boundaries
     rng = random.Random(chunk)
     alphabet = [b"[", b"]", b"{", b"}", b'"', b"\\", b"a", b","]
     compared = 0
