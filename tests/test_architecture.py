@@ -98,6 +98,20 @@ def test_workers_do_not_import_the_controller():
         assert not bad, f"{path} imports {bad}: workers must not import trainer/"
 
 
+def test_the_reward_servers_parts_sit_below_its_app_and_cli():
+    """``rewards/serve/``: the wire protocols, images, scoring, limits, connections, auth and errors
+    never import the app (FastAPI, RewardServer), the CLI or the package (which re-exports them
+    all); the app never imports the CLI."""
+    pkg = "verl_digen.rewards.serve"
+    for path, tree in _modules(os.path.join("rewards", "serve")).items():
+        part = os.path.splitext(os.path.basename(path))[0]
+        if part in ("__init__", "__main__", "cli"):
+            continue
+        above = [f"{pkg}.cli"] + ([f"{pkg}.app"] if part != "app" else [])
+        bad = sorted(m for m in _imports(tree) if m == pkg or any(m == a or m.startswith(a + ".") for a in above))
+        assert not bad, f"{path} imports {bad}: the server's parts sit below its app, the app below its CLI"
+
+
 def _calls(tree: ast.Module, attr: str) -> int:
     return sum(
         1 for n in ast.walk(tree)
