@@ -153,7 +153,8 @@ def save_gantt(timeline: Timeline, path: str, *, t0: float, t1: float, title: st
     from matplotlib.patches import Patch
 
     workers = timeline.workers
-    fig, ax = plt.subplots(figsize=(10, 0.5 + 0.45 * len(workers)))
+    height = 1.3 + 0.45 * len(workers)  # inches: the rows, the axis and a legend strip below
+    fig, ax = plt.subplots(figsize=(10, height))
     for r in timeline.records:
         if r.end < t0 or r.start > t1:
             continue
@@ -169,8 +170,8 @@ def save_gantt(timeline: Timeline, path: str, *, t0: float, t1: float, title: st
     ax.set_xlabel("seconds")
     bubble = timeline.bubble_fraction(t0, t1)
     ax.set_title(f"{title}  bubble fraction {bubble:.2f}".strip())
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in KIND_COLORS.items()], loc="upper center",
-              bbox_to_anchor=(0.5, -0.25), ncol=5, fontsize=7)
-    fig.tight_layout()
+    fig.legend(handles=[Patch(color=c, label=k) for k, c in KIND_COLORS.items()], loc="lower center", ncol=5,
+               fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.3 / height, 1, 1))  # the bottom 0.3 inch is the legend's
     fig.savefig(path, dpi=110)
     plt.close(fig)
