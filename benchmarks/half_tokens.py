@@ -5,7 +5,7 @@
 The cost model's forward and training efficiency grow with a call's tokens,
 ``mfu x t / (t + mfu_half_tokens)``, with ``mfu_half_tokens`` fitted to veRL-Omni's published
 generation phases (2,513 tokens on the H800). Our own rollout's forward on an H200 is much flatter
-over call sizes (``benchmarks/call_rows.py``, README "Measured on a GPU": about 200 tokens
+over call sizes (``benchmarks/call_rows.py``, docs/results_gpu.md: about 200 tokens
 reproduces its one-row and 24-row calls). This sets the half-point of our system's device rows to
 ``--half-tokens`` (the asymptotes unchanged) and runs the planner's searches of
 ``benchmarks/paper_scale.py`` for our colocated mode and our best disaggregated plan, on H800

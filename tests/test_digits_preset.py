@@ -19,7 +19,7 @@ from verl_digen.config.schema import digen_config_from_dict
 from runs import QUIET, metrics_lines
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
-# A CI-sized run: the preset with fewer steps (its default is 200; see the README for that curve).
+# A CI-sized run: the preset with fewer steps (its default is 200; docs/results_cpu.md has that curve).
 CI_STEPS = 60
 
 

@@ -1,5 +1,7 @@
 """README and docs are self-contained: every link points into the repository, and URLs appear
-only as placeholders of a command (loopback, a host name the reader substitutes)."""
+only as placeholders of a command (loopback, a host name the reader substitutes). They read as
+reference (no issue numbers, no dated sections), and the README stays short, with CI's command.
+The site's own build (every page link and anchor resolves): tests/test_docs_site.py."""
 
 from __future__ import annotations
 
@@ -43,3 +45,22 @@ def test_the_design_lives_in_docs():
     assert os.path.exists(os.path.join(REPO, "docs", "design.md"))
     for path in DOCS:
         assert not re.search(r"(?<![\w/])DESIGN\.md", _text(path)), f"{path} names DESIGN.md (now docs/design.md)"
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: os.path.relpath(p, REPO))
+def test_pages_are_reference_not_a_work_log(path):
+    """Results are stated with their command and commit, not as the history of how the work went:
+    no issue numbers, no dated sections."""
+    text = _text(path)
+    assert not re.search(r"\bissues? \d+|\bissue-\d+|\(issues? \d", text, re.I), f"{path} names an issue number"
+    assert not re.search(r"^#+ .*\b20\d\d-\d\d-\d\d", text, re.M), f"{path} has a dated section heading"
+
+
+def test_the_readme_is_short_and_its_test_command_is_what_ci_runs():
+    readme = _text(os.path.join(REPO, "README.md"))
+    assert len(readme.splitlines()) < 250, "README.md is for the first read: move the details into docs/"
+    ci = _text(os.path.join(REPO, ".ci", "run"))
+    (command,) = [line for line in ci.splitlines() if "pytest" in line and not line.startswith("#")]
+    assert command.strip() == "bash scripts/setup.sh && .venv/bin/python -m pytest -n 2"
+    assert command.strip() in readme, "the README's test command must be exactly what .ci/run runs"
+    assert "what CI runs" in readme

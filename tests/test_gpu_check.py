@@ -299,7 +299,7 @@ def test_the_h200_call_rows_report_holds_the_models_full_call_and_the_exactness_
     the measurement (its asymptote: ``mfu_forward`` of the H200 row). A sample's velocity changes
     with the rows that share its call (bf16 kernels are not batch-invariant), which is why the
     trainer repeats the rollout's calls; at equal calls the training forward is bitwise the rollout's.
-    The model's curve over call sizes is steeper than measured (README, "Measured on a GPU")."""
+    The model's curve over call sizes is steeper than measured (docs/results_gpu.md)."""
     import call_rows
 
     out = _report("call_rows_h200.json")

@@ -4,7 +4,7 @@ Ray 2.60 writes ``~/.ray/auth_token`` at any local run; ``ray start --head`` on 
 requires the token, and a driver given an explicit address (the job always gives one) does not
 send it unless ``RAY_AUTH_MODE=token``. The fast tests ask a stand-in GCS (a real gRPC server
 answering ``GetClusterId`` as Ray's GCS does: ``UNAUTHENTICATED`` without the right token); the
-e2e tests run the README's multi-node recipe with real raylets (private ports and temp dirs,
+e2e tests run the multi-node recipe of docs/multi_node.md with real raylets (private ports and temp dirs,
 a fresh and a used ``HOME`` per node, stopped by PID) and join it as the job does.
 """
 
@@ -154,14 +154,14 @@ def test_the_job_asks_before_ray_init_in_both_entry_points(home, gcs, monkeypatc
     assert not ray.is_initialized()
 
 
-# ----------------------------------------------------------------------------- the README recipe, real raylets
+# ----------------------------------------------------------------------------- the docs' recipe, real raylets
 
 
 def _recipe() -> dict[str, list[str]]:
-    """The README's multi-node recipe: its commands per ``# on ...`` section (head, other nodes,
-    the job)."""
-    text = open(os.path.join(ROOT, "README.md")).read()
-    block = text.split("### Multi-node", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    """The multi-node recipe of docs/multi_node.md: its commands per ``# on ...`` section (head,
+    other nodes, the job)."""
+    text = open(os.path.join(ROOT, "docs", "multi_node.md")).read()
+    block = text.split("## The recipe", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
     sections: dict[str, list[str]] = {}
     current = ""
     for line in block.replace("\\\n", " ").splitlines():
@@ -172,6 +172,19 @@ def _recipe() -> dict[str, list[str]]:
         elif line.strip():
             sections[current].append(line.split("  #", 1)[0].strip())
     return sections
+
+
+def test_the_documented_recipe_has_the_head_the_other_nodes_and_the_job():
+    """What the e2e tests run is the page's recipe (fast: reads the page only)."""
+    sections = _recipe()
+    assert set(sections) == {"head", "node"}, sections
+    head, node = sections["head"], sections["node"]
+    assert "export RAY_AUTH_MODE=token" in head and "export RAY_AUTH_MODE=token" in node
+    assert any(c.startswith("ray start --head --port=6379") for c in head)
+    assert any(c.startswith("ray start --address=<head-ip>:6379") for c in node)
+    assert any("scp <head-ip>:.ray/auth_token" in c for c in node)
+    (job,) = [c for c in head if c.startswith("python -m verl_digen.main")]
+    assert "trainer.nnodes=2" in job and "digen.placement=disaggregated" in job
 
 
 def _run_section(lines: list[str], env: dict[str, str], *, head_home: str, port: int, start_args: list[str],
@@ -225,7 +238,7 @@ MAIN_PPO = ("import ray; from verl_digen.trainer.resolve import preflight_ray; a
 
 @pytest.fixture(scope="module", params=["fresh", "used"])
 def recipe_cluster(request):
-    """The README recipe on two "machines" (two HOMEs) of this one: ``fresh`` HOMEs have no token;
+    """The docs' recipe on two "machines" (two HOMEs) of this one: ``fresh`` HOMEs have no token;
     ``used`` ones each have their own, as a local Ray run leaves it."""
     base = tempfile.mkdtemp(prefix="digen-auth-")  # short: Ray's unix sockets live under it
     head_home, node_home = os.path.join(base, "head"), os.path.join(base, "node")
@@ -273,8 +286,8 @@ def _nodes_joined(cluster, env: dict[str, str], code: str, want: int, within_s: 
 
 
 @pytest.mark.e2e
-def test_the_readme_recipe_joins_both_nodes_and_the_job_follows_the_token(recipe_cluster):
-    """Both nodes join (the second one through the README's token copy), and the job's driver,
+def test_the_documented_recipe_joins_both_nodes_and_the_job_follows_the_token(recipe_cluster):
+    """Both nodes join (the second one through the recipe's token copy), and the job's driver,
     with ``RAY_AUTH_MODE`` unset, joins with the head's token: ``verl_digen.main``'s
     ``init_ray`` and ``main_ppo``'s check followed by veRL's plain ``ray.init()``."""
     c = recipe_cluster

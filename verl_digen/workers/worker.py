@@ -146,7 +146,7 @@ def configure_attention_kernels() -> None:
     On an H100 with torch 2.11 / CUDA 13, SDPA picks cuDNN's fused attention for the bf16
     transformers, and its backward failed on real-size FLUX (``mha_graph.execute(...)
     .is_good()``, then an illegal memory access that poisons the CUDA context: measured by
-    ``python -m verl_digen.gpu_check``, README "Measured on a GPU"). Flash / memory-efficient
+    ``python -m verl_digen.gpu_check``, docs/results_gpu.md). Flash / memory-efficient
     attention run instead. A process-wide flag, not a context manager: activation checkpointing
     recomputes the forward during ``backward()``, outside any ``with`` block of the forward,
     and rollout and trainer processes must pick the same kernels for the same calls (on-policy
