@@ -71,7 +71,7 @@ def test_sim_imports_only_schedule_and_the_memory_planner():
 
 
 def test_the_memory_planner_does_not_import_the_simulator():
-    """One memory model: the simulator asks the memory planner what fits (sim/cost_model.py:
+    """One memory model: the simulator asks the memory planner what fits (sim/costs/memory_fit.py:
     CostModel.memory_job), never the reverse."""
     for path, tree in _modules("memory").items():
         bad = sorted(m for m in _imports(tree) if _layer(m) == "sim")
