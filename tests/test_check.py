@@ -90,6 +90,17 @@ def test_bad_keys_and_pools_exit_2_naming_them(capsys):
     assert status == 2 and "no_such_preset" in err
 
 
+def test_veRL_Omnis_diffusion_keys_are_taken_without_a_plus_as_the_run_takes_them(capsys):
+    """As verl_digen.main and main_ppo take them: the preset's own size written as veRL-Omni's keys is
+    the preset's plan; another size is the one-value rule's refusal naming both keys."""
+    status, out, err = _run(capsys, "--config-name", "flux_colocated", "actor_rollout_ref.rollout.pipeline.height=512",
+                            "actor_rollout_ref.rollout.pipeline.width=512")
+    assert status == 0, err
+    assert out == _run(capsys, "--config-name", "flux_colocated")[1]
+    status, _, err = _run(capsys, "--config-name", "flux_colocated", "actor_rollout_ref.rollout.pipeline.height=768")
+    assert status == 2 and "pipeline.height=768 and digen.sampling.height=512 are the same setting" in err
+
+
 def test_a_model_path_not_on_this_machine_is_said_and_planned_with_the_shipped_configs(capsys, tmp_path):
     missing = tmp_path / "FLUX.1-dev"
     status, out, _ = _run(capsys, "--config-name", "flux_disaggregated", f"digen.model.path={missing}")

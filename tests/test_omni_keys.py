@@ -42,9 +42,10 @@ def _sd3_dir(tmp_path):
 
 
 # veRL-Omni's examples/flowgrpo_trainer/sd35/run_sd35_medium_ocr_lora.sh, line for line as the
-# shell hands them to Python, less the vllm_omni engine keys (rollout.name, agent.num_workers,
-# load_format, engine_kwargs.vllm_omni.*) and the vLLM reward-model keys (reward.num_workers,
-# reward.reward_model.*); environment keys (paths, devices, logger, steps) changed.
+# shell hands them to Python (its engine settings too: rollout.name, agent.num_workers,
+# load_format, engine_kwargs.vllm_omni.*, reward.num_workers, attention backends), less the
+# vLLM-served reward model's keys (SD35_REWARD_MODEL below); environment keys (paths, devices,
+# logger, steps) changed.
 SD35_OCR_LORA = """
     trainer.v1.trainer_mode=digen data.train_files={train} data.val_files={val} data.train_batch_size=8 data.val_max_samples=32
     data.max_prompt_length=512 data.truncation=error data.seed=42
@@ -62,7 +63,11 @@ SD35_OCR_LORA = """
     actor_rollout_ref.actor.fsdp_config.model_dtype=bfloat16 actor_rollout_ref.actor.strategy=fsdp2
     actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=1
     actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8 actor_rollout_ref.rollout.tensor_model_parallel_size=1
-    actor_rollout_ref.rollout.n=8 actor_rollout_ref.rollout.seed=42
+    actor_rollout_ref.rollout.name=vllm_omni actor_rollout_ref.rollout.n=8 actor_rollout_ref.rollout.seed=42
+    actor_rollout_ref.rollout.agent.num_workers=2 actor_rollout_ref.rollout.load_format=safetensors
+    ++actor_rollout_ref.rollout.engine_kwargs.vllm_omni.max_num_seqs=256
+    ++actor_rollout_ref.rollout.engine_kwargs.vllm_omni.request_batch_max_wait_ms=10
+    reward.num_workers=1
     actor_rollout_ref.rollout.pipeline.height=384 actor_rollout_ref.rollout.pipeline.width=384
     actor_rollout_ref.rollout.pipeline.num_inference_steps=10 actor_rollout_ref.rollout.pipeline.guidance_scale=1.0
     actor_rollout_ref.rollout.pipeline.max_sequence_length=256 actor_rollout_ref.rollout.max_prompt_embed_length=333
@@ -76,6 +81,106 @@ SD35_OCR_LORA = """
     trainer.log_val_generations=8 trainer.val_before_train=False trainer.n_gpus_per_node=2 trainer.nnodes=1
     trainer.save_freq=100 trainer.test_freq=20 trainer.total_epochs=15 trainer.total_training_steps=100
 """
+
+
+# The SD3.5 recipe's reward model: GenRM-OCR served by vLLM inside veRL's reward loop, a service a
+# digen run does not start (it scores with reward functions and reward servers): a ported recipe
+# drops these keys and names its reward function instead.
+SD35_REWARD_MODEL = """
+    reward.reward_model.enable=True reward.reward_model.model_path=Qwen/Qwen2.5-VL-3B-Instruct
+    reward.reward_model.rollout.name=vllm reward.reward_model.enable_resource_pool=True
+    reward.reward_model.nnodes=1 reward.reward_model.n_gpus_per_node=1
+    reward.reward_model.rollout.gpu_memory_utilization=0.9 reward.reward_model.rollout.free_cache_engine=False
+    reward.reward_model.rollout.tensor_model_parallel_size=1 reward.reward_model.rollout.enforce_eager=False
+"""
+
+# veRL-Omni's examples/flowgrpo_trainer/qwen_image/run_qwen_image_ocr_reward_server.sh, key for key
+# as the shell hands them to Python, every key as shipped (its engine settings too: they tune
+# vLLM-Omni and are noticed); test_omni_recipes.py trains it under main_ppo.
+QWEN_OCR_REWARD_SERVER = """
+    algorithm.adv_estimator=flow_grpo data.train_files={train} data.val_files={val} data.train_batch_size=32
+    data.max_prompt_length=256 actor_rollout_ref.model.path={model}
+    actor_rollout_ref.actor.optim.lr=3e-5 actor_rollout_ref.actor.optim.weight_decay=0.0001
+    actor_rollout_ref.actor.ppo_mini_batch_size=16 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16
+    actor_rollout_ref.actor.fsdp_config.param_offload=True
+    actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=1
+    actor_rollout_ref.actor.fsdp_config.optimizer_offload=True
+    actor_rollout_ref.actor.diffusion_loss.loss_mode=flow_grpo actor_rollout_ref.actor.diffusion_loss.clip_ratio=1e-5
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32 actor_rollout_ref.rollout.tensor_model_parallel_size=1
+    actor_rollout_ref.rollout.n=16 actor_rollout_ref.rollout.layered_summon=True
+    actor_rollout_ref.rollout.name=vllm_omni actor_rollout_ref.rollout.agent.num_workers=4
+    actor_rollout_ref.rollout.load_format=safetensors
+    actor_rollout_ref.rollout.pipeline.true_cfg_scale=1.0
+    actor_rollout_ref.rollout.pipeline.height=512 actor_rollout_ref.rollout.pipeline.width=512
+    actor_rollout_ref.rollout.pipeline.max_sequence_length=256
+    actor_rollout_ref.rollout.algo.noise_level=1.2 actor_rollout_ref.rollout.algo.sde_type="sde"
+    actor_rollout_ref.rollout.algo.sde_window_size=2 actor_rollout_ref.rollout.algo.sde_window_range="[0,5]"
+    actor_rollout_ref.rollout.val_kwargs.pipeline.num_inference_steps=50
+    actor_rollout_ref.rollout.val_kwargs.algo.noise_level=0.0
+    actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32
+    reward.reward_model.enable=False
+    reward.custom_reward_function.path=pkg://verl_omni.reward_loop.reward_manager.multi
+    reward.custom_reward_function.name=_multi_reward_placeholder
+    reward.reward_manager.name=MultiVisualRewardManager
+    reward.reward_manager.module.path=pkg://verl_omni.reward_loop.reward_manager
+    "+reward.reward_functions.ocr.path=pkg://verl_omni.utils.reward_score.http_scorer_client"
+    '+reward.reward_functions.ocr.name=compute_score' '+reward.reward_functions.ocr.weight=1.0'
+    "+reward.reward_functions.ocr.server_url={server_url}"
+    trainer.logger='["console", "wandb"]' trainer.project_name=flow_grpo
+    trainer.experiment_name=qwen_image_ocr_reward_server trainer.default_local_dir={checkpoints}
+    +trainer.rollout_data_dir={rollout_data_dir} trainer.log_val_generations=8 trainer.val_before_train=False
+    trainer.n_gpus_per_node=4 trainer.nnodes=1 trainer.save_freq=30 trainer.test_freq=10 trainer.total_epochs=15
+    trainer.total_training_steps=300
+"""
+
+
+def _recipe_argv(recipe: str, tmp_path) -> list[str]:
+    """The recipe's command line as main_ppo gets it in the digen mode (trainer_mode written once)."""
+    return ["trainer.v1.trainer_mode=digen"] * ("trainer_mode" not in recipe) + shlex.split(recipe.format(train=tmp_path / "train.parquet", val=tmp_path / "test.parquet",
+                                     model=_sd3_dir(tmp_path), reward=tmp_path / "genrm_ocr.py",
+                                     server_url="http://127.0.0.1:1/score", checkpoints=tmp_path / "ck",
+                                     rollout_data_dir=tmp_path / "rollouts"))
+
+
+@pytest.mark.parametrize("recipe", ["sd35_ocr_lora", "qwen_image_ocr_reward_server"])
+def test_every_key_of_a_carried_recipe_lands_in_one_class_and_the_run_does_what_its_class_says(recipe, tmp_path):
+    """Each key a veRL-Omni recipe writes is honoured (it sets or checks a digen setting), at veRL's
+    default, an engine setting (accepted, named in one notice line) or refused (it would change
+    what is learned and cannot apply: here only the vLLM-served reward model's keys). The classes
+    are those resolve_run_config acts on: the engine settings are exactly its notice's, the refused
+    keys exactly its error's, all named in one message."""
+    from verl_digen.config.omni_keys import tree_get
+    from verl_digen.config.verl_keys import ENGINE, HONOURED, REFUSED, key_class, override_keys
+
+    text = SD35_OCR_LORA + SD35_REWARD_MODEL if recipe == "sd35_ocr_lora" else QWEN_OCR_REWARD_SERVER
+    argv = plain_overrides(_recipe_argv(text, tmp_path))
+    config = OmegaConf.to_container(_verl_config(argv), resolve=True)
+    written = override_keys(argv)
+    classes = {key: key_class(key, tree_get(config, key), MAIN_PPO) for key in sorted(written)}
+    engine = {k for k, c in classes.items() if c == ENGINE}
+    refused = {k for k, c in classes.items() if c == REFUSED}
+    expected_engine = {f"{ARR}.rollout.name", f"{ARR}.rollout.agent.num_workers", f"{ARR}.rollout.load_format",
+                       f"{ARR}.rollout.tensor_model_parallel_size"}  # 1 here, veRL's default 2
+    if recipe == "sd35_ocr_lora":
+        expected_engine |= {f"{ARR}.rollout.engine_kwargs.vllm_omni.max_num_seqs", "reward.num_workers",
+                            f"{ARR}.rollout.engine_kwargs.vllm_omni.request_batch_max_wait_ms",
+                            f"{ARR}.model.attn_backend", f"{ARR}.rollout.rollout_attn_backend"}
+        # the reward model's keys, less those at veRL's default value
+        assert "reward.reward_model.enable" in refused <= override_keys(shlex.split(SD35_REWARD_MODEL))
+    else:
+        assert refused == set()
+    assert engine == expected_engine
+    assert classes[f"{ARR}.rollout.pipeline.height"] == HONOURED and classes["data.train_batch_size"] == HONOURED
+    if refused:
+        with pytest.raises(ConfigError) as stopped:
+            resolve_run_config(config, MAIN_PPO, written)
+        assert all(key in str(stopped.value) for key in refused)
+        argv = [a for a in argv if a.lstrip("+").partition("=")[0] not in refused]
+        config = OmegaConf.to_container(_verl_config(argv), resolve=True)
+        written = override_keys(argv)
+    run = resolve_run_config(config, MAIN_PPO, written)
+    assert set(run.engine_keys) == expected_engine
+    assert all(key in run.notice() for key in expected_engine)
 
 
 def test_verl_omnis_sd35_ocr_lora_command_line_composes_into_the_digen_config(tmp_path):
@@ -178,8 +283,6 @@ def test_guidance_scale_means_what_diffusers_means_for_the_family():
     ([f"{ARR}.model.algorithm=dpo"], r"model.algorithm='dpo' cannot apply: verl-digen trains FlowGRPO"),
     ([f"{ARR}.actor.diffusion_loss.dpo_beta=2000"], r"diffusion_loss.dpo_beta=2000 cannot apply: .*other algorithms"),
     ([f"{ARR}.actor.diffusion_loss.ref_kl_coef=0.1"], r"ref_kl_coef=0.1 cannot apply: .*use_kl_loss=true"),
-    ([f"{ARR}.model.attn_backend=_flash_3_varlen_hub"], r"attn_backend='_flash_3_varlen_hub' cannot apply: .*native"),
-    ([f"{ARR}.rollout.rollout_attn_backend=FLASH_ATTN_3_HUB"], r"cannot apply: .*TORCH_SDPA"),
     ([f"{ARR}.rollout.algo.sde_window_range=[0,5]"], r"sde_window_range=\[0, 5\] cannot apply: it needs .*size"),
     ([f"{ARR}.rollout.algo.sde_window_size=3"], r"sde_window_size=3 cannot apply: give .*sde_window_range"),
     ([f"{ARR}.rollout.algo.sde_window_size=6", f"{ARR}.rollout.algo.sde_window_range=[0,5]"],
@@ -336,3 +439,15 @@ def test_under_main_ppo_no_lora_rank_is_full_fine_tuning_as_in_veRL(tmp_path):
     config = OmegaConf.to_container(_verl_config(plain_overrides(base + [f"{ARR}.model.lora_alpha=32"])), resolve=True)
     with pytest.raises(ConfigError, match=r"lora_alpha is set but actor_rollout_ref.model.lora_rank is not"):
         resolve_run_config(config, MAIN_PPO)
+
+
+def test_attention_backends_tune_kernels_only_and_are_noticed():
+    """veRL-Omni's FA3 switch (its recipes' FA3=1) picks other attention kernels for the same
+    attention: accepted, named by the notice, the run's settings unchanged."""
+    fa3 = _resolved(f"{ARR}.model.attn_backend=_flash_3_varlen_hub", f"{ARR}.rollout.rollout_attn_backend=FLASH_ATTN_3_HUB")
+    assert fa3.engine_keys == {f"{ARR}.model.attn_backend": "_flash_3_varlen_hub",
+                               f"{ARR}.rollout.rollout_attn_backend": "FLASH_ATTN_3_HUB"}
+    assert fa3.digen == _resolved().digen
+    assert "attn_backend='_flash_3_varlen_hub'" in fa3.notice()
+    native = _resolved(f"{ARR}.model.attn_backend=native", f"{ARR}.rollout.rollout_attn_backend=TORCH_SDPA")
+    assert native.digen == _resolved().digen

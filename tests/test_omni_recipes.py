@@ -33,7 +33,7 @@ import shlex
 
 import pytest
 
-from test_omni_keys import SD35_OCR_LORA
+from test_omni_keys import QWEN_OCR_REWARD_SERVER, SD35_OCR_LORA
 from test_verl_entry import main_ppo
 
 OMNI_SRC = os.environ.get("DIGEN_VERL_OMNI_SRC")
@@ -165,42 +165,6 @@ def test_verl_omnis_sd35_ocr_lora_recipe_trains_under_main_ppo(tmp_path, tiny_sd
     assert line["actor/optimizer_steps"] == 2  # ppo_mini_batch_size=4 of train_batch_size=8: two steps
 
 
-# veRL-Omni's examples/flowgrpo_trainer/qwen_image/run_qwen_image_ocr_reward_server.sh, key for key
-# as the shell hands them to Python, less the vllm_omni engine keys (rollout.name,
-# agent.num_workers, load_format, layered_summon is kept: veRL's key, and what our sync does).
-QWEN_OCR_REWARD_SERVER = """
-    algorithm.adv_estimator=flow_grpo data.train_files={train} data.val_files={val} data.train_batch_size=32
-    data.max_prompt_length=256 actor_rollout_ref.model.path={model}
-    actor_rollout_ref.actor.optim.lr=3e-5 actor_rollout_ref.actor.optim.weight_decay=0.0001
-    actor_rollout_ref.actor.ppo_mini_batch_size=16 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16
-    actor_rollout_ref.actor.fsdp_config.param_offload=True
-    actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=1
-    actor_rollout_ref.actor.fsdp_config.optimizer_offload=True
-    actor_rollout_ref.actor.diffusion_loss.loss_mode=flow_grpo actor_rollout_ref.actor.diffusion_loss.clip_ratio=1e-5
-    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32 actor_rollout_ref.rollout.tensor_model_parallel_size=1
-    actor_rollout_ref.rollout.n=16 actor_rollout_ref.rollout.layered_summon=True
-    actor_rollout_ref.rollout.pipeline.true_cfg_scale=1.0
-    actor_rollout_ref.rollout.pipeline.height=512 actor_rollout_ref.rollout.pipeline.width=512
-    actor_rollout_ref.rollout.pipeline.max_sequence_length=256
-    actor_rollout_ref.rollout.algo.noise_level=1.2 actor_rollout_ref.rollout.algo.sde_type="sde"
-    actor_rollout_ref.rollout.algo.sde_window_size=2 actor_rollout_ref.rollout.algo.sde_window_range="[0,5]"
-    actor_rollout_ref.rollout.val_kwargs.pipeline.num_inference_steps=50
-    actor_rollout_ref.rollout.val_kwargs.algo.noise_level=0.0
-    actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32
-    reward.reward_model.enable=False
-    reward.custom_reward_function.path=pkg://verl_omni.reward_loop.reward_manager.multi
-    reward.custom_reward_function.name=_multi_reward_placeholder
-    reward.reward_manager.name=MultiVisualRewardManager
-    reward.reward_manager.module.path=pkg://verl_omni.reward_loop.reward_manager
-    "+reward.reward_functions.ocr.path=pkg://verl_omni.utils.reward_score.http_scorer_client"
-    '+reward.reward_functions.ocr.name=compute_score' '+reward.reward_functions.ocr.weight=1.0'
-    "+reward.reward_functions.ocr.server_url={server_url}"
-    trainer.logger='["console", "wandb"]' trainer.project_name=flow_grpo
-    trainer.experiment_name=qwen_image_ocr_reward_server trainer.default_local_dir={checkpoints}
-    +trainer.rollout_data_dir={rollout_data_dir} trainer.log_val_generations=8 trainer.val_before_train=False
-    trainer.n_gpus_per_node=4 trainer.nnodes=1 trainer.save_freq=30 trainer.test_freq=10 trainer.total_epochs=15
-    trainer.total_training_steps=300
-"""
 
 
 @pytest.mark.e2e

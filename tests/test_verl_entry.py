@@ -148,7 +148,30 @@ def test_main_ppo_names_a_model_path_that_does_not_exist(tmp_path):
 
 @pytest.mark.e2e
 @pytest.mark.slow
+def test_main_ppo_names_a_checkpoint_of_another_model_in_its_driver(tmp_path):
+    """A resume into a checkpoint another model wrote: main_ppo's driver lists the differences in
+    one named line and exits 2, before Ray (it did so from inside veRL's TaskRunner, in a Ray and
+    Hydra traceback)."""
+    from checkpoints import save_one_rank
+
+    identity = {"model_path": "/models/stable-diffusion-3.5-medium", "model_fingerprint": "another model's files",
+                "arch": "sd3"}
+    save_one_rank(tmp_path / "ck", 1, meta={"identity": identity})
+    proc = main_ppo(tmp_path, f"trainer.default_local_dir={tmp_path / 'ck'}", "trainer.total_training_steps=3",
+                    "trainer.logger=[console]")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "[verl-digen] error: " in proc.stderr and "was written by a different run" in proc.stderr
+    assert "trained from /models/stable-diffusion-3.5-medium" in proc.stderr
+    assert "digen.model.arch: checkpoint 'sd3', this run 'flux'" in proc.stderr
+    assert "Traceback" not in proc.stderr and "Started a local Ray instance" not in proc.stderr + proc.stdout
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_main_ppo_names_a_verl_key_that_cannot_apply(tmp_path):
-    proc = main_ppo(tmp_path, "actor_rollout_ref.rollout.name=vllm", "trainer.total_training_steps=2")
+    """veRL's default adv_estimator=gae written on main_ppo's command line: its driver's Hydra record
+    of the command line tells it from the inherited default (which reads as unset), and the run
+    stops before Ray naming it."""
+    proc = main_ppo(tmp_path, "algorithm.adv_estimator=gae", "trainer.total_training_steps=2")
     assert proc.returncode != 0
-    assert "actor_rollout_ref.rollout.name='vllm' cannot apply" in proc.stderr
+    assert "algorithm.adv_estimator='gae' cannot apply: GAE needs a critic" in proc.stderr

@@ -11,13 +11,22 @@ from omegaconf import OmegaConf
 
 from verl_digen.config.compose import compose_config
 from verl_digen.config.schema import ConfigError
-from verl_digen.config.verl_keys import MAIN_PPO, MAPPED, READ_DIRECTLY, resolve_run_config, verl_defaults
+from verl_digen.config.verl_keys import (
+    MAIN_PPO,
+    MAPPED,
+    READ_DIRECTLY,
+    override_keys,
+    resolve_run_config,
+    verl_defaults,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _resolved(*overrides: str, entry: str = "verl_digen.main"):
-    return resolve_run_config(OmegaConf.to_container(compose_config(list(overrides)), resolve=True), entry)
+    """The run config of verl_digen.main's config with ``overrides`` written on its command line."""
+    return resolve_run_config(OmegaConf.to_container(compose_config(list(overrides)), resolve=True), entry,
+                              override_keys(overrides))
 
 
 def test_verl_defaults_file_is_veRL_composed_ppo_trainer():
@@ -173,7 +182,10 @@ def test_custom_reward_takes_the_video_fps_from_digen_and_refuses_a_second_rewar
 
 
 @pytest.mark.parametrize(("override", "message"), [
-    ("actor_rollout_ref.rollout.name=vllm", r"actor_rollout_ref.rollout.name='vllm' cannot apply"),
+    ("algorithm.adv_estimator=gae", r"algorithm.adv_estimator='gae' cannot apply: GAE needs a critic"),
+    ("critic.enable=true", r"critic.enable=True cannot apply: FlowGRPO has no critic"),
+    ("algorithm.use_kl_in_reward=true", r"algorithm.use_kl_in_reward=True cannot apply"),
+    ("actor_rollout_ref.rollout.dtype=float16", r"actor_rollout_ref.rollout.dtype='float16' cannot apply"),
     ("actor_rollout_ref.actor.ppo_epochs=2", r"actor_rollout_ref.actor.ppo_epochs=2 cannot apply.*default 1"),
     ("algorithm.gamma=0.9", r"algorithm.gamma=0.9 cannot apply"),
     ("algorithm.adv_estimator=rloo", r"algorithm.adv_estimator='rloo'.*grpo"),
@@ -345,14 +357,82 @@ def test_several_data_files_are_read_in_order_and_concatenated(tmp_path):
 
 def test_recipe_keys_for_dtype_validation_samples_and_tensor_parallelism():
     """veRL-Omni's SD3.5 recipe writes fsdp_config.model_dtype=bfloat16, val_max_samples and
-    rollout.tensor_model_parallel_size=1: each has its meaning here or is a no-op, not a refusal."""
+    rollout.tensor_model_parallel_size=1: each has its meaning here or is a no-op, not a refusal;
+    another tensor-parallel size tunes the engine a digen run does not use: accepted and noticed."""
     run = _resolved("actor_rollout_ref.actor.fsdp_config.model_dtype=bfloat16", "data.val_max_samples=16",
                     "actor_rollout_ref.rollout.tensor_model_parallel_size=1")
     assert run.digen["model"]["dtype"] == "bf16" and run.digen["validation"]["num_prompts"] == 16
     assert _resolved("actor_rollout_ref.actor.fsdp_config.model_dtype=float32").digen["model"]["dtype"] == "fp32"
-    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=4 cannot apply"):
-        _resolved("actor_rollout_ref.rollout.tensor_model_parallel_size=4")
+    tp = _resolved("actor_rollout_ref.rollout.tensor_model_parallel_size=4")
+    assert tp.engine_keys == {"actor_rollout_ref.rollout.tensor_model_parallel_size": 4}
+    assert tp.digen == _resolved().digen  # it changes nothing of the run
     with pytest.raises(ConfigError, match=r"model_dtype='float16'.*valid: bfloat16"):
         _resolved("actor_rollout_ref.actor.fsdp_config.model_dtype=float16")
     with pytest.raises(ConfigError, match=r"data.val_max_samples=0"):
         _resolved("data.val_max_samples=0")
+
+
+def test_gae_is_refused_when_written_and_reads_as_unset_when_inherited():
+    """veRL's default adv_estimator is gae; a digen job that does not write it trains GRPO's group
+    advantages (as every preset does), one that writes it asks for a critic and is refused."""
+    assert _resolved().digen == _resolved("algorithm.adv_estimator=grpo").digen
+    for spelling in ("algorithm.adv_estimator=gae", "++algorithm.adv_estimator=gae"):
+        with pytest.raises(ConfigError, match=r"adv_estimator='gae' cannot apply: GAE needs a critic"):
+            _resolved(spelling)
+    assert override_keys(["a.b=1", "+c.d=x", "++e=[1,2]", "~f.g", "h.i=j=k"]) == {"a.b", "c.d", "e", "h.i"}
+
+
+def test_python_m_check_refuses_a_written_gae_and_names_engine_settings_in_one_notice(capsys):
+    """The keys a command line wrote reach the checks from compose_config (python -m verl_digen.check
+    and verl_digen.main share check_run_config); engine settings are listed in one notice line."""
+    from verl_digen.check import check
+
+    status, lines = check("digen_trainer", ["algorithm.adv_estimator=gae"])
+    assert status != 0 and any("GAE needs a critic" in line for line in lines)
+    status, lines = check("digen_trainer", ["actor_rollout_ref.rollout.name=vllm_omni",
+                                            "actor_rollout_ref.rollout.load_format=safetensors",
+                                            "actor_rollout_ref.rollout.agent.num_workers=2",
+                                            "+actor_rollout_ref.rollout.engine_kwargs.vllm_omni.max_num_seqs=256"])
+    assert status == 0, lines
+    notices = [line for line in capsys.readouterr().out.splitlines() if "notice: accepted without effect" in line]
+    assert len(notices) == 1
+    for key in ("rollout.name='vllm_omni'", "load_format='safetensors'", "agent.num_workers=2",
+                "engine_kwargs.vllm_omni.max_num_seqs=256"):
+        assert key in notices[0]
+
+
+def test_every_refused_key_of_a_config_is_named_in_one_message():
+    with pytest.raises(ConfigError) as refused:
+        _resolved("algorithm.gamma=0.9", "actor_rollout_ref.actor.ppo_epochs=2", "critic.enable=true",
+                  "algorithm.use_kl_in_reward=true", "algorithm.lam=0.5", "actor_rollout_ref.rollout.dtype=float16",
+                  "actor_rollout_ref.actor.entropy_coeff=0.1", "algorithm.kl_penalty=abs")
+    message = str(refused.value)
+    for key in ("algorithm.gamma=0.9", "ppo_epochs=2", "critic.enable=True", "use_kl_in_reward=True", "lam=0.5",
+                "rollout.dtype='float16'", "entropy_coeff=0.1", "kl_penalty='abs'"):
+        assert key in message, key
+
+
+CLASSES_TABLE = os.path.join(REPO, "tests", "data", "verl_key_classes.tsv")
+REGENERATE = (".venv/bin/python -c \"from verl_digen.config.verl_keys import verl_key_classes; "
+              "[print(f'{k}\\t{c}') for k, c in verl_key_classes().items()]\" > tests/data/verl_key_classes.tsv")
+
+
+def test_every_verl_key_is_classified_as_reviewed():
+    """Walked from veRL's own composed defaults: every key's class in the digen mode (honoured,
+    engine setting, refused, or following another key) equals the reviewed table. A veRL upgrade
+    that adds a key, or a change that moves one, fails here until the table is reviewed."""
+    from verl_digen.config.verl_keys import ENGINE, HONOURED, REFUSED, verl_key_classes
+
+    with open(CLASSES_TABLE) as f:
+        reviewed = dict(line.rstrip("\n").split("\t") for line in f if line.strip())
+    now = verl_key_classes()
+    new, gone = sorted(now.keys() - reviewed.keys()), sorted(reviewed.keys() - now.keys())
+    moved = sorted(k for k in now.keys() & reviewed.keys() if now[k] != reviewed[k])
+    assert not (new or gone or moved), (
+        f"veRL keys not classified as reviewed: new {new[:20]}, gone {gone[:20]}, "
+        f"moved {[(k, reviewed[k], now[k]) for k in moved[:20]]}; review them, then: {REGENERATE}")
+    # the classes the table holds mean what resolve_run_config does with a written value
+    assert _resolved("actor_rollout_ref.rollout.enforce_eager=true").engine_keys and \
+        now["actor_rollout_ref.rollout.enforce_eager"] == ENGINE
+    assert now["algorithm.gamma"] == REFUSED and now["actor_rollout_ref.actor.optim.lr"] == HONOURED
+    assert now["critic.enable"] == REFUSED and now["algorithm.use_kl_in_reward"] == REFUSED

@@ -94,7 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.disable(logging.WARNING)  # diffusers' dtype notes while building the meta models
     try:
-        status, lines = check(args.config_name, args.overrides, args.config_dir)
+        from verl_digen.config.omni_keys import plain_overrides
+
+        # veRL-Omni's diffusion keys without '+', as verl_digen.main and main_ppo take them
+        status, lines = check(args.config_name, plain_overrides(args.overrides), args.config_dir)
     finally:
         logging.disable(logging.NOTSET)
     for line in lines:

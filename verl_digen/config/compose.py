@@ -58,9 +58,40 @@ def compose_config(
             composed = _compose_from_base(os.path.abspath(config_dir), config_name, overrides)
         except Exception:  # noqa: BLE001 - Hydra's whole composition below raises its own error
             composed = None
-        if composed is not None:
-            return composed
-        return compose(config_name=config_name, overrides=overrides)
+        if composed is None:
+            composed = compose(config_name=config_name, overrides=overrides)
+    _remember_written(composed, overrides)
+    return composed
+
+
+# id(config) -> the keys its overrides wrote, for every config compose_config returned and that
+# is still alive (a DictConfig hashes by content, so a WeakKeyDictionary would not do)
+_WRITTEN: dict[int, frozenset[str]] = {}
+
+
+def _remember_written(config: DictConfig, overrides: list[str]) -> None:
+    import weakref
+
+    from verl_digen.config.verl_keys import override_keys
+
+    _WRITTEN[id(config)] = override_keys(overrides)
+    weakref.finalize(config, _WRITTEN.pop, id(config), None)
+
+
+def written_keys(config: DictConfig) -> frozenset[str]:
+    """The keys the command line wrote for ``config``: :func:`compose_config`'s overrides for a
+    config it returned; inside a Hydra app (``main_ppo``, ``verl_digen.main``), Hydra's own
+    record of the command line; else none. Some veRL defaults cannot apply when written
+    (``algorithm.adv_estimator=gae``) but must pass when merely inherited."""
+    if id(config) in _WRITTEN:
+        return _WRITTEN[id(config)]
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        from verl_digen.config.verl_keys import override_keys
+
+        return override_keys(HydraConfig.get().overrides.task)
+    return frozenset()
 
 
 # (config dir, config name, config-group overrides) -> (the sources' state, the composed config

@@ -37,9 +37,6 @@ VAL_ALGO = f"{ARR}.rollout.val_kwargs.algo"
 
 #: veRL-Omni's algorithm name for what verl-digen trains.
 FLOW_GRPO = "flow_grpo"
-#: veRL-Omni's attention backends that are what verl-digen runs (diffusers' default: torch SDPA).
-ATTN_BACKENDS = ("native",)
-ROLLOUT_ATTN_BACKENDS = ("TORCH_SDPA",)
 
 # Keys (and key prefixes, ending in '.') Hydra must accept without '+' in the digen mode; and
 # trainer.rollout_data_dir, which veRL's config holds (null) and veRL-Omni's scripts write with
@@ -116,15 +113,15 @@ OMNI_CHECKED: dict[str, str] = {
                      "the training values (must equal them)",
     f"{ARR}.model.extra_tokenizers": "{name: {path: <tokenizer subfolder>, max_length}}: the tokenizers the "
                                      "diffusers pipeline loads, at the lengths verl-digen uses (checked)",
-    f"{ARR}.model.attn_backend": "native (diffusers' default, torch SDPA: what verl-digen runs)",
-    f"{ARR}.rollout.rollout_attn_backend": "TORCH_SDPA (the same attention as training)",
 }
 
 
 # Every veRL-Omni key verl_keys' walk over unknown keys leaves to this module (whole groups
 # where :func:`omni_settings` checks each of their fields).
+# The attention backends are not here: they tune kernels only (verl_keys.ENGINE_TUNING).
 OMNI_HANDLED = frozenset({
-    *(row[0] for row in OMNI_MAPPED), *_EXACT, LOSS, VAL_PIPE, VAL_ALGO,
+    *(row[0] for row in OMNI_MAPPED), *(k for k in _EXACT if not k.endswith("attn_backend")), LOSS, VAL_PIPE,
+    VAL_ALGO,
     f"{PIPE}.guidance_scale",
     *(f"{ALGO}.{n}" for n in ("sde_window_size", "sde_window_range", "sde_contiguous")),
 })
@@ -169,7 +166,6 @@ def omni_settings(config: Mapping[str, Any], digen: dict[str, Any],
     """Check veRL-Omni's keys that set nothing by themselves or depend on the model family, and
     put what they mean (``put(digen_key, value, verl_key)``, the one-value rule)."""
     _check_algorithm(config)
-    _check_backends(config)
     _sde_window(config, put)
     _check_validation(config)
     family = model_family(config, digen)
@@ -193,15 +189,6 @@ def _check_algorithm(config: Mapping[str, Any]) -> None:
         _fail(f"{LOSS}.{name}", value, "it belongs to veRL-Omni's other algorithms (MixGRPO, DPO, NFT); "
                                        "verl-digen's FlowGRPO loss has clip_ratio, adv_clip_max and the KL "
                                        "(actor_rollout_ref.actor.use_kl_loss / kl_loss_coef)")
-
-
-def _check_backends(config: Mapping[str, Any]) -> None:
-    for key, valid, what in ((f"{ARR}.model.attn_backend", ATTN_BACKENDS, "diffusers' default attention"),
-                             (f"{ARR}.rollout.rollout_attn_backend", ROLLOUT_ATTN_BACKENDS, "torch SDPA")):
-        value = tree_get(config, key)
-        if value is not None and value not in valid:
-            _fail(key, value, f"verl-digen runs {what} (torch SDPA) in rollout and training alike; set "
-                              f"{' or '.join(valid)} or leave it unset (flash-attention backends are not wired)")
 
 
 def _window_range(key: str, value: Any) -> tuple[int, int]:

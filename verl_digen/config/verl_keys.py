@@ -196,11 +196,9 @@ READ_DIRECTLY: dict[str, str] = {
         "-> digen.batch.groups_per_task",
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu":
         "reference log-probs are computed inside each trainer micro-batch: must equal ppo_micro_batch_size_per_gpu",
-    "actor_rollout_ref.rollout.name": "unset, or hf (generation runs in diffusers inside our workers)",
-    "actor_rollout_ref.rollout.tensor_model_parallel_size": "1 (a diffusers rollout is not tensor-parallel; "
-                                                            "veRL's default 2 reads as unset)",
-    "algorithm.adv_estimator": "grpo or flow_grpo (veRL-Omni's name; veRL's default gae reads as unset: "
-                               "advantages are always GRPO's group ones)",
+    "algorithm.adv_estimator": "grpo or flow_grpo (veRL-Omni's name); veRL's default gae reads as unset "
+                               "(advantages are always GRPO's group ones), gae written on the command line "
+                               "is refused (it needs a critic)",
     "reward.custom_reward_function.path": "a Python file -> digen.reward.name=custom",
     "reward.custom_reward_function.name": "the function in it (default compute_score)",
     "reward.reward_manager.name": "naive (per sample, default), batch (the batched form) or "
@@ -228,12 +226,97 @@ READ_DIRECTLY: dict[str, str] = {
     _MANAGER_KEY: f"defaulted by the plugin to {AGENT_LOOP_MANAGER}",
 }
 
+#: Settings that only tune an engine a digen run does not use (veRL's vLLM / SGLang / vLLM-Omni
+#: rollout engines, veRL's agent loop and reward-loop workers, FSDP1's wrap policy, veRL's
+#: profilers): they change how fast or in how much memory another engine runs, never what is
+#: learned. Set, they are accepted, and one notice line names them (:meth:`RunConfig.notice`).
+#: A key ending in '.' covers everything under it. What each one tunes is its value here
+#: (docs/verl_keys.md prints this table).
+ENGINE_TUNING: dict[str, str] = {
+    "actor_rollout_ref.rollout.name": "the rollout engine (vllm, vllm_omni, sglang): a digen run generates with "
+                                      "diffusers inside its own workers",
+    "actor_rollout_ref.rollout.mode": "the engine's sync or server mode",
+    "actor_rollout_ref.rollout.load_format": "how the engine loads weights",
+    "actor_rollout_ref.rollout.agent.": "veRL's agent-loop workers (the digen mode's generating workers are its pools)",
+    "actor_rollout_ref.rollout.gpu_memory_utilization": "the engine's KV-cache share of GPU memory",
+    "actor_rollout_ref.rollout.enforce_eager": "the engine's CUDA graphs",
+    "actor_rollout_ref.rollout.free_cache_engine": "the engine's cache between steps",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": "the engine's tensor parallelism (a diffusers rollout "
+                                                            "runs one worker per device)",
+    "actor_rollout_ref.rollout.data_parallel_size": "the engine's data parallelism (digen.pools sizes the rollout)",
+    "actor_rollout_ref.rollout.expert_parallel_size": "the engine's expert parallelism",
+    "actor_rollout_ref.rollout.pipeline_model_parallel_size": "the engine's pipeline parallelism",
+    "actor_rollout_ref.rollout.max_num_seqs": "the engine's batch limit",
+    "actor_rollout_ref.rollout.max_model_len": "the engine's context limit",
+    "actor_rollout_ref.rollout.max_num_batched_tokens": "the engine's token budget",
+    "actor_rollout_ref.rollout.enable_chunked_prefill": "the engine's prefill",
+    "actor_rollout_ref.rollout.enable_prefix_caching": "the engine's prefix cache",
+    "actor_rollout_ref.rollout.disable_log_stats": "the engine's logging",
+    "actor_rollout_ref.rollout.engine_kwargs.": "the engine's own arguments",
+    "actor_rollout_ref.rollout.cudagraph_capture_sizes": "the engine's CUDA graphs",
+    "actor_rollout_ref.rollout.scheduling_policy": "the engine's request scheduling",
+    "actor_rollout_ref.rollout.multi_stage_wake_up": "how the engine wakes from sleep",
+    "actor_rollout_ref.rollout.skip_tokenizer_init": "the engine's tokenizer",
+    "actor_rollout_ref.rollout.calculate_log_probs": "log-probs returned by the engine (a digen rollout always "
+                                                     "records its SDE steps' log-probs)",
+    "actor_rollout_ref.model.use_remove_padding": "veRL's padding-free LLM kernels",
+    "actor_rollout_ref.model.use_fused_kernels": "veRL's fused LLM kernels",
+    "actor_rollout_ref.model.fused_kernel_options.": "veRL's fused LLM kernels",
+    "actor_rollout_ref.model.use_liger": "Liger's LLM kernels",
+    "actor_rollout_ref.model.use_shm": "how veRL copies a model into shared memory",
+    "actor_rollout_ref.actor.fsdp_config.use_orig_params": "FSDP1's parameter views",
+    "actor_rollout_ref.rollout.checkpoint_engine.": "veRL's weight transfer to the engine (digen.sync moves weights)",
+    "actor_rollout_ref.model.attn_backend": "the attention kernels of veRL-Omni's trainer (a digen run uses torch "
+                                            "SDPA in rollout and training alike: the same attention)",
+    "actor_rollout_ref.rollout.rollout_attn_backend": "the attention kernels of vLLM-Omni's rollout (a digen run "
+                                                      "uses torch SDPA)",
+    "actor_rollout_ref.actor.fsdp_config.wrap_policy.": "FSDP1's wrap policy (FSDP2 here wraps each transformer "
+                                                        "block)",
+    "actor_rollout_ref.actor.fsdp_config.reshard_after_forward": "FSDP's resharding between forward and backward "
+                                                                 "(memory against speed)",
+    "actor_rollout_ref.actor.fsdp_config.forward_prefetch": "FSDP's prefetch of the next all-gather",
+    "reward.num_workers": "veRL's reward-loop workers (a digen run scores in its reward pool or its workers)",
+    "global_profiler.": "veRL's profiler (a digen run writes its own timeline.jsonl)",
+    "actor_rollout_ref.actor.profiler.": "veRL's per-role profiler",
+    "actor_rollout_ref.rollout.profiler.": "veRL's per-role profiler",
+    "actor_rollout_ref.ref.profiler.": "veRL's per-role profiler",
+}
+
+
+def engine_tuning(key: str) -> str | None:
+    """The :data:`ENGINE_TUNING` entry that covers ``key`` (None: it tunes nothing of another engine)."""
+    if key in ENGINE_TUNING:
+        return key
+    return next((p for p in ENGINE_TUNING if p.endswith(".") and key.startswith(p)), None)
+
+
+#: veRL defaults that read as unset when left alone but cannot apply when the user writes them
+#: (on the command line): the value, and why.
+REFUSED_WHEN_WRITTEN: dict[str, tuple[Any, str]] = {
+    "algorithm.adv_estimator": ("gae", "GAE needs a critic (a value model) that FlowGRPO does not train; set grpo "
+                                       "(or flow_grpo, veRL-Omni's name for the same group advantages)"),
+}
+
+
+def override_keys(overrides: Any) -> frozenset[str]:
+    """The keys a list of Hydra overrides writes (``a.b=1``, ``+a.b=1``, ``++a.b=1``; ``~a.b``
+    deletes, so writes nothing)."""
+    keys = set()
+    for item in overrides or ():
+        text = str(item)
+        if text.startswith("~"):
+            continue
+        key, sep, _ = text.lstrip("+").partition("=")
+        if sep:
+            keys.add(key.strip())
+    return frozenset(keys)
+
+
 # Subtrees veRL's own entry point consumes before our trainer starts: they mean what veRL
 # says under main_ppo, and nothing under verl_digen.main (which starts Ray itself).
 _MAIN_PPO_ONLY = ("ray_kwargs", "transfer_queue")
 
 _HINTS = {
-    "actor_rollout_ref.rollout.name": "generation runs in diffusers inside verl-digen's workers; leave it unset (or hf)",
     "actor_rollout_ref.model.lora.rank": "use actor_rollout_ref.model.lora_rank",
     "actor_rollout_ref.actor.clip_ratio_low": "verl-digen clips symmetrically: use actor_rollout_ref.actor.clip_ratio",
     "actor_rollout_ref.actor.clip_ratio_high": "verl-digen clips symmetrically: use actor_rollout_ref.actor.clip_ratio",
@@ -423,6 +506,16 @@ class RunConfig:
     digen: dict[str, Any]
     origins: dict[str, str]
     trainer: VerlTrainerKeys
+    # the ENGINE_TUNING keys the config sets (key -> value): accepted, named by notice()
+    engine_keys: dict[str, Any] = field(default_factory=dict)
+
+    def notice(self) -> str | None:
+        """One line naming the settings that tune another engine and change nothing here (None: none set)."""
+        if not self.engine_keys:
+            return None
+        keys = ", ".join(f"{k}={v!r}" for k, v in self.engine_keys.items())
+        return (f"[verl-digen] notice: accepted without effect, these settings tune engines a digen run does not "
+                f"use (docs/verl_keys.md, engine settings): {keys}")
 
     def rename(self, message: str) -> str:
         """A message about ``digen.*`` keys, naming the veRL keys the user set instead."""
@@ -432,10 +525,12 @@ class RunConfig:
         return message
 
 
-def resolve_run_config(config: Mapping[str, Any], entry: str = DIGEN_MAIN) -> RunConfig:
+def resolve_run_config(config: Mapping[str, Any], entry: str = DIGEN_MAIN,
+                       written: Any = ()) -> RunConfig:
     """Apply veRL's keys in ``config`` (a resolved plain mapping of the whole run config) to its
     ``digen`` group; refuse veRL keys that cannot apply. ``entry``: :data:`MAIN_PPO` or
-    :data:`DIGEN_MAIN`."""
+    :data:`DIGEN_MAIN`; ``written``: the keys the command line wrote (:func:`override_keys`),
+    for the defaults that cannot apply when written (:data:`REFUSED_WHEN_WRITTEN`)."""
     digen = copy.deepcopy(dict(config.get("digen") or {}))
     ours = hydra_defaults()
     origins: dict[str, str] = {}
@@ -481,8 +576,11 @@ def resolve_run_config(config: Mapping[str, Any], entry: str = DIGEN_MAIN) -> Ru
     _derived_settings(config, digen, ours, put)
     trainer = VerlTrainerKeys.of(config)
     _check_rollout_and_algorithm(config, trainer, entry)
-    _check_inapplicable(config, entry)
-    return RunConfig(digen=digen, origins=origins, trainer=trainer)
+    for key, (value, why) in REFUSED_WHEN_WRITTEN.items():
+        if key in written and _get(config, key) == value:
+            raise ConfigError(f"invalid config: {key}={value!r} cannot apply: {why}")
+    engine_keys = _check_inapplicable(config, entry)
+    return RunConfig(digen=digen, origins=origins, trainer=trainer, engine_keys=engine_keys)
 
 
 def _derived_settings(config: Mapping[str, Any], digen: dict[str, Any], ours: dict[str, Any],
@@ -667,18 +765,10 @@ def _custom_reward(config: Mapping[str, Any]) -> tuple[Any, Any, Any]:
 
 
 def _check_rollout_and_algorithm(config: Mapping[str, Any], trainer: VerlTrainerKeys, entry: str) -> None:
-    name = _get(config, "actor_rollout_ref.rollout.name", "???")
-    if name not in ("???", None, "hf"):
-        raise ConfigError(f"invalid config: actor_rollout_ref.rollout.name={name!r} cannot apply: "
-                          f"{_HINTS['actor_rollout_ref.rollout.name']}")
     summon = _get(config, LAYERED_SUMMON, False)
     if not isinstance(summon, bool):
         raise ConfigError(f"invalid config: {LAYERED_SUMMON}={summon!r}; must be true or false (both run the same: "
                           "the weight sync always gathers sharded weights bucket by bucket)")
-    tp_key = "actor_rollout_ref.rollout.tensor_model_parallel_size"
-    if _is_set(config, tp_key) and _get(config, tp_key) != 1:
-        raise ConfigError(f"invalid config: {tp_key}={_get(config, tp_key)!r} cannot apply: the rollout is a "
-                          "diffusers pipeline per worker, not tensor-parallel; set it to 1 or leave it unset")
     adv = _get(config, "algorithm.adv_estimator", "gae")
     if adv not in ("gae", "grpo", "flow_grpo"):
         raise ConfigError(f"invalid config: algorithm.adv_estimator={adv!r}; verl-digen trains with GRPO's "
@@ -692,15 +782,73 @@ def _check_rollout_and_algorithm(config: Mapping[str, Any], trainer: VerlTrainer
                           f"{AGENT_LOOP_MANAGER} (leave it unset)")
 
 
-def _check_inapplicable(config: Mapping[str, Any], entry: str) -> None:
-    """Every other veRL key is at veRL's default, or the run stops naming it."""
-    handled = {row.verl_key for row in MAPPED} | set(READ_DIRECTLY) | {
+#: The classes of a veRL key's value in the digen mode (:func:`key_class`).
+HONOURED = "honoured"  # it sets or checks a digen setting (MAPPED, READ_DIRECTLY, veRL-Omni's), or veRL uses it
+AT_DEFAULT = "veRL's default"  # veRL's own value: it sets nothing
+ENGINE = "engine setting"  # it tunes another engine only: accepted, named by the notice
+REFUSED = "refused"  # it would change what is learned and cannot apply: the run stops naming it
+
+
+@functools.lru_cache(maxsize=1)
+def _handled() -> frozenset[str]:
+    """The keys (and subtrees) resolve_run_config reads or checks itself."""
+    return frozenset({row.verl_key for row in MAPPED} | set(READ_DIRECTLY) | {
         "trainer.use_v1", "algorithm.adv_estimator", "reward.custom_reward_function.reward_kwargs",
         "reward.reward_functions", "reward.reward_manager.module.path", LAYERED_SUMMON,
-        "custom_reward_function.reward_kwargs"} | OMNI_HANDLED
-    skip_roots = {"digen", "model_engine"} | (set(_MAIN_PPO_ONLY) if entry == MAIN_PPO else set())
+        "custom_reward_function.reward_kwargs"} | OMNI_HANDLED)
+
+
+def _skip_roots(entry: str) -> set[str]:
+    """Top-level groups left to others: ours, veRL's engine group, and under main_ppo what its driver consumes."""
+    return {"digen", "model_engine"} | (set(_MAIN_PPO_ONLY) if entry == MAIN_PPO else set())
+
+
+def _leaf_class(key: str, value: Any, default: Any) -> str:
+    if not _differs(value, default):
+        return AT_DEFAULT
+    return ENGINE if engine_tuning(key) is not None else REFUSED
+
+
+def key_class(key: str, value: Any, entry: str = DIGEN_MAIN) -> str:
+    """Which class the leaf ``key`` set to ``value`` falls in (:data:`HONOURED`, :data:`AT_DEFAULT`,
+    :data:`ENGINE` or :data:`REFUSED`): the rule :func:`resolve_run_config` applies to every key
+    of a run's config. A honoured key's value may still be refused by its own check."""
+    parts = key.split(".")
+    if parts[0] in _skip_roots(entry) or any(".".join(parts[:i]) in _handled() for i in range(1, len(parts) + 1)):
+        return HONOURED
+    return _leaf_class(key, value, _get(_verl_defaults_cached(), key))
+
+
+def verl_key_classes(entry: str = MAIN_PPO) -> dict[str, str]:
+    """Every leaf key of veRL's composed defaults -> what a value other than veRL's default does in
+    the digen mode (:func:`key_class`; :data:`AT_DEFAULT` where veRL's default is an interpolation:
+    the key follows the one it names). tests/data/verl_key_classes.tsv holds this table as
+    reviewed: a new veRL key, or a key that changes class, fails a test until it is reviewed."""
+
+    class _Other:  # a value no default equals
+        pass
+
+    out: dict[str, str] = {}
+
+    def walk(node: Any, key: str) -> None:
+        if isinstance(node, Mapping) and node:
+            for k, v in node.items():
+                walk(v, f"{key}.{k}" if key else str(k))
+        else:
+            out[key] = key_class(key, _Other(), entry)
+
+    walk(_verl_defaults_cached(), "")
+    return out
+
+
+def _check_inapplicable(config: Mapping[str, Any], entry: str) -> dict[str, Any]:
+    """Every other veRL key is at veRL's default or only tunes another engine (returned, key ->
+    value: :data:`ENGINE_TUNING`), or the run stops naming it."""
+    handled = _handled()
+    skip_roots = _skip_roots(entry)
     defaults = _verl_defaults_cached()
     bad: list[str] = []
+    engine: dict[str, Any] = {}
 
     def walk(node: Any, key: str) -> None:
         if key in handled:
@@ -710,7 +858,10 @@ def _check_inapplicable(config: Mapping[str, Any], entry: str) -> None:
             for k, v in node.items():
                 walk(v, f"{key}.{k}" if key else str(k))
             return
-        if _differs(node, default):
+        kind = _leaf_class(key, node, default)
+        if kind == ENGINE:
+            engine[key] = node
+        elif kind == REFUSED:
             bad.append(key)
 
     for root, value in config.items():
@@ -723,6 +874,9 @@ def _check_inapplicable(config: Mapping[str, Any], entry: str) -> None:
             "a veRL-Omni diffusion key verl-digen has no setting for" if is_omni_key(key) else
             "it is not a veRL key" if default is _UNSET else
             f"it has no meaning for diffusion RL in verl-digen; leave it at veRL's default {default!r}")
-        more = f" (and {len(bad) - 1} more: {', '.join(bad[1:6])}{', ...' if len(bad) > 6 else ''})" if len(bad) > 1 else ""
+        # every one named, so that one run lists them all
+        more = f" (and {len(bad) - 1} more: {', '.join(f'{k}={_get(config, k)!r}' for k in bad[1:])})" \
+            if len(bad) > 1 else ""
         raise ConfigError(f"invalid config: {key}={_get(config, key)!r} cannot apply: {hint}; "
                           f"see docs/verl_keys.md{more}")
+    return engine

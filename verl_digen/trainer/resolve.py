@@ -512,9 +512,16 @@ def check_run_config(config: Any, entry: str = DIGEN_MAIN, *, without_weights: b
 
     from verl_digen.placement.pools import cluster_from_trainer_keys, pool_layout
 
+    from verl_digen.config.compose import written_keys
+
     container = OmegaConf.to_container(config, resolve=True)
     assert isinstance(container, dict)
-    run_config = resolve_run_config(container, entry)  # also types and checks veRL's trainer.* keys
+    # also types and checks veRL's trainer.* keys
+    run_config = resolve_run_config(container, entry, written_keys(config))
+    if run_config.notice() and (entry != MAIN_PPO or _in_hydra_app()):
+        # once per job: under main_ppo its driver says it (a Hydra app); the trainer, which checks
+        # again inside Ray, does not repeat it
+        print(run_config.notice(), flush=True)
     trainer = run_config.trainer
     ray_address, ray_num_cpus = ray_init_keys(container)
     try:
@@ -542,6 +549,12 @@ def check_run_config(config: Any, entry: str = DIGEN_MAIN, *, without_weights: b
         raise type(e)(run_config.rename(str(e))) from None
     return CheckedRun(container, run_config, cfg, layout, cluster, records, val_records, steps, model_path,
                       ray_address, ray_num_cpus, memory_plan, model_note)
+
+
+def _in_hydra_app() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+
+    return HydraConfig.initialized()
 
 
 def weights_on_this_machine(cfg: DigenConfig) -> bool:
@@ -650,25 +663,18 @@ class PreparedRun(CheckedRun):
         return self.resume_from.step if self.resume_from is not None else 0
 
 
-def prepare_run(config: Any, entry: str = DIGEN_MAIN) -> PreparedRun:
-    """:func:`check_run_config`, then what a run needs before Ray starts: its output directory
-    and checkpoint root created, and the checkpoint ``trainer.resume_mode`` asks for, checked to
-    be this run's and to leave steps to run. Errors name the key the user wrote."""
-    from dataclasses import fields
-
+def check_resume(checked: CheckedRun) -> tuple[Any, dict[str, Any] | None]:
+    """The checkpoint ``trainer.resume_mode`` asks for (None: start fresh), checked to be this
+    run's (every difference listed) and to leave steps to run, and this run's identity for the
+    checkpoints it writes (None: emulated). Reads only: ``main_ppo``'s driver runs it before Ray
+    (:mod:`verl_digen.verl_hooks`), :func:`prepare_run` again where the run starts."""
     from verl_digen.trainer.checkpoint import resume_point
 
-    checked = check_run_config(config, entry)
-    cfg, trainer = checked.cfg, checked.trainer
+    if checked.emulated:
+        return None, None
+    trainer = checked.trainer
     try:
-        output_dir = output_dir_for(cfg, trainer)
-        if cfg.rollout_data_dir is not None:  # absolute: the workers that write there may run elsewhere
-            cfg.rollout_data_dir = check_directory(cfg.rollout_data_dir, "digen.rollout_data_dir")
-        root = trainer.checkpoint_root
-        resume_from, identity = None, None
-        if not checked.emulated:
-            check_directory(root, "trainer.default_local_dir")  # the root stays as written (messages name it)
-            resume_from, identity = resume_point(trainer, root, cfg, checked.model_path)
+        resume_from, identity = resume_point(trainer, trainer.checkpoint_root, checked.cfg, checked.model_path)
         if resume_from is not None and resume_from.step >= checked.total_steps:
             raise ConfigError(
                 f"checkpoint {resume_from.path} is at step {resume_from.step}, which already reaches "
@@ -677,5 +683,26 @@ def prepare_run(config: Any, entry: str = DIGEN_MAIN) -> PreparedRun:
             )
     except (ConfigError, FileNotFoundError) as e:
         raise type(e)(checked.run_config.rename(str(e))) from None
+    return resume_from, identity
+
+
+def prepare_run(config: Any, entry: str = DIGEN_MAIN) -> PreparedRun:
+    """:func:`check_run_config`, then what a run needs before Ray starts: its output directory
+    and checkpoint root created, and the checkpoint ``trainer.resume_mode`` asks for, checked to
+    be this run's and to leave steps to run. Errors name the key the user wrote."""
+    from dataclasses import fields
+
+    checked = check_run_config(config, entry)
+    cfg, trainer = checked.cfg, checked.trainer
+    try:
+        output_dir = output_dir_for(cfg, trainer)
+        if cfg.rollout_data_dir is not None:  # absolute: the workers that write there may run elsewhere
+            cfg.rollout_data_dir = check_directory(cfg.rollout_data_dir, "digen.rollout_data_dir")
+        root = trainer.checkpoint_root
+        if not checked.emulated:
+            check_directory(root, "trainer.default_local_dir")  # the root stays as written (messages name it)
+    except (ConfigError, FileNotFoundError) as e:
+        raise type(e)(checked.run_config.rename(str(e))) from None
+    resume_from, identity = check_resume(checked)
     return PreparedRun(**{f.name: getattr(checked, f.name) for f in fields(checked)}, output_dir=output_dir,
                        checkpoint_root=root, resume_from=resume_from, identity=identity)
