@@ -220,7 +220,9 @@ def test_the_mapping_table_in_docs_lists_every_key():
         table = f.read()
     from verl_digen.config.omni_keys import OMNI_CHECKED
 
-    keys = [row.verl_key for row in MAPPED] + list(READ_DIRECTLY) + list(OMNI_CHECKED)
+    from verl_digen.config.verl_keys import ENGINE_TUNING
+
+    keys = [row.verl_key for row in MAPPED] + list(READ_DIRECTLY) + list(OMNI_CHECKED) + list(ENGINE_TUNING)
     missing = [k for k in keys if f"`{k}`" not in table]
     assert not missing, f"docs/verl_keys.md lacks {missing}"
 
