@@ -20,11 +20,11 @@ def main(config: DictConfig) -> None:
     from verl_digen.rewards.http_client import RewardServerError
     from verl_digen.trainer.checkpoint import CheckpointError
     from verl_digen.trainer.loop import RunStopped, run_training
-    from verl_digen.trainer.runtime import RunInterrupted
+    from verl_digen.trainer.runtime import RayStartError, RunInterrupted
 
     try:
         run_training(config)
-    except (ConfigError, FileNotFoundError, CheckpointError, RewardServerError) as e:
+    except (ConfigError, FileNotFoundError, CheckpointError, RewardServerError, RayStartError) as e:
         print(f"[verl-digen] error: {e}", file=sys.stderr)
         sys.exit(2)
     except RunStopped:

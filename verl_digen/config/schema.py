@@ -695,6 +695,11 @@ class DigenConfig:
     # CPU slots of the local Ray instance the job starts (null: Ray's count); refused when the job
     # joins a running cluster, whose nodes declared theirs at ray start.
     ray_num_cpus: Optional[int] = None
+    # How long the local Ray instance the job starts may take to come up (seconds). Ray gives its
+    # raylet 30 s to register and then raises "The current node timed out during startup"; on a
+    # busy machine the job tries again (at least once, then while this lasts) before it stops with
+    # one line naming Ray's logs and this key.
+    ray_start_timeout_s: float = 120.0
     # The floor of every blocking call's deadline (seconds). Each call (the workers' load, the
     # executor's wait for a task, the weight send's wait for the rollout workers and its join, the
     # process groups' collectives, checkpoint saves, the final sync) may wait this long plus twice
@@ -928,6 +933,7 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "data.max_prompt_chars": (lambda v: v >= 1, "must be >= 1"),
     "data.max_prompt_tokens": (lambda v: v is None or v >= 1, "must be >= 1 or null"),
     "ray_num_cpus": (lambda v: v is None or v >= 1, "must be >= 1 or null"),
+    "ray_start_timeout_s": (lambda v: v > 0, "must be > 0"),
     "gantt_last_steps": (lambda v: v >= 1, "must be >= 1"),
     "max_nonfinite_steps": (lambda v: v >= 0, "must be >= 0"),
 }

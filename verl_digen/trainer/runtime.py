@@ -241,17 +241,91 @@ def init_ray(devices: int, cfg: DigenConfig, *, address: str | None = None, num_
         ray.init(address=target, log_to_driver=True, runtime_env=env)
         print(f"[verl-digen] connected to the Ray cluster at {target} ({len(ray.nodes())} node(s))", flush=True)
         return True
-    with _loopback_node():
-        ray.init(
-            address=LOCAL,  # never the marker file's cluster: ray_target found none, or was told local
-            num_cpus=counts or max(devices + 2, os.cpu_count() or 1),
-            include_dashboard=False,
-            ignore_reinit_error=True,
-            log_to_driver=True,
-            runtime_env=env,
-        )
+    start_local_ray(lambda: ray.init(
+        address=LOCAL,  # never the marker file's cluster: ray_target found none, or was told local
+        num_cpus=counts or max(devices + 2, os.cpu_count() or 1),
+        include_dashboard=False,
+        ignore_reinit_error=True,
+        log_to_driver=True,
+        runtime_env=env,
+    ), cfg.ray_start_timeout_s)
     _start_reaper()
     return True
+
+
+def _stop_ray_children(since: float) -> None:
+    """Stop this process's Ray processes (GCS, raylet, their agents and monitors: a command line
+    naming a file under Ray's package directory) started after the wall-clock time of ``since`` (``time.monotonic()``),
+    which a ``ray.init`` that raised mid-start leaves running (it never recorded its node)."""
+    import time
+
+    import psutil
+
+    started_after = time.time() - (time.monotonic() - since) - 1.0
+    procs = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.create_time() >= started_after and any(f"{os.sep}ray{os.sep}" in part for part in p.cmdline()):
+                procs.append(p)
+        except psutil.Error:
+            continue
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=10)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+
+
+class RayStartError(RuntimeError):
+    """The local Ray instance did not come up (one line: what timed out, Ray's logs, the key to raise)."""
+
+
+# What Ray raises when its raylet does not register with the GCS within its fixed 30 s
+# (ray/_private/node.py): a busy machine, not a broken install.
+_NODE_START_TIMEOUT = "timed out during startup"
+
+
+def ray_logs_dir() -> str:
+    """The logs of the newest Ray session on this machine (``<Ray's temp dir>/session_latest/logs``)."""
+    base = os.path.dirname(ray_marker_file())  # $RAY_TMPDIR/ray, else $TMPDIR/ray, else /tmp/ray
+    return os.path.join(base, "session_latest", "logs")
+
+
+def start_local_ray(init: Any, timeout_s: float) -> None:
+    """``init()`` (a local ``ray.init``) under a bound: when Ray's node start times out (its raylet
+    did not register within Ray's own 30 s, as on a loaded machine), what it started is shut down
+    and ``init`` runs again: at least once more, then while ``timeout_s`` lasts (``digen.ray_start_timeout_s``).
+    Then :class:`RayStartError` in one line. Ray's other errors pass as they are."""
+    import time
+
+    import ray
+
+    start = time.monotonic()
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            with _loopback_node():
+                init()
+            return
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this one
+            if _NODE_START_TIMEOUT not in str(e):
+                raise
+        ray.shutdown()
+        _stop_ray_children(since=start)  # a failed ray.init leaves the GCS and raylet it started running
+        elapsed = time.monotonic() - start
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+        busy = f"load {load:.1f} on {os.cpu_count()} cores"
+        if attempt >= 2 and elapsed >= timeout_s:
+            raise RayStartError(
+                f"the local Ray instance did not start: its raylet did not register within Ray's 30 s, {attempt} "
+                f"times in {elapsed:.0f} s ({busy}); Ray's logs: {ray_logs_dir()} (raylet.out, gcs_server.out); on a "
+                f"busy machine raise digen.ray_start_timeout_s (now {timeout_s:g} s), or join a running cluster "
+                "(RAY_ADDRESS)")
+        print(f"[verl-digen] the local Ray instance did not start within Ray's 30 s ({busy}); trying again "
+              f"({max(timeout_s - elapsed, 0):.0f} s left of digen.ray_start_timeout_s={timeout_s:g})", flush=True)
 
 
 _reaper: Any = None  # the subprocess.Popen of ray_reaper.py for the local instance the job started
