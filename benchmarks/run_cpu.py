@@ -4,12 +4,12 @@ in-process run on the suite's shared Ray instance.
     python benchmarks/run_cpu.py                                   # the default two-step run
     python benchmarks/run_cpu.py digen.placement=disaggregated ...  # any overrides of a run
 
-It starts the Ray instance the suite shares (``tests/runs.py: shared_ray_up``) with the tiny
+It starts the Ray instance the suite shares (``tests/helpers/runs.py: shared_ray_up``) with the tiny
 models in a temporary cache, makes one run to warm this process up (imports, the tiny model
 built), then snapshots the CPU times of every process on the machine (psutil) before and after a
 second run and prints the wall time, the total, and the processes that used the most. The worker
 processes of the measured run are new, so their whole start is in it, as in a test: forked from the
-suite's zygote (``tests/ray_zygote.py``), or started plain by Ray with ``DIGEN_TEST_ZYGOTE=0``.
+suite's zygote (``tests/helpers/ray_zygote.py``), or started plain by Ray with ``DIGEN_TEST_ZYGOTE=0``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def cpu_by_process() -> dict[int, tuple[float, float, str]]:
 def main(overrides: list[str]) -> None:
     work = tempfile.mkdtemp(prefix="run_cpu_")
     os.environ.setdefault("VERL_DIGEN_CACHE", os.path.join(work, "cache"))
-    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "helpers"))
     import runs
 
     class Dir(str):  # what runs.run expects of pytest's tmp_path: `tmp_path / name`

@@ -64,7 +64,8 @@ def main() -> None:
         parser.error(f"unknown cases {unknown}; known: {', '.join(CASES)}")
 
     tree = os.path.abspath(args.tree)
-    sys.path[:0] = [tree, os.path.join(tree, "tests")]  # its verl_digen and its tests/runs.py
+    # its verl_digen and its runs.py: tests/helpers/, or tests/ in a checkout older than the lanes' folders
+    sys.path[:0] = [tree, os.path.join(tree, "tests", "helpers"), os.path.join(tree, "tests")]
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p)  # Ray workers
     import ray
 

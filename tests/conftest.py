@@ -2,9 +2,11 @@
 test module, one-thread torch for the tiny models, loopback traffic that bypasses proxies.
 
 The fast lane (``pytest -m "not e2e"``) is kept honest here: a test that starts Ray or a whole
-run without the ``e2e`` marker fails (the hooks of ``e2e_guard.py``).
+run without the ``e2e`` marker fails (the hooks of ``helpers/e2e_guard.py``).
 
-Plain helpers (no fixtures) are in ``runs.py``."""
+The test files sit in one folder per lane (``unit/``, ``e2e/``, ``gpu/``); plain helpers (no
+fixtures) are in ``helpers/`` (``runs.py``, ...). Both are imported by name: this module puts them
+on ``sys.path`` (``helpers/suite_paths.py``)."""
 
 from __future__ import annotations
 
@@ -22,10 +24,18 @@ import pytest
 sys.dont_write_bytecode = False
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
-# The e2e guard's hooks (tests/e2e_guard.py), registered by being names of this module;
+# The shared helpers and the lanes' folders, first on the path: tests import their modules by
+# name (``from runs import run``, ``from test_fsdp import TinyDenoiser``), whichever file pytest
+# collects first.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers"))
+from suite_paths import SEARCH_PATH  # noqa: E402
+
+sys.path[:0] = [path for path in SEARCH_PATH if path not in sys.path]
+
+# The e2e guard's hooks (tests/helpers/e2e_guard.py), registered by being names of this module;
 # its pytest_runtest_setup is called by this module's own.
-import e2e_guard
-from e2e_guard import (  # noqa: F401
+import e2e_guard  # noqa: E402
+from e2e_guard import (  # noqa: E402, F401
     pytest_configure,
     pytest_runtest_makereport,
     pytest_runtest_protocol,

@@ -26,6 +26,7 @@ from raylets import free_ports as _free_ports
 from raylets import ray_start as _ray_start
 from raylets import stop as _stop
 from runs import QUIET, metrics_lines, ray_auth_follows_env, run
+from suite_paths import SEARCH_PATH
 from verl_digen.config.schema import ConfigError
 from verl_digen.placement.pools import (
     ClusterSpec,
@@ -206,7 +207,7 @@ def _two_raylets(head_args: list[str], other_args: list[str]):
                 "RAY_worker_register_timeout_seconds": "600"})
     # Workers of an existing cluster inherit the raylet's environment, not the driver's.
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root, os.path.join(root, "tests"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([root, *SEARCH_PATH, env.get("PYTHONPATH", "")])
     # --port=0: the GCS binds a port of its own and `ray start` writes the address into the temp
     # dir (a port picked here could be taken by another Ray of this machine before the GCS binds it)
     procs = [_ray_start("--head", "--port=0", f"--ray-client-server-port={client_port}", f"--temp-dir={temp}",

@@ -1,4 +1,4 @@
-"""The e2e guard (tests/e2e_guard.py): what counts as starting Ray or a run, and a pytester session
+"""The e2e guard (tests/helpers/e2e_guard.py): what counts as starting Ray or a run, and a pytester session
 in which an unmarked test that starts one fails while a marked one passes."""
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def test_unmarked_start_in_a_module_fixture(module_ray):
 
 
 def test_the_guard_fails_only_unmarked_tests_that_start_ray(pytester: pytest.Pytester):
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.abspath(e2e_guard.__file__))
     with open(os.path.join(here, "e2e_guard.py")) as f:
         pytester.makeconftest(f.read())
     pytester.makeini(INI + "markers =\n    e2e: starts Ray or a run\n")
@@ -119,7 +119,7 @@ def test_marked_use(shared_ray):
 
 
 def test_the_guard_fails_unmarked_tests_that_ask_for_the_shared_ray_before_it_starts(pytester: pytest.Pytester):
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.abspath(e2e_guard.__file__))
     with open(os.path.join(here, "e2e_guard.py")) as f:
         pytester.makeconftest(f.read())
     pytester.makeini(INI + "markers =\n    e2e: starts Ray or a run\n")
@@ -160,7 +160,7 @@ def test_fast():
     (("-m", "gpu"), {"test_gpu"}),
 ])
 def test_slow_tests_are_e2e_and_gpu_tests_run_only_when_asked_for(pytester: pytest.Pytester, args, ran):
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.abspath(e2e_guard.__file__))
     with open(os.path.join(here, "e2e_guard.py")) as f:
         pytester.makeconftest(f.read())
     pytester.makeini(INI + "markers =\n    e2e: e2e\n    slow: slow\n    gpu: gpu\n")

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray_zygote  # the standard library only
 import torch
+from suite_paths import SEARCH_PATH  # the standard library only
 
 from verl_digen.models.base import DiffusionAdapter, SampleSpec
 
@@ -70,16 +71,16 @@ _shared_ray: bool | None = None  # None: never started; then whether it runs
 
 def shared_ray_up() -> None:
     """Start the shared local Ray instance unless it runs: workers on ``SHARED_RAY_CPUS`` CPU
-    slots, their output not sent to the driver, ``tests/`` on their path (actors defined in a
-    test module). Call after ``VERL_DIGEN_CACHE`` is set: workers inherit the environment of now."""
+    slots, their output not sent to the driver, the suite's folders on their path (actors defined
+    in a test module: ``suite_paths.SEARCH_PATH``). Call after ``VERL_DIGEN_CACHE`` is set: workers
+    inherit the environment of now."""
     import ray
 
     global _shared_ray, _shared_runtime_env
     if _shared_ray:
         return
     assert not ray.is_initialized(), "a test left its own Ray instance running"
-    here = os.path.dirname(os.path.abspath(__file__))
-    pythonpath = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
+    pythonpath = os.pathsep.join(p for p in (*SEARCH_PATH, os.environ.get("PYTHONPATH", "")) if p)
     runtime_env = {"env_vars": {"PYTHONPATH": pythonpath}}
     zygote = _zygote_env(pythonpath)
     if zygote:
@@ -96,7 +97,7 @@ def shared_ray_driver_env(cwd: str, *, main_ppo: bool = False) -> dict[str, str]
     ``main_ppo``) join the shared Ray instance instead of starting its own, as a user's job joins a
     running cluster (``RAY_ADDRESS``): the ~10 s of a new instance and a fresh worker's imports (a
     TaskRunner, every worker) are not paid again. Its workers get the shared instance's runtime
-    environment (the zygote, ``tests/`` on their path), as the injected job config of a Ray job
+    environment (the zygote, the suite's folders on their path), as the injected job config of a Ray job
     submission that Ray merges with the driver's own, and start in ``cwd``, the driver's directory,
     as the workers of an instance that driver had started would (``ray_zygote.CWD_ENV``).
 

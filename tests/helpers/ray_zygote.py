@@ -12,8 +12,8 @@ have. The worker is a real Ray worker of the real cluster (it registers itself w
 by its startup token), with the same environment; only the imports above were done before it
 started, in a process that never imported Ray or veRL (checked at its start).
 
-    python tests/ray_zygote.py serve SOCKET MODULES  # the zygote (the suite starts it)
-    python -I -S tests/ray_zygote.py client ARGV...  # what Ray runs for a worker
+    python tests/helpers/ray_zygote.py serve SOCKET MODULES  # the zygote (the suite starts it)
+    python -I -S tests/helpers/ray_zygote.py client ARGV...  # what Ray runs for a worker
 
 Lifetimes: the zygote exits when its parent (the pytest process) is gone or on SIGTERM; a child
 exits when its client is gone (Ray stops a worker by its client's pid when it never registered);
