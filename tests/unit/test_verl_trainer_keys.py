@@ -15,7 +15,7 @@ from verl_digen.config.compose import compose_config
 from verl_digen.config.schema import ConfigError
 from verl_digen.config.verl_keys import DIGEN_MAIN, VerlTrainerKeys, resolve_run_config, verl_defaults
 
-PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "verl_digen")
+PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "verl_digen")
 
 
 def _lookup(tree: dict, key: str):

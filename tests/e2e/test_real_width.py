@@ -51,7 +51,7 @@ from verl_digen.workers.training import add_lora
 # 3.3 s of CPU for the two LoRA passes of SD3 with one thread, 9.9 s with two).
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
-PRESETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+PRESETS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 
 # The depth keys of each real config, cut to the fewest layers that still hold every block
 # type: the rest of the config (every width) is the shipped one.

@@ -120,7 +120,7 @@ def test_vae_decode_of_one_call_at_real_size_matches_the_plan(preset):
     from verl_digen.models.real_configs import instantiate
     from verl_digen.memory.plan import trace_shape
 
-    configs = os.path.join(os.path.dirname(__file__), "..", "configs")
+    configs = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
     cfg = compose_config([], config_name=preset, config_dir=configs)
     dcfg = digen_config_from_dict(OmegaConf.to_container(cfg.digen, resolve=True))
     job = job_shape(dcfg, devices_per_node=cfg.trainer.n_gpus_per_node, nnodes=1)

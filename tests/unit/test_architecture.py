@@ -25,7 +25,7 @@ from verl_digen.schedule.strategies import StrategySpec
 from verl_digen.sim.cost_model import Cluster, TableCostModel
 from verl_digen.sim.simulator import simulate
 
-PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "verl_digen")
+PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "verl_digen")
 
 
 def _modules(sub: str) -> dict[str, ast.Module]:

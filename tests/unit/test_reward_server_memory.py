@@ -42,7 +42,7 @@ from verl_digen.rewards.serve import protocol as serve_protocol
 
 from runs import gate_reward, quantised_rand
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from reward_server_memory import (  # noqa: E402
     black_png_request,
     post,

@@ -42,7 +42,7 @@ from omegaconf import DictConfig
 from runs import QUIET, metrics_lines, timeline_records
 from verl_digen.config.compose import compose_config
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = os.path.join(REPO, "configs")
 # configs/ files that are not presets, and presets rehearsed at their shipped size by another test
 NOT_REHEARSED_HERE = {

@@ -97,7 +97,7 @@ def test_host_syncs_per_denoising_loop_and_training_step_on_cuda(tiny_flux):
     import dataclasses
     import sys
 
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/helpers")
     from host_syncs import HostSyncCounter
     from verl_digen.config.schema import AlgoConfig, LoraConfigSpec, digen_config_from_dict
     from verl_digen.models.registry import load_adapter

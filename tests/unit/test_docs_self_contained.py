@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOCS = sorted(
     [os.path.join(REPO, "README.md"), os.path.join(REPO, "patches", "README.md")]
     + glob.glob(os.path.join(REPO, "docs", "*.md"))

@@ -19,7 +19,7 @@ from verl_digen.memory.__main__ import plan_preset, preset_names
 from verl_digen.memory.plan import GIB
 from verl_digen.memory.trace import _measure, _patched_sdpa, _storage_bytes, _storage_key
 
-CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
 
 
 def _digen(name: str, *overrides: str):

@@ -20,7 +20,7 @@ from verl_digen.config.verl_keys import (
     verl_defaults,
 )
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _resolved(*overrides: str, entry: str = "verl_digen.main"):
