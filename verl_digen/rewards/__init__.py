@@ -29,6 +29,7 @@ from verl_digen.rewards.base import (
     reward_class,
 )
 from verl_digen.rewards.custom import CustomFunctionReward, CustomRewardError
+from verl_digen.rewards.factory import RewardFactoryReward
 from verl_digen.rewards.clip_score import ClipScoreReward, build_tiny_clip
 from verl_digen.rewards.digits import DigitClassifierReward, requested_digit
 from verl_digen.rewards.http_client import (
@@ -83,5 +84,6 @@ __all__ = [
     "WeightedReward",
     "VlmJudgeReward",
     "CustomFunctionReward",
+    "RewardFactoryReward",
     "CustomRewardError",
 ]

@@ -365,7 +365,7 @@ def check_directory(path: str, key: str, *, create: bool = True) -> str:
 
 def preflight_reward(cfg: DigenConfig) -> None:
     """Fail before any worker starts when a remote reward (HTTP server, VLM judge) is unreachable, or a
-    custom reward file does not load."""
+    custom reward file or a reward factory does not load."""
     from verl_digen.rewards import build_reward
 
     specs = [{"name": cfg.reward.name, "kwargs": cfg.reward.kwargs}] + list(cfg.reward.components)
@@ -375,6 +375,13 @@ def preflight_reward(cfg: DigenConfig) -> None:
         elif spec.get("name") == "custom":  # the user's file loads and defines the function
             try:
                 build_reward("custom", **dict(spec.get("kwargs") or {}))
+            except (ValueError, TypeError) as e:
+                raise ConfigError(f"invalid config: {e}") from None
+        elif spec.get("name") == "factory":  # the file loads, the factory fits its arguments (not called)
+            from verl_digen.rewards.factory import RewardFactoryReward
+
+            try:
+                RewardFactoryReward.checked_factory(**dict(spec.get("kwargs") or {}))
             except (ValueError, TypeError) as e:
                 raise ConfigError(f"invalid config: {e}") from None
 
