@@ -119,7 +119,7 @@ def test_jpeg_flat_image_more_compressible_than_noise() -> None:
 
     assert compress.dtype == torch.float32 and compress.shape == (2,)
     assert (compress < 0).all() and (incompress > 0).all()
-    torch.testing.assert_close(compress, -incompress)
+    torch.testing.assert_close(compress, -incompress / 500)  # Flow-GRPO's scales (test_reward_factory)
     assert compress[0] > compress[1]  # flat is more compressible
     assert incompress[1] > incompress[0]
     assert incompress[1] > 5.0  # 64x64 noise at quality 95 is several kB
