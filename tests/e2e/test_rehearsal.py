@@ -48,8 +48,8 @@ CONFIGS = os.path.join(REPO, "configs")
 NOT_REHEARSED_HERE = {
     "digen_base.yaml": "the body every preset composes (veRL's ppo_trainer and the digen defaults), no preset",
     "digen_trainer.yaml": "the main job's default config, already the tiny FLUX on 2 CPU slots: every run of "
-                          "tests/runs.py composes it (test_checkpoint.py resumes it after a kill)",
-    "digits.yaml": "the toy FLUX on 8x8 digits, CPU-sized as shipped: test_digits_preset.py runs 60 of its "
+                          "tests/helpers/runs.py composes it (test_checkpoint_e2e.py resumes it after a kill)",
+    "digits.yaml": "the toy FLUX on 8x8 digits, CPU-sized as shipped: test_digits_preset_e2e.py runs 60 of its "
                    "steps at its shipped size",
 }
 PRESETS = sorted(f.removesuffix(".yaml") for f in os.listdir(CONFIGS)
