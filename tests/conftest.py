@@ -35,6 +35,7 @@ sys.path[:0] = [path for path in SEARCH_PATH if path not in sys.path]
 # The e2e guard's hooks (tests/helpers/e2e_guard.py), registered by being names of this module;
 # its pytest_runtest_setup is called by this module's own.
 import e2e_guard  # noqa: E402
+import lanes  # noqa: E402
 from e2e_guard import (  # noqa: E402, F401
     pytest_configure,
     pytest_runtest_makereport,
@@ -43,8 +44,10 @@ from e2e_guard import (  # noqa: E402, F401
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The e2e guard's marks and gpu deselection; then, under pytest-xdist, the heaviest test
-    files first (``heaviest_files_first``)."""
+    """Each test's lane recorded (``lanes.record``, for test_layout.py), before anything is
+    deselected; the e2e guard's marks and gpu deselection; then, under pytest-xdist, the heaviest
+    test files first (``heaviest_files_first``)."""
+    lanes.record(config, items)
     e2e_guard.pytest_collection_modifyitems(config, items)
     if os.environ.get("PYTEST_XDIST_WORKER"):
         heaviest_files_first(items)
