@@ -17,7 +17,7 @@ Prints one JSON object:
 - ``statuses``: each request's HTTP status (200: scored; 503: refused for a full budget) and
   ``errors`` the messages of the refused ones.
 
-Linux only (``/proc``). The same helpers back ``tests/test_reward_server_memory.py``.
+Linux only (``/proc``). The same helpers back ``tests/unit/test_reward_server_memory.py``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Sphinx configuration of verl-digen's documentation site: MyST markdown pages, as veRL's docs.
 
-Build (what tests/test_docs_site.py runs, warnings are errors)::
+Build (what tests/e2e/test_docs_site_e2e.py runs, warnings are errors)::
 
     .venv/bin/sphinx-build -W --keep-going -b html docs docs/_build/html
 

@@ -11,7 +11,7 @@ export PYTHONPATH="$verl_src:$repo${PYTHONPATH:+:$PYTHONPATH}"  # Ray workers in
 "$py" -c "import verl; print('veRL', verl.__version__, 'from', verl.__file__)"
 cd "$repo"
 # the installed distribution's metadata still says the installed version: skip that one test
-"$py" -m pytest -q -p no:cacheprovider tests/test_verl_contract.py tests/test_verl_hooks.py -k "not pinned_version"
+"$py" -m pytest -q -p no:cacheprovider tests/unit/test_verl_contract.py tests/unit/test_verl_hooks.py -k "not pinned_version"
 out="$(mktemp -d)"
 "$py" -m verl_digen.main --config-name flux_disaggregated +smoke=tiny digen.progress_bar=false \
     "trainer.logger=[console]" "digen.output_dir=$out/run"

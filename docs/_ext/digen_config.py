@@ -13,7 +13,7 @@ As a Sphinx extension (``docs/conf.py``), it replaces the block::
     ```
 
 of a page with that markdown when Sphinx reads the page, so the site's reference is built from
-the code at every build. A key without a comment fails the build. ``tests/test_docs_site.py``
+the code at every build. A key without a comment fails the build. ``tests/unit/test_docs_site.py``
 checks that every key of the dataclasses has its row.
 """
 

@@ -180,7 +180,7 @@ def test_ctrl_c_and_sigterm_checkpoint_then_exit(tmp_path, tiny_flux, signum, co
     its own SIGINT/SIGTERM handlers while it runs (``trainer.runtime.stop_signals``), so it stops
     however it was launched. The job joins the suite's shared Ray instance (as a job joins a
     running cluster): what a stopped job leaves of a local instance it started is
-    test_run_failures.py's."""
+    test_run_failures_e2e.py's."""
     ck = tmp_path / "ck"
     proc = subprocess.Popen(
         _main_cmd("trainer.total_training_steps=500", "trainer.save_freq=1000", f"trainer.default_local_dir={ck}",

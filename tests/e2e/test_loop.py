@@ -117,7 +117,7 @@ def test_tcss_invariants_over_a_multi_step_run(tmp_path):
     emulated workers (``digen.emulate.model``), which refuse to generate with a weights version
     they do not hold and report the staleness of what they train (``workers/emulated.py``). The
     real model's side of TCSS (behaviour log-probs, on-policy ratio) is the test below and the
-    async resume test of ``test_checkpoint.py``."""
+    async resume test of ``test_checkpoint_e2e.py``."""
     result = run(tmp_path, "tcss", *DISAGG, "trainer.total_training_steps=5", "digen.gap.enable=true",
                  "digen.async.max_staleness=1", "digen.emulate.model=flux-12b", "digen.emulate.time_scale=0.002")
     staleness = _check_tcss_invariants(result, 5, 4, bound=1)

@@ -1,7 +1,7 @@
 """Dress rehearsal of every shipped preset (``configs/``), and of every ``examples/flowgrpo`` script
-(test_rehearsal_examples.py, whose last test checks that both files rehearse everything shipped):
-each runs as shipped on the tiny real model of its family, on CPU, changing only what a 2-core
-machine forces (:func:`rehearsal_overrides`):
+(test_rehearsal_examples_e2e.py; tests/unit/test_rehearsal_examples.py checks that both files
+rehearse everything shipped): each runs as shipped on the tiny real model of its family, on CPU,
+changing only what a 2-core machine forces (:func:`rehearsal_overrides`):
 
 - the model's size and dtype: ``digen.model.path`` stays unset (the family's tiny model is built)
   and fp32 (bf16 arithmetic is a GPU path; test_bf16_on_policy covers it);
@@ -22,9 +22,9 @@ key of a checkpoint, so the resume accepts it, and one run checks both the resum
 balancing on the preset's settings (a second run each would cost the suite minutes).
 
 What a resume must equal: a colocated (on-policy) preset's resumed second step is the
-uninterrupted run's, bit for bit (metrics and weights, as test_checkpoint.py's resume after a
+uninterrupted run's, bit for bit (metrics and weights, as test_checkpoint_e2e.py's resume after a
 kill). A one-step-off preset's is not (the uninterrupted run generated step 2 on version 0
-weights, the resumed one regenerates it on the checkpoint's, test_checkpoint's async resume), so
+weights, the resumed one regenerates it on the checkpoint's, test_checkpoint_e2e's async resume), so
 there the restored first step equals the first run's and the second trains each of its groups
 once, generated at most one version behind.
 """

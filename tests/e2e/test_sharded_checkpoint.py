@@ -20,7 +20,7 @@ FSDP2 = ["digen.placement=disaggregated", "trainer.n_gpus_per_node=3", "digen.po
 ONE_RANK = [c for c in FSDP2 if c not in ("digen.pools.trainer.devices=2", "digen.fsdp.enable=true")]
 REWARD_KEYS = {"group_id", "rewards", "policy_version"}  # the per-sample reward vectors the driver normalises
 
-pytestmark = pytest.mark.usefixtures("shared_ray")  # the runs share the suite's Ray instance (tests/runs.py)
+pytestmark = pytest.mark.usefixtures("shared_ray")  # the runs share the suite's Ray instance (tests/helpers/runs.py)
 
 
 def _tensors(value, path=""):

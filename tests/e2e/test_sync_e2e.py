@@ -78,7 +78,8 @@ class SyncTestWorker(WeightSyncMixin, Worker):
 
 @pytest.fixture(scope="module")
 def worker_groups(shared_ray):
-    """Workers unpickle the test classes by module name: the shared instance puts tests/ on their path."""
+    """Workers unpickle the test classes by module name: the shared instance puts the suite's
+    folders (tests/e2e among them) on their path."""
     import ray
     from ray.util.placement_group import remove_placement_group
     from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup

@@ -91,7 +91,7 @@ def test_disaggregated_run_with_nccl_sync_and_fsdp(tmp_path, tiny_flux):
 
 @needs_cuda
 def test_host_syncs_per_denoising_loop_and_training_step_on_cuda(tiny_flux):
-    """On a real device (``tests/host_syncs.py`` counts by ``.device`` here): a denoising loop
+    """On a real device (``tests/helpers/host_syncs.py`` counts by ``.device`` here): a denoising loop
     reads back once (its trajectory), a trained micro-batch once (its metrics), an optimizer step
     once (its gradient norm); no blocking copy in, whatever the number of steps and passes."""
     import dataclasses

@@ -17,7 +17,7 @@ def test_pinned_snapshot_and_nccl_send_on_one_gpu() -> None:  # pragma: no cover
     copies land before the host reads them (bitwise), the device digest equals the host one,
     and the NCCL sender's device staging (``WeightChannel._on_device``: pinned -> device,
     non_blocking) is made once and carries every buffer bitwise. (NCCL forbids two ranks on
-    one GPU; tests/test_sync.py::test_nccl_channel_between_two_gpus runs the wire.)"""
+    one GPU; tests/gpu/test_sync_gpu.py::test_nccl_channel_between_two_gpus runs the wire.)"""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     dev = torch.device("cuda", 0)

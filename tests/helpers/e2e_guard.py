@@ -8,7 +8,7 @@ itself, where no e2e test started one. A process group of ranks (``runs.run_rank
 run a job's FSDP code) counts too, through :func:`note_start`. Asking for the shared Ray
 instance needs the marker too. The ``gpu`` tests are left out unless ``-m`` names them.
 tests/conftest.py registers the hooks; they are plain (no fixtures) so that
-tests/test_fast_lane.py can load this file alone in a pytester session."""
+tests/unit/test_fast_lane.py can load this file alone in a pytester session."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ factory makes with a ``torch.device`` (``torch.arange(..., device=x.device)``) a
 of an op with such an input are *device* tensors; the rest are host tensors. On the CPU a
 device tensor moved to a ``torch.device`` stays on the device (``x.to(adapter.device)``), one
 moved to ``"cpu"`` (or ``.cpu()``) is read back. Tensors made in C++ or by host factories are
-missed on the CPU; the gpu test (``tests/test_gpu.py``) counts with real devices.
+missed on the CPU; the gpu test (``tests/gpu/test_gpu.py``) counts with real devices.
 """
 
 from __future__ import annotations

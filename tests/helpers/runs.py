@@ -162,7 +162,7 @@ def _zygote_env(pythonpath: str) -> dict | None:
         os.environ["PYTHONPATH"] = pythonpath  # the zygote's path is the workers' path
         try:
             _zygote = (*ray_zygote.start(tempfile.mkdtemp(prefix="digen_zygote_")), env)
-        except RuntimeError as e:  # plain workers then (slower); test_ray_zygote.py fails on it
+        except RuntimeError as e:  # plain workers then (slower); test_ray_zygote_e2e.py fails on it
             print(f"[tests] warning: {e}; the shared Ray instance starts plain workers", file=sys.stderr, flush=True)
             return None
         finally:

@@ -22,7 +22,7 @@ CI_STEPS = 60
 
 def test_preset_is_shipped():
     """digits.yaml is a preset of configs/, which setup.py copies into the wheel's
-    verl_digen/config/ (tests/test_packaging.py checks the wheel); its prompts are package data."""
+    verl_digen/config/ (tests/unit/test_packaging.py checks the wheel); its prompts are package data."""
     assert os.path.isfile(os.path.join(ROOT, "configs", "digits.yaml"))
     assert os.path.isfile(os.path.join(presets_dir(), "digits.yaml"))
     with open(os.path.join(ROOT, "pyproject.toml")) as f:

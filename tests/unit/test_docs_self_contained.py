@@ -1,7 +1,7 @@
 """README and docs are self-contained: every link points into the repository, and URLs appear
 only as placeholders of a command (loopback, a host name the reader substitutes). They read as
 reference (no issue numbers, no dated sections), and the README stays short, with CI's command.
-The site's own build (every page link and anchor resolves): tests/test_docs_site.py."""
+The site's own build (every page link and anchor resolves): tests/e2e/test_docs_site_e2e.py."""
 
 from __future__ import annotations
 

@@ -83,7 +83,7 @@ def test_a_failing_part_is_reported_and_the_next_one_runs(tmp_path):
 def test_a_doctor_that_finds_problems_fails_the_versions_part_and_keeps_the_versions(tmp_path, monkeypatch):
     """The doctor runs as a subprocess (a fresh ``import verl`` loads the plugins); its exit status
     is what this part reads, so the subprocess is replaced by its result here (the doctor's own
-    findings are tested in tests/test_verl_hooks.py)."""
+    findings are tested in tests/unit/test_verl_hooks.py)."""
     tail = "plugin: loaded by veRL (entry point verl.plugins:digen)\nmain_ppo trainer.v1: its import failed: x\ndoctor: PROBLEMS FOUND\n"
     monkeypatch.setattr(gpu_check, "_run", lambda cmd, timeout, **kw: {"rc": 1, "tail": tail})
     report = gpu_check.Report(str(tmp_path / "r.json"))

@@ -1,7 +1,7 @@
 """Host syncs in the hot paths: a denoising loop reads its trajectory back once, not once per
 step; a trained micro-batch reads its metrics back once, not six times per step and pass; an
-optimizer step reads its gradient norm once. Counted with ``tests/host_syncs.py`` (which follows
-the data from the model's parameters on a CPU; ``tests/test_gpu.py`` counts on a real device)."""
+optimizer step reads its gradient norm once. Counted with ``tests/helpers/host_syncs.py`` (which follows
+the data from the model's parameters on a CPU; ``tests/gpu/test_gpu.py`` counts on a real device)."""
 
 from __future__ import annotations
 

@@ -363,7 +363,7 @@ def test_trainers_park_the_optimizer_state_exactly_when_that_spares_checkpointin
     optimizer state on the host between steps exactly when a training pass then fits without
     activation checkpointing and does not with the state resident (a recomputed forward per
     pass costs far more than a host round trip per step); fused workers always park it. The
-    cost model decides by the same rule (tests/test_sim.py)."""
+    cost model decides by the same rule (tests/unit/test_sim.py)."""
     from verl_digen.memory import decide_checkpointing, decide_optimizer_offload
 
     def decided(*overrides: str) -> tuple[bool, bool]:
@@ -388,7 +388,7 @@ def test_gat_rollout_workers_train_a_pass_and_auto_checkpointing_counts_it():
     adapters, encoders/VAE, the reward model it scores with), the LoRA gradients unsharded, and the
     trainers' one-pass activations; no optimizer state. ``gradient_checkpointing=auto`` asks every
     role that trains, so a rollout pass that does not fit turns it on for the run though the
-    trainers' would fit. The cost model decides by the same rule (tests/test_sim.py)."""
+    trainers' would fit. The cost model decides by the same rule (tests/unit/test_sim.py)."""
     from verl_digen.memory import decide_checkpointing
     from verl_digen.memory.plan import _transformer_facts, job_shape
 

@@ -371,7 +371,7 @@ def test_under_fsdp2_host_offload_the_adapter_computes_on_the_workers_device(mon
     noise, sigmas, the SDE maths) must go to the worker's device, not to the parameters' (an H100
     run failed on cuda:0 vs cpu in the SDE step). The device is a stand-in here: ``compute_device``
     answers ``meta`` (any device other than the parameters'), and the process group and the
-    sharding are left out (the two-rank gloo offload test in test_fsdp.py runs them); what is
+    sharding are left out (the two-rank gloo offload test in test_fsdp_e2e.py runs them); what is
     checked is where the worker tells the adapter to compute."""
     import verl_digen.workers.worker as worker_mod
     from verl_digen.config import digen_config_from_dict

@@ -401,7 +401,7 @@ def test_gang_tasks_last_as_long_as_their_slowest_member():
 
 
 class _ReferenceRunner(PlanRunner):
-    """A minimal virtual-clock runner (as tests/test_plans.py's UnitTimeRunner)."""
+    """A minimal virtual-clock runner (as tests/unit/test_plans.py's UnitTimeRunner)."""
 
     def __init__(self, plan, durations):
         super().__init__(plan)
@@ -681,7 +681,7 @@ def test_the_optimizer_step_is_charged_the_host_snapshot_the_trainer_copies(cata
     fused = c.for_spec(colocated)
     one_pool = Cluster.for_spec(colocated, "H800")
     # colocated, nobody sends: no snapshot and no state stream per step (the worker gathers the
-    # state only when it is read: DiffusionWorker.refresh_full_state, tests/test_sync_snapshot.py)
+    # state only when it is read: DiffusionWorker.refresh_full_state, tests/unit/test_sync_snapshot.py)
     fused_group = fused.train_group(one_pool)
     assert fused_group.shard == 16 and not fused_group.sends
     assert fused.snapshot_seconds(dev, one_pool) == 0.0 and fused.state_stream_seconds(dev, fused_group) == 0.0
@@ -691,7 +691,7 @@ def test_the_optimizer_step_is_charged_the_host_snapshot_the_trainer_copies(cata
 
 def test_trainers_park_the_optimizer_state_exactly_when_that_spares_checkpointing(catalog):
     """``digen.model.optimizer_offload=auto`` as the memory planner decides it for the run
-    (``memory.plan.decide_job``, tests/test_memory.py): a disaggregated trainer parks its AdamW
+    (``memory.plan.decide_job``, tests/unit/test_memory.py): a disaggregated trainer parks its AdamW
     state exactly when a pass then fits without checkpointing and does not with the state
     resident, and pays the host round trip in its optimizer task; forced either way by the
     workload; fused workers never (their parking is the system's switch)."""
@@ -778,7 +778,7 @@ def test_a_gat_micro_batch_on_a_rollout_worker_costs_a_trainers_plus_the_gradien
 
 
 def test_gat_rollout_training_that_does_not_fit_turns_checkpointing_on_for_the_run(catalog):
-    """The memory planner's rule (tests/test_memory.py), which the cost model asks: with
+    """The memory planner's rule (tests/unit/test_memory.py), which the cost model asks: with
     ``gradient_checkpointing`` auto, checkpointing is on when any role that trains does not fit a
     pass without it; under GAT that includes the rollout workers (the memory planner's rollout
     ``train`` phase: bf16 model, fp32 adapters and gradients, the reward model they score with,

@@ -20,7 +20,7 @@ hundred bytes a sample, measured (:func:`trajectory_payload_bytes`) but not pred
 
 :func:`trajectory_bytes` is the prediction from the sampling settings and the model's configs
 (the latent layout of ``memory.trace``, the size rules of each family's adapter), exactly what
-the code puts in a record (``tests/test_object_store.py`` ties the two on a real trajectory);
+the code puts in a record (``tests/unit/test_object_store.py`` ties the two on a real trajectory);
 :func:`step_bytes` scales it to a step of a config, :func:`describe` is the line
 ``python -m verl_digen.check`` prints.
 """

@@ -61,7 +61,7 @@ NCCL_COMMUNICATOR_BYTES = int(1.0 * GIB)
 RESERVE_FRACTION = 0.05
 # Live full-resolution feature maps (of the decoder's widest full-resolution layer) at a VAE
 # decode's peak, per VAE class: measured on an H200 (torch 2.11, diffusers 0.42.1) at each
-# preset's decode call, random weights from the shipped configs (tests/test_memory_gpu.py::
+# preset's decode call, random weights from the shipped configs (tests/gpu/test_memory_gpu.py::
 # test_vae_decode_of_one_call_at_real_size_matches_the_plan; docs/results_gpu.md):
 # FLUX's AutoencoderKL, 8 images 512 x 512: 4.03 GiB = 8.0 maps; Wan's, 1 x 33 frames 480 x 832
 # tiled: 1.58 GiB = 15.2; HunyuanVideo's, 1 x 33 frames 544 x 960 tiled: 3.64 GiB = 13.0 (the

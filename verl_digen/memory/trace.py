@@ -222,7 +222,7 @@ def _measure_as_trained(model: torch.nn.Module, inputs: dict[str, Any], *, lora_
     in: peft's injection costs about a millisecond per layer and the blocks past the kept ones
     never run in the trace, so their adapters are never seen (the targets are still matched
     against the whole model, and the extrapolation uses the uncut depths): the same measurement
-    as adapters on every block (tests/test_memory.py), in a fraction of the time."""
+    as adapters on every block (tests/unit/test_memory.py), in a fraction of the time."""
     model.requires_grad_(not lora_rank)
     depth = _stack_depths(model)
     if lora_rank:

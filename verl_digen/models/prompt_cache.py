@@ -44,7 +44,7 @@ tiny models (CPU, fp32) this holds for FLUX, Wan and HunyuanVideo. SD3's CLIP pr
 (batch-size-dependent GEMM kernels) and Qwen-Image's encoder (pads each batch to its longest
 prompt) give a prompt rows that differ by a few ulp between batches, i.e. a fresh encode is
 itself not a function of the prompt alone; the cache then returns the rows of one fresh encode
-(the first), which is as exact as two fresh encodes are to each other (tests/test_prompt_cache.py
+(the first), which is as exact as two fresh encodes are to each other (tests/unit/test_prompt_cache.py
 checks both cases). Real models on GPUs are usually in the second case (cuBLAS picks kernels by
 batch size); with the cache every prompt keeps one embedding for the whole run.
 """

@@ -27,7 +27,7 @@ import torch
 from verl_digen.models.base import read_json
 from verl_digen.models.families import FAMILY_NAMES
 
-FAMILIES = FAMILY_NAMES  # every registered family ships its configs (tests/test_families.py)
+FAMILIES = FAMILY_NAMES  # every registered family ships its configs (tests/unit/test_families.py)
 CONFIG_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
 

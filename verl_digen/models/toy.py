@@ -29,7 +29,7 @@ Choices, and why:
   digit-classifier reward, :mod:`verl_digen.rewards.digits`, gives ~0.45 on the held-out
   prompts); with true CFG 3 it does much better (~0.8). That is where a real pretrained model
   stands before RL: it can do the task, not reliably, and the reward has room to rise
-  (``tests/test_toy.py`` checks both). A width-64 model trained the same way already scores
+  (``tests/unit/test_toy.py`` checks both). A width-64 model trained the same way already scores
   ~0.74 without CFG, which would leave RL little to show.
 
 Everything is seeded and single-process; torch runs with a fixed number of threads during the

@@ -116,7 +116,7 @@ class SideStreams:
     writes and before its next work, and the pinned host buffers they copy into.
 
     They are the whole of the capture's ordering, so a test can replace them with a recorder
-    (``tests/test_sync_snapshot.py``) and check on a CPU where the waits fall among a lazily
+    (``tests/unit/test_sync_snapshot.py``) and check on a CPU where the waits fall among a lazily
     produced stream's tensors and the copies that read them.
     """
 

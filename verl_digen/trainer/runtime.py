@@ -405,7 +405,7 @@ def _loopback_node() -> Iterator[None]:
     interface; with the loopback address it binds 127.0.0.1 only. Ray has no public switch for
     this: its own ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (read once, at import) sets the
     constant below, which we flip for the duration of the call. Guarded: if a Ray version lacks
-    the constant, nothing is changed (tests/test_hardening.py checks the bound addresses).
+    the constant, nothing is changed (tests/e2e/test_hardening_e2e.py checks the bound addresses).
     """
     from ray._private import ray_constants
 

@@ -181,7 +181,7 @@ MESSAGES = (GenerateRequest, TrainRequest, RewardResult, TrainResult, Gradients,
 @runtime_checkable
 class WorkerTasks(Protocol):
     """The calls the controller makes on a worker: ``DiffusionWorker`` and ``EmulatedWorker``
-    both provide them with these parameters (``tests/test_worker_messages.py`` compares the
+    both provide them with these parameters (``tests/unit/test_worker_messages.py`` compares the
     signatures). Trajectories are whatever the worker's ``generate`` returns (a ``DataProto``,
     a TSP stage's ``GroupsInFlight``, an emulated record): the controller only passes them on."""
 
