@@ -37,8 +37,8 @@ CASES = {
                   "digen.fsdp.enable=true", "digen.model.tiny_arch=wan", "trainer.n_gpus_per_node=3",
                   "trainer.total_training_steps=2"],
 }
-# Metric names that hold measured times (they differ between any two runs).
-TIMING = ("time", "_s", "wall", "throughput", "per_s", "bubble", "util", "timing", "per_group")
+# Metric names that hold measured times or memory peaks (they differ between any two runs).
+TIMING = ("time", "_s", "wall", "throughput", "per_s", "bubble", "util", "timing", "per_group", "memory/")
 
 
 def fingerprint(weights_file: str) -> str:
