@@ -12,19 +12,17 @@ import hydra
 from omegaconf import DictConfig
 
 from verl_digen.config.compose import CONFIG_DIR, CONFIG_NAME
-from verl_digen.config.schema import ConfigError
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name=CONFIG_NAME, version_base=None)
 def main(config: DictConfig) -> None:
-    from verl_digen.rewards.http_client import RewardServerError
-    from verl_digen.trainer.checkpoint import CheckpointError
     from verl_digen.trainer.loop import RunStopped, run_training
-    from verl_digen.trainer.runtime import RayStartError, RunInterrupted
+    from verl_digen.trainer.resolve import one_line_errors
+    from verl_digen.trainer.runtime import RunInterrupted
 
     try:
         run_training(config)
-    except (ConfigError, FileNotFoundError, CheckpointError, RewardServerError, RayStartError) as e:
+    except one_line_errors() as e:
         print(f"[verl-digen] error: {e}", file=sys.stderr)
         sys.exit(2)
     except RunStopped:

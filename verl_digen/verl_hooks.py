@@ -63,19 +63,15 @@ def patch_validate_config() -> bool:
 
         if config.trainer.v1.get("trainer_mode") != TRAINER_MODE:
             return original(config, use_reference_policy=use_reference_policy, use_critic=use_critic)
-        from verl_digen.config.schema import ConfigError
-        from verl_digen.rewards.http_client import RewardServerError
-        from verl_digen.trainer.checkpoint import CheckpointError
-        from verl_digen.trainer.resolve import check_resume, check_run_config
+        from verl_digen.config.compose import in_hydra_app
+        from verl_digen.trainer.resolve import check_resume, check_run_config, one_line_errors
 
         try:
             # the checkpoint a resume would read too: a different run's is named here, before Ray,
             # not from inside veRL's TaskRunner
             check_resume(check_run_config(config, entry=MAIN_PPO))
-        except (ConfigError, FileNotFoundError, CheckpointError, RewardServerError) as e:
-            from hydra.core.hydra_config import HydraConfig
-
-            if not HydraConfig.initialized():  # called by code of its own, not main_ppo's Hydra app
+        except one_line_errors() as e:
+            if not in_hydra_app():  # called by code of its own, not main_ppo's Hydra app
                 raise
             # one named line, as verl_digen.main prints it, not Hydra's report of a traceback
             print(f"[verl-digen] error: {e}", file=sys.stderr, flush=True)

@@ -85,13 +85,21 @@ def written_keys(config: DictConfig) -> frozenset[str]:
     (``algorithm.adv_estimator=gae``) but must pass when merely inherited."""
     if id(config) in _WRITTEN:
         return _WRITTEN[id(config)]
-    from hydra.core.hydra_config import HydraConfig
+    if in_hydra_app():
+        from hydra.core.hydra_config import HydraConfig
 
-    if HydraConfig.initialized():
         from verl_digen.config.verl_keys import override_keys
 
         return override_keys(HydraConfig.get().overrides.task)
     return frozenset()
+
+
+def in_hydra_app() -> bool:
+    """Whether this process runs a Hydra app (``main_ppo``'s or ``verl_digen.main``'s driver), whose
+    record of the command line Hydra holds; :func:`compose_config` never sets one."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return HydraConfig.initialized()
 
 
 # (config dir, config name, config-group overrides) -> (the sources' state, the composed config

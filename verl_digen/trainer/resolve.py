@@ -372,16 +372,15 @@ def preflight_reward(cfg: DigenConfig) -> None:
     for spec in specs:
         if spec.get("name") in ("http", "vlm_judge"):
             build_reward(spec["name"], **dict(spec.get("kwargs") or {})).check_reachable()
-        elif spec.get("name") == "custom":  # the user's file loads and defines the function
-            try:
-                build_reward("custom", **dict(spec.get("kwargs") or {}))
-            except (ValueError, TypeError) as e:
-                raise ConfigError(f"invalid config: {e}") from None
-        elif spec.get("name") == "factory":  # the file loads, the factory fits its arguments (not called)
+        elif spec.get("name") in ("custom", "factory"):
             from verl_digen.rewards.factory import RewardFactoryReward
 
+            kwargs = dict(spec.get("kwargs") or {})
             try:
-                RewardFactoryReward.checked_factory(**dict(spec.get("kwargs") or {}))
+                if spec["name"] == "custom":  # the user's file loads and defines the function
+                    build_reward("custom", **kwargs)
+                else:  # the file loads, the factory fits its arguments (not called: it may load a model)
+                    RewardFactoryReward.checked_factory(**kwargs)
             except (ValueError, TypeError) as e:
                 raise ConfigError(f"invalid config: {e}") from None
 
@@ -519,16 +518,17 @@ def check_run_config(config: Any, entry: str = DIGEN_MAIN, *, without_weights: b
 
     from verl_digen.placement.pools import cluster_from_trainer_keys, pool_layout
 
-    from verl_digen.config.compose import written_keys
+    from verl_digen.config.compose import in_hydra_app, written_keys
 
     container = OmegaConf.to_container(config, resolve=True)
     assert isinstance(container, dict)
     # also types and checks veRL's trainer.* keys
     run_config = resolve_run_config(container, entry, written_keys(config))
-    if run_config.notice() and (entry != MAIN_PPO or _in_hydra_app()):
+    notice = run_config.notice()
+    if notice and (entry != MAIN_PPO or in_hydra_app()):
         # once per job: under main_ppo its driver says it (a Hydra app); the trainer, which checks
         # again inside Ray, does not repeat it
-        print(run_config.notice(), flush=True)
+        print(notice, flush=True)
     trainer = run_config.trainer
     ray_address, ray_num_cpus = ray_init_keys(container)
     try:
@@ -556,12 +556,6 @@ def check_run_config(config: Any, entry: str = DIGEN_MAIN, *, without_weights: b
         raise type(e)(run_config.rename(str(e))) from None
     return CheckedRun(container, run_config, cfg, layout, cluster, records, val_records, steps, model_path,
                       ray_address, ray_num_cpus, memory_plan, model_note)
-
-
-def _in_hydra_app() -> bool:
-    from hydra.core.hydra_config import HydraConfig
-
-    return HydraConfig.initialized()
 
 
 def weights_on_this_machine(cfg: DigenConfig) -> bool:
@@ -668,6 +662,17 @@ class PreparedRun(CheckedRun):
     @property
     def start_step(self) -> int:
         return self.resume_from.step if self.resume_from is not None else 0
+
+
+def one_line_errors() -> tuple[type[BaseException], ...]:
+    """The errors a job's entry point prints as one ``[verl-digen] error:`` line and exits 2 on
+    (their messages name the key, file or server and the fix): ``verl_digen.main``, and
+    ``main_ppo``'s driver in the digen mode (:mod:`verl_digen.verl_hooks`)."""
+    from verl_digen.rewards.http_client import RewardServerError
+    from verl_digen.trainer.checkpoint import CheckpointError
+    from verl_digen.trainer.runtime import RayStartError
+
+    return ConfigError, FileNotFoundError, CheckpointError, RewardServerError, RayStartError
 
 
 def check_resume(checked: CheckedRun) -> tuple[Any, dict[str, Any] | None]:

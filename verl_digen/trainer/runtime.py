@@ -255,17 +255,14 @@ def init_ray(devices: int, cfg: DigenConfig, *, address: str | None = None, num_
 
 def _stop_ray_children(since: float) -> None:
     """Stop this process's Ray processes (GCS, raylet, their agents and monitors: a command line
-    naming a file under Ray's package directory) started after the wall-clock time of ``since`` (``time.monotonic()``),
-    which a ``ray.init`` that raised mid-start leaves running (it never recorded its node)."""
-    import time
-
+    naming a file under Ray's package directory) started since ``since`` (``time.time()``), which a
+    ``ray.init`` that raised mid-start leaves running (it never recorded its node)."""
     import psutil
 
-    started_after = time.time() - (time.monotonic() - since) - 1.0
     procs = []
     for p in psutil.Process().children(recursive=True):
         try:
-            if p.create_time() >= started_after and any(f"{os.sep}ray{os.sep}" in part for part in p.cmdline()):
+            if p.create_time() >= since - 1.0 and any(f"{os.sep}ray{os.sep}" in part for part in p.cmdline()):
                 procs.append(p)
         except psutil.Error:
             continue
@@ -293,7 +290,7 @@ def ray_logs_dir() -> str:
     return os.path.join(base, "session_latest", "logs")
 
 
-def start_local_ray(init: Any, timeout_s: float) -> None:
+def start_local_ray(init: Callable[[], Any], timeout_s: float) -> None:
     """``init()`` (a local ``ray.init``) under a bound: when Ray's node start times out (its raylet
     did not register within Ray's own 30 s, as on a loaded machine), what it started is shut down
     and ``init`` runs again: at least once more, then while ``timeout_s`` lasts (``digen.ray_start_timeout_s``).
@@ -302,7 +299,7 @@ def start_local_ray(init: Any, timeout_s: float) -> None:
 
     import ray
 
-    start = time.monotonic()
+    start, started_at = time.monotonic(), time.time()  # elapsed time; the attempts' processes' start
     attempt = 0
     while True:
         attempt += 1
@@ -314,7 +311,7 @@ def start_local_ray(init: Any, timeout_s: float) -> None:
             if _NODE_START_TIMEOUT not in str(e):
                 raise
         ray.shutdown()
-        _stop_ray_children(since=start)  # a failed ray.init leaves the GCS and raylet it started running
+        _stop_ray_children(since=started_at)  # a failed ray.init leaves the GCS and raylet it started running
         elapsed = time.monotonic() - start
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
         busy = f"load {load:.1f} on {os.cpu_count()} cores"
