@@ -47,6 +47,9 @@ import torch
 
 GIB = 1 << 30
 PARTS = ("versions", "pytest_gpu", "flux_phases", "fsdp_dcp", "tiny_run")
+# Rehearsals of the first disaggregated runs on one GPU (verl_digen/gpu_runs.py), each in a child
+# process; named with --parts (not in the default set).
+RUN_PARTS = ("snapshot_order", "tsp_prompt_cache", "reward_pool", "disaggregated_one_gpu", "full_ft_one_rank")
 PRESET = "flux_colocated"
 PROMPT = "a photo of a red cat sitting on a blue chair"
 
@@ -284,7 +287,8 @@ def _predictions(dcfg, meter_device: str, group_size: int, num_steps: int, train
     group = TrainGroup(ranks=1, nodes=1, shard=1, shard_nodes=1, sends=False)
     seconds = {
         "encode": cm.encode_seconds(1, dev),
-        "generate": dev.generate_overhead_s + num_steps * cm.denoise_seconds(group_size, dev, forward_rows or None),
+        "generate": dev.generate_overhead_s + num_steps * (cm.denoise_seconds(group_size, dev, forward_rows or None)
+                                                           + cm.system.denoise_step_s),
         "decode": cm.decode_seconds(group_size, dev),
         "reward": cm.reward_seconds(group_size, dev),
         "recompute": trained_steps * cm.logprob_pass_seconds(group_size, dev, group),
@@ -378,9 +382,10 @@ def _encoder_seconds(adapter, device: torch.device, prompts: int) -> dict[str, A
 
 def part_flux_phases(size: str, device_name: str, *, group_size: int, pipeline_repeats: int = 1,
                      encoder_cpu: bool = True, compare_pipeline: bool = True, checkpointing: bool = True,
-                     out: dict[str, Any] | None = None) -> dict[str, Any]:
+                     lora: bool = True, out: dict[str, Any] | None = None) -> dict[str, Any]:
     """The phases of one training step of FLUX (see the module's docstring). ``out`` is filled as
-    the phases run, so that a failure leaves what was measured before it."""
+    the phases run, so that a failure leaves what was measured before it. ``lora=False``: a full
+    fine-tune (every transformer weight trained, the ``full_ft_one_rank`` part)."""
     from verl_digen.rewards import build_reward_from_config
     from verl_digen.sync.state import flatten_state, state_digest, state_nbytes, trainable_state
     from verl_digen.workers.fsdp import enable_gradient_checkpointing
@@ -391,14 +396,15 @@ def part_flux_phases(size: str, device_name: str, *, group_size: int, pipeline_r
     device = _device(device_name)
     dtype = torch.bfloat16
     cfg, dcfg = _preset_config(size, group_size, ["digen.model.dtype=bf16",
-                                                  f"digen.model.gradient_checkpointing={str(checkpointing).lower()}"])
+                                                  f"digen.model.gradient_checkpointing={str(checkpointing).lower()}",
+                                                  f"digen.model.lora.enable={str(lora).lower()}"])
     settings = sampling_settings(dcfg)
     meter = PhaseMeter(device)
     out = {} if out is None else out
     out["phases"] = meter.phases
     out.update({"size": size, "device": str(device), "dtype": "bf16", "group_size": group_size,
                            "height": settings.spec.height, "width": settings.spec.width,
-                           "num_steps": settings.num_steps, "lora_rank": dcfg.model.lora.rank,
+                           "num_steps": settings.num_steps, "lora_rank": dcfg.model.lora.rank if lora else None,
                            "gradient_checkpointing": bool(dcfg.model.checkpointing),
                            "distilled_guidance": settings.spec.distilled_guidance,
                            "forward_rows": settings.forward_rows})
@@ -435,10 +441,16 @@ def part_flux_phases(size: str, device_name: str, *, group_size: int, pipeline_r
     out["text_encoder_bytes_freed"] = cache.release_encoders()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    add_lora(adapter, dcfg.model.lora, dtype=torch.float32)
+    if lora:
+        add_lora(adapter, dcfg.model.lora, dtype=torch.float32)
     out["gradient_checkpointing_on"] = checkpointing and enable_gradient_checkpointing(adapter.transformer)
-    updater = PolicyUpdater(adapter, TrainSettings(algo=dcfg.algo, sampling=settings, lora_only=True,
-                                                   images_per_step=group_size, trainable_dtype=torch.float32))
+    # A full fine-tune as the worker sets it up: digen.model.trainable_dtype and the placement's
+    # optimizer offload, which the memory plan assumes too (LoRA: fp32 adapters, as before).
+    full_dtype = torch.float32 if dcfg.model.trainable_dtype == "fp32" else torch.bfloat16
+    updater = PolicyUpdater(adapter, TrainSettings(
+        algo=dcfg.algo, sampling=settings, lora_only=lora, images_per_step=group_size,
+        trainable_dtype=torch.float32 if lora else full_dtype,
+        optimizer_offload=False if lora else dcfg.optimizer_offloaded))
     out["trainable_params"] = sum(p.numel() for p in updater.params)
     steps = len(step_plan(settings, training_step=0, seed=3)[1])
     out["cost_model_device_type"] = device_type(device)
@@ -472,7 +484,7 @@ def part_flux_phases(size: str, device_name: str, *, group_size: int, pipeline_r
         opt = updater.optimizer_step()
     out["grad_norm"] = opt["actor/grad_norm"]
     with meter.phase("sync", what="trainable_state + flatten into device buckets"):
-        state = trainable_state(adapter.transformer, lora_only=True)
+        state = trainable_state(adapter.transformer, lora_only=lora)
         buffers, _meta = flatten_state(state, device=device)
     out["sync_bytes"] = state_nbytes(state)
     t0 = time.perf_counter()
@@ -676,13 +688,69 @@ def part_tiny_run(timeout: float, dtype: str = "bf16") -> dict[str, Any]:
         return results
 
 
+# ---------------------------------------------------------------------- the run parts, in children
+
+
+def _run_part(name: str, args: argparse.Namespace, device: str) -> dict[str, Any]:
+    """One of :data:`RUN_PARTS`, in this process (the child's side)."""
+    from verl_digen import gpu_runs
+
+    if name == "snapshot_order":
+        # 64 tensors of 1 MiB (48 MiB, 13 buckets); tiny (the CPU rehearsal): 32 of them
+        return gpu_runs.part_snapshot_order(device, tensors=64 if args.size == "real" else 32)
+    if name == "full_ft_one_rank":
+        out: dict[str, Any] = {}
+        part_flux_phases(args.size, device, group_size=args.group_size or 2, encoder_cpu=False,
+                         compare_pipeline=False, checkpointing=not args.no_checkpointing, lora=False, out=out)
+        train = out["comparison"].get("train", {})
+        out["train_vs_plan"] = {k: train.get(k) for k in ("max_allocated_gib", "planned_gib", "memory_ratio",
+                                                           "memory_within_15pct")}
+        return out
+    part = {"tsp_prompt_cache": gpu_runs.part_tsp_prompt_cache, "reward_pool": gpu_runs.part_reward_pool,
+            "disaggregated_one_gpu": gpu_runs.part_disaggregated_one_gpu}[name]
+    return part(device, args.size, args.run_timeout)
+
+
+def _part_child(out_file: str, name: str, args: argparse.Namespace, device: str) -> int:
+    out: dict[str, Any] = {}
+    rc = 0
+    try:
+        out = _run_part(name, args, device)
+    except Exception as e:
+        out = {**getattr(e, "partial", {}), "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        rc = 1
+    with open(out_file, "w", encoding="utf-8") as f:
+        json.dump(out, f, default=str)
+    return rc
+
+
+def part_in_child(name: str, args: argparse.Namespace, device: str) -> dict[str, Any]:
+    """A run part in a child process of its own, given ``--run-timeout`` plus a minute."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out_file = os.path.join(tmp, "child.json")
+        cmd = [sys.executable, "-m", "verl_digen.gpu_check", "--child-part", name, "--child-out", out_file,
+               "--device", device, "--size", args.size, "--run-timeout", str(args.run_timeout)]
+        cmd += ["--group-size", str(args.group_size)] if args.group_size else []
+        cmd += ["--no-checkpointing"] if args.no_checkpointing else []
+        res = _run(cmd, timeout=args.run_timeout + 60)
+        result: dict[str, Any] = {}
+        if os.path.isfile(out_file):
+            with open(out_file, encoding="utf-8") as f:
+                result = json.load(f)
+        if res["rc"] != 0:
+            result["child_rc"], result["child_tail"] = res["rc"], res["tail"]
+            raise _PartFailed(result.get("error") or f"child {_ended(res)}", result)
+        return result
+
+
 # ---------------------------------------------------------------------- main
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m verl_digen.gpu_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="gpu_check.json", help="the JSON report (rewritten after every part)")
-    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    p.add_argument("--parts", default=",".join(PARTS),
+                   help=f"comma-separated subset of {','.join(PARTS)} (the default), {','.join(RUN_PARTS)}")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--size", choices=("real", "tiny"), default="real", help="flux_phases: real-size FLUX or the tiny one")
     p.add_argument("--group-size", type=int, default=None, help="flux_phases samples (default 8; tiny: 2)")
@@ -694,6 +762,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-pipeline", action="store_true", help="flux_phases: skip the FluxPipeline comparison")
     p.add_argument("--no-checkpointing", action="store_true", help="flux_phases: train without activation checkpointing")
     p.add_argument("--flux-timeout", type=float, default=420.0)
+    p.add_argument("--run-timeout", type=float, default=300.0,
+                   help=f"each of {', '.join(RUN_PARTS)}: its run's limit (the child gets a minute more)")
+    p.add_argument("--child-part", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-fsdp-dcp", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-flux", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -704,10 +776,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.child_flux:
         return _flux_child(args.child_flux, args, device, group)
+    if args.child_part:
+        return _part_child(args.child_out, args.child_part, args, device)
     parts = [x for x in args.parts.split(",") if x]
-    unknown = set(parts) - set(PARTS)
+    unknown = set(parts) - set(PARTS) - set(RUN_PARTS)
     if unknown:
-        p.error(f"unknown parts {sorted(unknown)}; valid: {', '.join(PARTS)}")
+        p.error(f"unknown parts {sorted(unknown)}; valid: {', '.join(PARTS + RUN_PARTS)}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda but torch sees no CUDA device")
     report = Report(args.out)
@@ -718,6 +792,7 @@ def main(argv: list[str] | None = None) -> int:
         "flux_phases": lambda: part_flux_phases_child(args, device, group),
         "fsdp_dcp": lambda: part_fsdp_dcp(device),
         "tiny_run": lambda: part_tiny_run(args.tiny_run_timeout, "bf16" if device.startswith("cuda") else "fp32"),
+        **{name: (lambda name=name: part_in_child(name, args, device)) for name in RUN_PARTS},
     }
     for name in parts:
         report.run(name, runners[name])
