@@ -280,6 +280,9 @@ def test_a_system_that_runs_only_colocated_is_refused_other_placements(catalog):
     # pulled units with row slices: a trainer's pass is its slice's call rows (24-row micro-batches
     # in 4 slices: 6-row calls, not 12), as the run's pass_rows counts them
     (True, "disaggregated+gap", 4, {"pull": True, "train_slices": 4}, 2),
+    # training passes of 3 rows inside the 12-row groups (digen.batch.train_micro_batch_rows): the
+    # memory plan's and the cost model's pass is the 3 rows each trainer runs, as in the run
+    (True, "disaggregated+gap", 4, {"train_micro_batch_rows": 3}, 2),
 ])
 def test_the_planners_fit_decision_is_the_memory_planners_peak_of_the_printed_config(catalog, lora, mechanism, trainers,
                                                                                     units, micro):
@@ -311,12 +314,14 @@ def test_the_planners_fit_decision_is_the_memory_planners_peak_of_the_printed_co
     if units:
         whole = costs.for_spec(cand.spec).memory_job(cand.cluster).pass_samples
         cand = dataclasses.replace(cand, spec=dataclasses.replace(cand.spec, **units))
-        assert whole == 12 and costs.for_spec(cand.spec).memory_job(cand.cluster).pass_samples == 6
+        rows = units.get("train_micro_batch_rows") or 6
+        assert whole == 12 and costs.for_spec(cand.spec).memory_job(cand.cluster).pass_samples == rows
     overrides = hydra_overrides(cand, costs, inv) + [
         "digen.model.arch=flux", "digen.memory.device_type=H800", "digen.reward.name=pickscore"]  # the profile's reward
     digen = digen_config_from_dict(OmegaConf.to_container(compose_config(overrides), resolve=True)["digen"])
     spec_costs, cluster = costs.for_spec(cand.spec), cand.cluster
     assert (digen.units.pull, digen.units.train_slices) == (units.get("pull", False), units.get("train_slices", 1))
+    assert digen.batch.train_micro_batch_rows == units.get("train_micro_batch_rows")
     run_job = _decided_job(digen, devices_per_node=8, nnodes=4, model_path=None)
     sim_job = spec_costs.memory_job(cluster)
     if not lora:  # a full fine-tune has no adapters: the rank (the profile's 32, the config's 8) is unused

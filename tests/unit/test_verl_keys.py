@@ -10,7 +10,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from verl_digen.config.compose import compose_config
-from verl_digen.config.schema import ConfigError
+from verl_digen.config.schema import ConfigError, digen_config_from_dict
 from verl_digen.config.verl_keys import (
     MAIN_PPO,
     MAPPED,
@@ -106,8 +106,8 @@ def test_verl_omnis_recipe_keys_with_one_meaning_are_accepted():
     assert _resolved("algorithm.adv_estimator=flow_grpo").digen is not None
     micro = _resolved("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8")  # the preset's group size is 4
     assert micro.digen["batch"]["train_micro_batch_groups"] == 2
-    with pytest.raises(ConfigError, match=r"ppo_micro_batch_size_per_gpu=6; must be a positive multiple of "
-                                          r"actor_rollout_ref.rollout.n=4") as err:
+    with pytest.raises(ConfigError, match=r"ppo_micro_batch_size_per_gpu=6; must divide "
+                                          r"actor_rollout_ref.rollout.n=4 .* or be a multiple of it") as err:
         _resolved("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=6")
     assert "object at 0x" not in str(err.value)
     from verl_digen.config import verl_keys
@@ -122,6 +122,23 @@ def test_batch_sizes_in_samples_become_whole_groups():
                       "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8").digen["batch"]
     assert (batch["group_size"], batch["groups_per_step"], batch["train_micro_batch_groups"],
             batch["groups_per_task"]) == (4, 4, 2, 2)
+
+
+def test_a_micro_batch_below_rollout_n_is_rows_per_training_pass():
+    """veRL-Omni's Wan2.2 recipe: ppo_micro_batch_size_per_gpu=4 with rollout.n=8. The plan's
+    train tasks stay whole groups (advantages are over groups) and each rank trains them in
+    passes of 4 rows; the reference's micro-batch key must say the same 4 with the KL on."""
+    batch = _resolved("actor_rollout_ref.rollout.n=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                      "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+                      "actor_rollout_ref.actor.use_kl_loss=true",
+                      "actor_rollout_ref.actor.kl_loss_coef=0.01").digen["batch"]
+    assert (batch["group_size"], batch["train_micro_batch_groups"], batch["train_micro_batch_rows"]) == (8, 1, 4)
+    whole = _resolved("actor_rollout_ref.rollout.n=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16")
+    assert whole.digen["batch"]["train_micro_batch_groups"] == 2
+    assert whole.digen["batch"]["train_micro_batch_rows"] is None  # whole groups: the largest call, as before
+    cfg = digen_config_from_dict(_resolved("actor_rollout_ref.rollout.n=8", "data.train_batch_size=4",
+                                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2").digen)
+    assert cfg.pass_rows(1) == 2  # what every worker trains a pass with, the memory plan and the cost model
 
 
 def test_ppo_mini_batch_size_gives_optimizer_steps_per_rollout_batch():
@@ -147,7 +164,15 @@ def test_without_a_reference_model_its_micro_batch_key_sizes_nothing():
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (["actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=6"],
-     r"ppo_micro_batch_size_per_gpu=6; must be a positive multiple of actor_rollout_ref.rollout.n=4"),
+     r"ppo_micro_batch_size_per_gpu=6; must divide actor_rollout_ref.rollout.n=4 \(rows per training pass\) "
+     r"or be a multiple of it \(whole groups\)"),
+    (["actor_rollout_ref.rollout.n=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+      "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4", "actor_rollout_ref.actor.use_kl_loss=true",
+      "actor_rollout_ref.actor.kl_loss_coef=0.01"],
+     r"ref.log_prob_micro_batch_size_per_gpu=4; must equal .*ppo_micro_batch_size_per_gpu=2"),
+    (["actor_rollout_ref.rollout.n=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+      "digen.batch.train_micro_batch_rows=2"],
+     r"ppo_micro_batch_size_per_gpu=4 and digen.batch.train_micro_batch_rows=2 are the same setting"),
     (["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=3"],
      r"ppo_mini_batch_size=3; must be a positive divisor of data.train_batch_size=4"),
     (["actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",

@@ -221,7 +221,15 @@ class BatchConfig:
     groups_per_step: int = 4  # prompts per optimizer step
     group_size: int = 4  # images per prompt (GRPO group, G)
     groups_per_task: int = 1  # groups sampled together in one generate call
-    train_micro_batch_groups: int = 1  # groups per trainer micro-batch (gradient accumulation unit)
+    train_micro_batch_groups: int = 1  # groups per trainer micro-batch (the plan's train task)
+    # Rows (samples) per training pass on one trainer rank: one forward + backward, the unit of
+    # gradient accumulation and of activation memory (veRL's ppo_micro_batch_size_per_gpu below
+    # rollout.n). It may split a group: advantages are computed over whole groups first, and the
+    # loss weighs each row by 1 / images of the mini-batch, so the update is the same whatever
+    # the size. Must divide group_size (and a sample slice of it, dealt in whole calls over the
+    # FSDP ranks); the rollout makes transformer calls of the same rows (exact on-policy
+    # log-probs). null: the largest such call, a whole group when nothing splits it.
+    train_micro_batch_rows: Optional[int] = None
     # PPO mini-batches: optimizer steps per training step, each on groups_per_step / mini_batches_per_step
     # groups (veRL's ppo_mini_batch_size); the ratio stays against the rollout's log-probs.
     mini_batches_per_step: int = 1
@@ -645,6 +653,7 @@ _STRATEGY_KEYS = {
     "groups_per_step": "digen.batch.groups_per_step",
     "groups_per_task": "digen.batch.groups_per_task",
     "train_micro_batch_groups": "digen.batch.train_micro_batch_groups",
+    "train_micro_batch_rows": "digen.batch.train_micro_batch_rows",
     "mini_batches": "digen.batch.mini_batches_per_step",
     "max_staleness": "digen.async.max_staleness",
     "tsp_stages": "digen.tsp.stages",
@@ -726,6 +735,7 @@ class DigenConfig:
             groups_per_step=b.groups_per_step,
             groups_per_task=b.groups_per_task,
             train_micro_batch_groups=b.train_micro_batch_groups,
+            train_micro_batch_rows=b.train_micro_batch_rows,
             mini_batches=b.mini_batches_per_step,
             max_staleness=self.async_.max_staleness,
             tsp_stages=self.tsp.stages,
@@ -795,8 +805,10 @@ class DigenConfig:
         try:
             return pass_rows(b.group_size, b.train_micro_batch_groups, self.fsdp_ranks(devices), b.groups_per_step,
                              b.groups_per_task, self.rollout_lanes(devices), self.units.fixed_sample_slices,
-                             self.units.train_slices)
+                             self.units.train_slices, b.train_micro_batch_rows)
         except ValueError as e:
+            if str(e).startswith("digen.batch.train_micro_batch_rows"):
+                raise ConfigError(f"invalid config: {e}") from None
             where = "the trainer pool" if self.placement == "disaggregated" else f"all {devices} colocated GPUs"
             raise ConfigError(f"invalid config: {e} (digen.fsdp.enable=true shards each micro-batch over {where}); "
                               "raise digen.batch.train_micro_batch_groups or digen.batch.group_size") from None
@@ -842,6 +854,8 @@ class DigenConfig:
                       f"{self.pools.trainer.world_size} FSDP trainer ranks")
         if self.placement == "disaggregated":
             self.pools.validate("digen.pools")
+            if self.batch.train_micro_batch_rows is not None:
+                self.pass_rows(self.pools.trainer.world_size)  # the pass's rows against the pools (colocated: resolve)
         elif self.pools.reward.devices:
             # the pools are the disaggregated placement's; a colocated run would not place it
             _fail("digen.pools.reward.devices", self.pools.reward.devices,
@@ -924,6 +938,7 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "sampling.distilled_guidance": (lambda v: v is None or v > 0, "must be > 0 or null"),
     "batch.groups_per_task": (lambda v: v >= 1, "must be >= 1"),
     "batch.train_micro_batch_groups": (lambda v: v >= 1, "must be >= 1"),
+    "batch.train_micro_batch_rows": (lambda v: v is None or v >= 1, "must be >= 1 or null"),
     "algo.adv_clip_max": (lambda v: v > 0, "must be > 0"),
     "algo.weight_decay": (lambda v: v >= 0, "must be >= 0"),
     "algo.max_grad_norm": (lambda v: v > 0, "must be > 0"),

@@ -190,7 +190,8 @@ READ_DIRECTLY: dict[str, str] = {
         "prompts per PPO mini-batch (optimizer step): must divide data.train_batch_size -> "
         "digen.batch.mini_batches_per_step = train_batch_size / ppo_mini_batch_size",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu":
-        "samples per trainer micro-batch: a multiple of rollout.n -> digen.batch.train_micro_batch_groups",
+        "samples per trainer micro-batch: a multiple of rollout.n -> digen.batch.train_micro_batch_groups; "
+        "a divisor of rollout.n -> digen.batch.train_micro_batch_rows (passes within a group)",
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu":
         "samples per rollout generate call (log-probs are recorded while sampling): a multiple of rollout.n "
         "-> digen.batch.groups_per_task",
@@ -605,8 +606,17 @@ def _derived_settings(config: Mapping[str, Any], digen: dict[str, Any], ours: di
         return samples // group_size
 
     micro_key = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
-    micro = groups(micro_key)
-    if micro is not None:
+    samples = _get(config, micro_key)
+    if isinstance(samples, int) and 1 <= samples < group_size and group_size % samples == 0:
+        # a micro-batch inside a group: whole-group tasks trained in passes of that many rows per
+        # rank (gradient accumulation; the advantages are the whole groups')
+        put("digen.batch.train_micro_batch_groups", 1, micro_key)
+        put("digen.batch.train_micro_batch_rows", samples, micro_key)
+    elif samples is not None and samples is not _UNSET and (
+            not isinstance(samples, int) or samples < 1 or samples % group_size):
+        raise ConfigError(f"invalid config: {micro_key}={samples!r}; must divide actor_rollout_ref.rollout.n="
+                          f"{group_size} (rows per training pass) or be a multiple of it (whole groups)")
+    elif (micro := groups(micro_key)) is not None:
         put("digen.batch.train_micro_batch_groups", micro, micro_key)
     rollout_key = "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"
     per_task = groups(rollout_key)
@@ -614,8 +624,13 @@ def _derived_settings(config: Mapping[str, Any], digen: dict[str, Any], ours: di
         put("digen.batch.groups_per_task", per_task, rollout_key)
     ref_key = "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"
     # Without use_kl_loss there is no reference model (in veRL either): the key sizes nothing.
-    ref = groups(ref_key) if _get(config, "actor_rollout_ref.actor.use_kl_loss", False) else None
-    if ref is not None and ref != _get({"digen": digen}, "digen.batch.train_micro_batch_groups"):
+    ref = _get(config, ref_key) if _get(config, "actor_rollout_ref.actor.use_kl_loss", False) else None
+    if ref is _UNSET or ref is None:
+        ref = None
+    elif samples is None or samples is _UNSET:  # the micro-batch is digen's: its samples, whole groups
+        ref = groups(ref_key)
+        samples = _get({"digen": digen}, "digen.batch.train_micro_batch_groups")
+    if ref is not None and ref != samples:
         raise ConfigError(
             f"invalid config: {ref_key}={_get(config, ref_key)!r}; must equal {micro_key}="
             f"{_get(config, micro_key)!r} (reference log-probs are computed inside each trainer micro-batch)")

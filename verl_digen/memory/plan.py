@@ -760,7 +760,8 @@ def _training_knobs(job: JobShape) -> list[str]:
         knobs.append("digen.model.gradient_checkpointing=true")
     if job.pass_samples > 1:
         knobs.append(f"smaller training passes: a pass is one transformer call of {job.pass_samples} sample(s) "
-                     "(a smaller digen.batch.group_size, or FSDP over more ranks)")
+                     f"(digen.batch.train_micro_batch_rows below {job.pass_samples}, a smaller digen.batch.group_size, "
+                     "or FSDP over more ranks)")
     if job.fsdp == 1:
         knobs.append("digen.fsdp.enable=true (shards weights, gradients and optimizer; splits micro-batches)")
     elif job.fsdp_replicas > 1:  # HSDP shards within a node: flat FSDP shards over every rank

@@ -72,6 +72,7 @@ def strategy_violations(
     sample_slices: int | None = None,
     train_slices: int = 1,
     group_size: int | None = None,
+    train_micro_batch_rows: int | None = None,
     name: Callable[[str], str] = str,
 ) -> list[tuple[str, str]]:
     """The broken invariants of a strategy as ``(field, what is valid)`` pairs; empty if none.
@@ -127,6 +128,12 @@ def strategy_violations(
     out += _unit_violations(pull=pull, sample_slices=sample_slices, train_slices=train_slices, group_size=group_size,
                             tsp_stages=tsp_stages, fsdp=fsdp, train_split=train_split,
                             train_micro_batch_groups=train_micro_batch_groups, name=name)
+    if train_micro_batch_rows is not None and (train_micro_batch_rows < 1 or (
+            group_size is not None and group_size % train_micro_batch_rows)):
+        # rows per training pass: a transformer call of the rollout's, within one group (call_rows
+        # also needs it to divide a sample slice and to deal over the FSDP ranks; it names those)
+        out.append(("train_micro_batch_rows", f"must be >= 1 and divide {name('group_size')}={group_size} (a pass "
+                                              f"is a transformer call within one group; null: the largest that fits)"))
     for field, v in (("groups_per_task", groups_per_task), ("train_micro_batch_groups", train_micro_batch_groups)):
         if v < 1 or groups_per_step % v:
             valid = f"must be >= 1 and divide {name('groups_per_step')}={groups_per_step} (whole groups only)"
@@ -203,16 +210,21 @@ def tag_unit(groups_per_task: int, trainer_workers: int, fsdp: bool, split: int)
     return groups_per_task * trainer_workers // split if fsdp else groups_per_task
 
 
-def call_rows(group_size: int, micro_batch_groups: int, ranks: int, split: int = 1) -> int:
+def call_rows(group_size: int, micro_batch_groups: int, ranks: int, split: int = 1,
+              rows_per_pass: int | None = None) -> int:
     """Rows per transformer call for rollout and training alike: the largest divisor ``m`` of a
     sample slice (``group_size // split`` rows; the whole group when not split) such that a
     training micro-batch (``micro_batch_groups * group_size`` rows) splits into whole chunks of
-    ``m`` rows evenly over ``ranks`` FSDP ranks (1: no FSDP).
+    ``m`` rows evenly over ``ranks`` FSDP ranks (1: no FSDP). ``rows_per_pass``
+    (``digen.batch.train_micro_batch_rows``) chooses ``m`` among those instead of the largest:
+    a training pass (one forward + backward, the gradient-accumulation unit) of fewer rows than
+    a group; the micro-batch's advantages are still those of its whole groups.
 
     Why one number for both sides: a kernel's result for one row can depend on how many rows it
     is computed with, so exact on-policy log-probs need the trainer to make the rollout's calls.
 
-    Raises ``ValueError`` naming the keys when the micro-batch's rows do not split evenly."""
+    Raises ``ValueError`` naming the keys when the micro-batch's rows do not split evenly, or
+    when ``rows_per_pass`` is not one of the valid sizes (the message lists them)."""
     rows = micro_batch_groups * group_size
     if rows % ranks:
         raise ValueError(
@@ -220,12 +232,22 @@ def call_rows(group_size: int, micro_batch_groups: int, ranks: int, split: int =
             f"= {rows} rows do not split evenly over {ranks} FSDP ranks"
         )
     part = group_size // split
-    return max(m for m in range(1, part + 1) if part % m == 0 and (rows // m) % ranks == 0)
+    valid = [m for m in range(1, part + 1) if part % m == 0 and (rows // m) % ranks == 0]
+    if rows_per_pass is None:
+        return max(valid)
+    if rows_per_pass not in valid:
+        raise ValueError(
+            f"digen.batch.train_micro_batch_rows={rows_per_pass} must be one of {', '.join(map(str, valid))}: a "
+            f"training pass is one transformer call of the rollout's, which divides a sample slice of "
+            f"{part} rows (digen.batch.group_size={group_size} / {split} slices) and deals the micro-batch's "
+            f"{rows} rows in whole calls over {ranks} rank(s); set one of them, or null for the largest"
+        )
+    return rows_per_pass
 
 
 def pass_rows(group_size: int, micro_batch_groups: int, fsdp_ranks: int, groups_per_step: int,
               groups_per_task: int, rollout_lanes: int, sample_slices: int | None = None,
-              train_slices: int = 1) -> int:
+              train_slices: int = 1, rows_per_pass: int | None = None) -> int:
     """Samples per transformer call of a run, in rollout and in a training pass alike: the
     :func:`call_rows` of its sample split (:func:`sample_split` over ``rollout_lanes``, or
     ``sample_slices``), its micro-batch's rows dealt over the FSDP ranks or the training row
@@ -233,7 +255,7 @@ def pass_rows(group_size: int, micro_batch_groups: int, fsdp_ranks: int, groups_
     forward + backward per call (``workers/training.py``), so this is what bounds training
     activations, in the code, the memory planner and the cost model."""
     split = sample_split(groups_per_step, groups_per_task, group_size, rollout_lanes, sample_slices)
-    return call_rows(group_size, micro_batch_groups, fsdp_ranks * train_slices, split)
+    return call_rows(group_size, micro_batch_groups, fsdp_ranks * train_slices, split, rows_per_pass)
 
 
 @dataclass(frozen=True)
@@ -246,6 +268,9 @@ class StrategySpec:
     reward_workers: int = 0  # 0: reward runs on the worker that generated
     groups_per_task: int = 1
     train_micro_batch_groups: int = 1
+    # Rows per training pass (one forward + backward on a rank, a transformer call of the
+    # rollout's too): digen.batch.train_micro_batch_rows; None: the largest :func:`call_rows` allows.
+    train_micro_batch_rows: int | None = None
     gap: bool = False
     max_staleness: int = 0
     # TSP rollout: pipelines of tsp_stages rollout workers over the denoising steps;
@@ -285,6 +310,7 @@ class StrategySpec:
             train_split=self.train_split, tag=self.tag, fsdp=self.fsdp, stage_bounds=self.stage_bounds,
             mini_batches=self.mini_batches, gat=self.gat, pull=self.pull, sample_slices=self.sample_slices,
             train_slices=self.train_slices, group_size=self.group_size,
+            train_micro_batch_rows=self.train_micro_batch_rows,
         )
         if self.tag and self.fsdp and self.placement == "disaggregated" and not fsdp_rows_split(
                 self.train_micro_batch_groups, self.group_size, self.trainer_workers):
@@ -307,7 +333,8 @@ class StrategySpec:
         """TAG's generate tasks per chunk of ``groups_per_task`` groups (:func:`tag_split`)."""
         if not (self.tag and self.fsdp):
             return 1
-        rows = call_rows(self.group_size, self.train_micro_batch_groups, self.trainer_workers, self.sample_split)
+        rows = call_rows(self.group_size, self.train_micro_batch_groups, self.trainer_workers, self.sample_split,
+                         self.train_micro_batch_rows)
         return tag_split(self.group_size, self.trainer_workers, rows)
 
     @property

@@ -167,7 +167,8 @@ class CostModel(WorkloadShapes, FsdpTraffic, MemoryFit, TrainingBytes, PhaseCost
         sharded = bool(getattr(spec, "fsdp", False)) or self.system.always_sharded
         ranks = len(spec.trainers) if getattr(spec, "fsdp", False) else 1
         ranks *= getattr(spec, "train_slices", 1)  # row slices deal a micro-batch's calls as FSDP ranks do
-        rows = call_rows(spec.group_size, spec.train_micro_batch_groups, ranks, spec.sample_split)
+        rows = call_rows(spec.group_size, spec.train_micro_batch_groups, ranks, spec.sample_split,
+                         getattr(spec, "train_micro_batch_rows", None))
         tasks = getattr(spec, "mini_batches", 1)
         # A plan with an optimizer step per mini-batch fixes the mini-batches; a plan with one
         # keeps the workload's (a published run's system stepping k times inside one task).

@@ -542,6 +542,8 @@ def hydra_overrides(candidate: Candidate, costs: CostModel, inventory: Inventory
         out.append(f"digen.units.sample_slices={spec.sample_slices}")
     if getattr(spec, "train_slices", 1) != 1:
         out.append(f"digen.units.train_slices={spec.train_slices}")
+    if getattr(spec, "train_micro_batch_rows", None) is not None:  # passes below the largest call (not searched)
+        out.append(f"digen.batch.train_micro_batch_rows={spec.train_micro_batch_rows}")
     if w.vae_decode_chunk:
         out.append(f"digen.model.vae_decode_chunk={w.vae_decode_chunk}")
     if w.sde_window and w.sde_window < w.num_steps:

@@ -54,7 +54,7 @@ def gang_chunk_rows(spec: StrategySpec) -> int:
     ranks = len(spec.trainers)
     if not spec.fsdp or ranks < 2:
         return 0
-    return call_rows(spec.group_size, spec.train_micro_batch_groups, ranks, spec.sample_split)
+    return call_rows(spec.group_size, spec.train_micro_batch_groups, ranks, spec.sample_split, spec.train_micro_batch_rows)
 
 
 def rank_chunks(groups: tuple[int, ...], group_size: int, chunk_rows: int, rank: int, ranks: int) -> list[tuple[int, int]]:

@@ -152,13 +152,14 @@ def velocity_in_chunks(
     return torch.cat(out)
 
 
-def forward_rows(group_size: int, micro_batch_groups: int, ranks: int, split: int = 1) -> int:
+def forward_rows(group_size: int, micro_batch_groups: int, ranks: int, split: int = 1,
+                 rows_per_pass: int | None = None) -> int:
     """Rows per transformer call for rollout and training (:func:`velocity_in_chunks`); the
     arithmetic is the planner's (:func:`verl_digen.schedule.strategies.call_rows`), since it
     depends on how the planner splits groups over rollout workers."""
     from verl_digen.schedule.strategies import call_rows
 
-    return call_rows(group_size, micro_batch_groups, ranks, split)
+    return call_rows(group_size, micro_batch_groups, ranks, split, rows_per_pass)
 
 
 def rank_rows(batch: int, rows: int, rank: int, ranks: int) -> list[int]:

@@ -135,7 +135,7 @@ def sampling_settings(cfg: DigenConfig, fsdp_ranks: int = 1, rollout_lanes: int 
         forward_rows=pass_rows(
             cfg.batch.group_size, cfg.batch.train_micro_batch_groups, fsdp_ranks,
             cfg.batch.groups_per_step, cfg.batch.groups_per_task, rollout_lanes,
-            cfg.units.fixed_sample_slices, cfg.units.train_slices,
+            cfg.units.fixed_sample_slices, cfg.units.train_slices, cfg.batch.train_micro_batch_rows,
         ),
     )
 
