@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["SDE_TYPES", "SIGMA_ONE_ATOL", "SdeStepOutput", "sde_step_with_logprob", "ode_step"]
+__all__ = ["SDE_TYPES", "SIGMA_ONE_ATOL", "SdeStepOutput", "sde_step_with_logprob", "ode_step", "time_shift_sigmas"]
 
 SDE_TYPES: tuple[str, ...] = ("sde", "cps", "dance_sde")
 
@@ -80,6 +80,23 @@ def _check_inputs(velocity: Tensor, sample: Tensor, sigma: Tensor, sigma_next: T
                 f"{name} must have shape [B]=[{batch}] matching the sample batch, "
                 f"got {tuple(s.shape)}"
             )
+
+
+def time_shift_sigmas(num_steps: int, shift: float) -> Tensor:
+    """DanceGRPO's noise schedule (veRL-Omni's ``dance_grpo`` Wan2.2 adapters): ``[num_steps + 1]``
+    float32 sigmas ``shift * t / (1 + (shift - 1) * t)`` at ``t = 1, 1 - 1/N, ..., 1/N`` (the SD3
+    time shift of a uniform grid, computed in float32 as they compute it), then 0."""
+    if not isinstance(num_steps, int) or num_steps < 1:
+        raise ValueError(f"num_steps={num_steps!r} must be an integer >= 1")
+    if not shift > 0:
+        raise ValueError(f"shift={shift!r} must be > 0")
+    import numpy as np
+
+    # numpy's linspace (float64) cast to float32, then the shift in float32: their arithmetic
+    t = torch.from_numpy(np.linspace(1.0, 0.0, num_steps + 1)).float()
+    sigmas = (shift * t) / (1 + (shift - 1) * t)
+    sigmas[-1] = 0.0
+    return sigmas
 
 
 def ode_step(velocity: Tensor, sample: Tensor, sigma: Tensor, sigma_next: Tensor) -> Tensor:

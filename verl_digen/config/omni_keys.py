@@ -35,13 +35,23 @@ ALGO = f"{ARR}.rollout.algo"
 VAL_PIPE = f"{ARR}.rollout.val_kwargs.pipeline"
 VAL_ALGO = f"{ARR}.rollout.val_kwargs.algo"
 
-#: veRL-Omni's algorithm name for what verl-digen trains.
+#: veRL-Omni's algorithm names for what verl-digen trains: FlowGRPO, and DanceGRPO (veRL-Omni's
+#: ``dance_grpo``: the same loss and advantage function, its own sampling, see :func:`_algorithm`).
 FLOW_GRPO = "flow_grpo"
+DANCE_GRPO = "dance_grpo"
+ALGORITHMS = (FLOW_GRPO, DANCE_GRPO)
+#: veRL-Omni's dance_grpo pipeline's time shift (its Wan2.2 adapters' ``shift``, 5.0).
+DANCE_TIME_SHIFT = 5.0
+
+# veRL-Omni's advantage keys (its DiffusionAlgoConfig; the first is veRL-Omni's only, not veRL's).
+GLOBAL_STD = "algorithm.global_std"
+NORM_ADV = "algorithm.norm_adv_by_std_in_grpo"
+ADV_ESTIMATOR = "algorithm.adv_estimator"
 
 # Keys (and key prefixes, ending in '.') Hydra must accept without '+' in the digen mode; and
 # trainer.rollout_data_dir, which veRL's config holds (null) and veRL-Omni's scripts write with
 # '+': rewritten to '++' like the rest, which takes either spelling.
-_EXACT = (f"{ARR}.model.algorithm", f"{ARR}.model.extra_tokenizers", f"{ARR}.model.attn_backend",
+_EXACT = (f"{ARR}.model.algorithm", GLOBAL_STD, f"{ARR}.model.extra_tokenizers", f"{ARR}.model.attn_backend",
           f"{ARR}.rollout.rollout_attn_backend", f"{ARR}.rollout.max_prompt_embed_length", "trainer.rollout_data_dir")
 _PREFIXES = (f"{LOSS}.", f"{PIPE}.", f"{ALGO}.", f"{VAL_PIPE}.", f"{VAL_ALGO}.")
 OMNI_ROOTS = (*_EXACT, *(p[:-1] for p in _PREFIXES))
@@ -93,8 +103,12 @@ OMNI_MAPPED: tuple[tuple[str, str, str, Callable[[Any, Mapping[str, Any]], Any] 
 
 # Keys that set no digen.* field: the one value (or rule) they may hold, and what to use instead.
 OMNI_CHECKED: dict[str, str] = {
-    f"{ARR}.model.algorithm": "flow_grpo (what verl-digen trains)",
-    f"{LOSS}.loss_mode": "flow_grpo",
+    f"{ARR}.model.algorithm": "flow_grpo, or dance_grpo: DanceGRPO's sampling (digen.sampling.time_shift=5.0, "
+                              "same_initial_noise=true)",
+    f"{LOSS}.loss_mode": "flow_grpo or dance_grpo (veRL-Omni's same clipped loss)",
+    GLOBAL_STD: "veRL-Omni's recipes (flow_grpo): true (veRL-Omni's default, written or not) divides by the "
+                "batch's std, false by the group's (digen.algo.std_mode global / group, std_estimator=verl_omni); "
+                "dance_grpo: only true (veRL-Omni's dance_grpo ignores it)",
     f"{LOSS}.ref_kl_coef": "0.0; the KL to the reference is actor_rollout_ref.actor.use_kl_loss=true with "
                            "kl_loss_coef (digen.algo.kl_beta)",
     f"{LOSS}.*": "other diffusion_loss fields belong to veRL-Omni's other algorithms (MixGRPO, DPO, NFT): refused",
@@ -162,10 +176,13 @@ def model_family(config: Mapping[str, Any], digen: Mapping[str, Any]) -> str | N
 
 
 def omni_settings(config: Mapping[str, Any], digen: dict[str, Any],
-                  put: Callable[[str, Any, str], None]) -> None:
+                  put: Callable[[str, Any, str], None], written: Any = ()) -> None:
     """Check veRL-Omni's keys that set nothing by themselves or depend on the model family, and
-    put what they mean (``put(digen_key, value, verl_key)``, the one-value rule)."""
+    put what they mean (``put(digen_key, value, verl_key)``, the one-value rule); ``written``:
+    the keys the command line wrote (a ``digen.*`` key written wins over a veRL-Omni default)."""
     _check_algorithm(config)
+    _algorithm(config, digen, put, written)
+    _advantages(config, digen, put, written)
     _sde_window(config, put)
     _check_validation(config)
     family = model_family(config, digen)
@@ -176,8 +193,9 @@ def omni_settings(config: Mapping[str, Any], digen: dict[str, Any],
 def _check_algorithm(config: Mapping[str, Any]) -> None:
     for key in (f"{ARR}.model.algorithm", f"{LOSS}.loss_mode"):
         value = tree_get(config, key)
-        if value is not None and value != FLOW_GRPO:
-            _fail(key, value, "verl-digen trains FlowGRPO (flow_grpo); veRL-Omni's other algorithms are not here")
+        if value is not None and value not in ALGORITHMS:
+            _fail(key, value, "verl-digen trains FlowGRPO (flow_grpo) and DanceGRPO (dance_grpo); veRL-Omni's "
+                              "other algorithms are not here")
     loss = tree_get(config, LOSS) or {}
     for name, value in loss.items():
         if name in ("clip_ratio", "adv_clip_max", "loss_mode"):
@@ -189,6 +207,92 @@ def _check_algorithm(config: Mapping[str, Any]) -> None:
         _fail(f"{LOSS}.{name}", value, "it belongs to veRL-Omni's other algorithms (MixGRPO, DPO, NFT); "
                                        "verl-digen's FlowGRPO loss has clip_ratio, adv_clip_max and the KL "
                                        "(actor_rollout_ref.actor.use_kl_loss / kl_loss_coef)")
+
+
+def _algorithm(config: Mapping[str, Any], digen: Mapping[str, Any], put: Callable[[str, Any, str], None],
+               written: Any) -> None:
+    """``model.algorithm=dance_grpo``: what veRL-Omni's dance_grpo pipeline adapters (Wan2.2's, the
+    ones it registers under that name) do differently from flow_grpo's: the sigmas are DanceGRPO's
+    time-shifted grid with shift 5.0 (:func:`verl_digen.algos.sde.time_shift_sigmas`) and every
+    sample of a group starts from the same initial noise (``init_same_noise``). The SDE
+    (``rollout.algo.sde_type``, ``dance_sde`` in its recipe), the SDE window, the loss and the
+    advantage clip are the keys' as for flow_grpo; the advantages: :func:`_advantages`."""
+    key = f"{ARR}.model.algorithm"
+    if tree_get(config, key) != DANCE_GRPO:
+        return
+    for name, value in (("sampling.time_shift", DANCE_TIME_SHIFT), ("sampling.same_initial_noise", True)):
+        mine = tree_get(digen, name)
+        if f"digen.{name}" in written and mine != value:  # written at the schema's default: put cannot tell
+            raise ConfigError(f"invalid config: {key}={DANCE_GRPO!r} and digen.{name}={mine!r} are the same setting; "
+                              f"set only {key}")
+        put(f"digen.{name}", value, key)
+
+
+def is_omni_recipe(config: Mapping[str, Any]) -> bool:
+    """The config is a veRL-Omni recipe: it holds one of veRL-Omni's diffusion keys or names one of
+    its algorithms as ``algorithm.adv_estimator``. Not by the keys veRL has too (rollout_data_dir)
+    or that only pick kernels (the attention backends: engine settings change nothing learned)."""
+    roots = [r for r in OMNI_ROOTS if r != "trainer.rollout_data_dir" and not r.endswith("attn_backend")]
+    return any(tree_get(config, r) is not None for r in roots) or tree_get(config, ADV_ESTIMATOR) in ALGORITHMS
+
+
+def advantage_estimator(config: Mapping[str, Any]) -> str | None:
+    """The advantage estimator veRL-Omni would run: ``algorithm.adv_estimator`` when written (veRL's
+    default gae reads as unset), else veRL-Omni's default ``${actor_rollout_ref.model.algorithm}``
+    or flow_grpo, for a veRL-Omni recipe; None: a veRL job (veRL's GRPO)."""
+    written = tree_get(config, ADV_ESTIMATOR)
+    if written not in (None, "gae"):
+        return str(written)
+    if not is_omni_recipe(config):
+        return None
+    return str(tree_get(config, f"{ARR}.model.algorithm") or FLOW_GRPO)
+
+
+def _explicit(digen: Mapping[str, Any], key: str, written: Any) -> bool:
+    """``digen.<key>`` was written, or holds a value other than the schema's default."""
+    from verl_digen.config.schema import hydra_defaults
+
+    value = tree_get(digen, key)  # None: the run's digen group lacks it (main_ppo composes none)
+    return f"digen.{key}" in written or (value is not None and value != tree_get(hydra_defaults(), key))
+
+
+def _advantages(config: Mapping[str, Any], digen: Mapping[str, Any], put: Callable[[str, Any, str], None],
+                written: Any) -> None:
+    """veRL-Omni's advantages (``compute_flow_grpo_outcome_advantage``, registered for flow_grpo and
+    dance_grpo): ``(r - mean_group) / (std + 1e-4)``, the std the batch's (``algorithm.global_std``,
+    true by default) or the group's, or no division (``norm_adv_by_std_in_grpo=false``); each std
+    is ``torch.std`` of the rewards repeated once per recorded SDE step (``std_estimator=verl_omni``).
+    Its ``compute_advantage`` hands the two keys to flow_grpo only: dance_grpo always divides by
+    the batch's std, so there a value other than true is refused rather than ignored."""
+    estimator = advantage_estimator(config)
+    glob = tree_get(config, GLOBAL_STD)
+    if estimator not in ALGORITHMS:
+        if glob is not None:
+            _fail(GLOBAL_STD, glob, f"it is veRL-Omni's (algorithm.adv_estimator flow_grpo or dance_grpo); with "
+                                    f"{ADV_ESTIMATOR}={estimator} use digen.algo.std_mode=global")
+        return
+    norm = tree_get(config, NORM_ADV, True)
+    for key, value in ((NORM_ADV, norm), (GLOBAL_STD, glob)):
+        if not isinstance(value, (bool, type(None))):
+            _fail(key, value, "must be true or false")
+    if estimator == DANCE_GRPO:
+        for key, value in ((NORM_ADV, norm), (GLOBAL_STD, glob)):
+            if value is False:
+                _fail(key, value, "veRL-Omni's dance_grpo ignores it and always divides by the batch's std (its "
+                                  "compute_advantage passes it to flow_grpo only); leave it unset, or use flow_grpo")
+    elif not norm and glob is True:
+        _fail(GLOBAL_STD, glob, f"{NORM_ADV}=false divides by no std at all; set one of them")
+    if not _explicit(digen, "algo.std_estimator", written):
+        put("digen.algo.std_estimator", "verl_omni", ADV_ESTIMATOR)
+    if not norm or (glob is None and _explicit(digen, "algo.std_mode", written)):
+        return  # no std (NORM_ADV's row set none), or digen.algo.std_mode written wins over veRL-Omni's default
+    mode = "group" if glob is False else "global"
+    if mode == "global" and tree_get(digen, "gap.enable"):
+        _fail(GLOBAL_STD, True if glob is None else glob,
+              "true (veRL-Omni's default when unset) divides by the whole batch's std, and GAP (digen.gap.enable) "
+              "trains groups before the batch is complete; set algorithm.global_std=false (the group's std) or "
+              "digen.gap.enable=false")
+    put("digen.algo.std_mode", mode, GLOBAL_STD)
 
 
 def _window_range(key: str, value: Any) -> tuple[int, int]:

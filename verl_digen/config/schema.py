@@ -166,6 +166,12 @@ class SamplingConfig:
     distilled_guidance: Optional[float] = None  # FLUX.1-dev style guidance embedding
     noise_level: float = 0.7  # the SDE's noise scale (a in Flow-GRPO, eta in DanceGRPO)
     sde_type: str = "sde"  # sde | cps | dance_sde
+    # null: the pipeline scheduler's sigmas; a number s: DanceGRPO's shifted schedule, sigma = s*t / (1 + (s-1)*t)
+    # at t = 1, 1 - 1/N, ..., 1/N, then 0 (veRL-Omni's dance_grpo: s = 5, its Wan2.2 pipeline's)
+    time_shift: Optional[float] = None
+    # Every sample of a group starts from the same initial noise (DanceGRPO's shared noise, veRL-Omni's
+    # init_same_noise); the SDE steps' noise still differs per sample
+    same_initial_noise: bool = False
     # Which steps are stochastic (and trained): mode all | fixed | random | sliding, with size,
     # start, stride, range_end (see verl_digen.algos.window).
     sde_window: SdeWindowConfig = field(default_factory=SdeWindowConfig)
@@ -187,6 +193,8 @@ class SamplingConfig:
         if not 0.0 < self.timestep_fraction <= 1.0:
             _fail(f"{key}.timestep_fraction", self.timestep_fraction, "must be in (0, 1]")
         _positive(f"{key}.noise_level", self.noise_level)
+        if self.time_shift is not None and not self.time_shift > 0:
+            _fail(f"{key}.time_shift", self.time_shift, "must be > 0, or null for the pipeline's sigmas")
         try:
             self.sde_window.validate(self.num_steps)
         except ValueError as e:
@@ -258,6 +266,9 @@ class AlgoConfig:
     adv_clip_max: float = 5.0  # advantages are clamped to [-adv_clip_max, adv_clip_max]
     kl_beta: float = 0.0  # weight of the KL to the frozen reference model; 0: no KL, no reference kept
     std_mode: str = "group"  # group | global | none
+    # How a std is estimated: population (numpy.std of the rewards, Flow-GRPO's) | verl_omni (torch.std of
+    # each reward repeated once per recorded SDE step, T of them: divisor n - 1/T, veRL-Omni's)
+    std_estimator: str = "population"
     lr: float = 3e-2  # tiny demo; Flow-GRPO uses 3e-4 for LoRA on real models (see the presets in configs/)
     weight_decay: float = 1e-4  # the optimizer's weight decay
     max_grad_norm: float = 1.0  # gradients are clipped to this global norm before each optimizer step
@@ -268,6 +279,8 @@ class AlgoConfig:
     def validate(self, key: str) -> None:
         if self.std_mode not in ("group", "global", "none"):
             _fail(f"{key}.std_mode", self.std_mode, "valid: group, global, none")
+        if self.std_estimator not in ("population", "verl_omni"):
+            _fail(f"{key}.std_estimator", self.std_estimator, "valid: population, verl_omni")
         _positive(f"{key}.clip_range", self.clip_range)
         _positive(f"{key}.lr", self.lr)
         _non_negative(f"{key}.kl_beta", self.kl_beta)

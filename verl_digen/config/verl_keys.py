@@ -169,8 +169,8 @@ MAPPED: tuple[Mapped, ...] = (
     Mapped("actor_rollout_ref.actor.fsdp_config.model_dtype", "digen.model.dtype",
            "the weights' compute dtype, rollout and training alike (bfloat16 / float32)", _model_dtype),
     Mapped("data.seed", "digen.seed", "seed"),
-    Mapped("algorithm.norm_adv_by_std_in_grpo", "digen.algo.std_mode", "true: group std (group), false: none",
-           _std_mode),
+    Mapped("algorithm.norm_adv_by_std_in_grpo", "digen.algo.std_mode", "true: divide by a std (veRL: the group's; "
+           "veRL-Omni: algorithm.global_std's), false: none", _std_mode),
     Mapped("ray_kwargs.ray_init.num_cpus", "digen.ray_num_cpus", "Ray CPUs (verl_digen.main starts Ray; "
            "main_ppo hands it to ray.init itself)"),
     Mapped("actor_rollout_ref.actor.strategy", "digen.fsdp.enable", "fsdp2: FSDP2 over the training ranks",
@@ -197,9 +197,10 @@ READ_DIRECTLY: dict[str, str] = {
         "-> digen.batch.groups_per_task",
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu":
         "reference log-probs are computed inside each trainer micro-batch: must equal ppo_micro_batch_size_per_gpu",
-    "algorithm.adv_estimator": "grpo or flow_grpo (veRL-Omni's name); veRL's default gae reads as unset "
-                               "(advantages are always GRPO's group ones), gae written on the command line "
-                               "is refused (it needs a critic)",
+    "algorithm.adv_estimator": "grpo, or veRL-Omni's flow_grpo / dance_grpo (its advantages: the batch's std by "
+                               "default, algorithm.global_std); veRL's default gae reads as unset (a veRL-Omni "
+                               "recipe's estimator is then its model.algorithm's), gae written on the command "
+                               "line is refused (it needs a critic)",
     "reward.custom_reward_function.path": "a Python file -> digen.reward.name=custom",
     "reward.custom_reward_function.name": "the function in it (default compute_score)",
     "reward.reward_manager.name": "naive (per sample, default), batch (the batched form) or "
@@ -573,7 +574,7 @@ def resolve_run_config(config: Mapping[str, Any], entry: str = DIGEN_MAIN,
                               "without a rank veRL trains every weight (no LoRA); set lora_rank (> 0) for LoRA")
         put("digen.model.lora.enable", False, "actor_rollout_ref.model.lora_rank")
 
-    omni_settings(config, digen, put)
+    omni_settings(config, digen, put, written)
     _derived_settings(config, digen, ours, put)
     trainer = VerlTrainerKeys.of(config)
     _check_rollout_and_algorithm(config, trainer, entry)
@@ -785,9 +786,9 @@ def _check_rollout_and_algorithm(config: Mapping[str, Any], trainer: VerlTrainer
         raise ConfigError(f"invalid config: {LAYERED_SUMMON}={summon!r}; must be true or false (both run the same: "
                           "the weight sync always gathers sharded weights bucket by bucket)")
     adv = _get(config, "algorithm.adv_estimator", "gae")
-    if adv not in ("gae", "grpo", "flow_grpo"):
+    if adv not in ("gae", "grpo", "flow_grpo", "dance_grpo"):
         raise ConfigError(f"invalid config: algorithm.adv_estimator={adv!r}; verl-digen trains with GRPO's "
-                          "group advantages (grpo, or veRL-Omni's flow_grpo: the same)")
+                          "group advantages (grpo, or veRL-Omni's flow_grpo / dance_grpo)")
     valid = (TRAINER_MODE,) if entry == MAIN_PPO else (TRAINER_MODE, "sync")
     if trainer.trainer_mode not in valid:
         raise ConfigError(f"invalid config: trainer.v1.trainer_mode={trainer.trainer_mode!r}; valid: {', '.join(valid)}")

@@ -28,6 +28,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from verl_digen.algos.advantages import run_std_correction
 from verl_digen.config.verl_keys import DIGEN_MAIN, MAIN_PPO
 from verl_digen.schedule.driver import StepDriver
 from verl_digen.schedule.elastic import balanced_spec
@@ -189,6 +190,7 @@ class DigenTrainer:
         driver = StepDriver(
             self.spec,
             lambda plan: RayPlanExecutor(plan, actors, std_mode=cfg.algo.std_mode, timeout_s=self.deadlines.task_s,
+                                         std_correction=run_std_correction(cfg),
                                          chunk_rows=gang_chunk_rows(self.spec), sharded_trainers=self.spec.fsdp),
             start_step=first, total_steps=last, tag_switch_s=cfg.tag.switch_cost_s,
             tsp_rebalance=self.spec.tsp_stages > 1 and cfg.tsp.balance, gat_micro_batches=cfg.gat.fixed,

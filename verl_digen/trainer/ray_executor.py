@@ -99,6 +99,7 @@ class RayPlanExecutor(PlanRunner):
         *,
         std_mode: str,
         timeout_s: float,
+        std_correction: float = 0.0,
         chunk_rows: int = 0,
         sharded_trainers: bool = False,
     ) -> None:
@@ -112,6 +113,8 @@ class RayPlanExecutor(PlanRunner):
         super().__init__(plan)
         self.actors = actors
         self.std_mode = std_mode
+        # the std's divisor n - std_correction (digen.algo.std_estimator: 0 population, 1/T veRL-Omni's)
+        self.std_correction = std_correction
         self.timeout_s = timeout_s
         # The longest the executor waited for a task to finish since the last step's metrics
         # (``executor/longest_wait_s``): what its deadline must outlast.
@@ -188,11 +191,11 @@ class RayPlanExecutor(PlanRunner):
         rows = torch.cat([res.rewards[g] for g in task.groups])
         ids = torch.cat([torch.full_like(res.rewards[g], g, dtype=torch.long) for g in task.groups])
         if self.std_mode != "global":
-            return group_advantages(rows, ids, std_mode=self.std_mode)
+            return group_advantages(rows, ids, std_mode=self.std_mode, correction=self.std_correction)
         # Global std: normalise by the whole step's std (all rewards are in: no GAP).
         all_rows = torch.cat([res.rewards[g] for g in sorted(res.rewards)])
         all_ids = torch.cat([torch.full_like(res.rewards[g], g, dtype=torch.long) for g in sorted(res.rewards)])
-        adv = group_advantages(all_rows, all_ids, std_mode="global")
+        adv = group_advantages(all_rows, all_ids, std_mode="global", correction=self.std_correction)
         by_group = {g: adv[all_ids == g] for g in sorted(res.rewards)}
         return torch.cat([by_group[g] for g in task.groups])
 

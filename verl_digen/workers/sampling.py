@@ -47,7 +47,7 @@ import torch
 from tensordict import TensorDict
 
 from verl import DataProto
-from verl_digen.algos.sde import ode_step, sde_step_with_logprob
+from verl_digen.algos.sde import ode_step, sde_step_with_logprob, time_shift_sigmas
 from verl_digen.algos.window import SdeWindowConfig, select_sde_window, subsample_timesteps
 from verl_digen.models.base import Conditioning, DiffusionAdapter, SampleSpec, onloaded, pixels_to_uint8
 
@@ -68,6 +68,10 @@ class SamplingSettings:
     # Rows per transformer call (0: the whole batch), the same in rollout and training: see
     # :func:`velocity_in_chunks`. Set by the worker from the batch layout (:func:`forward_rows`).
     forward_rows: int = 0
+    # digen.sampling.time_shift: None, the adapter's sigmas; s, DanceGRPO's shifted schedule
+    time_shift: float | None = None
+    # digen.sampling.same_initial_noise: every sample of a group starts from its sample 0's noise
+    same_initial_noise: bool = False
 
     @property
     def uses_cfg(self) -> bool:
@@ -89,6 +93,18 @@ def step_plan(settings: SamplingSettings, *, training_step: int, seed: int) -> t
     gen = torch.Generator().manual_seed(group_seed(seed, -1 - training_step))
     trained = subsample_timesteps(window, settings.timestep_fraction, generator=gen)
     return window, trained
+
+
+def shared_initial_noise(adapter: DiffusionAdapter, spec: SampleSpec, seed: int, group_ids: Sequence[int],
+                         rows: int, x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[len(group_ids) * rows, ...]`` (each group's rows in turn) with every row of a group
+    set to the initial noise of the group's sample 0 (DanceGRPO's shared noise): drawn from sample
+    0's seed whichever slice of the group these rows are, so that a group split over workers
+    still shares it. Each sample's own generator has drawn (and discarded) its own, so its SDE
+    noise is the stream it has without sharing."""
+    firsts = [adapter.prepare_latents(1, spec, torch.Generator().manual_seed(sample_seed(seed, g, 0)))
+              for g in group_ids]
+    return torch.cat([first.expand(rows, *first.shape[1:]) for first in firsts]).to(x.dtype).clone()
 
 
 def carried_latent_steps(trained: Sequence[int]) -> list[int]:
@@ -324,7 +340,12 @@ def begin_groups(
     generators = [torch.Generator().manual_seed(sample_seed(request.seed, g, i))
                   for g in request.group_ids for i in request.sample_range]
     x = torch.cat([adapter.prepare_latents(1, spec, gen) for gen in generators], dim=0)
-    sigmas = adapter.sigmas(settings.num_steps, spec).to(dtype=torch.float32).cpu()  # [S+1]
+    if settings.same_initial_noise:
+        x = shared_initial_noise(adapter, spec, request.seed, list(request.group_ids), len(request.sample_range), x)
+    if settings.time_shift is not None:
+        sigmas = time_shift_sigmas(settings.num_steps, settings.time_shift)  # [S+1]
+    else:
+        sigmas = adapter.sigmas(settings.num_steps, spec).to(dtype=torch.float32).cpu()  # [S+1]
     return GroupsInFlight(
         request=request,
         window=window,

@@ -131,6 +131,8 @@ def sampling_settings(cfg: DigenConfig, fsdp_ranks: int = 1, rollout_lanes: int 
         window=dataclasses.replace(s.sde_window),
         timestep_fraction=s.timestep_fraction,
         negative_prompt=s.negative_prompt,
+        time_shift=s.time_shift,
+        same_initial_noise=s.same_initial_noise,
         vae_decode_chunk=cfg.model.vae_decode_chunk,
         forward_rows=pass_rows(
             cfg.batch.group_size, cfg.batch.train_micro_batch_groups, fsdp_ranks,
