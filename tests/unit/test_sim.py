@@ -129,7 +129,7 @@ def test_training_is_three_forwards_per_trained_step_plus_exposed_collectives(ca
     dev = dataclasses.replace(catalog.devices["H800"], mfu_half_tokens=0.0)
     one = Cluster({"trainer": PoolPlacement(1, 1, "H800"), "rollout": PoolPlacement(1, 1, "H800")})
     group = c.train_group(one)
-    # at the system's training efficiency (ours: measured on a GPU, a multiple of the calibrated mfu_train)
+    # at the device's training efficiency (measured on our GPU checks, every system's)
     fwd = c.forward_flops() / (dev.flops * dev.mfu_train * c.system.train_efficiency)
     per_image = c.train_seconds(12, dev, group) / 12
     assert per_image == pytest.approx(c.workload.trained_steps * (3 * fwd + dev.train_pass_overhead_s))
@@ -180,19 +180,22 @@ def test_checkpointing_is_decided_per_training_pass_as_the_memory_planner_decide
     assert with_reward.phases["train"]["encoders_vae"] - without.phases["train"]["encoders_vae"] == int(4 * c.reward.params)
 
 
-def test_the_measured_training_efficiency_is_ours_and_the_calibrated_one_stays_verl_omnis(catalog):
-    """docs/measured/gpu_check_h100.json: our train passes ran 1.99x faster than the calibrated
-    mfu_train (fitted to veRL-Omni's whole steps) predicts; the factor is our system's, so
-    veRL-Omni's calibrated predictions do not move, and the bound charges the same efficiency."""
+def test_the_measured_training_efficiency_is_every_systems(catalog):
+    """One calibration basis: the training efficiency measured on our GPU checks (mfu_train, the
+    device's) is charged to every system's passes alike, so our pass and veRL-Omni's of the same
+    samples cost the same compute; what differs between them is structural (its log-prob
+    recompute, offload, ...), not a factor on the kernel. The bound charges that efficiency."""
     ours = _costs(catalog, "flux-12b", train_device_batch=8)
     omni = ours.with_system(catalog.system("verl-omni"))
-    assert ours.system.train_efficiency == pytest.approx(1.99) and omni.system.train_efficiency == 1.0
+    assert ours.system.train_efficiency == omni.system.train_efficiency == 1.0
     dev = catalog.devices["H800"]
     one = Cluster({"trainer": PoolPlacement(1, 1, "H800"), "rollout": PoolPlacement(1, 1, "H800")})
     group = ours.train_group(one)
     compute = [m.train_pass_seconds(8, dev, group) - dev.train_pass_overhead_s for m in (ours, omni)]
-    assert compute[1] / compute[0] == pytest.approx(1.99)
-    # one bound for both: the best efficiency a system reaches on the device
+    assert compute[1] == pytest.approx(compute[0])
+    # the recompute is veRL-Omni's structural extra: one forward per trained step
+    assert omni.train_seconds(8, dev, group) > ours.train_seconds(8, dev, group)
+    # one bound for both: the device's efficiency
     train = [m.device_seconds_per_image(dev)["train"] for m in (ours, omni)]
     assert train[1] == pytest.approx(train[0])
     # and it stays a bound: a pass of 8 samples on one trained step costs at least their share

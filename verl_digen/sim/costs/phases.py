@@ -41,7 +41,7 @@ class PhaseCosts:
         calls = math.ceil(samples / b)
         eff = self.efficiency(dev, b * self.workload.cfg_factor * self.tokens()[1])
         flops = samples * self.workload.cfg_factor * self.forward_flops()
-        t = calls * dev.forward_overhead_s + flops / (dev.flops * eff)
+        t = calls * (dev.forward_overhead_s + self.system.engine_call_s) + flops / (dev.flops * eff)
         if gather_s:
             row = self.workload.cfg_factor * self.forward_flops() / (dev.flops * eff)
             full, rest = divmod(samples, b)
@@ -76,7 +76,8 @@ class PhaseCosts:
         start, end = steps if steps is not None else (0, w.num_steps)
         if not 0 <= start < end <= w.num_steps:
             raise ValueError(f"denoise steps {(start, end)} outside [0, {w.num_steps}] (workload num_steps)")
-        t = dev.generate_overhead_s + (end - start) * self.denoise_seconds(images, dev, batch, gather_s)
+        t = dev.generate_overhead_s + (end - start) * (self.denoise_seconds(images, dev, batch, gather_s)
+                                                       + self.system.denoise_step_s)
         if start == 0:
             t += self.encode_seconds(math.ceil(images / w.group_size), dev)
         if final:
@@ -88,7 +89,7 @@ class PhaseCosts:
         stage balancing measures on a real rollout worker)."""
         w = self.workload
         return {
-            "step_s": [self.forward_seconds(images, dev)] * w.num_steps,
+            "step_s": [self.forward_seconds(images, dev) + self.system.denoise_step_s] * w.num_steps,
             "head_s": dev.generate_overhead_s + self.encode_seconds(math.ceil(images / w.group_size), dev),
             "tail_s": self.decode_seconds(images, dev),
         }

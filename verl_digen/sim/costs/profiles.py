@@ -119,8 +119,17 @@ class SystemProfile:
     logprob_micro_batch: int = 0  # samples per log-prob recompute forward (0: the train micro-batch)
     whole_step_tasks: bool = False  # one generate and one train call per worker and step (an engine batches)
     step_fixed_s: float = 0.0  # per-step overhead that no device count shrinks (driver, engines, barriers)
-    # This stack's training passes run at train_efficiency x the device's mfu_train (the calibrated
-    # mfu_train is fitted to veRL-Omni's published steps; ours is measured: docs/cost_model.md).
+    # Per transformer call of a separate rollout engine (request scheduling, per-request state): a
+    # structural cost of that engine, fitted to the system's own published runs; 0 for ours, whose
+    # per-call cost is in the device's measured call-size curve (mfu_half_tokens, forward_overhead_s).
+    engine_call_s: float = 0.0
+    # Per denoising step of a generate call, beyond the transformer's forward: the sampler's own work
+    # (SDE step, log-probs, latents, host syncs). Ours is measured (the GPU checks' generate phase
+    # minus the measured forwards: python -m verl_digen.sim.calibrate); 0 where engine_call_s holds it.
+    denoise_step_s: float = 0.0
+    # Training passes run at train_efficiency x the device's mfu_train. The kernel efficiencies are
+    # the device's and shared by every system (measured: docs/cost_model.md); 1 for every shipped
+    # system, a knob for a stack whose passes are measured to differ.
     train_efficiency: float = 1.0
     # -- stack constants
     nccl_efficiency: float = 0.8  # achieved collective bandwidth / link bandwidth
