@@ -2,6 +2,7 @@
 # one-step-off async training (TCSS), under veRL's own entry point.
 # Data: Flow-GRPO's dataset/ocr/{train,test}.txt (the text to render is the quoted part of each prompt).
 # Plan the pool split for your GPUs first: python -m verl_digen.sim.planner --model flux-12b --devices 8
+# GAP trains each group as it arrives, so advantages use the group's std (algorithm.global_std=false).
 set -x
 
 WORKSPACE=${WORKSPACE:-$HOME}
@@ -14,6 +15,7 @@ ROLLOUT_GPUS=${ROLLOUT_GPUS:-4}
 python3 -m verl.trainer.main_ppo \
     trainer.v1.trainer_mode=digen \
     algorithm.adv_estimator=flow_grpo \
+    algorithm.global_std=false \
     data.train_files=$ocr_train_path \
     data.val_files=$ocr_test_path \
     data.train_batch_size=16 \

@@ -6,6 +6,7 @@
 # The server: python -m verl_digen.rewards.serve --reward ocr --port 19082 (the OCR scorer service's
 # pickle protocol), or veRL-Omni's OCR scorer service.
 # Data: veRL-Omni's data_process/qwenimage_ocr_http_service.py parquet (system prompt, negative prompt).
+# GAP trains each group as it arrives, so advantages use the group's std (algorithm.global_std=false).
 set -x
 
 WORKSPACE=${WORKSPACE:-$HOME}
@@ -20,6 +21,7 @@ NNODES=${NNODES:-2}
 python3 -m verl.trainer.main_ppo \
     trainer.v1.trainer_mode=digen \
     algorithm.adv_estimator=flow_grpo \
+    algorithm.global_std=false \
     data.train_files=$ocr_train_path \
     data.val_files=$ocr_test_path \
     data.train_batch_size=18 \

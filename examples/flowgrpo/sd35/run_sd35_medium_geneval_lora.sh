@@ -2,6 +2,7 @@
 # GenEval's scorer server (reward-server's GenEval app, in its own environment with mmdetection;
 # pickle protocol), disaggregated with GAP.
 # Data: Flow-GRPO's dataset/geneval/{train,test}_metadata.jsonl (each record goes to the server).
+# GAP trains each group as it arrives, so advantages use the group's std (algorithm.global_std=false).
 set -x
 
 WORKSPACE=${WORKSPACE:-$HOME}
@@ -14,6 +15,7 @@ NUM_GPUS=${NUM_GPUS:-8}
 python3 -m verl.trainer.main_ppo \
     trainer.v1.trainer_mode=digen \
     algorithm.adv_estimator=flow_grpo \
+    algorithm.global_std=false \
     data.train_files=$train_path \
     data.val_files=$test_path \
     data.train_batch_size=24 \

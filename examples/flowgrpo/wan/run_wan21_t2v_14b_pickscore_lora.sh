@@ -1,6 +1,7 @@
 # Wan2.1-T2V-14B, LoRA, text-to-video: PickScore on every frame (averaged) plus temporal smoothness,
 # disaggregated with GAP and one-step-off async training (TCSS), 33 frames at 480x832.
 # Data: Flow-GRPO's dataset/pickscore/{train,test}.txt (or any prompt file: txt, jsonl, parquet).
+# GAP trains each group as it arrives, so advantages use the group's std (algorithm.global_std=false).
 set -x
 
 WORKSPACE=${WORKSPACE:-$HOME}
@@ -14,6 +15,7 @@ NUM_GPUS=${NUM_GPUS:-8}
 python3 -m verl.trainer.main_ppo \
     trainer.v1.trainer_mode=digen \
     algorithm.adv_estimator=flow_grpo \
+    algorithm.global_std=false \
     data.train_files=$train_path \
     data.val_files=$test_path \
     data.train_batch_size=16 \
