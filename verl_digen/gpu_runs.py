@@ -118,21 +118,27 @@ def memory_beside_plan(overrides: list[str], config_name: str | None, devices: i
     """Each pool's measured peaks (the last step's ``memory/<pool>/*``: device allocated and
     reserved on a GPU, host RSS) beside the planner's peak for the role, and their ratio."""
     from verl_digen.memory.plan import plan_job
+    from verl_digen.trainer.resolve import resolve_model_path
 
     _cfg, dcfg = _composed([f"trainer.n_gpus_per_node={devices}", *overrides], config_name)
+    model_path = model_path or resolve_model_path(dcfg)  # the built-in tiny model's folder, as the run's
     plans = {p.role: p for p in plan_job(dcfg, devices_per_node=devices, model_path=model_path)}
     last = rows[-1] if rows else {}
     out: dict[str, Any] = {"planned_total_gib": round(sum(p.peak_gib for p in plans.values()), 3)}
     for role, plan in sorted(plans.items()):
         pool = "rollout" if role in ("rollout", "generate") else role
-        row: dict[str, Any] = {"planned_peak_gib": round(plan.peak_gib, 3), "planned_phase": plan.phase,
+        # allocated is compared with the peak less the plan's overhead (CUDA context, allocator
+        # slack: not allocated tensors), reserved with the whole peak
+        without = (plan.peak_bytes - plan.bytes.get("overhead", 0)) / GIB
+        row: dict[str, Any] = {"planned_peak_gib": round(plan.peak_gib, 3), "planned_without_overhead_gib": round(without, 3),
+                               "planned_phase": plan.phase,
                                "planned": {k: round(v / GIB, 3) for k, v in plan.bytes.items() if v}}
         for key in ("device_max_allocated_gib", "device_max_reserved_gib", "host_peak_gib"):
             value = last.get(f"memory/{pool}/{key}")
             if value is not None:
                 row[key] = round(value, 3)
-        if "device_max_allocated_gib" in row and plan.peak_gib > 0:
-            row["allocated_over_plan"] = round(row["device_max_allocated_gib"] / plan.peak_gib, 3)
+        if "device_max_allocated_gib" in row and without > 0:
+            row["allocated_over_plan"] = round(row["device_max_allocated_gib"] / without, 3)
             row["reserved_over_plan"] = round(row["device_max_reserved_gib"] / plan.peak_gib, 3)
             row["allocated_within_15pct"] = 0.85 <= row["allocated_over_plan"] <= 1.15
         out[role] = row
@@ -282,10 +288,19 @@ def save_random_flux(folder: str, device: torch.device) -> dict[str, Any]:
 
 def part_disaggregated_one_gpu(device_name: str, size: str, timeout: float) -> dict[str, Any]:
     """One rollout and one trainer worker on one device: GAP + TCSS, 3 steps, a checkpoint."""
+    from verl_digen.gpu_check import _PartFailed
+
+    out: dict[str, Any] = {"size": size}
+    try:
+        return _disaggregated(device_name, size, timeout, out)
+    except Exception as e:  # what was measured before the failure goes into the report
+        raise _PartFailed(f"{type(e).__name__}: {e}", out) from e
+
+
+def _disaggregated(device_name: str, size: str, timeout: float, out: dict[str, Any]) -> dict[str, Any]:
     from verl_digen.gpu_check import _device
 
     cuda = device_name.startswith("cuda")
-    out: dict[str, Any] = {"size": size}
     with tempfile.TemporaryDirectory(dir=os.environ.get("DIGEN_CHECK_DISK")) as tmp:
         ov = ["digen.placement=disaggregated", "digen.pools.rollout.devices=1", "digen.pools.trainer.devices=1",
               "digen.gap.enable=true", "digen.async.max_staleness=1", "trainer.total_training_steps=3",
@@ -297,7 +312,7 @@ def part_disaggregated_one_gpu(device_name: str, size: str, timeout: float) -> d
             config_name = "flux_disaggregated"
             ov += [f"digen.model.path={model_path}", "digen.batch.groups_per_step=1", "digen.batch.group_size=2",
                    "digen.batch.groups_per_task=1", "digen.batch.train_micro_batch_groups=1",
-                   "digen.sampling.height=256", "digen.sampling.width=256", "digen.sampling.num_steps=4",
+                   "digen.sampling.height=256", "digen.sampling.width=256", "digen.sampling.num_steps=10",
                    "digen.memory.device_type=H200", "trainer.test_freq=-1", "trainer.val_before_train=false"]
         run_ov = [*ov, *_run_dirs(tmp, "disagg")]
         res = shared_device_run(run_ov, devices=2, cuda=cuda, timeout=timeout, config_name=config_name)
@@ -316,8 +331,8 @@ def part_disaggregated_one_gpu(device_name: str, size: str, timeout: float) -> d
             images_per_s=[r.get("images_per_s") for r in rows],
             loss=[r.get("actor/loss") for r in rows], nonfinite=_nonfinite(rows),
             checkpoints=sorted(d for d in os.listdir(ck) if d.startswith("global_step")) if os.path.isdir(ck) else [],
-            memory=memory_beside_plan(ov, config_name, 2, rows, model_path=model_path),
         )
+        out["memory"] = memory_beside_plan(ov, config_name, 2, rows, model_path=model_path)
     if out["nonfinite"] or out["max_staleness_seen"] > 1 or "global_step_3" not in out["checkpoints"]:
         raise AssertionError(f"disaggregated_one_gpu: {out}")
     return out
