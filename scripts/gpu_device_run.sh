@@ -8,13 +8,14 @@
 #   bash scripts/gpu_device_run.sh        # carry: .whl
 #
 # BUDGET_S: the whole check's limit (default 520 s, under a 10-minute command). PARTS: the parts,
-# in order (the most informative first: a part cut off by the budget is reported as such).
+# in order (the quick ones first; the part the budget cuts off is reported as started, not finished,
+# the others stay in the report). RUN_TIMEOUT_S: each run's limit (default 240 s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device_out}
 mkdir -p "$OUT"
 BUDGET_S=${BUDGET_S:-520}
-PARTS=${PARTS:-versions,snapshot_order,disaggregated_one_gpu,reward_pool,tsp_prompt_cache,full_ft_one_rank}
+PARTS=${PARTS:-versions,snapshot_order,tsp_prompt_cache,reward_pool,disaggregated_one_gpu,full_ft_one_rank}
 export PYTHON=${PYTHON:-python3} PYTHONUNBUFFERED=1 DIGEN_CHECK_DISK=${DIGEN_CHECK_DISK:-/tmp}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$OUT/nvidia_smi.csv" 2>&1
 timeout --kill-after=10 "$BUDGET_S" bash scripts/gpu_check.sh "$OUT/gpu_check.json" --parts "$PARTS" \

@@ -74,6 +74,9 @@ class Report:
     def run(self, name: str, fn: Callable[[], dict[str, Any]]) -> None:
         t0 = time.perf_counter()
         print(f"[gpu_check] {name} ...", flush=True)
+        # replaced when the part ends: a check stopped by a time limit shows which part it cut off
+        self.data["parts"][name] = {"ok": False, "error": "started, not finished when the report was last written"}
+        self.write()
         try:
             out = {"ok": True, **fn()}
         except Exception as e:  # recorded, and the next part runs
@@ -728,14 +731,17 @@ def _part_child(out_file: str, name: str, args: argparse.Namespace, device: str)
 
 
 def part_in_child(name: str, args: argparse.Namespace, device: str) -> dict[str, Any]:
-    """A run part in a child process of its own, given ``--run-timeout`` plus a minute."""
+    """A run part in a child process of its own, given ``--run-timeout`` plus a minute (plus five
+    for saving the real-size model)."""
     with tempfile.TemporaryDirectory() as tmp:
         out_file = os.path.join(tmp, "child.json")
         cmd = [sys.executable, "-m", "verl_digen.gpu_check", "--child-part", name, "--child-out", out_file,
                "--device", device, "--size", args.size, "--run-timeout", str(args.run_timeout)]
         cmd += ["--group-size", str(args.group_size)] if args.group_size else []
         cmd += ["--no-checkpointing"] if args.no_checkpointing else []
-        res = _run(cmd, timeout=args.run_timeout + 60)
+        # a minute more than the run; the real-size disaggregated part first saves ~33 GB of random FLUX
+        extra = 300 if name == "disaggregated_one_gpu" and args.size == "real" else 60
+        res = _run(cmd, timeout=args.run_timeout + extra)
         result: dict[str, Any] = {}
         if os.path.isfile(out_file):
             with open(out_file, encoding="utf-8") as f:
