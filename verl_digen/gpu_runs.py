@@ -268,22 +268,27 @@ def part_reward_pool(device_name: str, size: str, timeout: float) -> dict[str, A
 def save_random_flux(folder: str, device: torch.device) -> dict[str, Any]:
     """Real-size FLUX.1 with random weights (:func:`~verl_digen.gpu_check.build_real_flux`),
     saved as a diffusers folder that ``digen.model.path`` loads (bf16 safetensors, ~33 GB)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
-
     from verl_digen.gpu_check import build_real_flux
 
     t0 = time.perf_counter()
     adapter = build_real_flux(device, torch.bfloat16)
+    save_flux_folder(adapter, folder)
+    del adapter
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(folder) for f in fs)
+    return {"seconds": time.perf_counter() - t0, "gib": size / GIB}
+
+
+def save_flux_folder(adapter: Any, folder: str) -> None:
+    """A FLUX adapter's components as a diffusers pipeline folder (what ``load_adapter`` reads)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+
     pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler.from_config(adapter.scheduler_config),
                         vae=adapter.vae, text_encoder=adapter.text_encoder, tokenizer=adapter.tokenizer,
                         text_encoder_2=adapter.text_encoder_2, tokenizer_2=adapter.tokenizer_2,
                         transformer=adapter.transformer)
     pipe.save_pretrained(folder, safe_serialization=True)
-    del pipe, adapter
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(folder) for f in fs)
-    return {"seconds": time.perf_counter() - t0, "gib": size / GIB}
 
 
 def part_disaggregated_one_gpu(device_name: str, size: str, timeout: float) -> dict[str, Any]:
