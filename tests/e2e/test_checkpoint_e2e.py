@@ -81,12 +81,18 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(tmp_path, tiny_flux, s
 @pytest.mark.e2e
 def test_async_resume_regenerates_in_flight_groups_and_keeps_the_invariants(tmp_path, tiny_flux, shared_ray):
     """Rule: groups generated ahead on stale weights before the checkpoint are not saved; the
-    resumed run regenerates them with the checkpoint's weights. Same groups, each trained once."""
+    resumed run regenerates them with the checkpoint's weights. Same groups, each trained once.
+    And veRL's rule for ``trainer.val_before_train`` on a resume: the weights training resumes
+    from are validated first, at their step (here what the first run validated after step 2)."""
     common = ["digen.placement=disaggregated", "digen.gap.enable=true", "digen.async.max_staleness=1",
               "digen.pools.rollout.devices=1", "digen.pools.trainer.devices=1", "trainer.save_freq=1",
-              f"trainer.default_local_dir={tmp_path}/ck"]
-    run_training(run_config(tmp_path, "part1", *common, "trainer.total_training_steps=2"))
-    resumed = run_training(run_config(tmp_path, "part2", *common, "trainer.total_training_steps=4"))
+              f"trainer.default_local_dir={tmp_path}/ck", "trainer.test_freq=2"]
+    first = run_training(run_config(tmp_path, "part1", *common, "trainer.total_training_steps=2"))
+    resumed = run_training(run_config(tmp_path, "part2", *common, "trainer.total_training_steps=4",
+                                      "trainer.val_before_train=true"))
+    validated_at_2 = {k: v for k, v in first.metrics[-1].items() if k.startswith("val/")}
+    assert validated_at_2 and resumed.extra["val_before_train"] == validated_at_2
+    assert os.path.exists(os.path.join(resumed.output_dir, "val", "val_step000002.png"))
     recs = timeline_records(resumed.output_dir)
     trained = sorted(g for r in recs if r["kind"] == "train" for g in r["groups"])
     assert trained == list(range(8, 16))  # steps 3-4 (groups 8..15), each exactly once

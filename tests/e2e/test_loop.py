@@ -148,3 +148,34 @@ def test_compare_runs_every_mode_and_fills_every_row(tmp_path, capsys):
         assert 0 <= r["bubble_fraction"] <= 1
     assert (out / "compare.png").stat().st_size > 0
     assert "+tcss" in capsys.readouterr().out
+
+
+def test_a_validation_past_its_deadline_names_validation_and_the_setting_that_bounds_it():
+    """A validation that outlasts ``digen.task_timeout_s`` stops with what ran out and the keys that
+    fix it, not Ray's bare GetTimeoutError. A real one that long needs a real-size model and hundreds
+    of prompts: an actor whose ``validate`` sleeps past a 1 s deadline stands in for the worker (the
+    driver's wait and its message are what is tested)."""
+    import time
+    from types import SimpleNamespace
+
+    import ray
+
+    from verl_digen.schedule.plan import WorkerId
+    from verl_digen.trainer.loop import DigenTrainer
+
+    @ray.remote(num_cpus=0)
+    class SlowValidator:
+        def validate(self, *args):
+            time.sleep(60)
+
+    actor = SlowValidator.remote()
+    try:
+        trainer = WorkerId("trainer", 0)
+        job = SimpleNamespace(output_dir="unused", val_prompts=["a", "b", "c"], val_records=None,
+                              cfg=SimpleNamespace(task_timeout_s=1.0))
+        fake = SimpleNamespace(job=job, spec=SimpleNamespace(fsdp=False, trainers=[trainer]))
+        with pytest.raises(TimeoutError, match=r"validation at step 3 \(3 prompts\) did not finish within "
+                                               r"digen\.task_timeout_s=1 s.*data\.val_max_samples"):
+            DigenTrainer._validate(fake, {trainer: actor}, 3)
+    finally:
+        ray.kill(actor)

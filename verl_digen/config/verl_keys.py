@@ -215,7 +215,8 @@ READ_DIRECTLY: dict[str, str] = {
     "trainer.n_gpus_per_node": "devices per node (CPU slots on a CPU machine)",
     "trainer.nnodes": "nodes",
     "trainer.device": "cuda (GPUs when present) or cpu (CPU slots even on a GPU machine)",
-    "trainer.val_before_train": "validate the initial weights (with trainer.test_freq > 0)",
+    "trainer.val_before_train": "validate the weights training starts from (the initial ones, or on a resume "
+                                "the checkpoint's, at its step)",
     "trainer.test_freq": "validate every N steps",
     "trainer.save_freq": "checkpoint every N steps",
     "trainer.resume_mode": "auto | disable | resume_path",

@@ -213,11 +213,12 @@ class DigenTrainer:
             self.checkpoints.note_sampler(prompts_until + 1, sampler.state_dict())
 
         self.checkpoints.note_sampler(first, sampler.state_dict())
-        if not job.emulated and first == 0 and job.trainer.val_before_train:
-            # veRL's key, with veRL's meaning (whatever trainer.test_freq says): validate the initial
-            # weights (grid val_step000000.png; not a step's metrics).
-            self.val_before_train = self._validate(actors, 0)
-            tracker.log(data=self.val_before_train, step=0)
+        if not job.emulated and job.trainer.val_before_train:
+            # veRL's key, with veRL's meaning (whatever trainer.test_freq says): validate the weights
+            # training starts from, the initial ones or a resumed checkpoint's, logged at the step
+            # they are the weights of (grid val_step<first>.png; not a step's metrics).
+            self.val_before_train = self._validate(actors, first)
+            tracker.log(data=self.val_before_train, step=first)
             with open(os.path.join(job.output_dir, "val_before_train.json"), "w") as f:
                 json.dump(self.val_before_train, f, indent=2)
         all_metrics = list(self.history)
@@ -272,8 +273,14 @@ class DigenTrainer:
         job = self.job
         ranks = self.spec.trainers if self.spec.fsdp else self.spec.trainers[:1]  # FSDP: lockstep forwards
         val_dir = os.path.join(job.output_dir, "val")
-        out = ray.get([actors[w].validate.remote(job.val_prompts, step, val_dir, job.val_records) for w in ranks],
-                      timeout=job.cfg.task_timeout_s)[0]
+        try:
+            out = ray.get([actors[w].validate.remote(job.val_prompts, step, val_dir, job.val_records) for w in ranks],
+                          timeout=job.cfg.task_timeout_s)[0]
+        except ray.exceptions.GetTimeoutError as e:
+            raise TimeoutError(
+                f"validation at step {step} ({len(job.val_prompts)} prompts) did not finish within "
+                f"digen.task_timeout_s={job.cfg.task_timeout_s:g} s: raise digen.task_timeout_s, or validate fewer "
+                f"prompts (data.val_max_samples / digen.validation.num_prompts)") from e
         grid = np.asarray(Image.open(out["grid_path"]).convert("RGB"))
         if "tensorboard" in job.trainer.logger:
             tb_dir = os.environ.get("TENSORBOARD_DIR", os.path.join(
