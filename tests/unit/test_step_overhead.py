@@ -65,5 +65,5 @@ def test_a_run_directory_is_read_and_the_warmup_left_out(tmp_path, capsys):
 
 def test_our_step_fixed_s_is_the_measured_one_with_its_source():
     ours = load_catalog().systems["verl-digen"]
-    assert 0 < ours.step_fixed_s < 1.0  # seconds of our runtime, not veRL-Omni's ~26 s
+    assert 0 < ours.step_fixed_s < 0.1 * load_catalog().systems["verl-omni"].step_fixed_s  # our runtime, not veRL-Omni's ~26 s
     assert "benchmarks/step_overhead.py" in ours.sources["step_fixed_s"]

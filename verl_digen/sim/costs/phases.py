@@ -118,10 +118,12 @@ class PhaseCosts:
         return self._pass_seconds(compute, self.fsdp_comm_seconds(dev, group))
 
     def logprob_pass_seconds(self, samples: int, dev: DeviceProfile, group: TrainGroup) -> float:
-        """A forward-only pass that recomputes the behaviour log-probs of one trained step."""
+        """A forward-only pass that recomputes the behaviour log-probs of one trained step: the
+        forward plus the sampler's per-step work (``system.denoise_step_s``: the SDE step's
+        log-prob, as the rollout computes it)."""
         w = self.workload
         tokens = samples * w.cfg_factor * self.tokens()[1]
-        compute = dev.forward_overhead_s + samples * w.cfg_factor * self.forward_flops() / (
+        compute = dev.forward_overhead_s + self.system.denoise_step_s + samples * w.cfg_factor * self.forward_flops() / (
             dev.flops * self.efficiency(dev, tokens)
         )
         return self._pass_seconds(compute, self.fsdp_gather_seconds(dev, group))
