@@ -23,8 +23,8 @@ from verl_digen.config.verl_keys import MAIN_PPO, override_keys, resolve_run_con
 ARR = "actor_rollout_ref"
 
 # veRL-Omni's examples/dancegrpo_trainer/wan22/run_wan22_5b_t2v_hpsv3_auto.sh, its algorithm and
-# diffusion keys as shipped (the data, model, engine and environment keys left out, and
-# pipeline.num_frames, which has no veRL-Omni mapping here yet: tested refused in test_omni_keys).
+# diffusion keys as shipped (the data, model, engine and environment keys left out; its
+# pipeline.num_frames=8, rounded as diffusers rounds it: test_omni_defaults).
 WAN22_DANCE = """
     algorithm.adv_estimator=dance_grpo actor_rollout_ref.model.algorithm=dance_grpo
     actor_rollout_ref.actor.diffusion_loss.loss_mode=dance_grpo

@@ -276,7 +276,7 @@ def test_guidance_scale_means_what_diffusers_means_for_the_family():
     ([f"{ARR}.rollout.max_prompt_embed_length=333"], r"max_prompt_embed_length=333 cannot apply: .*flux"),
     ([f"{ARR}.model.extra_tokenizers={{t5: {{path: tokenizer_2, max_length: 256}}}}"],
      r"extra_tokenizers.t5.max_length=256 cannot apply: .*tokenizer_2 with 512 tokens"),
-    ([f"{ARR}.rollout.pipeline.num_frames=81"], r"pipeline.num_frames=81 cannot apply: a veRL-Omni diffusion key"),
+    ([f"{ARR}.rollout.pipeline.num_frames=81"], r"pipeline.num_frames=81 cannot apply: flux draws images: 1 frame"),
     ([f"{ARR}.actor.strategy=megatron"], r"strategy='megatron'; valid: fsdp2"),
     (["+trainer.rollout_data_dir=true"], r"trainer.rollout_data_dir=True; a directory to dump"),
     (["trainer.log_val_generations=-1"], r"log_val_generations=-1; a positive number"),

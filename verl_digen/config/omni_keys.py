@@ -118,7 +118,10 @@ OMNI_CHECKED: dict[str, str] = {
     f"{ARR}.rollout.max_prompt_embed_length": "the text tokens the transformer sees (SD3 77 + max_sequence_length, "
                                               "the others max_sequence_length): must equal the family's at the run's "
                                               "max_sequence_length",
-    f"{ALGO}.sde_window_size": "with sde_window_range: digen.sampling.sde_window (mode=random, size)",
+    f"{ALGO}.sde_window_size": "with sde_window_range: digen.sampling.sde_window (mode=random, size); unset in a "
+                               "veRL-Omni recipe: veRL-Omni's window, steps 0..N-2 (mode=fixed, start=0, size=N-1)",
+    f"{PIPE}.num_frames": "digen.sampling.num_frames (Wan: a count not t*k+1 rounded as diffusers' WanPipeline "
+                          "does, n // t * t + 1, with a notice; the image families: 1)",
     f"{ALGO}.sde_window_range": "[r0, r1]: digen.sampling.sde_window start=r0, range_end=r1-1",
     f"{ALGO}.sde_contiguous": "true (windows are contiguous)",
     f"{VAL_ALGO}.noise_level": "0.0 (validation samples are deterministic)",
@@ -138,7 +141,20 @@ OMNI_HANDLED = frozenset({
     VAL_ALGO,
     f"{PIPE}.guidance_scale",
     *(f"{ALGO}.{n}" for n in ("sde_window_size", "sde_window_range", "sde_contiguous")),
+    f"{PIPE}.num_frames",
 })
+
+#: veRL-Omni's defaults (its ``DiffusionRolloutAlgoConfig``, ``DiffusionPipelineConfig`` and
+#: generated trainer config) for the keys a veRL-Omni recipe may leave unwritten where
+#: verl-digen's own defaults differ: (key, ``digen.*`` setting, veRL-Omni's default). A recipe
+#: that writes none of them learns what it learned under veRL-Omni; a ``digen.*`` key written
+#: (or a preset's value) wins; a veRL job keeps verl-digen's defaults.
+OMNI_DEFAULTS: tuple[tuple[str, str, Any], ...] = (
+    (f"{ALGO}.noise_level", "sampling.noise_level", 1.0),  # every sde_type, flow_grpo and dance_grpo alike
+    (f"{PIPE}.num_inference_steps", "sampling.num_steps", 10),
+    (f"{ARR}.actor.optim.lr", "algo.lr", 1e-6),  # veRL's default too, which reads as unset in a veRL job
+    (f"{ARR}.actor.optim.weight_decay", "algo.weight_decay", 0.01),  # likewise
+)
 
 
 def tree_get(tree: Mapping[str, Any], key: str, default: Any = None) -> Any:
@@ -176,17 +192,21 @@ def model_family(config: Mapping[str, Any], digen: Mapping[str, Any]) -> str | N
 
 
 def omni_settings(config: Mapping[str, Any], digen: dict[str, Any],
-                  put: Callable[[str, Any, str], None], written: Any = ()) -> None:
+                  put: Callable[[str, Any, str], None], written: Any = (),
+                  note: Callable[[str], None] | None = None) -> None:
     """Check veRL-Omni's keys that set nothing by themselves or depend on the model family, and
     put what they mean (``put(digen_key, value, verl_key)``, the one-value rule); ``written``:
-    the keys the command line wrote (a ``digen.*`` key written wins over a veRL-Omni default)."""
+    the keys the command line wrote (a ``digen.*`` key written wins over a veRL-Omni default);
+    ``note(line)``: a value used other than as written (one notice line each)."""
     _check_algorithm(config)
     _algorithm(config, digen, put, written)
     _advantages(config, digen, put, written)
-    _sde_window(config, put)
+    _omni_defaults(config, digen, put, written)
+    _sde_window(config, digen, put, written)
     _check_validation(config)
     family = model_family(config, digen)
     _guidance(config, family, put)
+    _num_frames(config, digen, family, put, note)
     _text_lengths(config, digen, family)
 
 
@@ -309,14 +329,54 @@ def _window_range(key: str, value: Any) -> tuple[int, int]:
     return int(value[0]), int(value[1])
 
 
-def _sde_window(config: Mapping[str, Any], put: Callable[[str, Any, str], None]) -> None:
+def _omni_defaults(config: Mapping[str, Any], digen: Mapping[str, Any], put: Callable[[str, Any, str], None],
+                   written: Any) -> None:
+    """A veRL-Omni recipe's unwritten keys at veRL-Omni's defaults (:data:`OMNI_DEFAULTS`)."""
+    if not is_omni_recipe(config):
+        return
+    for key, name, value in OMNI_DEFAULTS:
+        # unwritten: absent (veRL-Omni's keys), or at veRL's default (veRL's keys: the same value)
+        if tree_get(config, key) in (None, value) and not _explicit(digen, name, written):
+            put(f"digen.{name}", value, key)
+
+
+def _num_steps(digen: Mapping[str, Any]) -> int:
+    from verl_digen.config.schema import hydra_defaults
+
+    steps = tree_get(digen, "sampling.num_steps")
+    return int(steps if steps is not None else tree_get(hydra_defaults(), "sampling.num_steps"))
+
+
+def _window_written(digen: Mapping[str, Any], written: Any) -> bool:
+    """A ``digen.sampling.sde_window`` field was written (or a preset set one)."""
+    from verl_digen.config.schema import hydra_defaults
+
+    if any(str(k).startswith("digen.sampling.sde_window") for k in written):
+        return True
+    mine = tree_get(digen, "sampling.sde_window")
+    return isinstance(mine, Mapping) and any(
+        v != tree_get(hydra_defaults(), f"sampling.sde_window.{k}") for k, v in mine.items())
+
+
+def _sde_window(config: Mapping[str, Any], digen: Mapping[str, Any], put: Callable[[str, Any, str], None],
+                written: Any = ()) -> None:
     size_key, range_key = f"{ALGO}.sde_window_size", f"{ALGO}.sde_window_range"
     size, window = tree_get(config, size_key), tree_get(config, range_key)
     if tree_get(config, f"{ALGO}.sde_contiguous", True) is not True:
         _fail(f"{ALGO}.sde_contiguous", tree_get(config, f"{ALGO}.sde_contiguous"), "SDE windows are contiguous here")
     if size is None:
         if window is not None:
-            _fail(range_key, window, f"it needs {size_key} (without one every step is an SDE step)")
+            _fail(range_key, window, f"it needs {size_key} (without one veRL-Omni's window is steps 0..N-2)")
+        if is_omni_recipe(config) and not _window_written(digen, written):
+            # veRL-Omni without a window size (every pipeline adapter, whatever the sde_type):
+            # sde_window = (0, N - 1), steps 0..N-2 stochastic and trained, the last one an ODE step
+            steps = _num_steps(digen)
+            if steps < 2:
+                _fail(f"{PIPE}.num_inference_steps", steps, "veRL-Omni's window without sde_window_size is steps "
+                                                           "0..N-2, none at 1 step; use >= 2 steps")
+            put("digen.sampling.sde_window.mode", "fixed", size_key)
+            put("digen.sampling.sde_window.start", 0, size_key)
+            put("digen.sampling.sde_window.size", steps - 1, size_key)
         return
     if window is None:
         _fail(size_key, size, f"give {range_key} too ([first_step, end_step], end exclusive)")
@@ -345,6 +405,53 @@ def _check_validation(config: Mapping[str, Any]) -> None:
         if value != train:
             _fail(f"{VAL_PIPE}.{name}", value, f"validation samples with the training pipeline settings; it must "
                                                f"equal {PIPE}.{name}={train!r} (only num_inference_steps may differ)")
+
+
+def _wan_temporal_factor(digen: Mapping[str, Any]) -> int:
+    """The Wan VAE's ``scale_factor_temporal``: the model directory's ``vae/config.json``, the tiny
+    Wan's, else 4 (WanPipeline's when it has no VAE)."""
+    import json
+
+    path = tree_get(digen, "model.path")
+    if path is None:
+        from verl_digen.models.families.wan import TINY_SCALE_FACTOR_TEMPORAL
+
+        return TINY_SCALE_FACTOR_TEMPORAL
+    try:
+        with open(os.path.join(str(path), "vae", "config.json")) as f:
+            return int(json.load(f).get("scale_factor_temporal", 4))
+    except (OSError, ValueError):
+        return 4
+
+
+def _num_frames(config: Mapping[str, Any], digen: Mapping[str, Any], family: str | None,
+                put: Callable[[str, Any, str], None], note: Callable[[str], None] | None) -> None:
+    """``pipeline.num_frames``: the video's frames (veRL-Omni's default 1). For Wan a count that is
+    not ``t * k + 1`` (``t``: the VAE's temporal factor) is rounded as diffusers' WanPipeline rounds
+    it, ``n // t * t + 1``, with one notice line (WanPipeline logs a warning); HunyuanVideo's
+    adapter checks its own; the image families draw one frame."""
+    key = f"{PIPE}.num_frames"
+    value = tree_get(config, key)
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        _fail(key, value, "must be an integer >= 1")
+    if family not in ("wan", "hunyuan_video"):
+        if family is None and value != 1:
+            _fail(key, value, "its rule depends on the model family, which cannot be read from "
+                              "actor_rollout_ref.model.path; set digen.model.arch")
+        if value != 1:
+            _fail(key, value, f"{family} draws images: 1 frame (or leave it unset)")
+        return
+    used = value
+    if family == "wan":
+        t = _wan_temporal_factor(digen)
+        if value % t != 1:  # diffusers' test and rounding, as in WanPipeline.__call__
+            used = max(value // t * t + 1, 1)
+            if note is not None:
+                note(f"[verl-digen] notice: {key}={value} is not {t}k+1 (the Wan VAE's temporal factor {t}); "
+                     f"rounded as diffusers' WanPipeline rounds it, used num_frames={used}")
+    put("digen.sampling.num_frames", used, key)
 
 
 # guidance_scale: which digen setting it is, per family (diffusers' meaning of the argument).

@@ -511,14 +511,18 @@ class RunConfig:
     trainer: VerlTrainerKeys
     # the ENGINE_TUNING keys the config sets (key -> value): accepted, named by notice()
     engine_keys: dict[str, Any] = field(default_factory=dict)
+    # one line per value used other than as written (a veRL-Omni Wan num_frames rounded as diffusers does)
+    notes: list[str] = field(default_factory=list)
 
     def notice(self) -> str | None:
-        """One line naming the settings that tune another engine and change nothing here (None: none set)."""
-        if not self.engine_keys:
-            return None
-        keys = ", ".join(f"{k}={v!r}" for k, v in self.engine_keys.items())
-        return (f"[verl-digen] notice: accepted without effect, these settings tune engines a digen run does not "
-                f"use (docs/verl_keys.md, engine settings): {keys}")
+        """One line naming the settings that tune another engine and change nothing here, then one
+        line per value used other than as written (None: neither)."""
+        lines = list(self.notes)
+        if self.engine_keys:
+            keys = ", ".join(f"{k}={v!r}" for k, v in self.engine_keys.items())
+            lines.insert(0, f"[verl-digen] notice: accepted without effect, these settings tune engines a digen run "
+                            f"does not use (docs/verl_keys.md, engine settings): {keys}")
+        return "\n".join(lines) or None
 
     def rename(self, message: str) -> str:
         """A message about ``digen.*`` keys, naming the veRL keys the user set instead."""
@@ -575,7 +579,8 @@ def resolve_run_config(config: Mapping[str, Any], entry: str = DIGEN_MAIN,
                               "without a rank veRL trains every weight (no LoRA); set lora_rank (> 0) for LoRA")
         put("digen.model.lora.enable", False, "actor_rollout_ref.model.lora_rank")
 
-    omni_settings(config, digen, put, written)
+    notes: list[str] = []
+    omni_settings(config, digen, put, written, notes.append)
     _derived_settings(config, digen, ours, put)
     trainer = VerlTrainerKeys.of(config)
     _check_rollout_and_algorithm(config, trainer, entry)
@@ -583,7 +588,7 @@ def resolve_run_config(config: Mapping[str, Any], entry: str = DIGEN_MAIN,
         if key in written and _get(config, key) == value:
             raise ConfigError(f"invalid config: {key}={value!r} cannot apply: {why}")
     engine_keys = _check_inapplicable(config, entry)
-    return RunConfig(digen=digen, origins=origins, trainer=trainer, engine_keys=engine_keys)
+    return RunConfig(digen=digen, origins=origins, trainer=trainer, engine_keys=engine_keys, notes=notes)
 
 
 def _derived_settings(config: Mapping[str, Any], digen: dict[str, Any], ours: dict[str, Any],

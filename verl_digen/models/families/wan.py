@@ -20,6 +20,9 @@ from verl_digen.models.tiny_parts import (
     wan_style_vae,
 )
 
+#: The tiny Wan VAE's temporal factor (frames per latent frame after the first).
+TINY_SCALE_FACTOR_TEMPORAL = 2
+
 
 def build_tiny_pipeline(scheduler):
     """A tiny ``WanPipeline``: a UMT5 text encoder, a 2-block video transformer, a causal VAE."""
@@ -41,7 +44,8 @@ def build_tiny_pipeline(scheduler):
         qk_norm="rms_norm_across_heads",
         rope_max_seq_len=64,
     )
-    vae = wan_style_vae(AutoencoderKLWan, temporal_downsample=True, scale_factor_temporal=2, scale_factor_spatial=2)
+    vae = wan_style_vae(AutoencoderKLWan, temporal_downsample=True, scale_factor_temporal=TINY_SCALE_FACTOR_TEMPORAL,
+                         scale_factor_spatial=2)
     # scheduler: Wan2.1's UniPC multistep scheduler with flow sigmas (flow_shift 3): its first
     # sigma is 1 - 1e-6, not 1. The RL sampler steps these sigmas with its own Euler / SDE steps.
     return assemble_pipeline(WanPipeline, text, transformer, vae, scheduler)
