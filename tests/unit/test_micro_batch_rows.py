@@ -173,7 +173,7 @@ def test_the_cost_model_and_the_memory_plan_charge_the_passes_the_workers_run(ti
     """One number for the pass: the rows every worker trains (and samples) a call with, the
     memory plan's training pass and the cost model's passes (and rollout calls) of the spec the
     config fixes; a train task's modelled time is its passes of that many rows."""
-    from verl_digen.memory.plan import job_shape
+    from verl_digen.memory.plan import _training_knobs, job_shape
     from verl_digen.schedule.strategies import StrategySpec
     from verl_digen.sim.cost_model import CostModel, load_catalog
     from verl_digen.sim.costs.phases import _passes
@@ -188,3 +188,6 @@ def test_the_cost_model_and_the_memory_plan_charge_the_passes_the_workers_run(ti
         forward = sampling_settings(cfg).forward_rows
         assert forward == (rows or GROUP) == costs.workload.call_rows == job_shape(cfg, devices_per_node=1, nnodes=1).pass_samples
         assert list(_passes(GROUP, costs.workload.call_rows)) == [forward] * (GROUP // forward)
+        # a trainer that does not fit is told of the key while its passes are above one row
+        knobs = _training_knobs(job_shape(cfg, devices_per_node=1, nnodes=1))
+        assert any(f"digen.batch.train_micro_batch_rows below {forward}" in k for k in knobs) is (forward > 1)
