@@ -19,6 +19,10 @@ by a time limit still leaves what it measured:
 * ``tiny_run``: the tiny preset for 2 steps in bf16 with the prompt cache and a checkpoint per
   step, then resumed for a third step (the real job, ``python -m verl_digen.main``).
 
+Named with ``--parts`` only: the rehearsals of the first disaggregated runs on one GPU
+(``snapshot_order``, ``tsp_prompt_cache``, ``reward_pool``, ``disaggregated_one_gpu``,
+``full_ft_one_rank``; :mod:`verl_digen.gpu_runs`), each in a child process.
+
 ``--size tiny`` runs ``flux_phases`` on the tiny FLUX model (and ``--device cpu`` on the CPU):
 the same code, which is how CI tests this module without a GPU.
 
