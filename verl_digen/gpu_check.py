@@ -40,7 +40,6 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,6 +47,8 @@ import traceback
 from typing import Any, Callable, Iterator
 
 import torch
+
+from verl_digen.gpu_support import _device, _ended, _PartFailed, _run  # noqa: F401 (gpu_check's names too)
 
 GIB = 1 << 30
 PARTS = ("versions", "pytest_gpu", "flux_phases", "fsdp_dcp", "tiny_run")
@@ -91,27 +92,6 @@ class Report:
         self.data["parts"][name] = out
         self.write()
         print(f"[gpu_check] {name}: {'ok' if out['ok'] else 'FAILED: ' + out['error']} ({out['seconds']} s)", flush=True)
-
-
-def _run(cmd: list[str], timeout: float, env: dict[str, str] | None = None,
-         log_path: str | None = None) -> dict[str, Any]:
-    """A subprocess with a time limit: return code and the tail of its output (the whole output
-    also in ``log_path`` when given)."""
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-        out, result = (p.stdout or "") + (p.stderr or ""), {"rc": p.returncode}
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        result = {"rc": None, "timed_out": timeout}
-    if log_path:
-        with open(log_path, "w", encoding="utf-8") as f:
-            f.write(out)
-    return {**result, "tail": out[-4000:]}
-
-
-def _ended(res: dict[str, Any]) -> str:
-    """How a :func:`_run` ended, in words: its exit status, or the time limit that stopped it."""
-    return f"timed out after {res['timed_out']:g} s" if res["rc"] is None else f"exited {res['rc']}"
 
 
 # ---------------------------------------------------------------------- versions, pytest
@@ -193,18 +173,6 @@ class PhaseMeter:
             free, total = torch.cuda.mem_get_info(self.device)
             record["device_used_gib"] = (total - free) / GIB
         self.phases[name] = record
-
-
-def _device(name: str) -> torch.device:
-    """``name`` as the workers use it: with its index (``cuda`` -> the current CUDA device), and
-    the attention kernels configured as :func:`~verl_digen.workers.worker.compute_device` does."""
-    from verl_digen.workers.worker import configure_attention_kernels
-
-    configure_attention_kernels()
-    device = torch.device(name)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 def device_type(device: torch.device) -> str:
@@ -528,14 +496,6 @@ def part_flux_phases_child(args: argparse.Namespace, device: str, group_size: in
         return result
 
 
-class _PartFailed(RuntimeError):
-    """A part that failed after measuring something: ``partial`` goes into the report."""
-
-    def __init__(self, message: str, partial: dict[str, Any]) -> None:
-        super().__init__(message)
-        self.partial = partial
-
-
 def _flux_child(out_file: str, args: argparse.Namespace, device: str, group_size: int) -> int:
     out: dict[str, Any] = {}
     rc = 0
@@ -721,8 +681,9 @@ def _run_part(name: str, args: argparse.Namespace, device: str) -> dict[str, Any
             out[f"{phase}_vs_plan"] = {"max_allocated_gib": measured, "planned_gib": planned, "memory_ratio": ratio,
                                        "memory_within_15pct": None if ratio is None else 0.85 <= ratio <= 1.15}
         return out
-    part = {"tsp_prompt_cache": gpu_runs.part_tsp_prompt_cache, "reward_pool": gpu_runs.part_reward_pool,
-            "disaggregated_one_gpu": gpu_runs.part_disaggregated_one_gpu}[name]
+    if name == "disaggregated_one_gpu":
+        return gpu_runs.part_disaggregated_one_gpu(device, args.size, args.run_timeout, build_real=build_real_flux)
+    part = {"tsp_prompt_cache": gpu_runs.part_tsp_prompt_cache, "reward_pool": gpu_runs.part_reward_pool}[name]
     return part(device, args.size, args.run_timeout)
 
 

@@ -30,13 +30,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
+
+from verl_digen.gpu_support import _device, _ended, _PartFailed, _run
 
 GIB = 1 << 30
 
@@ -61,8 +62,6 @@ def shared_device_run(overrides: list[str], *, devices: int, cuda: bool, timeout
     """``python -m verl_digen.main`` on ``devices`` workers that share one GPU (``cuda``) or on
     CPU slots: return code, output tail, and the run's ``metrics.jsonl`` rows and ``workers.json``.
     ``overrides`` must set ``digen.output_dir``."""
-    from verl_digen.gpu_check import _run
-
     env = {**os.environ, "DIGEN_CHECK_DEVICES": str(devices), "DIGEN_CHECK_CUDA": "1" if cuda else "0",
            "PYTHONUNBUFFERED": "1"}
     env.pop("RAY_ADDRESS", None)
@@ -88,8 +87,6 @@ def _json_lines(path: str) -> list[dict[str, Any]]:
 
 
 def _check_run(name: str, res: dict[str, Any], steps: int) -> None:
-    from verl_digen.gpu_check import _ended
-
     if res["rc"] != 0:
         raise RuntimeError(f"{name} run {_ended(res)}:\n{res['tail']}")
     got = [r.get("step") for r in res["rows"]]
@@ -151,7 +148,6 @@ def memory_beside_plan(overrides: list[str], config_name: str | None, devices: i
 def part_snapshot_order(device_name: str, *, tensors: int = 64, numel: int = 1 << 18,
                         bucket_bytes: int = 4 << 20) -> dict[str, Any]:
     """A slowly produced state captured twice into 4 MiB buckets, compared bitwise."""
-    from verl_digen.gpu_check import _device
     from verl_digen.sync.snapshot import HostSnapshot, weights_digest
 
     device = _device(device_name)
@@ -265,13 +261,12 @@ def part_reward_pool(device_name: str, size: str, timeout: float) -> dict[str, A
     return out
 
 
-def save_random_flux(folder: str, device: torch.device) -> dict[str, Any]:
-    """Real-size FLUX.1 with random weights (:func:`~verl_digen.gpu_check.build_real_flux`),
-    saved as a diffusers folder that ``digen.model.path`` loads (bf16 safetensors, ~33 GB)."""
-    from verl_digen.gpu_check import build_real_flux
-
+def save_random_flux(folder: str, device: torch.device, build_real: Callable[..., Any]) -> dict[str, Any]:
+    """Real-size FLUX.1 with random weights (``build_real``:
+    :func:`~verl_digen.gpu_check.build_real_flux`), saved as a diffusers folder that
+    ``digen.model.path`` loads (bf16 safetensors, ~33 GB)."""
     t0 = time.perf_counter()
-    adapter = build_real_flux(device, torch.bfloat16)
+    adapter = build_real(device, torch.bfloat16)
     save_flux_folder(adapter, folder)
     del adapter
     if device.type == "cuda":
@@ -291,20 +286,19 @@ def save_flux_folder(adapter: Any, folder: str) -> None:
     pipe.save_pretrained(folder, safe_serialization=True)
 
 
-def part_disaggregated_one_gpu(device_name: str, size: str, timeout: float) -> dict[str, Any]:
-    """One rollout and one trainer worker on one device: GAP + TCSS, 3 steps, a checkpoint."""
-    from verl_digen.gpu_check import _PartFailed
-
+def part_disaggregated_one_gpu(device_name: str, size: str, timeout: float,
+                               build_real: Callable[..., Any] | None = None) -> dict[str, Any]:
+    """One rollout and one trainer worker on one device: GAP + TCSS, 3 steps, a checkpoint.
+    ``build_real``: the real-size model's builder (``--size real``)."""
     out: dict[str, Any] = {"size": size}
     try:
-        return _disaggregated(device_name, size, timeout, out)
+        return _disaggregated(device_name, size, timeout, out, build_real)
     except Exception as e:  # what was measured before the failure goes into the report
         raise _PartFailed(f"{type(e).__name__}: {e}", out) from e
 
 
-def _disaggregated(device_name: str, size: str, timeout: float, out: dict[str, Any]) -> dict[str, Any]:
-    from verl_digen.gpu_check import _device
-
+def _disaggregated(device_name: str, size: str, timeout: float, out: dict[str, Any],
+                   build_real: Callable[..., Any] | None) -> dict[str, Any]:
     cuda = device_name.startswith("cuda")
     with tempfile.TemporaryDirectory(dir=os.environ.get("DIGEN_CHECK_DISK")) as tmp:
         ov = ["digen.placement=disaggregated", "digen.pools.rollout.devices=1", "digen.pools.trainer.devices=1",
@@ -313,7 +307,7 @@ def _disaggregated(device_name: str, size: str, timeout: float, out: dict[str, A
         config_name, model_path = None, None
         if size == "real":  # the real job loads a model from a path: the random one, saved first
             model_path = os.path.join(tmp, "flux-random")
-            out["saved_model"] = save_random_flux(model_path, _device(device_name))
+            out["saved_model"] = save_random_flux(model_path, _device(device_name), build_real)
             config_name = "flux_disaggregated"
             ov += [f"digen.model.path={model_path}", "digen.batch.groups_per_step=1", "digen.batch.group_size=2",
                    "digen.batch.groups_per_task=1", "digen.batch.train_micro_batch_groups=1",
