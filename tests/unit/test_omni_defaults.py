@@ -126,3 +126,22 @@ def test_the_tiny_wans_frames_round_with_its_temporal_factor_and_image_families_
         _resolve(f"{PIPE}.num_frames=5")
     with pytest.raises(ConfigError, match=r"num_frames=8 and digen.sampling.num_frames=5 are the same setting"):
         _resolve("+digen.model.tiny_arch=wan", f"{PIPE}.num_frames=8", "+digen.sampling.num_frames=5")
+
+
+def test_a_presets_and_a_config_groups_values_are_chosen_not_replaced_by_veRL_Omnis_defaults():
+    """flux_colocated writes noise_level 0.7 and a window; +smoke=tiny every step at 4 steps: a
+    veRL-Omni key on top of them keeps what the preset chose (verl_digen.main's presets)."""
+    from verl_digen.config.compose import compose_config, written_keys
+
+    def _resolved(*overrides, config_name="digen_trainer"):
+        config = compose_config(plain_overrides(list(overrides)), config_name=config_name)
+        return resolve_run_config(OmegaConf.to_container(config, resolve=True), written=written_keys(config))
+
+    preset = digen_config_from_dict(_resolved(f"{PIPE}.height=512", config_name="flux_colocated").digen)
+    assert preset.sampling.noise_level == 0.7 and preset.sampling.num_steps == 16
+    assert preset.algo.lr == 3e-4 and preset.sampling.sde_window.mode != "fixed"
+    smoke = digen_config_from_dict(_resolved("+smoke=tiny", FLOW).digen)
+    assert (smoke.sampling.num_steps, _window(smoke)) == (4, ("all", 0, 0))
+    assert smoke.sampling.noise_level == 1.0  # the smoke group writes none: veRL-Omni's
+    base = digen_config_from_dict(_resolved(FLOW).digen)  # verl_digen.main without a preset
+    assert (base.sampling.noise_level, base.sampling.num_steps, _window(base)) == (1.0, 10, ("fixed", 9, 0))

@@ -9,6 +9,7 @@ way ``--config-name <preset>`` finds them from any working directory.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from omegaconf import DictConfig
 
@@ -60,7 +61,7 @@ def compose_config(
             composed = None
         if composed is None:
             composed = compose(config_name=config_name, overrides=overrides)
-    _remember_written(composed, overrides)
+    _remember_written(composed, overrides, config_file_keys(config_dir, config_name, _group_choices(overrides)))
     return composed
 
 
@@ -69,13 +70,48 @@ def compose_config(
 _WRITTEN: dict[int, frozenset[str]] = {}
 
 
-def _remember_written(config: DictConfig, overrides: list[str]) -> None:
+def _remember_written(config: DictConfig, overrides: list[str], chosen: frozenset[str] = frozenset()) -> None:
     import weakref
 
     from verl_digen.config.verl_keys import override_keys
 
-    _WRITTEN[id(config)] = override_keys(overrides)
+    _WRITTEN[id(config)] = override_keys(overrides) | chosen
     weakref.finalize(config, _WRITTEN.pop, id(config), None)
+
+
+def _group_choices(overrides: list[str]) -> dict[str, str]:
+    """The config groups the overrides choose (``+smoke=tiny``): group -> option."""
+    out = {}
+    for item in overrides:
+        key, sep, value = str(item).lstrip("+").partition("=")
+        if sep and "." not in key and "@" not in key and "/" not in key:
+            out[key] = value
+    return out
+
+
+def config_file_keys(config_dir: str, config_name: str, groups: dict[str, str]) -> frozenset[str]:
+    """The ``digen.*`` keys a preset (``--config-name``, other than the base config) and the
+    config groups chosen from ``config_dir`` (``+smoke=tiny``) set in their YAML files: the user
+    chose those values as if writing them, so a default implied by other keys (a veRL-Omni
+    recipe's, :mod:`verl_digen.config.omni_keys`) does not replace them."""
+    from omegaconf import OmegaConf
+
+    files = [os.path.join(config_dir, f"{config_name}.yaml")] if config_name != CONFIG_NAME else []
+    files += [os.path.join(config_dir, group, f"{option}.yaml") for group, option in groups.items()]
+    keys: set[str] = set()
+
+    def walk(node: Any, key: str) -> None:
+        if isinstance(node, dict) and node:
+            for name, value in node.items():
+                walk(value, f"{key}.{name}")
+        elif key != "digen":
+            keys.add(key)
+
+    for file in files:
+        if os.path.isfile(file):
+            data = OmegaConf.to_container(OmegaConf.load(file), resolve=False)
+            walk((data or {}).get("digen") if isinstance(data, dict) else None, "digen")
+    return frozenset(keys)
 
 
 def written_keys(config: DictConfig) -> frozenset[str]:
@@ -90,7 +126,10 @@ def written_keys(config: DictConfig) -> frozenset[str]:
 
         from verl_digen.config.verl_keys import override_keys
 
-        return override_keys(HydraConfig.get().overrides.task)
+        hydra = HydraConfig.get()
+        groups = {g: str(o) for g, o in (hydra.runtime.choices or {}).items()
+                  if o is not None and "/" not in g and "@" not in g}
+        return override_keys(hydra.overrides.task) | config_file_keys(presets_dir(), hydra.job.config_name, groups)
     return frozenset()
 
 
