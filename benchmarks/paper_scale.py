@@ -229,8 +229,12 @@ def basis_catalog(curve: str, train: str, ours_fixed: str, ours_train: float) ->
 def basis_sensitivity(device_type: str, cases=BASIS_CASES) -> list[dict[str, Any]]:
     """Every headline figure of ``cases`` under each basis of BASES, with that basis's calibration
     errors (step RMS, worst leave-one-out)."""
-    rows = []
-    for label, curve, train, ours_fixed, ours_train in BASES:
+    return [basis_row(i, device_type, cases) for i in range(len(BASES))]
+
+
+def basis_row(i: int, device_type: str, cases=BASIS_CASES) -> dict[str, Any]:
+    """The headline figures of ``cases`` under basis ``BASES[i]``."""
+    for label, curve, train, ours_fixed, ours_train in BASES[i:i + 1]:
         cat, cal = basis_catalog(curve, train, ours_fixed, ours_train)
         row = {"basis": label, "rms": cal.rms, "loo": max(abs(r["error"]) for r in cal.loo),
                "omni_fixed": cal.constants.step_fixed_s, "ours_fixed": cat.systems[OURS].step_fixed_s,
@@ -240,10 +244,9 @@ def basis_sensitivity(device_type: str, cases=BASIS_CASES) -> list[dict[str, Any
             row["cases"][f"{model} @ {n}"] = {"coloc_vs_omni": ratio(c["colocated"], c["omni"]),
                                               "disagg_vs_coloc": ratio(c["disaggregated"], c["colocated"]),
                                               "disagg_vs_omni": ratio(c["disaggregated"], c["omni"])}
-        rows.append(row)
         print(f"  basis {label}: " + ", ".join(f"{k}: coloc/omni {fmt(v['coloc_vs_omni'], '.2f')}x, disagg/coloc "
                                                f"{fmt(v['disagg_vs_coloc'], '.2f')}x" for k, v in row["cases"].items()), flush=True)
-    return rows
+        return row
 
 
 def basis_md(rows: list[dict[str, Any]]) -> list[str]:
@@ -382,35 +385,49 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--emulate-ms", type=float, default=200.0, help="real milliseconds of the mean emulated generate task")
     p.add_argument("--tiny", action="store_true", help="also run the tiny-model prediction check (real runs)")
     p.add_argument("--no-basis", action="store_true", help="leave out the table of every measured-vs-fitted basis")
+    p.add_argument("--jobs", type=int, default=1, help="processes for the independent searches (the results are the same)")
     p.add_argument("--out", default=DOC)
     args = p.parse_args(argv)
 
     t0 = time.time()
     catalog = load_catalog()
     sizes = [int(x) for x in args.devices.split(",")]
+    judge_run = next(r for r in load_runs() if r.name == "lora-4xH800")
+    # every independent search as a job: --jobs N runs them in N processes (the results are the same)
+    jobs: dict[Any, tuple] = {}
+    for model in MODELS:
+        for n in sizes:
+            jobs[("case", model, n)] = (_case, catalog, model, args.device_type, n)
+    for n in JUDGE_SIZES:
+        jobs[("judge", n)] = (compare, catalog, judge_run.model, Inventory({"H800": n}), judge_run.workload)
+    for model in MODELS:
+        if 16 not in sizes:
+            jobs[("case", model, 16)] = (_case, catalog, model, args.device_type, 16)
+        for k, mix in enumerate(MIXES):
+            jobs[("hetero", model, k)] = (compare, catalog, model, Inventory(dict(mix)))
+    if not args.no_basis:
+        for i in range(len(BASES)):
+            jobs[("basis", i)] = (basis_row, i, args.device_type)
+    done = _run_jobs(jobs, args.jobs)
     cases, ladders = [], {}
     for model in MODELS:
         for n in sizes:
-            inv = Inventory({args.device_type: n})
-            c = compare(catalog, model, inv)
+            c, ladders[(model, n)] = done[("case", model, n)]
             cases.append(c)
-            ladders[(model, n)] = ladder(catalog, model, inv)
             print(f"{model} @ {n}: veRL-Omni {fmt(c['omni'] and c['omni']['images_per_s'], '.4g')}, colocated "
                   f"{fmt(c['colocated'] and c['colocated']['images_per_s'], '.4g')}, disaggregated "
                   f"{fmt(c['disaggregated'] and c['disaggregated']['images_per_s'], '.4g')} "
                   f"({c['disaggregated']['strategy'] if c['disaggregated'] else '-'})", flush=True)
-    judge_run = next(r for r in load_runs() if r.name == "lora-4xH800")
-    judge = [compare(catalog, judge_run.model, Inventory({"H800": n}), judge_run.workload) for n in JUDGE_SIZES]
+    judge = [done[("judge", n)] for n in JUDGE_SIZES]
     print("judge workload: " + ", ".join(f"{c['devices']}: {fmt(ratio(c['disaggregated'], c['omni']), '.2f')}x" for c in judge), flush=True)
     hetero = []
     for model in MODELS:
-        base = compare(catalog, model, Inventory({args.device_type: 16}))
-        for mix in MIXES:
-            h = compare(catalog, model, Inventory(dict(mix)))
+        base = done[("case", model, 16)][0]  # veRL-Omni on 16 of the cluster's device type
+        for k in range(len(MIXES)):
+            h = done[("hetero", model, k)]
             h["omni16"] = base["omni"]
             hetero.append(h)
-    print("heterogeneous done", flush=True)
-    basis = [] if args.no_basis else basis_sensitivity(args.device_type)
+    basis = [] if args.no_basis else [done[("basis", i)] for i in range(len(BASES))]
     sens = [] if args.quick else sensitivity(catalog, [(m, max(sizes)) for m in MODELS], args.device_type)
     emu = emulate(catalog, args.device_type, [("flux-12b", d) for d in sizes], generate_ms=args.emulate_ms) if args.emulate else []
     tiny = tiny_check() if args.tiny else []
@@ -424,6 +441,31 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(basis_md(basis)))
     print(f"wrote {args.out} ({time.time() - t0:.0f} s)")
     return 0
+
+
+def _case(catalog: Any, model: str, device_type: str, n: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    inv = Inventory({device_type: n})
+    return compare(catalog, model, inv), ladder(catalog, model, inv)
+
+
+def _call(job: tuple) -> Any:
+    fn, *a = job
+    return fn(*a)
+
+
+def _run_jobs(jobs: dict[Any, tuple], n: int) -> dict[Any, Any]:
+    """Each job's result, by key; ``n`` > 1: in that many processes (each search is deterministic)."""
+    if n <= 1:
+        return {k: _call(j) for k, j in jobs.items()}
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=n) as ex:
+        futures = {k: ex.submit(_call, j) for k, j in jobs.items()}
+        out = {}
+        for k, f in futures.items():
+            out[k] = f.result()
+            print(f"  done {k}", flush=True)
+        return out
 
 
 def _commit() -> str:

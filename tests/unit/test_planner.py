@@ -527,10 +527,13 @@ def test_this_runtimes_plans_step_once_per_ppo_mini_batch_and_say_so(catalog):
 
 
 def test_tag_on_fsdp_trainers_fills_their_idle_time_and_its_overrides_run_it(catalog):
-    """HunyuanVideo at 16 H800 (8 rollout + 8 FSDP trainers): the trainers idle while the rollout
-    pool generates. With TAG each rank generates an equal slice of a few groups and the rollout
-    workers generate in slices of that size, so the step is shorter than the same split's
-    without TAG; the overrides build that strategy, its rollout slices included."""
+    """HunyuanVideo at 16 H800 (8 rollout + 8 FSDP trainers). On the measured calibration basis
+    (training at the GPU checks' measured efficiency, 0.29 of the peak against 0.40 forward) this
+    split is trainer-bound: after the warm-up the trainers never wait for the rollout, so TAG's
+    controller, which hands the trainers groups to generate only when they would idle, assigns
+    none, and TAG costs under 1%. (On the earlier basis, ours trained at 1.99x a fitted efficiency
+    and the trainers idled: TAG won 2%.) The overrides build the TAG strategy, rollout slices
+    included."""
     from omegaconf import OmegaConf
 
     from verl_digen.config.compose import compose_config
@@ -547,8 +550,9 @@ def test_tag_on_fsdp_trainers_fills_their_idle_time_and_its_overrides_run_it(cat
     plain = search(costs, inv, mechanisms=["disaggregated+gap+fsdp+tcss"], **kw).best
     spec = tag.candidate.spec
     assert spec.tag and spec.fsdp and spec.sample_slices == spec.tag_split > 1
-    assert all(m["tag/groups"] > 0 for m in tag.result.step_metrics[2:])
-    assert tag.images_per_s > plain.images_per_s * 1.02
+    assert all(m["bubble/head_trainer"] == 0 for m in plain.result.step_metrics[2:])  # trainer-bound
+    assert all(m["tag/groups"] == 0 for m in tag.result.step_metrics[2:])  # nothing to fill
+    assert tag.images_per_s > plain.images_per_s * 0.99
     container = OmegaConf.to_container(compose_config(hydra_overrides(tag.candidate, costs, inv)), resolve=True)
     digen = digen_config_from_dict(container["digen"])
     digen.validate()

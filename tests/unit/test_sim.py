@@ -117,7 +117,9 @@ def test_generation_scales_with_steps_cfg_and_images(catalog):
     assert c.forward_seconds(4, dev) - dev.forward_overhead_s == pytest.approx(2 * (no_cfg.forward_seconds(4, dev) - dev.forward_overhead_s))
     half = c.with_workload(num_steps=8)
     loop = c.generate_seconds(12, dev) - half.generate_seconds(12, dev)
-    assert loop == pytest.approx(8 * c.forward_seconds(12, dev))
+    # each denoising step: the forward and our sampler's measured per-step work (denoise_step_s)
+    assert c.system.denoise_step_s > 0
+    assert loop == pytest.approx(8 * (c.forward_seconds(12, dev) + c.system.denoise_step_s))
     # a TSP stage pays its own steps; encode at the first stage, decode at the final one
     s0 = c.generate_seconds(12, dev, (0, 8), final=False)
     s1 = c.generate_seconds(12, dev, (8, 16), final=True)
@@ -582,8 +584,11 @@ def test_efficiency_grows_with_tokens_per_forward_up_to_the_device_asymptote(cat
     assert effs == sorted(effs) and effs[-1] <= dev.mfu_forward
     assert CostModel.efficiency(dev, dev.mfu_half_tokens) == pytest.approx(dev.mfu_forward / 2)
     c = _costs(catalog, "qwen-image-20b", height=512, width=512)
-    # the same images in forwards of one sample take longer than in one batched forward
-    assert c.denoise_seconds(32, dev, batch=1) > 1.5 * c.denoise_seconds(32, dev)
+    # the same images in forwards of one sample take longer than in one batched forward, but only a
+    # little: the curve is the H200's measured one (FLUX.1: one-row calls 1.12x a 24-row call per
+    # sample), no longer the steep one fitted to veRL-Omni's engine (2.5x)
+    one, batched = c.denoise_seconds(32, dev, batch=1), c.denoise_seconds(32, dev)
+    assert batched < one < 1.15 * batched
 
 
 def test_a_balanced_pipeline_gets_close_to_the_bound(catalog):
