@@ -101,12 +101,23 @@ def _forward(child: int):
     return handler
 
 
+def client_command() -> str:
+    """The command line of the client (what a runtime environment names as ``py_executable``)."""
+    import shlex
+
+    return " ".join(shlex.quote(a) for a in (sys.executable, "-I", "-S", os.path.abspath(__file__), "client"))
+
+
 def client(argv: list[str]) -> int:
     """Run ``python ARGV`` (Ray's worker command) as a child of the zygote; return its exit status
-    (or end by its signal). A zygote that cannot be reached or does not answer: a plain worker."""
+    (or end by its signal). A zygote that cannot be reached or does not answer: a plain worker.
+    ``ARGV`` may be Ray's worker set-up (``setup_worker.py ...``, :class:`as_ray_python`): its
+    part is done here first (:func:`_setup_worker`)."""
+    if argv and argv[0].endswith("setup_worker.py"):
+        argv = _setup_worker(argv, client_command())
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.connect(os.environ[ENV])
+        sock.connect(os.environ.get(ENV, ""))  # none: a worker of an instance the suite did not start
         request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "client": os.getpid(),
                    "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, ()))}
         _send(sock, json.dumps(request).encode(), [0, 1, 2])
@@ -310,8 +321,77 @@ def start(tmp_dir: str, preload: list[str] = PRELOAD):
         stop(proc)
         said = [line for line in said if line]
         raise RuntimeError(f"the Ray worker zygote did not start (exit status {proc.poll()}, said {said[-3:]!r})")
-    command = " ".join(shlex.quote(a) for a in (sys.executable, "-I", "-S", os.path.abspath(__file__), "client"))
+    command = client_command()
+    _write_interpreter(os.path.join(tmp_dir, INTERPRETER), command)
     return proc, {"py_executable": command, "env_vars": {ENV: path}}
+
+
+# The interpreter a local Ray instance is started with (:class:`as_ray_python`), next to the socket.
+INTERPRETER = "python"
+
+
+def _write_interpreter(path: str, client_command: str) -> None:
+    """A shell script that runs Ray's worker set-up and worker commands (``.../setup_worker.py
+    ARGS``, ``.../default_worker.py ARGS``) as the zygote's client, and anything else (Ray's
+    agents, its log monitor) with the real interpreter."""
+    import shlex
+
+    with open(path, "w") as f:
+        f.write("#!/bin/sh\n"
+                'case "$1" in\n'
+                f'  */setup_worker.py|*/default_worker.py) exec {client_command} "$@" ;;\n'
+                "esac\n"
+                f'exec {shlex.quote(sys.executable)} "$@"\n')
+    os.chmod(path, 0o755)
+
+
+class as_ray_python:
+    """Within: a local ``ray.init`` starts an instance whose raylet runs :data:`INTERPRETER` (in
+    ``tmp_dir``, the zygote's folder) where it would run ``sys.executable``, which it reads when
+    it starts; restored on exit.
+
+    Why: a worker of a job or actor with a runtime environment (the suite's jobs have one: it names
+    the zygote's client as ``py_executable``; veRL gives each of its workers one) is started as
+    ``python setup_worker.py ARGS``, a full interpreter that imports part of Ray only to apply
+    the environment's variables and ``exec`` ``py_executable`` (~0.6 CPU-seconds a worker here,
+    hundreds of workers in a suite). Through the interpreter script, the client does that itself
+    (:func:`_setup_worker`) for the suite's environments and hands every other one back to Ray's."""
+
+    def __init__(self, tmp_dir: str) -> None:
+        self.interpreter = os.path.join(tmp_dir, INTERPRETER)
+
+    def __enter__(self) -> None:
+        self.saved = sys.executable
+        sys.executable = self.interpreter
+
+    def __exit__(self, *exc) -> None:
+        sys.executable = self.saved
+
+
+def _setup_worker(argv: list[str], client_command: str) -> list[str]:
+    """What Ray's ``setup_worker.py`` (``argv[0]``) does before it ``exec``s the worker, for a
+    runtime environment whose context holds only variables and the zygote's client as
+    ``py_executable``: set the variables as ``ray._private.utils.update_envs`` does (``${X}``
+    expanded, unknown ones empty) and return the worker's command (``default_worker.py ...``).
+    Any other context (a command prefix, another interpreter, a container's entry point, Java):
+    ``exec`` Ray's own set-up with the arguments unchanged."""
+    import argparse
+    import re
+
+    parser = argparse.ArgumentParser()  # setup_worker.py's own arguments
+    parser.add_argument("--serialized-runtime-env-context", type=str)
+    parser.add_argument("--language", type=str)
+    args, rest = parser.parse_known_args(argv[1:])
+    context = json.loads(args.serialized_runtime_env_context or "{}")
+    simple = (args.language == "PYTHON" and not context.get("command_prefix") and not context.get("java_jars")
+              and not context.get("override_worker_entrypoint") and context.get("py_executable") == client_command
+              and set(context) <= {"command_prefix", "env_vars", "py_executable", "override_worker_entrypoint",
+                                   "java_jars"})
+    if not simple:
+        os.execv(sys.executable, [sys.executable, *argv])
+    for key, value in (context.get("env_vars") or {}).items():
+        os.environ[key] = re.sub(r"\$\{[A-Z0-9_]+\}", "", os.path.expandvars(value))
+    return rest
 
 
 def stop(proc) -> None:

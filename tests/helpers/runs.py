@@ -85,7 +85,8 @@ def shared_ray_up() -> None:
     zygote = _zygote_env(pythonpath)
     if zygote:
         runtime_env = {**zygote, "env_vars": {**runtime_env["env_vars"], **zygote["env_vars"]}}
-    ray.init(num_cpus=SHARED_RAY_CPUS, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
+    with ray_zygote.as_ray_python(_zygote[0].socket_dir) if zygote else contextlib.nullcontext():
+        ray.init(num_cpus=SHARED_RAY_CPUS, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
     _shared_ray, _shared_runtime_env = True, runtime_env
 
 
