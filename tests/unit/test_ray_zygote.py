@@ -21,7 +21,7 @@ SCRIPT = """
 import json, os, signal, sys, time
 what = sys.argv[1]
 if what == "facts":
-    print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "x": os.environ.get("X"),
+    print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "x": os.environ.get("X"), "y": os.environ.get("Y"),
                       "ppid": os.getppid(), "pid": os.getpid(), "pgid": os.getpgid(0), "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, ())),
                       "main": __name__}), flush=True)
     sys.exit(3)
@@ -95,6 +95,50 @@ def _gone(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+SETUP_STAND_IN = """
+import json, sys
+print(json.dumps({"ray_setup": sys.argv[1:]}), flush=True)
+"""
+
+
+def _through_interpreter(tmp_path, zygote, context: dict, *args: str) -> subprocess.CompletedProcess:
+    """Run what a raylet started with :class:`ray_zygote.as_ray_python` runs for a worker with a
+    runtime environment: the interpreter script, Ray's set-up (a stand-in that prints its
+    arguments, run only if the client hands the set-up back) and ``default_worker.py`` (SCRIPT)."""
+    work = tmp_path / "ray_workers"
+    work.mkdir(exist_ok=True)
+    (work / "setup_worker.py").write_text(SETUP_STAND_IN)
+    (work / "default_worker.py").write_text(SCRIPT)
+    interpreter = os.path.join(zygote[0].socket_dir, ray_zygote.INTERPRETER)
+    env = {**os.environ, ray_zygote.ENV: zygote[1]["env_vars"][ray_zygote.ENV], "X": "y"}
+    return subprocess.run([interpreter, str(work / "setup_worker.py"),
+                           f"--serialized-runtime-env-context={json.dumps(context)}", "--language=PYTHON",
+                           str(work / "default_worker.py"), *args],
+                          env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=60)
+
+
+def test_the_interpreter_script_does_rays_worker_setup_in_the_client_for_the_suites_environments(tmp_path, zygote):
+    context = {"command_prefix": [], "env_vars": {"X": "${X}-z", "Y": "${NOT_SET}w"},
+               "py_executable": ray_zygote.client_command(), "override_worker_entrypoint": None, "java_jars": []}
+    done = _through_interpreter(tmp_path, zygote, context, "facts")
+    assert done.returncode == 3, done.stderr
+    facts = json.loads(done.stdout)
+    assert facts["ppid"] == zygote[0].pid  # the worker, forked by the zygote: Ray's set-up never ran
+    assert facts["argv"] == [str(tmp_path / "ray_workers" / "default_worker.py"), "facts"]
+    assert (facts["x"], facts["y"]) == ("y-z", "w")  # ${X} expanded, an unset one empty, as Ray's update_envs
+    # any other context (a command prefix, another interpreter): Ray's own set-up, arguments unchanged
+    for other in ({**context, "command_prefix": ["nice"]}, {**context, "py_executable": sys.executable}):
+        done = _through_interpreter(tmp_path, zygote, other, "facts")
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["ray_setup"][:2] == [f"--serialized-runtime-env-context={json.dumps(other)}",
+                                                            "--language=PYTHON"]
+    # and what is not a worker runs on the real interpreter
+    interpreter = os.path.join(zygote[0].socket_dir, ray_zygote.INTERPRETER)
+    out = subprocess.run([interpreter, "-c", "import sys; print(sys.executable)"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.strip() == sys.executable
 
 
 def test_a_client_with_no_zygote_starts_a_plain_python_and_says_so(tmp_path):
