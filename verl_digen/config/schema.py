@@ -614,6 +614,20 @@ class ResumeConfig:
 
 
 @dataclass
+class FaultConfig:
+    """What the run does when one of its Ray workers dies during training."""
+
+    # Worker deaths the run survives in the same job: the run's workers are released and started
+    # anew, the newest intact checkpoint is loaded (as trainer.resume_mode=auto would; none: from
+    # step 0) and training continues. 0: the run stops with a checkpoint of its completed steps.
+    restarts: int = 0
+
+    def validate(self, key: str) -> None:
+        if isinstance(self.restarts, bool) or not isinstance(self.restarts, int) or self.restarts < 0:
+            _fail(f"{key}.restarts", self.restarts, "an integer >= 0")
+
+
+@dataclass
 class EmaConfig:
     """EMA of the trained weights, used for validation when on."""
 
@@ -712,6 +726,7 @@ class DigenConfig:
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     ema: EmaConfig = field(default_factory=EmaConfig)
     resume: ResumeConfig = field(default_factory=ResumeConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     progress_bar: bool = True  # a tqdm bar over the training steps
     # CPU slots of the local Ray instance the job starts (null: Ray's count); refused when the job
@@ -846,6 +861,7 @@ class DigenConfig:
         self.prompt_cache.validate("digen.prompt_cache")
         self.ema.validate("digen.ema")
         self.resume.validate("digen.resume")
+        self.fault.validate("digen.fault")
         self.memory.validate("digen.memory")
         # Placement, TCSS/TSP/TAG/FSDP and batch divisibility: the planner's own rules.
         fields = self.strategy_fields()

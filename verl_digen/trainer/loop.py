@@ -37,7 +37,7 @@ from verl_digen.schedule.timeline import save_gantt
 from verl_digen.sim.deadlines import Deadlines, run_costs, run_deadlines
 from verl_digen.trainer import resolve, runtime
 from verl_digen.trainer.checkpoint import RunCheckpoints, locked_run_directories
-from verl_digen.trainer.ray_executor import RayPlanExecutor, gang_chunk_rows
+from verl_digen.trainer.ray_executor import RayPlanExecutor, WorkerDied, gang_chunk_rows
 from verl_digen.workers.rollout_dump import write_step_rows
 
 
@@ -86,6 +86,7 @@ class DigenTrainer:
         self.history: list[dict[str, Any]] = []
         self.val_before_train: dict[str, float] | None = None
         self._completed = job.start_step
+        self._restarts = 0  # workers restarted after a death (digen.fault.restarts)
         # An emulated run's (cost model, device type, time scale): what its workers sleep by and its
         # deadlines are planned with; from digen.emulate (_emulation), or the caller's own
         # (python -m verl_digen.emulate, which builds its workers itself).
@@ -152,16 +153,7 @@ class DigenTrainer:
         job, cfg = self.job, self.job.cfg
         self.deadlines = deadlines = self._plan_deadlines(use_gpu)
         self.checkpoints.timeout_s = deadlines.checkpoint_s
-        self._groups, actors = (self.worker_groups or self._default_worker_groups(use_gpu))(job.layout)
-        infos = runtime.init_models(actors, deadlines)
-        with open(os.path.join(job.output_dir, "workers.json"), "w") as f:
-            json.dump([{**i, "worker": str(w)} for w, i in zip(actors, infos)], f, indent=2)
-        if cfg.prompt_cache.enable and not job.emulated:  # each prompt encoded once per cache directory
-            from verl_digen.trainer.warmup import warm_prompt_caches
-
-            self.prompt_cache_stats = warm_prompt_caches(
-                {w: a for w, a in actors.items() if w.pool != "reward"},
-                job.prompts + job.val_prompts + job.negative_prompts, deadlines.load_s)
+        actors = self._start_workers(use_gpu)
         sampler = PromptSampler(job.prompts, seed=cfg.seed, shuffle=cfg.data.shuffle)
         if job.resume_from is not None:
             self.history = self.checkpoints.load(job.resume_from, actors, sampler)
@@ -169,16 +161,70 @@ class DigenTrainer:
             runtime.open_weight_channel(self.spec, actors, cfg, use_gpu, deadlines)
         tracker = Tracking(project_name=job.trainer.project_name, config=job.container,
                            experiment_name=job.trainer.experiment_name, default_backend=list(job.trainer.logger))
-        try:
-            metrics = self._train(actors, sampler, tracker)
-        except BaseException as e:
-            raise self._stopped(e, actors) from e
+        while True:
+            try:
+                metrics = self._train(actors, sampler, tracker)
+                break
+            except BaseException as e:
+                dead = _dead_workers(e, actors)
+                if dead is None or self._restarts >= cfg.fault.restarts:
+                    raise self._stopped(e, actors) from e
+                actors, sampler = self._restart(e, dead, use_gpu)
+        job = self.job  # a restart resumed it from its checkpoint
         extra = runtime.finish_weights(self.spec, actors, cfg, job.output_dir,
                                        save=cfg.save_final_weights and not job.emulated, deadlines=deadlines)
         if self.val_before_train is not None:
             extra["val_before_train"] = self.val_before_train
+        if cfg.fault.restarts > 0:
+            extra["fault/restarts"] = self._restarts
         runtime.finish_tracking(tracker)
         return metrics, extra
+
+    def _start_workers(self, use_gpu: bool) -> dict[WorkerId, Any]:
+        """The run's worker groups started and their models loaded (``workers.json`` names each
+        worker's process), the prompt caches warmed."""
+        job, cfg = self.job, self.job.cfg
+        self._groups, actors = (self.worker_groups or self._default_worker_groups(use_gpu))(job.layout)
+        infos = runtime.init_models(actors, self.deadlines)
+        with open(os.path.join(job.output_dir, "workers.json"), "w") as f:
+            json.dump([{**i, "worker": str(w)} for w, i in zip(actors, infos)], f, indent=2)
+        if cfg.prompt_cache.enable and not job.emulated:  # each prompt encoded once per cache directory
+            from verl_digen.trainer.warmup import warm_prompt_caches
+
+            self.prompt_cache_stats = warm_prompt_caches(
+                {w: a for w, a in actors.items() if w.pool != "reward"},
+                job.prompts + job.val_prompts + job.negative_prompts, self.deadlines.load_s)
+        return actors
+
+    def _restart(self, error: BaseException, dead: str, use_gpu: bool) -> tuple[dict[WorkerId, Any], Any]:
+        """``digen.fault.restarts``: a worker died during training. Release every worker group,
+        start new ones, load the newest intact checkpoint (what ``trainer.resume_mode=auto`` would
+        resume; none: step 0) and hand back the new workers and prompt sampler. What ran after
+        that checkpoint runs again from its state (the groups TCSS generated ahead included), so
+        the run continues exactly as a resume in a new job would."""
+        from verl_digen.data import PromptSampler
+        from verl_digen.trainer.checkpoint import find_latest_intact
+
+        job, cfg = self.job, self.job.cfg
+        self._restarts += 1
+        runtime.write_error_log(job.output_dir, error)  # the dead worker's traceback, as a stop keeps it
+        runtime.release(self._groups, owns_ray=False)
+        self._groups = {}
+        ckpt = None if job.emulated else find_latest_intact(self.checkpoints.root)
+        self.job = job = dataclasses.replace(job, resume_from=ckpt)
+        self._completed = job.start_step
+        actors = self._start_workers(use_gpu)
+        sampler = PromptSampler(job.prompts, seed=cfg.seed, shuffle=cfg.data.shuffle)
+        if ckpt is not None:
+            self.history = self.checkpoints.load(ckpt, actors, sampler)
+        else:
+            self.history, self.checkpoints.last_saved = [], 0
+        if self.spec.placement == "disaggregated":
+            runtime.open_weight_channel(self.spec, actors, cfg, use_gpu, self.deadlines)
+        print(f"[verl-digen] worker {dead} died; restart {self._restarts} of {cfg.fault.restarts} "
+              f"(digen.fault.restarts): new workers, resumed from step {job.start_step} "
+              f"({ckpt.path if ckpt is not None else 'no checkpoint: from the start'})", flush=True)
+        return actors, sampler
 
     def _train(self, actors: dict[WorkerId, Any], sampler: Any, tracker: Any) -> list[dict[str, Any]]:
         from tqdm import tqdm
@@ -237,6 +283,8 @@ class DigenTrainer:
                     write_step_rows(cfg.rollout_data_dir, m["step"], executor.results[s].rollout_rows)
                 if job.test_freq > 0 and ((s + 1) % job.test_freq == 0 or s + 1 == last):
                     m.update(self._validate(actors, s + 1))
+                if cfg.fault.restarts > 0:
+                    m["fault/restarts"] = self._restarts
                 all_metrics.append(m)
                 self._completed = s + 1
                 mf.write(json.dumps(m) + "\n")
@@ -338,6 +386,26 @@ class DigenTrainer:
         t1 = max(r.end for r in driver.timeline.records if r.kind == TaskKind.OPTIMIZER_STEP.value)
         save_gantt(driver.timeline, os.path.join(self.job.output_dir, "gantt.png"), t0=t0, t1=t1,
                    title=f"{self.spec.name}, {self.spec.devices} devices, steps {first + 1}-{total}")
+
+
+def _dead_workers(error: BaseException, actors: dict[WorkerId, Any]) -> str | None:
+    """The worker(s) whose death ``error`` reports (the executor's :class:`WorkerDied`, or Ray's
+    ``ActorDiedError`` from a call outside the plan, e.g. a checkpoint save), named as a stop
+    names them; None for any other failure (a task that raised, an interrupt), which stops the run."""
+    import ray
+
+    seen: set[int] = set()
+    err: BaseException | None = error
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, WorkerDied):
+            return ", ".join(f"{w} (pool {w.pool!r})" for w in err.workers)
+        if isinstance(err, ray.exceptions.ActorDiedError):
+            actor_id = getattr(err, "actor_id", None)
+            named = [f"{w} (pool {w.pool!r})" for w, a in actors.items() if actor_id and a._actor_id.hex() == actor_id]
+            return ", ".join(named) or f"actor {actor_id}"
+        err = err.__cause__ or err.__context__
+    return None
 
 
 def run_training(config: DictConfig, worker_groups: runtime.WorkerGroupFactory | None = None,

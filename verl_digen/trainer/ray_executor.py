@@ -70,6 +70,15 @@ class WorkerFailure(RuntimeError):
     """A worker process died or a task on it raised; names the worker and its pool."""
 
 
+class WorkerDied(WorkerFailure):
+    """A worker process died (not a task that raised): ``workers`` names the dead ones. What
+    ``digen.fault.restarts`` restarts the run's workers for."""
+
+    def __init__(self, message: str, workers: list[WorkerId]) -> None:
+        super().__init__(message)
+        self.workers = workers
+
+
 @dataclass
 class StepResults:
     """What the driver gathered for one training step."""
@@ -287,14 +296,16 @@ class RayPlanExecutor(PlanRunner):
                 # Name the worker that died, not the task that noticed: when a rollout worker
                 # dies mid-sync, its sender's collective (or a reward reading its samples)
                 # fails too, and that failure can reach the driver first.
-                raise WorkerFailure(
+                raise WorkerDied(
                     f"worker {', '.join(f'{w} (pool {w.pool!r})' for w in dead)} died; the run noticed it "
-                    f"while running {task.id} on {', '.join(str(w) for w in task.workers)}: {e.__class__.__name__}"
+                    f"while running {task.id} on {', '.join(str(w) for w in task.workers)}: {e.__class__.__name__}",
+                    dead,
                 ) from e
             if isinstance(e, ray.exceptions.RayActorError):
-                raise WorkerFailure(
+                raise WorkerDied(
                     f"worker {', '.join(str(w) for w in task.workers)} (pool '{task.worker.pool}') died while "
-                    f"running {task.id}: {e.__class__.__name__}"
+                    f"running {task.id}: {e.__class__.__name__}",
+                    list(task.workers),
                 ) from e
             raise WorkerFailure(
                 f"task {task.id} failed on {', '.join(str(w) for w in task.workers)}: "
