@@ -153,7 +153,7 @@ SEEN = []
 
 def compute_score(solution_image):
     SEEN.append(solution_image)
-    if solution_image.dim() == 4:  # a video, [F, 3, H, W]
+    if solution_image.dim() == 4:  # a video, [3, F, H, W]
         return 0.0
     buf = io.BytesIO()
     Image.fromarray(solution_image.permute(1, 2, 0).numpy()).save(buf, format="JPEG", quality=95)
@@ -184,9 +184,11 @@ def test_verl_omnis_scorer_gets_the_uint8_solution_image_by_keyword(tmp_path):
     assert [tuple(x.shape) for x in seen] == [(3, 16, 24)] * 2 and seen[0].dtype == torch.uint8
     assert torch.equal(seen[1], (images[1].clamp(0, 1) * 255).round().to(torch.uint8))  # the rollout's pixels
     assert (scores < 0).all()
-    # video: [F, 3, H, W], frames in order
-    reward(torch.rand(1, 3, 5, 8, 8), ["a"], [{"prompt": "a"}])
-    assert tuple(seen[-1].shape) == (5, 3, 8, 8)
+    # video: [3, F, H, W] (veRL-Omni's scorers' channels-first video), frames in order
+    video = torch.rand(1, 3, 5, 8, 8)
+    reward(video, ["a"], [{"prompt": "a"}])
+    assert tuple(seen[-1].shape) == (3, 5, 8, 8)
+    assert torch.equal(seen[-1], (video[0] * 255).round().to(torch.uint8))
 
 
 def test_a_coroutine_scorer_is_awaited_for_all_samples_at_once_and_its_dict_extras_are_kept(tmp_path):

@@ -122,6 +122,10 @@ OMNI_CHECKED: dict[str, str] = {
                                "veRL-Omni recipe: veRL-Omni's window, steps 0..N-2 (mode=fixed, start=0, size=N-1)",
     f"{PIPE}.num_frames": "digen.sampling.num_frames (Wan: a count not t*k+1 rounded as diffusers' WanPipeline "
                           "does, n // t * t + 1, with a notice; the image families: 1)",
+    f"{PIPE}.output_type": "what a reward function's solution_image is: image (pt, np, pil: pixels, veRL-Omni's "
+                           "default), latent (the final latents), both (pixels, the latents in "
+                           "extra_info['latents_clean']); latent / both need a reward function "
+                           "(reward.custom_reward_function / reward.reward_functions)",
     f"{ALGO}.sde_window_range": "[r0, r1]: digen.sampling.sde_window start=r0, range_end=r1-1",
     f"{ALGO}.sde_contiguous": "true (windows are contiguous)",
     f"{VAL_ALGO}.noise_level": "0.0 (validation samples are deterministic)",
@@ -142,6 +146,7 @@ OMNI_HANDLED = frozenset({
     f"{PIPE}.guidance_scale",
     *(f"{ALGO}.{n}" for n in ("sde_window_size", "sde_window_range", "sde_contiguous")),
     f"{PIPE}.num_frames",
+    f"{PIPE}.output_type",
 })
 
 #: veRL-Omni's defaults (its ``DiffusionRolloutAlgoConfig``, ``DiffusionPipelineConfig`` and

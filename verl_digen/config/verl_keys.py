@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping
 
 from verl_digen.config.omni_keys import OMNI_HANDLED, OMNI_MAPPED, is_omni_key, omni_settings, tree_get
+from verl_digen.config.omni_keys import PIPE as OMNI_PIPE
 from verl_digen.config.schema import DEVICES, ConfigError, hydra_defaults, prompt_sources
 
 # The two ways in: veRL's own entry point running our trainer mode, or our short form.
@@ -649,8 +650,9 @@ def _derived_settings(config: Mapping[str, Any], digen: dict[str, Any], ours: di
         defaults = {k: v for k, v in ours["reward"].items() if k != "device"}
         extra = dict(mine["kwargs"] or {})
         functions = [c["kwargs"] for c in spec["components"]] if spec["name"] == "weighted" else [spec["kwargs"]]
-        if mine["name"] in (defaults["name"], spec["name"]) and not mine["components"] and set(extra) <= {"fps"}:
-            for kwargs in functions:  # +digen.reward.kwargs.fps: the one custom-reward setting veRL has no key for
+        if mine["name"] in (defaults["name"], spec["name"]) and not mine["components"] and \
+                set(extra) <= {"fps", "video_layout"}:
+            for kwargs in functions:  # +digen.reward.kwargs.fps / video_layout: custom-reward settings veRL has no key for
                 kwargs.update(extra)
         elif mine != defaults and (mine["name"] != "custom" or mine["kwargs"] != spec.get("kwargs")):
             chooser = "reward.reward_functions" if spec["name"] == "weighted" else "reward.custom_reward_function.path"
@@ -673,10 +675,37 @@ def _reward_spec(config: Mapping[str, Any]) -> dict[str, Any] | None:
     """The ``digen.reward`` that veRL's reward keys choose (None: they choose none): one custom
     function, or veRL-Omni's multi-reward manager's weighted sum of several."""
     path, name, manager = _custom_reward(config)
-    if manager == MULTI_REWARD_MANAGER:
-        return _multi_reward_spec(config)
-    if path is None:
-        return None
+    spec = _multi_reward_spec(config) if manager == MULTI_REWARD_MANAGER else \
+        None if path is None else _custom_function_spec(config, path, name, manager)
+    _output_type(config, spec)
+    return spec
+
+
+def _output_type(config: Mapping[str, Any], spec: dict[str, Any] | None) -> None:
+    """veRL-Omni's ``pipeline.output_type`` -> each custom function's ``output_type`` (what its
+    ``solution_image`` is: pixels, or the final latents, or pixels with the latents in
+    ``extra_info["latents_clean"]``); the rollout carries the latents only then."""
+    from verl_digen.rewards.custom import LATENT_OUTPUT_TYPES, PIXEL_OUTPUT_TYPES
+
+    key = f"{OMNI_PIPE}.output_type"
+    value = _get(config, key, None)
+    if value is None:
+        return
+    if value not in PIXEL_OUTPUT_TYPES + LATENT_OUTPUT_TYPES:
+        raise ConfigError(f"invalid config: {key}={value!r}; valid: {', '.join(PIXEL_OUTPUT_TYPES)} (pixels), "
+                          "latent (the reward function gets the final latents), both (pixels, and the latents in "
+                          "extra_info['latents_clean'])")
+    if spec is None:
+        if value in LATENT_OUTPUT_TYPES:
+            raise ConfigError(f"invalid config: {key}={value!r} hands latents to a reward function, and no "
+                              "reward.custom_reward_function.path / reward.reward_functions is set (the built-in "
+                              f"rewards score pixels): set a reward function, or {key}=image")
+        return
+    for kwargs in [c["kwargs"] for c in spec["components"]] if spec["name"] == "weighted" else [spec["kwargs"]]:
+        kwargs["output_type"] = str(value)
+
+
+def _custom_function_spec(config: Mapping[str, Any], path: Any, name: Any, manager: Any) -> dict[str, Any]:
     spec = {"name": "custom", "kwargs": {"path": _reward_file(path), "function": str(name),
                                          "batched": manager == "batch"}}
     kwargs = _get(config, "reward.custom_reward_function.reward_kwargs", None) or \

@@ -123,6 +123,16 @@ class RewardFn(abc.ABC):
             scores = self._checked_scores(self._call_score_images(images, prompts, records), batch)
         return scores.to(device=images.device, dtype=torch.float32)
 
+    def give_sample_tensors(self, tensors: Mapping[str, torch.Tensor] | None) -> None:
+        """Per-sample tensors for the next call only (name -> ``[B, ...]``, the call's samples in
+        order): the final latents (``latents_clean``) and the prompt's conditioning, which a custom
+        function asks for with veRL-Omni's ``pipeline.output_type=latent`` / ``both``
+        (:attr:`wants_latents`). Most rewards score pixels and ignore them."""
+
+    #: True when the reward reads the samples' final latents (:meth:`give_sample_tensors`): the
+    #: rollout then carries them with the trajectory (they cost object-store bytes otherwise spared).
+    wants_latents: bool = False
+
     def take_extras(self) -> dict[str, torch.Tensor]:
         """Per-sample numbers the last call produced besides the scores (name -> ``[B]`` float32,
         NaN where a sample has none), handed over once: a custom function's ``{"score": ...,

@@ -8,7 +8,8 @@ fields of the sample (a function takes only those it names, or all of them with 
 
 ==================  ===========================================================================
 ``solution_image``  the image as veRL-Omni passes it: a uint8 ``torch.Tensor`` ``[3, H, W]``
-                    (video: ``[F, 3, H, W]``)
+                    (video: ``[3, F, H, W]``, see below); with ``output_type=latent``
+                    the sample's final latents instead (float32, the model's layout)
 ``image``           the same pixels as an RGB ``PIL.Image.Image`` (video: a list of frames)
 ``prompt``          the prompt text
 ``data_source``     the prompt record's ``data_source`` (veRL parquet column), or None
@@ -16,6 +17,21 @@ fields of the sample (a function takes only those it names, or all of them with 
 ``extra_info``      the record's ``extra_info`` (a dict; ``fps`` added for video)
 ``fps``             video only: frames per second
 ==================  ===========================================================================
+
+Videos go as uint8 ``[3, F, H, W]`` (channels first): the layout veRL-Omni's video scorers read
+(HPSv3's and the OCR judge's frame extraction index a 4-D channels-first video as ``[C, F, H,
+W]``; ``reward_utils.video_tensor_to_pil_frames`` takes it too). ``video_layout="fchw"`` sends
+``[F, 3, H, W]`` instead (veRL-Omni's UnifiedReward client reads frames first).
+
+``output_type`` is veRL-Omni's ``actor_rollout_ref.rollout.pipeline.output_type``: ``image``
+(and ``pt``, ``np``, ``pil``: pixels, the default); ``latent``: ``solution_image`` is the
+sample's final (clean) latents, float32 in the model's own layout (SD3 ``[16, h, w]``, FLUX and
+Qwen-Image packed ``[L, C*4]``, Wan ``[C, F, h, w]``), as veRL-Omni's latent rewards (its DRM
+client) read them; ``both``: pixels in ``solution_image`` and the latents in
+``extra_info["latents_clean"]``. With either, ``extra_info`` also holds ``latents_clean`` and the
+prompt's conditioning tensors the trajectory carries (``prompt_embeds``, SD3/FLUX
+``pooled_prompt_embeds``, one sample's rows each), and the rollout carries the final latents
+with each trajectory only then (:attr:`CustomFunctionReward.wants_latents`).
 
 plus ``reward.custom_reward_function.reward_kwargs``, passed by keyword too (a setting that
 names a sample field, or a parameter the function cannot take, is refused). The batched form
@@ -62,6 +78,20 @@ logger = logging.getLogger(__name__)
 # The fields a per-sample function may name; the batched form's are these, plural.
 SAMPLE_FIELDS = ("solution_image", "image", "prompt", "data_source", "ground_truth", "extra_info", "fps")
 BATCH_FIELDS = ("solution_images", "images", "prompts", "data_sources", "ground_truths", "extra_infos", "fps")
+# veRL-Omni's pipeline.output_type values: pixels (its default image, and pt / np / pil), the
+# final latents in solution_image (latent), or pixels with the latents in extra_info (both).
+PIXEL_OUTPUT_TYPES = ("image", "pt", "np", "pil")
+LATENT_OUTPUT_TYPES = ("latent", "both")
+VIDEO_LAYOUTS = ("cfhw", "fchw")
+
+
+def reward_wants_latents(spec: Mapping[str, Any]) -> bool:
+    """Whether a reward config (``digen.reward``'s spec: a custom function, or a weighted sum of
+    rewards) asks for the samples' final latents: a custom function with ``output_type`` latent or
+    both. Read from the config, so that the rollout knows without building the reward."""
+    if spec.get("name") == "weighted":
+        return any(reward_wants_latents(c) for c in spec.get("components") or ())
+    return spec.get("name") == "custom" and (spec.get("kwargs") or {}).get("output_type") in LATENT_OUTPUT_TYPES
 
 
 class CustomRewardError(RuntimeError):
@@ -176,7 +206,8 @@ class CustomFunctionReward(RewardFn):
 
     def __init__(self, path: str, function: str = "compute_score", batched: bool = False,
                  fps: float = 16.0, reward_kwargs: Mapping[str, Any] | None = None, required: bool = True,
-                 where: str = "reward.custom_reward_function") -> None:
+                 where: str = "reward.custom_reward_function", output_type: str = "image",
+                 video_layout: str = "cfhw") -> None:
         """``required=False`` (veRL-Omni's multi-reward entries): a sample the function fails on
         scores 0, counted in the ``failed`` metric and logged with its traceback, instead of
         stopping the run. ``where``: the config key errors name."""
@@ -184,6 +215,16 @@ class CustomFunctionReward(RewardFn):
         self.fps = float(fps)
         self.reward_kwargs = dict(reward_kwargs or {})
         self.required, self.where = bool(required), where
+        if output_type not in PIXEL_OUTPUT_TYPES + LATENT_OUTPUT_TYPES:
+            raise ValueError(f"actor_rollout_ref.rollout.pipeline.output_type={output_type!r}: valid here "
+                             f"{', '.join(PIXEL_OUTPUT_TYPES + LATENT_OUTPUT_TYPES)} (latent: the final latents "
+                             "as solution_image; both: pixels, the latents in extra_info['latents_clean'])")
+        if video_layout not in VIDEO_LAYOUTS:
+            raise ValueError(f"digen.reward.kwargs.video_layout={video_layout!r}: valid {', '.join(VIDEO_LAYOUTS)} "
+                             "(cfhw: [3, F, H, W], fchw: [F, 3, H, W])")
+        self.output_type, self.video_layout = output_type, video_layout
+        self.wants_latents = output_type in LATENT_OUTPUT_TYPES
+        self._tensors: dict[str, torch.Tensor] = {}
         self.fn = load_reward_function(path, function, where)
         self.fields = BATCH_FIELDS if self.batched else SAMPLE_FIELDS
         self.wanted, self.is_async = _plan_call(self.fn, self.fields, self.reward_kwargs, self._where())
@@ -192,7 +233,15 @@ class CustomFunctionReward(RewardFn):
     def score_images(self, images: torch.Tensor, prompts: list[str],
                      metadata: Sequence[Mapping[str, Any]]) -> torch.Tensor:
         is_video = images.dim() == 5
-        rows = [self._sample_fields(x, p, record, is_video) for x, p, record in zip(images, prompts, metadata)]
+        tensors, self._tensors = self._tensors, {}
+        if self.wants_latents and "latents_clean" not in tensors:
+            raise CustomRewardError(f"{self._where()}: output_type={self.output_type} hands the function the samples' "
+                                    "final latents, and this call received none (a rollout that did not carry them)")
+        for name, t in tensors.items():
+            if t.shape[0] != len(prompts):
+                raise ValueError(f"{self._where()}: {name} has {t.shape[0]} rows for {len(prompts)} samples")
+        rows = [self._sample_fields(x, p, record, is_video, {k: t[i] for k, t in tensors.items()})
+                for i, (x, p, record) in enumerate(zip(images, prompts, metadata))]
         if self.batched:
             values = {plural: [r[single] for r in rows] for single, plural in zip(SAMPLE_FIELDS, BATCH_FIELDS)
                       if single != "fps"}
@@ -242,16 +291,26 @@ class CustomFunctionReward(RewardFn):
         self._extras = {k: torch.tensor(v, dtype=torch.float32) for k, v in extras.items()}
         return torch.tensor(out, dtype=torch.float32)
 
+    def give_sample_tensors(self, tensors: Mapping[str, torch.Tensor] | None) -> None:
+        """The next call's final latents and conditioning (name -> ``[B, ...]``); kept only when the
+        function asks for latents (``output_type`` latent or both)."""
+        self._tensors = dict(tensors or {}) if self.wants_latents else {}
+
     def take_extras(self) -> dict[str, torch.Tensor]:
         extras, self._extras = self._extras, {}
         return extras
 
-    def _sample_fields(self, x: torch.Tensor, prompt: str, record: Mapping[str, Any], is_video: bool) -> dict[str, Any]:
+    def _sample_fields(self, x: torch.Tensor, prompt: str, record: Mapping[str, Any], is_video: bool,
+                       tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         source, truth, info = _fields(record, self.fps if is_video else None)
-        # [3, H, W] -> uint8 [3, H, W]; [3, F, H, W] -> uint8 [F, 3, H, W] (veRL-Omni's layouts)
+        info.update(tensors)  # latents_clean, prompt_embeds, ... (output_type latent / both)
         frames = to_uint8_hwc(x.permute(1, 0, 2, 3) if is_video else x[None])  # [F or 1, H, W, 3]
-        pixels = frames.permute(0, 3, 1, 2).contiguous()
-        out = {"solution_image": pixels if is_video else pixels[0], "prompt": prompt, "data_source": source,
+        # uint8 [3, H, W]; video [3, F, H, W] (veRL-Omni's scorers' channels-first video) or [F, 3, H, W]
+        pixels = frames.permute(3, 0, 1, 2) if self.video_layout == "cfhw" else frames.permute(0, 3, 1, 2)
+        pixels = pixels.contiguous() if is_video else frames[0].permute(2, 0, 1).contiguous()
+        if self.output_type == "latent":
+            pixels = tensors["latents_clean"]
+        out = {"solution_image": pixels, "prompt": prompt, "data_source": source,
                "ground_truth": truth, "extra_info": info}
         if "image" in self.wanted or "images" in self.wanted:
             pils = _to_pil(frames)

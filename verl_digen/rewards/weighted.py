@@ -51,6 +51,7 @@ class WeightedReward(RewardFn):
             used.add(unique)
             self.components.append((unique, reward, weight))
         self._parts: dict[str, torch.Tensor] = {}
+        self.wants_latents = any(reward.wants_latents for _, reward, _ in self.components)  # type: ignore[misc]
         self.reads_prompts = any(reward.reads_prompts for _, reward, _ in self.components)  # type: ignore[misc]
 
     @property
@@ -77,6 +78,10 @@ class WeightedReward(RewardFn):
     ) -> torch.Tensor:
         total, self._parts = self.score_with_components(images, prompts, metadata)
         return total
+
+    def give_sample_tensors(self, tensors: Mapping[str, torch.Tensor] | None) -> None:
+        for _, reward, _ in self.components:
+            reward.give_sample_tensors(tensors)
 
     def take_extras(self) -> dict[str, torch.Tensor]:
         """Each component's unweighted score as ``<label>`` and its extras as ``<label>/<name>``

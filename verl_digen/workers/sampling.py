@@ -17,6 +17,8 @@ every step's latents and the text embeddings). With ``K`` latents carried (:func
 - ``sde_mask``  ``[B, S]``             steps inside the SDE window (stochastic, log-prob recorded)
 - ``train_mask`` ``[B, S]``            steps that are trained (SDE window, subsampled)
 - ``images``    ``[B, 3, H, W]``       decoded pixels, uint8 in [0, 255] (video: ``[B, 3, F, H, W]``), the reward's
+- ``final_latents`` ``[B, *latent]``   x_S, the final (clean) latents, fp32: only when the reward reads them
+                                        (veRL-Omni's ``pipeline.output_type`` latent / both, :func:`latent_fields`)
 - ``cond`` / ``neg``                   conditioning (and CFG negative): nested tables of ``[B, ...]``
                                         tensors, one per name the adapter's ``encode_prompts`` gives;
                                         only when the rollout has no prompt cache, or one that
@@ -72,6 +74,9 @@ class SamplingSettings:
     time_shift: float | None = None
     # digen.sampling.same_initial_noise: every sample of a group starts from its sample 0's noise
     same_initial_noise: bool = False
+    # The reward reads the final latents (veRL-Omni's pipeline.output_type latent / both): each
+    # trajectory carries them as final_latents [B, ...] fp32 (rewards.custom.reward_wants_latents).
+    keep_final_latents: bool = False
 
     @property
     def uses_cfg(self) -> bool:
@@ -117,6 +122,21 @@ def held_steps(trained: Sequence[int], next_step: int) -> list[int]:
     """The latents a :class:`GroupsInFlight` holds once steps ``[0, next_step)`` are taken: the
     carried ones reached so far and the newest, x_{next_step} (the next step's input)."""
     return sorted({i for i in carried_latent_steps(trained) if i < next_step} | {next_step})
+
+
+def latent_fields(data: DataProto) -> dict[str, torch.Tensor] | None:
+    """What a reward that reads latents gets of a trajectory record (None: it carries no final
+    latents): ``latents_clean``, the final latents ``[B, ...]``, and the prompt conditioning the
+    record carries (``prompt_embeds``, ``pooled_prompt_embeds``, ...: veRL-Omni's latent rewards
+    send them with the latents). A record whose conditioning stays in the trainers' prompt cache
+    (only digests travel) has the latents alone."""
+    keys = data.batch.keys()
+    if "final_latents" not in keys:
+        return None
+    out = {"latents_clean": data.batch["final_latents"]}
+    if "cond" in keys:
+        out |= {name: value for name, value in data.batch["cond"].items()}
+    return out
 
 
 def step_latents(data: DataProto, i: int, rows: slice | list[int] = slice(None)) -> torch.Tensor:
@@ -502,6 +522,8 @@ def finish_groups(adapter: DiffusionAdapter, state: GroupsInFlight, settings: Sa
         "sde_mask": sde_mask,
         "images": images,
     }
+    if settings.keep_final_latents:  # only when the reward asks: they cost object-store bytes
+        tensors["final_latents"] = state.newest.detach().float().cpu().contiguous()
     prompts = [p for p in request.prompts for _ in range(g)]
     cache = prompt_cache_of(adapter)
     non_tensors: dict[str, np.ndarray] = {}

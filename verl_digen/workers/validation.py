@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -84,6 +84,7 @@ def sample_deterministic(
     seed: int,
     batch_size: int | None = None,
     records: Sequence[Mapping[str, Any]] | None = None,
+    latents_out: list[dict[str, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """One image per prompt with the rollout sampler's deterministic ODE mode (validation / evaluation).
     ``records``: each prompt's record (its own CFG ``negative_prompt``, when it has one).
@@ -125,6 +126,9 @@ def sample_deterministic(
                                    metadata=list(records[start:end]) if records is not None else None)
             state = begin_groups(adapter, request, settings, ode=True)
             denoise(adapter, state, settings, settings.num_steps)
+            if latents_out is not None:  # a reward that reads latents: each chunk's final latents and conditioning
+                latents_out.append({"latents_clean": state.newest.detach().float().cpu(),
+                                    **{k: v.detach().cpu() for k, v in state.cond.items()}})
             out.append(decode_groups(adapter, state, settings))
     return torch.cat(out, dim=0)
 
@@ -271,6 +275,7 @@ def run_validation(
     nrow: int | None = None,
     records: Sequence[Mapping[str, Any]] | None = None,
     log_images: int | None = None,
+    give_latents: Callable[[dict[str, torch.Tensor] | None], None] | None = None,
 ) -> ValidationResult:
     """Sample ``prompts`` deterministically, score them, save the grid (and GIFs for video).
 
@@ -279,9 +284,15 @@ def run_validation(
     ``reward_fn(images, prompts) -> [N]`` is any :class:`~verl_digen.rewards.RewardFn`.
     ``log_images``: also write ``val_step{step:06d}_logged.png``, the grid of the first that many
     images, for the loggers (veRL's ``trainer.log_val_generations``); the full grid stays.
+    ``give_latents``: the reward's :meth:`~verl_digen.rewards.RewardFn.give_sample_tensors`, handed
+    the samples' final latents before it scores when ``settings.keep_final_latents``.
     """
     prompts = list(prompts)
-    images = sample_deterministic(adapter, prompts, settings, seed=seed, batch_size=batch_size, records=records)
+    chunks: list[dict[str, torch.Tensor]] | None = [] if settings.keep_final_latents else None
+    images = sample_deterministic(adapter, prompts, settings, seed=seed, batch_size=batch_size, records=records,
+                                  latents_out=chunks)
+    if chunks and give_latents is not None:
+        give_latents({k: torch.cat([c[k] for c in chunks]) for k in chunks[0]})
     with torch.no_grad():
         rewards = reward_fn(images, prompts).detach().float().cpu().reshape(-1)
     if rewards.shape[0] != len(prompts):

@@ -115,6 +115,7 @@ def sampling_settings(cfg: DigenConfig, fsdp_ranks: int = 1, rollout_lanes: int 
     transformer call."""
     from verl_digen.schedule.strategies import pass_rows
     from verl_digen.models.base import SampleSpec
+    from verl_digen.rewards.custom import reward_wants_latents
 
     s = cfg.sampling
     return SamplingSettings(
@@ -133,6 +134,7 @@ def sampling_settings(cfg: DigenConfig, fsdp_ranks: int = 1, rollout_lanes: int 
         negative_prompt=s.negative_prompt,
         time_shift=s.time_shift,
         same_initial_noise=s.same_initial_noise,
+        keep_final_latents=reward_wants_latents(cfg.reward.as_spec()),
         vae_decode_chunk=cfg.model.vae_decode_chunk,
         forward_rows=pass_rows(
             cfg.batch.group_size, cfg.batch.train_micro_batch_groups, fsdp_ranks,
@@ -600,9 +602,11 @@ class DiffusionWorker(Worker, WeightSyncMixin):
         metadata = [dict(r) for r in records] if records is not None else None
         from verl_digen.models.base import pixels_from_uint8
         from verl_digen.memory.object_store import trajectory_payload_bytes
+        from verl_digen.workers.sampling import latent_fields
 
         # Trajectories carry uint8 pixels; rewards take fp32 in [0, 1] (the same pixels, quantised).
         pixels = pixels_from_uint8(data.batch["images"])
+        self.reward_fn.give_sample_tensors(latent_fields(data))  # output_type latent / both only
         rewards = self.reward_fn(pixels, prompts, metadata).detach().float().cpu()
         extras = self.reward_fn.take_extras()
         rows: tuple[dict[str, Any], ...] = ()
@@ -856,7 +860,7 @@ class DiffusionWorker(Worker, WeightSyncMixin):
             result = run_validation(
                 self.adapter, prompts, settings, reward, seed=val.seed, step=step,
                 out_dir=target, records=metadata,  # a record's own negative prompt, as in training
-                log_images=val.log_images,
+                log_images=val.log_images, give_latents=self.reward_fn.give_sample_tensors,
             )
         grid = (result.logged_grid_path or result.grid_path) if self.rank == 0 else None
         out = {"metrics": result.metrics(prefix="val"), "grid_path": grid}
