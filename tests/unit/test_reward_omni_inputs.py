@@ -178,6 +178,11 @@ def test_veRL_Omnis_output_type_reaches_every_reward_function(value, wants):
     assert all("output_type" not in c["kwargs"] for c in unset["components"]) and not reward_wants_latents(unset)
 
 
+def test_the_video_layout_setting_reaches_veRL_Omnis_reward_functions():
+    reward = _resolved(*QWEN_MULTI, "+digen.reward.kwargs.video_layout=fchw").digen["reward"]
+    assert [c["kwargs"]["video_layout"] for c in reward["components"]] == ["fchw", "fchw"]
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     ([f"{PIPE}=latents"], rf"{PIPE}='latents'; valid: image, pt, np, pil"),
     ([f"{PIPE}=latent", "actor_rollout_ref.rollout.val_kwargs.pipeline.output_type=both"],
