@@ -15,7 +15,7 @@ from runs import metrics_lines, run_config, timeline_records
 from test_checkpoint_e2e import EXACT_KEYS
 from verl_digen.schedule.plan import WorkerId, group_ids
 from verl_digen.trainer.checkpoint import RunCheckpoints
-from verl_digen.trainer.loop import run_training
+from verl_digen.trainer.loop import RunStopped, run_training
 
 STEPS = 4
 KILL_AFTER = 2  # the step whose checkpoint is written just before the kill
@@ -44,23 +44,30 @@ def uninterrupted(tmp_path_factory, tiny_flux, shared_ray):
     return get
 
 
-def killed_run(tmp_path, monkeypatch, overrides, victim: WorkerId):
-    """A run with digen.fault.restarts=1 whose ``victim`` is killed (``ray.kill``) right after the
-    checkpoint of step ``KILL_AFTER`` is written: the next step finds it dead."""
+def kill_after_saves(monkeypatch, victim: WorkerId, steps=(KILL_AFTER,)) -> list:
+    """Kill ``victim`` (``ray.kill``) right after the checkpoint of each of ``steps`` is written,
+    once per step: the next step finds it dead. Returns the list of kills made so far."""
     save = RunCheckpoints.save
     killed = []
 
     def save_then_kill(self, actors, step, metrics):
         path = save(self, actors, step, metrics)
-        if step == KILL_AFTER and not killed:
-            killed.append(actors[victim])
+        if step in steps and step not in killed:
+            killed.append(step)
             ray.kill(actors[victim], no_restart=True)
         return path
 
     monkeypatch.setattr(RunCheckpoints, "save", save_then_kill)
+    return killed
+
+
+def killed_run(tmp_path, monkeypatch, overrides, victim: WorkerId):
+    """A run with digen.fault.restarts=1 whose ``victim`` is killed after the checkpoint of step
+    ``KILL_AFTER``."""
+    killed = kill_after_saves(monkeypatch, victim)
     result = run_training(run_config(tmp_path, "killed", *COMMON, *overrides, "digen.fault.restarts=1",
                                      f"trainer.default_local_dir={tmp_path}/ck"))
-    assert killed, "the victim was never killed"
+    assert killed == [KILL_AFTER], "the victim was never killed"
     return result
 
 
@@ -108,3 +115,19 @@ def test_a_tcss_restart_regenerates_the_groups_generated_ahead_and_trains_none_t
         if r["kind"] == "generate":
             assert 0 <= r["step"] - r["version"] <= 1
     assert [m["step"] for m in metrics_lines(restarted.output_dir)] == list(range(1, STEPS + 1))
+
+
+@pytest.mark.e2e
+def test_a_death_after_the_restarts_are_used_up_stops_the_run_as_before(tmp_path, monkeypatch, tiny_flux, shared_ray,
+                                                                      capfd):
+    """digen.fault.restarts=1: the first death (after step 1) restarts, the second (the new
+    worker, after step 2) stops the run cleanly, naming the worker and how to resume."""
+    killed = kill_after_saves(monkeypatch, WorkerId("fused", 0), steps=(1, 2))
+    with pytest.raises(RunStopped) as err:
+        run_training(run_config(tmp_path, "twice", "trainer.total_training_steps=3", "trainer.save_freq=1",
+                                "digen.fault.restarts=1", f"trainer.default_local_dir={tmp_path}/ck"))
+    assert killed == [1, 2]
+    assert "fused0 (pool 'fused') died" in str(err.value) and "resume_mode=auto" in str(err.value)
+    out = capfd.readouterr().out
+    assert out.count("(digen.fault.restarts)") == 1 and "resumed from step 1" in out
+    assert [m["fault/restarts"] for m in metrics_lines(str(tmp_path / "twice"))] == [0, 1]
