@@ -116,6 +116,26 @@ def test_predicted_bytes_are_a_real_trajectorys(records, tiny_flux):
         assert len(data) * predicted.total < measured < serialised < measured + 16 * 1024
 
 
+def test_a_reward_that_reads_latents_adds_the_final_latents_and_the_prediction_follows(records, tiny_flux):
+    """veRL-Omni's output_type latent / both: the record carries x_S too (fp32), counted in the
+    prediction; without it the record is as before (the test above)."""
+    adapter, _, _, cached = records  # the adapter has the prompt cache installed: sampled as `cached` was
+    settings = dataclasses.replace(SETTINGS, keep_final_latents=True)
+    data = sample_groups(adapter, PROMPTS, [0, 1], [0, 1], group_size=2, settings=settings, training_step=0, seed=5,
+                         policy_version=0)
+    spec = SETTINGS.spec
+    shape = dict(num_steps=SETTINGS.num_steps, carried=len(carried_latent_steps([1, 2])),
+                 latent_elements=latent_elements("flux", tiny_flux, "fp32", spec.height, spec.width, spec.num_frames),
+                 pixel_elements=3 * spec.num_frames * spec.height * spec.width)
+    with_latents, without = trajectory_bytes(**shape, final_latents=True), trajectory_bytes(**shape)
+    assert with_latents.total - without.total == 4 * shape["latent_elements"] == data.batch["final_latents"][0].numel() * 4
+    assert trajectory_payload_bytes(data) - trajectory_payload_bytes(cached) == len(data) * 4 * shape["latent_elements"]
+    assert "cond" not in data.batch.keys()
+    tensors = sum(t.numel() * t.element_size() for t in data.batch.values(include_nested=True, leaves_only=True))
+    columns = sum(c.nbytes for c in data.non_tensor_batch.values() if c.dtype != object)
+    assert tensors + columns == len(data) * trajectory_bytes(**shape, final_latents=True).total
+
+
 def test_latent_elements_are_the_adapters_latents(tiny_dirs):
     """The latent count from the configs is what ``prepare_latents`` draws (packed FLUX, video Wan)."""
     for arch, spec in (("flux", SampleSpec(height=64, width=48)), ("wan", SampleSpec(height=32, width=32, num_frames=9))):

@@ -59,14 +59,15 @@ class TrajectoryBytes:
 
 
 def trajectory_bytes(*, num_steps: int, carried: int, latent_elements: int, pixel_elements: int,
-                     text_bytes: int = 0) -> TrajectoryBytes:
+                     text_bytes: int = 0, final_latents: bool = False) -> TrajectoryBytes:
     """One sample's bytes: ``carried`` latents (``K``) of ``latent_elements`` each (channels x
     frames x h x w), ``pixel_elements`` per image (3 x frames x height x width), ``text_bytes``
-    of conditioning when it travels (0 with a prompt cache)."""
-    k = carried
+    of conditioning when it travels (0 with a prompt cache); ``final_latents``: the final latents
+    too, for a reward that reads them (veRL-Omni's ``pipeline.output_type`` latent / both)."""
+    k = carried + int(final_latents)
     return TrajectoryBytes(
         latents=4 * k * latent_elements,
-        latent_steps=8 * k,
+        latent_steps=8 * carried,
         log_probs=4 * num_steps,
         sigmas=4 * (num_steps + 1),
         masks=2 * num_steps,
@@ -127,6 +128,7 @@ def step_bytes(cfg: DigenConfig, model_path: str | None = None) -> StepBytes:
 
     from verl_digen.algos.window import select_sde_window, subsample_timesteps
     from verl_digen.memory.plan import model_config_path
+    from verl_digen.rewards.custom import reward_wants_latents
 
     s = cfg.sampling
     config_path = model_config_path(model_path if model_path is not None else cfg.model.path)
@@ -148,6 +150,7 @@ def step_bytes(cfg: DigenConfig, model_path: str | None = None) -> StepBytes:
         num_steps=s.num_steps, carried=carried,
         latent_elements=latent_elements(family, config_path, "bf16", s.height, s.width, s.num_frames),
         pixel_elements=3 * s.num_frames * s.height * s.width,
+        final_latents=reward_wants_latents(cfg.reward.as_spec()),
     )
     return StepBytes(sample=sample, samples=cfg.batch.groups_per_step * cfg.batch.group_size, exact=exact,
                      text_carried=not cfg.prompt_cache.enable,
