@@ -44,3 +44,35 @@ async def compute_score(data_source, solution_image, ground_truth, extra_info, *
         first = json.loads(f.readline())
     assert first["reward_mean"] == pytest.approx(0.5) and first["reward/doubled"] == pytest.approx(1.0)
     assert not any("note" in k for k in first)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_veRL_Omnis_output_type_latent_hands_a_run_s_final_latents_to_the_reward(tmp_path, tiny_sd3):
+    """A DRM-style function (veRL-Omni's latent client's inputs) in a whole run: every sample's
+    final latents reach it through the rollout's record and the reward worker, as veRL-Omni hands
+    them with ``pipeline.output_type=latent``. What it receives, unit by unit:
+    tests/unit/test_reward_omni_inputs.py."""
+    from runs import run
+
+    from verl_digen.config.omni_keys import plain_overrides
+
+    path = _write(tmp_path, '''
+import torch
+
+async def compute_score(solution_image, extra_info, **kwargs):
+    latents = extra_info.get("latents_clean")
+    assert isinstance(latents, torch.Tensor) and latents.dtype == torch.float32 and latents.dim() == 3
+    assert solution_image is latents  # output_type=latent: the latents are the solution_image
+    embeds = extra_info.get("prompt_embeds")
+    return {"score": float(latents.abs().mean()), "rank": float(latents.dim()),
+            "embeds_rank": float(embeds.dim()) if embeds is not None else -1.0}
+''')
+    result = run(tmp_path, "out", f"digen.model.path={tiny_sd3}", f"reward.custom_reward_function.path={path}",
+                 "trainer.total_training_steps=1",
+                 *plain_overrides(["actor_rollout_ref.rollout.pipeline.output_type=latent"]))
+    assert result is not None
+    with open(tmp_path / "out" / "metrics.jsonl") as f:
+        first = json.loads(f.readline())
+    assert first["reward/rank"] == 3.0 and first["reward_mean"] > 0
+    assert first["reward/embeds_rank"] == 2.0  # [T, D] per sample (no prompt cache: the record carries them)
