@@ -167,6 +167,7 @@ def test_a_pixel_reward_takes_no_latents_and_a_wrong_output_type_is_refused(tmp_
 
 
 PIPE = "actor_rollout_ref.rollout.pipeline.output_type"
+VAL_PIPE = "actor_rollout_ref.rollout.val_kwargs.pipeline.output_type"
 
 
 @pytest.mark.parametrize(("value", "wants"), [("latent", True), ("both", True), ("image", False), ("pt", False)])
@@ -185,12 +186,33 @@ def test_the_video_layout_setting_reaches_veRL_Omnis_reward_functions():
 
 @pytest.mark.parametrize(("overrides", "message"), [
     ([f"{PIPE}=latents"], rf"{PIPE}='latents'; valid: image, pt, np, pil"),
-    ([f"{PIPE}=latent", "actor_rollout_ref.rollout.val_kwargs.pipeline.output_type=both"],
-     rf"val_kwargs.pipeline.output_type='both' cannot apply: .* must equal {PIPE}='latent'"),
+    ([f"{PIPE}=latent", f"{VAL_PIPE}=latents"], rf"{VAL_PIPE}='latents'; valid: image, pt, np, pil"),
 ])
 def test_an_output_type_that_cannot_apply_is_refused_naming_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         _resolved(*QWEN_MULTI, *overrides)
+
+
+def test_validation_scores_with_its_own_output_type_as_veRL_Omnis_drm_recipe_sets_it(tmp_path):
+    """veRL-Omni's SD3.5 DRM recipe: latent in training, both in validation."""
+    reward = _resolved(*QWEN_MULTI, f"{PIPE}=latent", f"{VAL_PIPE}=both").digen["reward"]
+    assert [(c["kwargs"]["output_type"], c["kwargs"]["validation_output_type"]) for c in reward["components"]] == \
+        [("latent", "both")] * 2
+    spec = _drm_spec(tmp_path, "image")
+    spec["components"][0]["kwargs"]["validation_output_type"] = "both"
+    assert reward_wants_latents(spec)  # validation's: the rollout keeps them
+    built = build_reward_from_config(spec)
+    (_, fn_reward, _), = built.components
+    seen = fn_reward.fn.__globals__["SEEN"]
+    images, tensors = torch.rand(2, 3, 8, 8), _latents()
+    built.give_sample_tensors(tensors, validation=True)
+    built(images, ["a", "b"])
+    solution, info = seen[-1]
+    assert solution.dtype == torch.uint8 and torch.equal(info["latents_clean"], tensors["latents_clean"][1])
+    # a training call: image, the tensors handed are not kept, and the function gets pixels only
+    built.give_sample_tensors(tensors)
+    with pytest.raises(CustomRewardError, match="latents_clean must be a torch.Tensor, got NoneType"):
+        built(images, ["a", "b"])
 
 
 def test_latents_without_a_reward_function_are_refused():

@@ -404,7 +404,7 @@ def _check_validation(config: Mapping[str, Any]) -> None:
         if name != "noise_level" and value != train:
             _fail(f"{VAL_ALGO}.{name}", value, f"at noise 0 it has no effect; it must equal {ALGO}.{name}={train!r}")
     for name, value in (tree_get(config, VAL_PIPE) or {}).items():
-        if name == "num_inference_steps":
+        if name in ("num_inference_steps", "output_type"):  # output_type: verl_keys' _output_type
             continue
         train = tree_get(config, f"{PIPE}.{name}")
         if value != train:

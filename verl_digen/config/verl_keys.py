@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping
 
 from verl_digen.config.omni_keys import OMNI_HANDLED, OMNI_MAPPED, is_omni_key, omni_settings, tree_get
-from verl_digen.config.omni_keys import PIPE as OMNI_PIPE
+from verl_digen.config.omni_keys import PIPE as OMNI_PIPE, VAL_PIPE as OMNI_VAL_PIPE
 from verl_digen.config.schema import DEVICES, ConfigError, hydra_defaults, prompt_sources
 
 # The two ways in: veRL's own entry point running our trainer mode, or our short form.
@@ -687,22 +687,25 @@ def _output_type(config: Mapping[str, Any], spec: dict[str, Any] | None) -> None
     ``extra_info["latents_clean"]``); the rollout carries the latents only then."""
     from verl_digen.rewards.custom import LATENT_OUTPUT_TYPES, PIXEL_OUTPUT_TYPES
 
-    key = f"{OMNI_PIPE}.output_type"
-    value = _get(config, key, None)
-    if value is None:
-        return
-    if value not in PIXEL_OUTPUT_TYPES + LATENT_OUTPUT_TYPES:
-        raise ConfigError(f"invalid config: {key}={value!r}; valid: {', '.join(PIXEL_OUTPUT_TYPES)} (pixels), "
-                          "latent (the reward function gets the final latents), both (pixels, and the latents in "
-                          "extra_info['latents_clean'])")
-    if spec is None:
-        if value in LATENT_OUTPUT_TYPES:
+    written = {}
+    for key, setting in ((f"{OMNI_PIPE}.output_type", "output_type"),
+                         (f"{OMNI_VAL_PIPE}.output_type", "validation_output_type")):
+        value = _get(config, key, None)
+        if value is None:
+            continue
+        if value not in PIXEL_OUTPUT_TYPES + LATENT_OUTPUT_TYPES:
+            raise ConfigError(f"invalid config: {key}={value!r}; valid: {', '.join(PIXEL_OUTPUT_TYPES)} (pixels), "
+                              "latent (the reward function gets the final latents), both (pixels, and the latents "
+                              "in extra_info['latents_clean'])")
+        if spec is None and value in LATENT_OUTPUT_TYPES:
             raise ConfigError(f"invalid config: {key}={value!r} hands latents to a reward function, and no "
                               "reward.custom_reward_function.path / reward.reward_functions is set (the built-in "
                               f"rewards score pixels): set a reward function, or {key}=image")
+        written[setting] = str(value)
+    if spec is None:
         return
     for kwargs in [c["kwargs"] for c in spec["components"]] if spec["name"] == "weighted" else [spec["kwargs"]]:
-        kwargs["output_type"] = str(value)
+        kwargs.update(written)
 
 
 def _custom_function_spec(config: Mapping[str, Any], path: Any, name: Any, manager: Any) -> dict[str, Any]:

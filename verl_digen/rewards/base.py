@@ -123,11 +123,12 @@ class RewardFn(abc.ABC):
             scores = self._checked_scores(self._call_score_images(images, prompts, records), batch)
         return scores.to(device=images.device, dtype=torch.float32)
 
-    def give_sample_tensors(self, tensors: Mapping[str, torch.Tensor] | None) -> None:
+    def give_sample_tensors(self, tensors: Mapping[str, torch.Tensor] | None, validation: bool = False) -> None:
         """Per-sample tensors for the next call only (name -> ``[B, ...]``, the call's samples in
         order): the final latents (``latents_clean``) and the prompt's conditioning, which a custom
         function asks for with veRL-Omni's ``pipeline.output_type=latent`` / ``both``
-        (:attr:`wants_latents`). Most rewards score pixels and ignore them."""
+        (:attr:`wants_latents`); ``validation``: the next call scores validation samples
+        (veRL-Omni's ``val_kwargs.pipeline.output_type``). Most rewards score pixels and ignore them."""
 
     #: True when the reward reads the samples' final latents (:meth:`give_sample_tensors`): the
     #: rollout then carries them with the trajectory (they cost object-store bytes otherwise spared).

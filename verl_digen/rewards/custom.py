@@ -32,6 +32,9 @@ client) read them; ``both``: pixels in ``solution_image`` and the latents in
 prompt's conditioning tensors the trajectory carries (``prompt_embeds``, SD3/FLUX
 ``pooled_prompt_embeds``, one sample's rows each), and the rollout carries the final latents
 with each trajectory only then (:attr:`CustomFunctionReward.wants_latents`).
+``validation_output_type`` (veRL-Omni's ``val_kwargs.pipeline.output_type``; default
+``output_type``) is the validation samples' (a call after ``give_sample_tensors(...,
+validation=True)``).
 
 plus ``reward.custom_reward_function.reward_kwargs``, passed by keyword too (a setting that
 names a sample field, or a parameter the function cannot take, is refused). The batched form
@@ -91,7 +94,9 @@ def reward_wants_latents(spec: Mapping[str, Any]) -> bool:
     both. Read from the config, so that the rollout knows without building the reward."""
     if spec.get("name") == "weighted":
         return any(reward_wants_latents(c) for c in spec.get("components") or ())
-    return spec.get("name") == "custom" and (spec.get("kwargs") or {}).get("output_type") in LATENT_OUTPUT_TYPES
+    kwargs = spec.get("kwargs") or {}
+    return spec.get("name") == "custom" and (kwargs.get("output_type") in LATENT_OUTPUT_TYPES
+                                             or kwargs.get("validation_output_type") in LATENT_OUTPUT_TYPES)
 
 
 class CustomRewardError(RuntimeError):
@@ -207,7 +212,7 @@ class CustomFunctionReward(RewardFn):
     def __init__(self, path: str, function: str = "compute_score", batched: bool = False,
                  fps: float = 16.0, reward_kwargs: Mapping[str, Any] | None = None, required: bool = True,
                  where: str = "reward.custom_reward_function", output_type: str = "image",
-                 video_layout: str = "cfhw") -> None:
+                 video_layout: str = "cfhw", validation_output_type: str | None = None) -> None:
         """``required=False`` (veRL-Omni's multi-reward entries): a sample the function fails on
         scores 0, counted in the ``failed`` metric and logged with its traceback, instead of
         stopping the run. ``where``: the config key errors name."""
@@ -215,16 +220,20 @@ class CustomFunctionReward(RewardFn):
         self.fps = float(fps)
         self.reward_kwargs = dict(reward_kwargs or {})
         self.required, self.where = bool(required), where
-        if output_type not in PIXEL_OUTPUT_TYPES + LATENT_OUTPUT_TYPES:
-            raise ValueError(f"actor_rollout_ref.rollout.pipeline.output_type={output_type!r}: valid here "
-                             f"{', '.join(PIXEL_OUTPUT_TYPES + LATENT_OUTPUT_TYPES)} (latent: the final latents "
-                             "as solution_image; both: pixels, the latents in extra_info['latents_clean'])")
+        validation_output_type = output_type if validation_output_type is None else validation_output_type
+        for key, value in (("pipeline", output_type), ("val_kwargs.pipeline", validation_output_type)):
+            if value not in PIXEL_OUTPUT_TYPES + LATENT_OUTPUT_TYPES:
+                raise ValueError(f"actor_rollout_ref.rollout.{key}.output_type={value!r}: valid here "
+                                 f"{', '.join(PIXEL_OUTPUT_TYPES + LATENT_OUTPUT_TYPES)} (latent: the final latents "
+                                 "as solution_image; both: pixels, the latents in extra_info['latents_clean'])")
         if video_layout not in VIDEO_LAYOUTS:
             raise ValueError(f"digen.reward.kwargs.video_layout={video_layout!r}: valid {', '.join(VIDEO_LAYOUTS)} "
                              "(cfhw: [3, F, H, W], fchw: [F, 3, H, W])")
         self.output_type, self.video_layout = output_type, video_layout
-        self.wants_latents = output_type in LATENT_OUTPUT_TYPES
+        self.training_output_type, self.validation_output_type = output_type, validation_output_type
+        self.wants_latents = output_type in LATENT_OUTPUT_TYPES or validation_output_type in LATENT_OUTPUT_TYPES
         self._tensors: dict[str, torch.Tensor] = {}
+        self._next_type = output_type
         self.fn = load_reward_function(path, function, where)
         self.fields = BATCH_FIELDS if self.batched else SAMPLE_FIELDS
         self.wanted, self.is_async = _plan_call(self.fn, self.fields, self.reward_kwargs, self._where())
@@ -234,7 +243,9 @@ class CustomFunctionReward(RewardFn):
                      metadata: Sequence[Mapping[str, Any]]) -> torch.Tensor:
         is_video = images.dim() == 5
         tensors, self._tensors = self._tensors, {}
-        if self.wants_latents and "latents_clean" not in tensors:
+        # this call's output_type (give_sample_tensors(validation=True) set the validation one); the next: training's
+        self.output_type, self._next_type = self._next_type, self.training_output_type
+        if self.output_type in LATENT_OUTPUT_TYPES and "latents_clean" not in tensors:
             raise CustomRewardError(f"{self._where()}: output_type={self.output_type} hands the function the samples' "
                                     "final latents, and this call received none (a rollout that did not carry them)")
         for name, t in tensors.items():
@@ -291,10 +302,12 @@ class CustomFunctionReward(RewardFn):
         self._extras = {k: torch.tensor(v, dtype=torch.float32) for k, v in extras.items()}
         return torch.tensor(out, dtype=torch.float32)
 
-    def give_sample_tensors(self, tensors: Mapping[str, torch.Tensor] | None) -> None:
+    def give_sample_tensors(self, tensors: Mapping[str, torch.Tensor] | None, validation: bool = False) -> None:
         """The next call's final latents and conditioning (name -> ``[B, ...]``); kept only when the
-        function asks for latents (``output_type`` latent or both)."""
-        self._tensors = dict(tensors or {}) if self.wants_latents else {}
+        function asks for latents (its ``output_type``, or ``validation_output_type`` with
+        ``validation``, is latent or both)."""
+        self._next_type = self.validation_output_type if validation else self.training_output_type
+        self._tensors = dict(tensors or {}) if self._next_type in LATENT_OUTPUT_TYPES else {}
 
     def take_extras(self) -> dict[str, torch.Tensor]:
         extras, self._extras = self._extras, {}

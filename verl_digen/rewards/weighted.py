@@ -79,9 +79,9 @@ class WeightedReward(RewardFn):
         total, self._parts = self.score_with_components(images, prompts, metadata)
         return total
 
-    def give_sample_tensors(self, tensors: Mapping[str, torch.Tensor] | None) -> None:
+    def give_sample_tensors(self, tensors: Mapping[str, torch.Tensor] | None, validation: bool = False) -> None:
         for _, reward, _ in self.components:
-            reward.give_sample_tensors(tensors)
+            reward.give_sample_tensors(tensors, validation)
 
     def take_extras(self) -> dict[str, torch.Tensor]:
         """Each component's unweighted score as ``<label>`` and its extras as ``<label>/<name>``

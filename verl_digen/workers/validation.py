@@ -284,15 +284,16 @@ def run_validation(
     ``reward_fn(images, prompts) -> [N]`` is any :class:`~verl_digen.rewards.RewardFn`.
     ``log_images``: also write ``val_step{step:06d}_logged.png``, the grid of the first that many
     images, for the loggers (veRL's ``trainer.log_val_generations``); the full grid stays.
-    ``give_latents``: the reward's :meth:`~verl_digen.rewards.RewardFn.give_sample_tensors`, handed
-    the samples' final latents before it scores when ``settings.keep_final_latents``.
+    ``give_latents``: the reward's :meth:`~verl_digen.rewards.RewardFn.give_sample_tensors` (with
+    ``validation=True``), called before it scores: with the samples' final latents when
+    ``settings.keep_final_latents``, else None.
     """
     prompts = list(prompts)
     chunks: list[dict[str, torch.Tensor]] | None = [] if settings.keep_final_latents else None
     images = sample_deterministic(adapter, prompts, settings, seed=seed, batch_size=batch_size, records=records,
                                   latents_out=chunks)
-    if chunks and give_latents is not None:
-        give_latents({k: torch.cat([c[k] for c in chunks]) for k in chunks[0]})
+    if give_latents is not None:
+        give_latents({k: torch.cat([c[k] for c in chunks]) for k in chunks[0]} if chunks else None)
     with torch.no_grad():
         rewards = reward_fn(images, prompts).detach().float().cpu().reshape(-1)
     if rewards.shape[0] != len(prompts):

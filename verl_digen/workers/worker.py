@@ -860,7 +860,8 @@ class DiffusionWorker(Worker, WeightSyncMixin):
             result = run_validation(
                 self.adapter, prompts, settings, reward, seed=val.seed, step=step,
                 out_dir=target, records=metadata,  # a record's own negative prompt, as in training
-                log_images=val.log_images, give_latents=self.reward_fn.give_sample_tensors,
+                log_images=val.log_images,
+                give_latents=lambda tensors: self.reward_fn.give_sample_tensors(tensors, validation=True),
             )
         grid = (result.logged_grid_path or result.grid_path) if self.rank == 0 else None
         out = {"metrics": result.metrics(prefix="val"), "grid_path": grid}
