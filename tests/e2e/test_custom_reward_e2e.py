@@ -57,22 +57,28 @@ def test_veRL_Omnis_output_type_latent_hands_a_run_s_final_latents_to_the_reward
 
     from verl_digen.config.omni_keys import plain_overrides
 
+    prompts = tmp_path / "val.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"prompt {i}"}) + "\n" for i in range(2)))
     path = _write(tmp_path, '''
 import torch
 
 async def compute_score(solution_image, extra_info, **kwargs):
     latents = extra_info.get("latents_clean")
     assert isinstance(latents, torch.Tensor) and latents.dtype == torch.float32 and latents.dim() == 3
-    assert solution_image is latents  # output_type=latent: the latents are the solution_image
+    # output_type=latent: the latents are the solution_image; validation's both: uint8 pixels
+    assert solution_image is latents or (solution_image.dtype == torch.uint8 and solution_image.shape[0] == 3)
     embeds = extra_info.get("prompt_embeds")
     return {"score": float(latents.abs().mean()), "rank": float(latents.dim()),
             "embeds_rank": float(embeds.dim()) if embeds is not None else -1.0}
 ''')
     result = run(tmp_path, "out", f"digen.model.path={tiny_sd3}", f"reward.custom_reward_function.path={path}",
-                 "trainer.total_training_steps=1",
-                 *plain_overrides(["actor_rollout_ref.rollout.pipeline.output_type=latent"]))
+                 "trainer.total_training_steps=1", f"data.val_files={prompts}", "trainer.test_freq=1",
+                 *plain_overrides(["actor_rollout_ref.rollout.pipeline.output_type=latent",
+                                   "actor_rollout_ref.rollout.val_kwargs.pipeline.output_type=both"]))
     assert result is not None
     with open(tmp_path / "out" / "metrics.jsonl") as f:
-        first = json.loads(f.readline())
+        rows = [json.loads(line) for line in f]
+    first = next(r for r in rows if "reward_mean" in r)
+    assert any(r.get("val/reward_mean", 0) > 0 for r in rows), rows  # validation scored its latents too
     assert first["reward/rank"] == 3.0 and first["reward_mean"] > 0
     assert first["reward/embeds_rank"] == 2.0  # [T, D] per sample (no prompt cache: the record carries them)
