@@ -1,5 +1,5 @@
-"""Deadlines follow the plan, rehearsed: wan_disaggregated (its send waits ~616 s, past the old global
-600 s), and every other preset, at its real device count on emulated workers that sleep the cost
+"""Deadlines follow the plan, rehearsed: wan_disaggregated (its send waits ~570 s, about a whole
+rollout phase), and every other preset, at its real device count on emulated workers that sleep the cost
 model's real-size seconds: each observed wait, scaled, stays well under its deadline, scaled
 alike. The rule itself: tests/unit/test_deadlines.py."""
 
@@ -55,13 +55,14 @@ def test_a_rehearsal_of_wan_disaggregated_at_8_gpus_waits_well_within_each_deadl
     """Wan2.1 disaggregated (TCSS) at its real 4 + 4 GPUs, two steps on emulated workers: the weight
     send waits for the receivers on an emulated channel within its deadline (scaled as the sleeps),
     the next optimizer step joins it, the executor waits for tasks. Each observed wait is under two
-    thirds of its deadline, and the send's is the predicted one, ~616 s at real size (the rehearsal
-    waits what the real run waits). With the one global 600 s the send gave up before its
-    receivers came, and the run stopped."""
+    thirds of its deadline, and the send's is the predicted one, ~570 s at real size on the
+    measured calibration basis (616 s on the earlier one; the rehearsal waits what the real run
+    waits): the deadline is the plan's, past that wait, where one global 600 s left it no margin
+    (and on the earlier basis gave up before the receivers came, stopping the run)."""
     trainer, metrics, waits, scale = _rehearse("wan_disaggregated", tmp_path)
     d = trainer.deadlines
     assert len(metrics) == 2
-    assert waits.send_s == pytest.approx(616, abs=5) and d.send_s > 616 * scale > 600 * scale
+    assert waits.send_s == pytest.approx(570.5, abs=5) and d.send_s > 1.5 * waits.send_s * scale
     observed = _observed_within_deadlines(metrics, d)
     assert observed.keys() == {"task_s", "send_s", "join_s"}
     assert observed["send_s"] == pytest.approx(waits.send_s * scale, rel=0.25)
