@@ -10,7 +10,7 @@ import ray
 from verl_digen.config.compose import compose_config
 from verl_digen.config.schema import ConfigError
 from verl_digen.schedule.plan import WorkerId
-from verl_digen.trainer.loop import _dead_workers
+from verl_digen.trainer.faults import dead_workers as _dead_workers
 from verl_digen.trainer.ray_executor import WorkerDied, WorkerFailure
 from verl_digen.trainer.resolve import check_run_config
 

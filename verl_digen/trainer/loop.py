@@ -35,9 +35,9 @@ from verl_digen.schedule.elastic import balanced_spec
 from verl_digen.schedule.plan import TaskKind, WorkerId, group_ids
 from verl_digen.schedule.timeline import save_gantt
 from verl_digen.sim.deadlines import Deadlines, run_costs, run_deadlines
-from verl_digen.trainer import resolve, runtime
+from verl_digen.trainer import faults, resolve, runtime
 from verl_digen.trainer.checkpoint import RunCheckpoints, locked_run_directories
-from verl_digen.trainer.ray_executor import RayPlanExecutor, WorkerDied, gang_chunk_rows
+from verl_digen.trainer.ray_executor import RayPlanExecutor, gang_chunk_rows
 from verl_digen.workers.rollout_dump import write_step_rows
 
 
@@ -166,10 +166,10 @@ class DigenTrainer:
                 metrics = self._train(actors, sampler, tracker)
                 break
             except BaseException as e:
-                dead = _dead_workers(e, actors)
+                dead = faults.dead_workers(e, actors)
                 if dead is None or self._restarts >= cfg.fault.restarts:
                     raise self._stopped(e, actors) from e
-                actors, sampler = self._restart(e, dead, use_gpu)
+                actors, sampler = faults.restart(self, e, dead, use_gpu)
         job = self.job  # a restart resumed it from its checkpoint
         extra = runtime.finish_weights(self.spec, actors, cfg, job.output_dir,
                                        save=cfg.save_final_weights and not job.emulated, deadlines=deadlines)
@@ -195,36 +195,6 @@ class DigenTrainer:
                 {w: a for w, a in actors.items() if w.pool != "reward"},
                 job.prompts + job.val_prompts + job.negative_prompts, self.deadlines.load_s)
         return actors
-
-    def _restart(self, error: BaseException, dead: str, use_gpu: bool) -> tuple[dict[WorkerId, Any], Any]:
-        """``digen.fault.restarts``: a worker died during training. Release every worker group,
-        start new ones, load the newest intact checkpoint (what ``trainer.resume_mode=auto`` would
-        resume; none: step 0) and hand back the new workers and prompt sampler. What ran after
-        that checkpoint runs again from its state (the groups TCSS generated ahead included), so
-        the run continues exactly as a resume in a new job would."""
-        from verl_digen.data import PromptSampler
-        from verl_digen.trainer.checkpoint import find_latest_intact
-
-        job, cfg = self.job, self.job.cfg
-        self._restarts += 1
-        runtime.write_error_log(job.output_dir, error)  # the dead worker's traceback, as a stop keeps it
-        runtime.release(self._groups, owns_ray=False)
-        self._groups = {}
-        ckpt = None if job.emulated else find_latest_intact(self.checkpoints.root)
-        self.job = job = dataclasses.replace(job, resume_from=ckpt)
-        self._completed = job.start_step
-        actors = self._start_workers(use_gpu)
-        sampler = PromptSampler(job.prompts, seed=cfg.seed, shuffle=cfg.data.shuffle)
-        if ckpt is not None:
-            self.history = self.checkpoints.load(ckpt, actors, sampler)
-        else:
-            self.history, self.checkpoints.last_saved = [], 0
-        if self.spec.placement == "disaggregated":
-            runtime.open_weight_channel(self.spec, actors, cfg, use_gpu, self.deadlines)
-        print(f"[verl-digen] worker {dead} died; restart {self._restarts} of {cfg.fault.restarts} "
-              f"(digen.fault.restarts): new workers, resumed from step {job.start_step} "
-              f"({ckpt.path if ckpt is not None else 'no checkpoint: from the start'})", flush=True)
-        return actors, sampler
 
     def _train(self, actors: dict[WorkerId, Any], sampler: Any, tracker: Any) -> list[dict[str, Any]]:
         from tqdm import tqdm
@@ -311,32 +281,12 @@ class DigenTrainer:
         return all_metrics
 
     def _validate(self, actors: dict[WorkerId, Any], step: int) -> dict[str, float]:
-        """Validation on the first trainer (it holds the newest weights, and the EMA)."""
-        import numpy as np
-        import ray
-        from PIL import Image
+        """Validation on the first trainer (it holds the newest weights, and the EMA); every
+        trainer under FSDP (lockstep forwards)."""
+        from verl_digen.trainer.media import validate
 
-        from verl_digen.trainer.media import log_images_tensorboard, log_images_wandb
-
-        job = self.job
-        ranks = self.spec.trainers if self.spec.fsdp else self.spec.trainers[:1]  # FSDP: lockstep forwards
-        val_dir = os.path.join(job.output_dir, "val")
-        try:
-            out = ray.get([actors[w].validate.remote(job.val_prompts, step, val_dir, job.val_records) for w in ranks],
-                          timeout=job.cfg.task_timeout_s)[0]
-        except ray.exceptions.GetTimeoutError as e:
-            raise TimeoutError(
-                f"validation at step {step} ({len(job.val_prompts)} prompts) did not finish within "
-                f"digen.task_timeout_s={job.cfg.task_timeout_s:g} s: raise digen.task_timeout_s, or validate fewer "
-                f"prompts (data.val_max_samples / digen.validation.num_prompts)") from e
-        grid = np.asarray(Image.open(out["grid_path"]).convert("RGB"))
-        if "tensorboard" in job.trainer.logger:
-            tb_dir = os.environ.get("TENSORBOARD_DIR", os.path.join(
-                "tensorboard_log", job.trainer.project_name, job.trainer.experiment_name))
-            log_images_tensorboard(tb_dir, "val/images", grid, step)
-        if "wandb" in job.trainer.logger:
-            log_images_wandb("val/images", grid, step)
-        return out["metrics"]
+        ranks = self.spec.trainers if self.spec.fsdp else self.spec.trainers[:1]
+        return validate(actors, ranks, self.job, step)
 
     def _stopped(self, error: BaseException, actors: dict[WorkerId, Any]) -> BaseException:
         """Turn a failure into a clean stop: checkpoint what completed, say how to resume, in a few
@@ -386,26 +336,6 @@ class DigenTrainer:
         t1 = max(r.end for r in driver.timeline.records if r.kind == TaskKind.OPTIMIZER_STEP.value)
         save_gantt(driver.timeline, os.path.join(self.job.output_dir, "gantt.png"), t0=t0, t1=t1,
                    title=f"{self.spec.name}, {self.spec.devices} devices, steps {first + 1}-{total}")
-
-
-def _dead_workers(error: BaseException, actors: dict[WorkerId, Any]) -> str | None:
-    """The worker(s) whose death ``error`` reports (the executor's :class:`WorkerDied`, or Ray's
-    ``ActorDiedError`` from a call outside the plan, e.g. a checkpoint save), named as a stop
-    names them; None for any other failure (a task that raised, an interrupt), which stops the run."""
-    import ray
-
-    seen: set[int] = set()
-    err: BaseException | None = error
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        if isinstance(err, WorkerDied):
-            return ", ".join(f"{w} (pool {w.pool!r})" for w in err.workers)
-        if isinstance(err, ray.exceptions.ActorDiedError):
-            actor_id = getattr(err, "actor_id", None)
-            named = [f"{w} (pool {w.pool!r})" for w, a in actors.items() if actor_id and a._actor_id.hex() == actor_id]
-            return ", ".join(named) or f"actor {actor_id}"
-        err = err.__cause__ or err.__context__
-    return None
 
 
 def run_training(config: DictConfig, worker_groups: runtime.WorkerGroupFactory | None = None,

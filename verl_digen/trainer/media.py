@@ -1,4 +1,5 @@
-"""Driver-side logging of validation images: TensorBoard and wandb.
+"""Driver-side validation: the workers' validation called and waited for (:func:`validate`), and
+its images logged to TensorBoard and wandb.
 
 The workers write the grids (:mod:`verl_digen.workers.validation`); the controller reads a
 grid back and hands it to the loggers configured in ``trainer.logger``.
@@ -10,7 +11,7 @@ import os
 
 import numpy as np
 
-__all__ = ["log_images_tensorboard", "close_tensorboard_writers", "log_images_wandb"]
+__all__ = ["validate", "log_images_tensorboard", "close_tensorboard_writers", "log_images_wandb"]
 
 _TB_WRITERS: dict[str, object] = {}
 
@@ -56,3 +57,29 @@ def log_images_wandb(tag: str, grid: np.ndarray, step: int) -> bool:
         return False
     wandb.log({tag: wandb.Image(grid)}, step=int(step))
     return True
+
+
+def validate(actors: dict, ranks: list, job, step: int) -> dict[str, float]:
+    """Validation of the run ``job`` (its config, prompts and output directory) at ``step`` on the workers
+    ``ranks`` of ``actors`` (rank 0's result); its grid logged where ``trainer.logger`` says. A
+    validation past ``digen.task_timeout_s`` is a ``TimeoutError`` naming it and the keys to change."""
+    import ray
+    from PIL import Image
+
+    val_dir = os.path.join(job.output_dir, "val")
+    try:
+        out = ray.get([actors[w].validate.remote(job.val_prompts, step, val_dir, job.val_records) for w in ranks],
+                      timeout=job.cfg.task_timeout_s)[0]
+    except ray.exceptions.GetTimeoutError as e:
+        raise TimeoutError(
+            f"validation at step {step} ({len(job.val_prompts)} prompts) did not finish within "
+            f"digen.task_timeout_s={job.cfg.task_timeout_s:g} s: raise digen.task_timeout_s, or validate fewer "
+            f"prompts (data.val_max_samples / digen.validation.num_prompts)") from e
+    grid = np.asarray(Image.open(out["grid_path"]).convert("RGB"))
+    if "tensorboard" in job.trainer.logger:
+        tb_dir = os.environ.get("TENSORBOARD_DIR", os.path.join(
+            "tensorboard_log", job.trainer.project_name, job.trainer.experiment_name))
+        log_images_tensorboard(tb_dir, "val/images", grid, step)
+    if "wandb" in job.trainer.logger:
+        log_images_wandb("val/images", grid, step)
+    return out["metrics"]
