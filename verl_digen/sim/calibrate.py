@@ -191,17 +191,7 @@ def fit_call_curve(base: Catalog, report: dict[str, Any]) -> tuple[float, float,
 
     lo, hi = 0.0, 2e4
     grid = [lo + (hi - lo) * i / 40 for i in range(41)]
-    errs = [solve(h)[1] for h in grid]
-    i = min(range(len(grid)), key=errs.__getitem__)
-    a, b = grid[max(0, i - 1)], grid[min(len(grid) - 1, i + 1)]
-    phi = (math.sqrt(5) - 1) / 2
-    for _ in range(30):
-        x1, x2 = b - phi * (b - a), a + phi * (b - a)
-        if solve(x1)[1] <= solve(x2)[1]:
-            b = x2
-        else:
-            a = x1
-    h = 0.5 * (a + b)
+    h = _grid_golden_min(lambda h: solve(h)[1], grid, iters=30)
     m, err = solve(h)
     return m, h, err
 
@@ -345,6 +335,22 @@ def breakdown(run: PublishedRun, catalog: Catalog) -> dict[str, float]:
 # ---------------------------------------------------------------------------- fitting
 
 
+def _grid_golden_min(err: Callable[[float], float], grid: list[float], *, iters: int) -> float:
+    """The ``x`` minimising ``err``: the best point of ``grid``, then ``iters`` golden-section
+    steps on the bracket of its two neighbours; the bracket's middle."""
+    errs = [err(x) for x in grid]
+    i = min(range(len(grid)), key=errs.__getitem__)
+    a, b = grid[max(0, i - 1)], grid[min(len(grid) - 1, i + 1)]
+    phi = (math.sqrt(5) - 1) / 2
+    for _ in range(iters):
+        x1, x2 = b - phi * (b - a), a + phi * (b - a)
+        if err(x1) <= err(x2):
+            b = x2
+        else:
+            a = x1
+    return 0.5 * (a + b)
+
+
 def _bisect(f: Callable[[float], float], lo: float, hi: float, iters: int = 60) -> float:
     """A root of increasing-or-decreasing ``f`` in [lo, hi] (the nearer end when none)."""
     flo, fhi = f(lo), f(hi)
@@ -422,17 +428,7 @@ def fit_step(base: Catalog, runs: list[PublishedRun], c: Constants, *, fit_train
         return replace(c, step_fixed_s=f), err
     lo, hi = math.log(0.02), math.log(MFU_CAP)
     grid = [math.exp(lo + (hi - lo) * i / 24) for i in range(25)]
-    errs = [solve(m)[0] for m in grid]
-    i = min(range(len(grid)), key=errs.__getitem__)
-    a, b = grid[max(0, i - 1)], grid[min(len(grid) - 1, i + 1)]
-    phi = (math.sqrt(5) - 1) / 2
-    for _ in range(25):  # golden section on the bracket
-        x1, x2 = b - phi * (b - a), a + phi * (b - a)
-        if solve(x1)[0] <= solve(x2)[0]:
-            b = x2
-        else:
-            a = x1
-    m = 0.5 * (a + b)
+    m = _grid_golden_min(lambda m: solve(m)[0], grid, iters=25)
     err, f = solve(m)
     return replace(c, mfu_train=m, step_fixed_s=f), err
 
